@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian machine for phaselens: `just` (from PyPI's
+# rust-just wheel), cargo-nextest, fonts for figures. Rust itself comes from rustup.
+set -euo pipefail
+need_apt=()
+fc-list 2>/dev/null | grep -qi dejavu || need_apt+=(fonts-dejavu-core fontconfig)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+command -v just >/dev/null 2>&1 || python3 -m pip install -q rust-just
+command -v just >/dev/null 2>&1 || { echo "setup: 'just' is not on PATH after installing rust-just" >&2; exit 1; }
+cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
+echo "setup: ok ($(just --version), $(cargo --version))"

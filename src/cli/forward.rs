@@ -1,0 +1,130 @@
+//! `phaselens forward`: run a model on token ids, write logits and captured activations.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use burn::tensor::{Int, Tensor, TensorData};
+use clap::Args;
+
+use phaselens::device::DeviceSpec;
+use phaselens::hooks::HookSpec;
+use phaselens::model::load_model;
+use phaselens::model::safetensors_io::{OwnedTensor, TensorValues, write_safetensors};
+
+/// Run a model on token ids and save logits plus captured activations.
+#[derive(Args, Debug)]
+#[command(after_help = "\
+Examples:
+  phaselens forward --model experiments/organisms/kvc-w8s8 --input ids.json --out out.safetensors
+  phaselens forward --model DIR --input ids.json --out out.safetensors \\
+      --capture 'blocks.*.attn.hook_z' --capture hook_embed
+
+IDS.json is a JSON array of equal-length arrays of token ids, e.g. [[1, 5, 9], [1, 7, 3]].
+OUT holds `logits` (f32, [batch, pos, vocab]) and each captured activation under its hook
+name (f32). `phaselens hooks` lists the hook points and their shapes.")]
+pub struct ForwardArgs {
+    /// Model directory (config.json + model.safetensors, or shards + index).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// JSON file with a batch of token-id sequences.
+    #[arg(long, value_name = "IDS.json")]
+    pub input: PathBuf,
+    /// Output safetensors file.
+    #[arg(long, value_name = "OUT.safetensors")]
+    pub out: PathBuf,
+    /// Hook point name or glob to capture (repeatable).
+    #[arg(long, value_name = "PATTERN")]
+    pub capture: Vec<String>,
+    /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
+}
+
+/// Parse IDS.json: equal-length rows of ids below `vocab`.
+pub fn read_ids(path: &Path, vocab: usize) -> Result<(Vec<i64>, [usize; 2])> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let rows: Vec<Vec<i64>> = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{}: expected a JSON array of arrays of token ids, e.g. [[1, 2, 3]]",
+            path.display()
+        )
+    })?;
+    if rows.is_empty() || rows[0].is_empty() {
+        bail!("{}: the batch is empty", path.display());
+    }
+    let len = rows[0].len();
+    let mut flat = Vec::with_capacity(rows.len() * len);
+    for (r, row) in rows.iter().enumerate() {
+        if row.len() != len {
+            bail!(
+                "{}: ragged input: row {r} has {} ids but row 0 has {len} (rows must have equal length)",
+                path.display(),
+                row.len()
+            );
+        }
+        for (c, &id) in row.iter().enumerate() {
+            if id < 0 || id as usize >= vocab {
+                bail!(
+                    "{}: row {r}, position {c}: token id {id} is out of the vocabulary 0..{vocab}",
+                    path.display()
+                );
+            }
+        }
+        flat.extend_from_slice(row);
+    }
+    Ok((flat, [rows.len(), len]))
+}
+
+pub fn run(args: ForwardArgs) -> Result<()> {
+    let device = args.device.device()?;
+    let model = load_model(&args.model, &device)
+        .with_context(|| format!("loading model {}", args.model.display()))?;
+    let info = model.info();
+    let (ids, shape) = read_ids(&args.input, info.vocab_size)?;
+    let mut spec = HookSpec::new();
+    for c in &args.capture {
+        spec = spec.capture(c)?;
+    }
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, shape), &device);
+    let out = model.forward(tokens, &spec)?;
+    let mut tensors = BTreeMap::new();
+    let logits = out.logits;
+    tensors.insert(
+        "logits".to_string(),
+        OwnedTensor {
+            shape: logits.dims().to_vec(),
+            data: TensorValues::F32(
+                logits
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .expect("f32"),
+            ),
+        },
+    );
+    for (p, a) in out.cache.iter() {
+        tensors.insert(
+            p.to_string(),
+            OwnedTensor {
+                shape: a.shape().to_vec(),
+                data: TensorValues::F32(a.to_vec()),
+            },
+        );
+    }
+    let captured = tensors.len() - 1;
+    if !args.capture.is_empty() && captured == 0 {
+        bail!(
+            "no hook point matched {:?} (run `phaselens hooks` for the names)",
+            args.capture
+        );
+    }
+    write_safetensors(&args.out, &tensors, None)?;
+    eprintln!(
+        "wrote {} (logits {:?}, {captured} captured activation(s))",
+        args.out.display(),
+        tensors["logits"].shape
+    );
+    Ok(())
+}

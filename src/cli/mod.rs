@@ -1,0 +1,5 @@
+//! Command-line subcommands. Each file parses its arguments and calls the library.
+
+pub mod forward;
+pub mod hooks;
+pub mod train;

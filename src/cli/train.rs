@@ -1,0 +1,63 @@
+//! `phaselens train`: train (or resume) a model organism.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use phaselens::device::DeviceSpec;
+use phaselens::train::{OrganismFile, TrainOptions, train};
+
+/// Train a model organism from its TOML recipe; resumes from the latest checkpoint.
+#[derive(Args, Debug)]
+#[command(after_help = "\
+Examples:
+  phaselens train experiments/organisms/kvc-w8s8.toml
+  phaselens train experiments/organisms/kvc-w8s8.toml --fresh        # ignore checkpoints
+  phaselens train experiments/organisms/full-attn.toml --max-steps 50 # a quick look
+
+Checkpoints go to runs/<name>/checkpoints (every [train] checkpoint_every steps); an
+interrupted run (Ctrl-C, kill -9) resumes from the latest one. The trained model is
+written to the organism's model directory, the loss curve to
+notebooks-data/train/<name>/loss.arrow and reports/train/<name>/loss.{png,svg}.")]
+pub struct TrainArgs {
+    /// Organism recipe (TOML).
+    pub recipe: PathBuf,
+    /// Start from step 0 even if checkpoints exist.
+    #[arg(long)]
+    pub fresh: bool,
+    /// Stop after this many steps in total.
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
+}
+
+pub fn run(args: TrainArgs) -> Result<()> {
+    let file = OrganismFile::load(&args.recipe)?;
+    let device = args.device.device()?;
+    let opts = TrainOptions {
+        fresh: args.fresh,
+        max_steps: args.max_steps,
+        progress: true,
+    };
+    let s = train(&args.recipe, &file, &device, &opts)
+        .with_context(|| format!("training {}", args.recipe.display()))?;
+    if let Some(from) = s.resumed_from {
+        eprintln!("resumed from step {from}");
+    }
+    let last = s.history.last();
+    eprintln!(
+        "step {}: loss {:.4}, batch accuracy {:.3}{}",
+        s.final_step,
+        last.map_or(f64::NAN, |r| r.loss),
+        last.map_or(f64::NAN, |r| r.accuracy),
+        if s.final_step == file.train.steps {
+            format!("; model written to {}", s.model_dir.display())
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}

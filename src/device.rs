@@ -1,0 +1,192 @@
+//! `--device` text -> burn [`Device`].
+//!
+//! Backends are cargo features; the device is chosen at run time. Asking for a device
+//! whose feature was not compiled in is an error that says how to build it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::tensor::Device;
+
+use crate::error::{Error, Result};
+
+/// A device specification as given on the command line.
+///
+/// | text          | backend                         | cargo feature |
+/// |---------------|---------------------------------|---------------|
+/// | `cpu`         | flex (pure-Rust CPU)            | `flex` (default) |
+/// | `wgpu[:N]`    | wgpu (Vulkan/Metal), adapter N  | `wgpu`        |
+/// | `tch-cpu`     | LibTorch on CPU                 | `tch`         |
+/// | `tch-cuda:N`  | LibTorch on CUDA GPU N          | `tch`         |
+/// | `cuda:N`      | burn's CUDA backend, GPU N      | `cuda`        |
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Cpu,
+    Wgpu(Option<usize>),
+    TchCpu,
+    TchCuda(usize),
+    Cuda(usize),
+}
+
+impl Default for DeviceSpec {
+    fn default() -> Self {
+        DeviceSpec::Cpu
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Wgpu(None) => write!(f, "wgpu"),
+            DeviceSpec::Wgpu(Some(n)) => write!(f, "wgpu:{n}"),
+            DeviceSpec::TchCpu => write!(f, "tch-cpu"),
+            DeviceSpec::TchCuda(n) => write!(f, "tch-cuda:{n}"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+const ALLOWED: &str = "cpu, wgpu, wgpu:N, tch-cpu, tch-cuda:N, cuda:N";
+
+impl FromStr for DeviceSpec {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |msg: String| Error::Device {
+            device: s.to_string(),
+            message: msg,
+        };
+        let index = |text: &str| -> Result<usize> {
+            text.parse::<usize>().map_err(|_| {
+                bad(format!(
+                    "`{text}` is not a device index (expected a number)"
+                ))
+            })
+        };
+        let (kind, idx) = match s.split_once(':') {
+            Some((k, i)) => (k, Some(i)),
+            None => (s, None),
+        };
+        match (kind, idx) {
+            ("cpu" | "flex", None) => Ok(DeviceSpec::Cpu),
+            ("wgpu", None) => Ok(DeviceSpec::Wgpu(None)),
+            ("wgpu", Some(i)) => Ok(DeviceSpec::Wgpu(Some(index(i)?))),
+            ("tch-cpu", None) => Ok(DeviceSpec::TchCpu),
+            ("tch-cuda", Some(i)) => Ok(DeviceSpec::TchCuda(index(i)?)),
+            ("tch-cuda", None) => Ok(DeviceSpec::TchCuda(0)),
+            ("cuda", Some(i)) => Ok(DeviceSpec::Cuda(index(i)?)),
+            ("cuda", None) => Ok(DeviceSpec::Cuda(0)),
+            _ => Err(bad(format!("unknown device; allowed: {ALLOWED}"))),
+        }
+    }
+}
+
+fn not_built(spec: &DeviceSpec, feature: &str) -> Error {
+    Error::Device {
+        device: spec.to_string(),
+        message: format!(
+            "this phaselens binary was built without the `{feature}` feature; \
+             rebuild with `cargo build --release --features {feature}` (see README, \"Backends\")"
+        ),
+    }
+}
+
+impl DeviceSpec {
+    /// The burn device for this spec, or an error naming the missing cargo feature.
+    pub fn device(&self) -> Result<Device> {
+        match self {
+            DeviceSpec::Cpu => cpu_device(self),
+            DeviceSpec::Wgpu(n) => wgpu_device(self, *n),
+            DeviceSpec::TchCpu => tch_device(self, None),
+            DeviceSpec::TchCuda(n) => tch_device(self, Some(*n)),
+            DeviceSpec::Cuda(n) => cuda_device(self, *n),
+        }
+    }
+}
+
+#[cfg(feature = "flex")]
+fn cpu_device(_: &DeviceSpec) -> Result<Device> {
+    Ok(Device::flex())
+}
+#[cfg(not(feature = "flex"))]
+fn cpu_device(spec: &DeviceSpec) -> Result<Device> {
+    Err(not_built(spec, "flex"))
+}
+
+#[cfg(feature = "wgpu")]
+fn wgpu_device(_: &DeviceSpec, n: Option<usize>) -> Result<Device> {
+    use burn::tensor::DeviceKind;
+    Ok(Device::wgpu(match n {
+        None => DeviceKind::DefaultDevice,
+        Some(i) => DeviceKind::DiscreteGpu(i),
+    }))
+}
+#[cfg(not(feature = "wgpu"))]
+fn wgpu_device(spec: &DeviceSpec, _: Option<usize>) -> Result<Device> {
+    Err(not_built(spec, "wgpu"))
+}
+
+#[cfg(feature = "tch")]
+#[allow(deprecated)] // burn marks its LibTorch backend deprecated; the design card asks for it.
+fn tch_device(_: &DeviceSpec, n: Option<usize>) -> Result<Device> {
+    Ok(match n {
+        None => Device::libtorch(),
+        Some(i) => Device::libtorch_cuda(i),
+    })
+}
+#[cfg(not(feature = "tch"))]
+fn tch_device(spec: &DeviceSpec, _: Option<usize>) -> Result<Device> {
+    Err(not_built(spec, "tch"))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(_: &DeviceSpec, n: usize) -> Result<Device> {
+    Ok(Device::cuda(n))
+}
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(spec: &DeviceSpec, _: usize) -> Result<Device> {
+    Err(not_built(spec, "cuda"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_form() {
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+        assert_eq!(
+            "wgpu".parse::<DeviceSpec>().unwrap(),
+            DeviceSpec::Wgpu(None)
+        );
+        assert_eq!(
+            "wgpu:1".parse::<DeviceSpec>().unwrap(),
+            DeviceSpec::Wgpu(Some(1))
+        );
+        assert_eq!("tch-cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::TchCpu);
+        assert_eq!(
+            "tch-cuda:2".parse::<DeviceSpec>().unwrap(),
+            DeviceSpec::TchCuda(2)
+        );
+        assert_eq!("cuda:0".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(0));
+        for s in ["cpu", "wgpu", "wgpu:1", "tch-cpu", "tch-cuda:2", "cuda:0"] {
+            assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
+        }
+    }
+
+    #[test]
+    fn rejects_unknown_and_bad_index() {
+        let e = "tpu".parse::<DeviceSpec>().unwrap_err().to_string();
+        assert!(e.contains("allowed"), "{e}");
+        let e = "cuda:x".parse::<DeviceSpec>().unwrap_err().to_string();
+        assert!(e.contains("not a device index"), "{e}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn missing_feature_is_a_clear_error() {
+        let e = DeviceSpec::Cuda(0).device().unwrap_err().to_string();
+        assert!(e.contains("--features cuda"), "{e}");
+    }
+}

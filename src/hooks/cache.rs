@@ -1,0 +1,160 @@
+//! Captured activations, indexed by hook point.
+
+use std::collections::BTreeMap;
+
+use burn::tensor::{Int, Tensor, TensorData};
+
+use super::point::HookPoint;
+use crate::error::{Error, Result};
+
+/// One activation of any rank. Stored flat with its shape so that a cache can hold the
+/// mixed ranks of a forward pass (`[batch, pos, d_model]`, `[batch, head, q, k]`, ...).
+#[derive(Debug, Clone)]
+pub struct Act {
+    shape: Vec<usize>,
+    flat: Tensor<1>,
+}
+
+impl Act {
+    /// Wrap a tensor of any rank.
+    pub fn new<const D: usize>(t: Tensor<D>) -> Self {
+        let shape = t.dims().to_vec();
+        let n = shape.iter().product::<usize>();
+        Act {
+            shape,
+            flat: t.reshape([n]),
+        }
+    }
+
+    /// From host data (f32) and a shape.
+    pub fn from_vec(
+        values: Vec<f32>,
+        shape: Vec<usize>,
+        device: &burn::tensor::Device,
+    ) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        if n != values.len() {
+            return Err(Error::Other(format!(
+                "activation shape {shape:?} holds {n} values, got {}",
+                values.len()
+            )));
+        }
+        Ok(Act {
+            flat: Tensor::from_data(TensorData::new(values, [n]), device),
+            shape,
+        })
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The rank.
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// The tensor at its own rank `D`; an error if the rank differs.
+    pub fn get<const D: usize>(&self) -> Result<Tensor<D>> {
+        let dims: [usize; D] = self.shape.clone().try_into().map_err(|_| {
+            Error::Other(format!(
+                "activation of shape {:?} (rank {}) read as rank {D}",
+                self.shape,
+                self.shape.len()
+            ))
+        })?;
+        Ok(self.flat.clone().reshape(dims))
+    }
+
+    /// The values on the host, row-major.
+    pub fn to_vec(&self) -> Vec<f32> {
+        self.flat
+            .to_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .expect("f32 data")
+    }
+
+    /// Rows `rows` of the batch (first) axis, in that order.
+    pub fn select_batch(&self, rows: &[usize]) -> Result<Act> {
+        let b = *self
+            .shape
+            .first()
+            .ok_or_else(|| Error::Other("scalar activation has no batch axis".into()))?;
+        if let Some(r) = rows.iter().find(|&&r| r >= b) {
+            return Err(Error::Other(format!("batch row {r} out of range 0..{b}")));
+        }
+        let per_row: usize = self.shape[1..].iter().product();
+        let device = self.flat.device();
+        let m: Tensor<2> = self.flat.clone().reshape([b, per_row]);
+        let idx = Tensor::<1, Int>::from_data(
+            TensorData::new(
+                rows.iter().map(|&r| r as i64).collect::<Vec<_>>(),
+                [rows.len()],
+            ),
+            &device,
+        );
+        let picked = m.select(0, idx);
+        let mut shape = self.shape.clone();
+        shape[0] = rows.len();
+        Ok(Act {
+            flat: picked.reshape([rows.len() * per_row]),
+            shape,
+        })
+    }
+}
+
+/// Activations captured by one forward pass, keyed by hook point.
+#[derive(Debug, Clone, Default)]
+pub struct ActivationCache {
+    map: BTreeMap<HookPoint, Act>,
+}
+
+impl ActivationCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Store an activation.
+    pub fn insert(&mut self, point: HookPoint, act: Act) {
+        self.map.insert(point, act);
+    }
+
+    /// The activation at `point`.
+    pub fn get(&self, point: &HookPoint) -> Option<&Act> {
+        self.map.get(point)
+    }
+
+    /// The activation named `name` (e.g. `blocks.0.attn.hook_z`).
+    pub fn get_name(&self, name: &str) -> Result<&Act> {
+        let p: HookPoint = name.parse()?;
+        self.get(&p)
+            .ok_or_else(|| Error::hook(name, "not in the cache (was it captured?)"))
+    }
+
+    /// Number of captured points.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether nothing was captured.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// All (point, activation) pairs in forward order.
+    pub fn iter(&self) -> impl Iterator<Item = (&HookPoint, &Act)> {
+        self.map.iter()
+    }
+
+    /// Keep only the given batch rows of every activation.
+    pub fn select_batch(&self, rows: &[usize]) -> Result<ActivationCache> {
+        let mut out = ActivationCache::new();
+        for (p, a) in &self.map {
+            out.insert(*p, a.select_batch(rows)?);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,326 @@
+//! Hook point names, TransformerLens style.
+//!
+//! A [`HookPoint`] is a site in the forward pass, optionally inside block `l`. It prints
+//! and parses as the TransformerLens string (`blocks.3.attn.hook_z`), and a
+//! [`PointPattern`] selects several points with `*` globs (`blocks.*.attn.hook_z`).
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// Which kind of head a head axis indexes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadKind {
+    /// A query head (0..n_heads).
+    Query,
+    /// A key/value head (0..n_kv_heads); query head h reads KV head h / (n_heads / n_kv_heads).
+    Kv,
+}
+
+/// A site in the forward pass. `doc` gives the shape; the axes say which dimension a
+/// head or position scope restricts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Site {
+    Embed,
+    ResidPre,
+    ResidMid,
+    ResidPost,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnZ,
+    AttnPattern,
+    AttnResult,
+    AttnOut,
+    MlpOut,
+    FinalNorm,
+    KeyGate,
+    ValueGate,
+    CompressedK,
+    CompressedV,
+    IndexerScores,
+    IndexerTopk,
+    HcPre,
+    HcPost,
+    HcComb,
+    RouterScores,
+    RouterTopk,
+}
+
+/// Static description of a site.
+#[derive(Debug, Clone, Copy)]
+pub struct SiteInfo {
+    /// Name after `blocks.{l}.` (or the whole name for global sites).
+    pub suffix: &'static str,
+    /// Whether the site lives inside a block.
+    pub layered: bool,
+    /// Shape, in the docs' notation.
+    pub shape: &'static str,
+    /// What it is.
+    pub doc: &'static str,
+    /// Axis indexed by a position scope (token position, or compressed entry).
+    pub pos_axis: Option<usize>,
+    /// Axis indexed by a head scope, and which heads it counts.
+    pub head_axis: Option<(usize, HeadKind)>,
+}
+
+macro_rules! sites {
+    ($( $v:ident => ($suffix:expr, $layered:expr, $shape:expr, $pos:expr, $head:expr, $doc:expr) ),* $(,)?) => {
+        impl Site {
+            /// Every site, in forward order.
+            pub const ALL: &'static [Site] = &[$(Site::$v),*];
+
+            /// The site's static description.
+            pub fn info(self) -> SiteInfo {
+                match self {
+                    $(Site::$v => SiteInfo {
+                        suffix: $suffix,
+                        layered: $layered,
+                        shape: $shape,
+                        doc: $doc,
+                        pos_axis: $pos,
+                        head_axis: $head,
+                    },)*
+                }
+            }
+        }
+    };
+}
+
+use HeadKind::{Kv, Query};
+
+sites! {
+    Embed => ("hook_embed", false, "[batch, pos, d_model]", Some(1), None,
+        "token embeddings"),
+    ResidPre => ("hook_resid_pre", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), None,
+        "residual stream entering the block"),
+    ResidMid => ("hook_resid_mid", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), None,
+        "residual stream after attention, before the MLP"),
+    ResidPost => ("hook_resid_post", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), None,
+        "residual stream leaving the block"),
+    AttnQ => ("attn.hook_q", true, "[batch, pos, head, d_head]", Some(1), Some((2, Query)),
+        "queries, after Q-norm, before RoPE"),
+    AttnK => ("attn.hook_k", true, "[batch, pos, kv_head, d_head]", Some(1), Some((2, Kv)),
+        "raw per-token keys, after K-norm, before RoPE and before compression"),
+    AttnV => ("attn.hook_v", true, "[batch, pos, kv_head, d_head]", Some(1), Some((2, Kv)),
+        "raw per-token values, before compression"),
+    AttnZ => ("attn.hook_z", true, "[batch, pos, head, d_head]", Some(1), Some((2, Query)),
+        "per-head attention output (pattern x values), before the output projection"),
+    AttnPattern => ("attn.hook_pattern", true, "[batch, head, query_pos, key_slot]", Some(2), Some((1, Query)),
+        "attention probabilities; key slots = [compressed entries..., raw tokens..., sink (if any)]"),
+    AttnResult => ("attn.hook_result", true, "[batch, pos, head, d_model]", Some(1), Some((2, Query)),
+        "per-head contribution to the attention output (computed only when requested)"),
+    AttnOut => ("hook_attn_out", true, "[batch, pos, d_model]", Some(1), None,
+        "attention sublayer output added to the residual stream"),
+    MlpOut => ("hook_mlp_out", true, "[batch, pos, d_model]", Some(1), None,
+        "MLP (or MoE) sublayer output"),
+    FinalNorm => ("hook_final_norm", false, "[batch, pos, d_model]", Some(1), None,
+        "final normalised residual fed to the LM head"),
+    KeyGate => ("attn.compressor.hook_key_gate", true, "[batch, entry, offset, kv_head] (vector gates: [batch, entry, offset, kv_head, d_head])", Some(1), Some((3, Kv)),
+        "compressor pooling weights for keys: softmax over the offsets of each window"),
+    ValueGate => ("attn.compressor.hook_value_gate", true, "[batch, entry, offset, kv_head] (vector gates: [batch, entry, offset, kv_head, d_head])", Some(1), Some((3, Kv)),
+        "compressor pooling weights for values"),
+    CompressedK => ("attn.compressor.hook_compressed_k", true, "[batch, entry, kv_head, d_head]", Some(1), Some((2, Kv)),
+        "pooled (compressed) keys, before RoPE"),
+    CompressedV => ("attn.compressor.hook_compressed_v", true, "[batch, entry, kv_head, d_head]", Some(1), Some((2, Kv)),
+        "pooled (compressed) values"),
+    IndexerScores => ("attn.indexer.hook_scores", true, "[batch, query_pos, entry]", Some(1), None,
+        "lightning-indexer scores of each compressed entry (DeepSeek-V4 CSA)"),
+    IndexerTopk => ("attn.indexer.hook_topk", true, "[batch, query_pos, k]", Some(1), None,
+        "indices of the entries the indexer kept (as f32; -1 = none)"),
+    HcPre => ("hook_hc_pre", true, "[batch, pos, sublayer, hc_mult]", Some(1), None,
+        "mHC collapse weights (DeepSeek-V4), sublayer 0 = attention, 1 = MLP"),
+    HcPost => ("hook_hc_post", true, "[batch, pos, sublayer, hc_mult]", Some(1), None,
+        "mHC expand weights (DeepSeek-V4)"),
+    HcComb => ("hook_hc_comb", true, "[batch, pos, sublayer, hc_mult, hc_mult]", Some(1), None,
+        "mHC Sinkhorn-normalised stream mixing (DeepSeek-V4)"),
+    RouterScores => ("mlp.hook_router_scores", true, "[batch, pos, n_experts]", Some(1), None,
+        "MoE router scores after the scoring function (DeepSeek-V4)"),
+    RouterTopk => ("mlp.hook_router_topk", true, "[batch, pos, top_k]", Some(1), None,
+        "experts chosen per token (as f32)"),
+}
+
+/// A concrete hook point: a site, inside block `layer` when the site is layered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HookPoint {
+    pub layer: Option<usize>,
+    pub site: Site,
+}
+
+impl HookPoint {
+    /// A global point (`hook_embed`, `hook_final_norm`).
+    pub const fn global(site: Site) -> Self {
+        HookPoint { layer: None, site }
+    }
+
+    /// A point inside block `layer`.
+    pub const fn block(layer: usize, site: Site) -> Self {
+        HookPoint {
+            layer: Some(layer),
+            site,
+        }
+    }
+}
+
+impl fmt::Display for HookPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.layer {
+            Some(l) => write!(f, "blocks.{l}.{}", self.site.info().suffix),
+            None => write!(f, "{}", self.site.info().suffix),
+        }
+    }
+}
+
+impl FromStr for HookPoint {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        if let Some(rest) = s.strip_prefix("blocks.") {
+            let (layer, suffix) = rest
+                .split_once('.')
+                .ok_or_else(|| Error::hook(s, "expected `blocks.<layer>.<name>`"))?;
+            let layer: usize = layer
+                .parse()
+                .map_err(|_| Error::hook(s, format!("`{layer}` is not a layer number")))?;
+            for site in Site::ALL {
+                let info = site.info();
+                if info.layered && info.suffix == suffix {
+                    return Ok(HookPoint::block(layer, *site));
+                }
+            }
+            return Err(Error::hook(s, unknown_hint()));
+        }
+        for site in Site::ALL {
+            let info = site.info();
+            if !info.layered && info.suffix == s {
+                return Ok(HookPoint::global(*site));
+            }
+        }
+        Err(Error::hook(s, unknown_hint()))
+    }
+}
+
+fn unknown_hint() -> String {
+    "unknown hook point; run `phaselens hooks` for the list (e.g. `blocks.0.attn.hook_z`, `hook_embed`)".into()
+}
+
+/// A pattern over hook point names: an exact name or a glob where `*` matches any run
+/// of characters within one dot-separated part (`blocks.*.attn.hook_z`) and `**` matches
+/// anything (`blocks.2.**`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PointPattern(String);
+
+impl PointPattern {
+    /// Parse a pattern. An exact name must be a known hook point.
+    pub fn new(pattern: &str) -> Result<Self> {
+        if pattern.is_empty() {
+            return Err(Error::hook(pattern, "empty hook pattern"));
+        }
+        if !pattern.contains('*') {
+            pattern.parse::<HookPoint>()?;
+        }
+        Ok(PointPattern(pattern.to_string()))
+    }
+
+    /// The pattern text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `name` (a hook point's string) matches.
+    pub fn matches(&self, name: &str) -> bool {
+        glob_match(self.0.as_bytes(), name.as_bytes())
+    }
+
+    /// Whether the pattern matches the point.
+    pub fn matches_point(&self, point: &HookPoint) -> bool {
+        if !self.0.contains('*') {
+            // Fast path: exact names compare without formatting when the site differs.
+            return self.0.ends_with(point.site.info().suffix) && self.matches(&point.to_string());
+        }
+        self.matches(&point.to_string())
+    }
+}
+
+impl fmt::Display for PointPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for PointPattern {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        PointPattern::new(s)
+    }
+}
+
+fn glob_match(p: &[u8], s: &[u8]) -> bool {
+    match p.first() {
+        None => s.is_empty(),
+        Some(b'*') if p.get(1) == Some(&b'*') => {
+            let rest = &p[2..];
+            (0..=s.len()).any(|i| glob_match(rest, &s[i..]))
+        }
+        Some(b'*') => {
+            let rest = &p[1..];
+            for i in 0..=s.len() {
+                if glob_match(rest, &s[i..]) {
+                    return true;
+                }
+                if i < s.len() && s[i] == b'.' {
+                    break;
+                }
+            }
+            false
+        }
+        Some(c) => s.first() == Some(c) && glob_match(&p[1..], &s[1..]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for site in Site::ALL {
+            let p = if site.info().layered {
+                HookPoint::block(3, *site)
+            } else {
+                HookPoint::global(*site)
+            };
+            let s = p.to_string();
+            assert_eq!(s.parse::<HookPoint>().unwrap(), p, "{s}");
+        }
+        assert_eq!(
+            HookPoint::block(2, Site::AttnZ).to_string(),
+            "blocks.2.attn.hook_z"
+        );
+    }
+
+    #[test]
+    fn bad_names_are_errors() {
+        assert!("blocks.x.attn.hook_z".parse::<HookPoint>().is_err());
+        assert!("blocks.0.attn.hook_zz".parse::<HookPoint>().is_err());
+        assert!("hook_resid_pre".parse::<HookPoint>().is_err());
+        assert!(PointPattern::new("blocks.0.nope").is_err());
+    }
+
+    #[test]
+    fn globs() {
+        let p = PointPattern::new("blocks.*.attn.hook_z").unwrap();
+        assert!(p.matches("blocks.0.attn.hook_z"));
+        assert!(p.matches("blocks.12.attn.hook_z"));
+        assert!(!p.matches("blocks.0.attn.hook_q"));
+        assert!(!p.matches("blocks.0.x.attn.hook_z"));
+        let p = PointPattern::new("blocks.1.**").unwrap();
+        assert!(p.matches("blocks.1.attn.compressor.hook_key_gate"));
+        assert!(!p.matches("blocks.10.hook_resid_pre"));
+        let p = PointPattern::new("blocks.0.hook_resid_pre").unwrap();
+        assert!(p.matches_point(&HookPoint::block(0, Site::ResidPre)));
+        assert!(!p.matches_point(&HookPoint::block(1, Site::ResidPre)));
+    }
+}

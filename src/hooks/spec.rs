@@ -1,0 +1,379 @@
+//! What a forward pass should capture and how it should intervene.
+//!
+//! A [`HookSpec`] is built once and passed to `forward`; the model calls
+//! [`HookRun::apply`] at every hook point. An empty spec returns the tensor untouched
+//! without formatting a name or allocating (see `benches/forward.rs`).
+
+use std::sync::Arc;
+
+use burn::tensor::{Bool, Tensor, TensorData};
+
+use super::cache::{Act, ActivationCache};
+use super::point::{HookPoint, PointPattern};
+use crate::error::{Error, Result};
+
+/// What an intervention does to the activation at its point.
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// Set to zero.
+    Zero,
+    /// Replace with a mean activation, broadcast to the point's shape (size-1 axes
+    /// broadcast): e.g. `[1, pos, head, d_head]` per-position means.
+    Mean(Act),
+    /// Replace with an explicit tensor of the same (or broadcastable) shape.
+    Replace(Act),
+    /// Replace with the activation at the same point in another run's cache
+    /// (activation patching).
+    Patch(Arc<ActivationCache>),
+    /// Replace batch row `i` with row `perm[i]` of another run's activation at the same
+    /// point (resample ablation).
+    Resample {
+        source: Arc<ActivationCache>,
+        perm: Vec<usize>,
+    },
+    /// Multiply by a factor.
+    Scale(f32),
+    /// Add a (broadcastable) tensor, e.g. a steering vector.
+    Add(Act),
+    /// Roll the activation by `shift` along `axis` (wrapping), e.g. shifting compressor
+    /// gates across offsets (gate cycling: axis 2 of `hook_key_gate`).
+    Roll { axis: usize, shift: i64 },
+}
+
+/// Where, inside the point's tensor, an intervention applies. `None` = everywhere.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scope {
+    /// Batch rows.
+    pub batch: Option<Vec<usize>>,
+    /// Heads along the point's head axis (query or KV heads, see `Site::info`).
+    pub heads: Option<Vec<usize>>,
+    /// Positions along the point's position axis (tokens, or compressed entries).
+    pub positions: Option<Vec<usize>>,
+}
+
+impl Scope {
+    /// Everywhere.
+    pub fn all() -> Self {
+        Self::default()
+    }
+    /// Only these heads.
+    pub fn heads(heads: impl Into<Vec<usize>>) -> Self {
+        Scope {
+            heads: Some(heads.into()),
+            ..Self::default()
+        }
+    }
+    /// Restrict to batch rows.
+    pub fn with_batch(mut self, rows: impl Into<Vec<usize>>) -> Self {
+        self.batch = Some(rows.into());
+        self
+    }
+    /// Restrict to positions.
+    pub fn with_positions(mut self, pos: impl Into<Vec<usize>>) -> Self {
+        self.positions = Some(pos.into());
+        self
+    }
+    /// Restrict to heads.
+    pub fn with_heads(mut self, heads: impl Into<Vec<usize>>) -> Self {
+        self.heads = Some(heads.into());
+        self
+    }
+    fn is_all(&self) -> bool {
+        self.batch.is_none() && self.heads.is_none() && self.positions.is_none()
+    }
+}
+
+/// One intervention: a target (name or glob), an action and a scope.
+#[derive(Debug, Clone)]
+pub struct Intervention {
+    pub target: PointPattern,
+    pub action: Action,
+    pub scope: Scope,
+}
+
+/// Captures and interventions for one forward pass.
+#[derive(Debug, Clone, Default)]
+pub struct HookSpec {
+    captures: Vec<PointPattern>,
+    interventions: Vec<Intervention>,
+}
+
+impl HookSpec {
+    /// Capture nothing, change nothing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Also capture every point matching `pattern` (a name or a glob).
+    pub fn capture(mut self, pattern: &str) -> Result<Self> {
+        self.captures.push(PointPattern::new(pattern)?);
+        Ok(self)
+    }
+
+    /// Also capture one point.
+    pub fn capture_point(mut self, point: HookPoint) -> Self {
+        self.captures
+            .push(PointPattern::new(&point.to_string()).expect("a HookPoint's name is valid"));
+        self
+    }
+
+    /// Add an intervention on every point matching `target`.
+    pub fn intervene(mut self, target: &str, action: Action, scope: Scope) -> Result<Self> {
+        self.interventions.push(Intervention {
+            target: PointPattern::new(target)?,
+            action,
+            scope,
+        });
+        Ok(self)
+    }
+
+    /// Add an intervention on one point.
+    pub fn intervene_point(mut self, point: HookPoint, action: Action, scope: Scope) -> Self {
+        self.interventions.push(Intervention {
+            target: PointPattern::new(&point.to_string()).expect("a HookPoint's name is valid"),
+            action,
+            scope,
+        });
+        self
+    }
+
+    /// Whether the spec does nothing.
+    pub fn is_empty(&self) -> bool {
+        self.captures.is_empty() && self.interventions.is_empty()
+    }
+
+    /// The capture patterns.
+    pub fn captures(&self) -> &[PointPattern] {
+        &self.captures
+    }
+
+    /// The interventions.
+    pub fn interventions(&self) -> &[Intervention] {
+        &self.interventions
+    }
+
+    /// Whether `point` is captured.
+    pub fn captures_point(&self, point: &HookPoint) -> bool {
+        self.captures.iter().any(|p| p.matches_point(point))
+    }
+
+    /// Whether `point` is captured or intervened on: models compute optional
+    /// activations (e.g. `hook_result`) only when this is true.
+    pub fn touches(&self, point: &HookPoint) -> bool {
+        !self.is_empty()
+            && (self.captures_point(point)
+                || self
+                    .interventions
+                    .iter()
+                    .any(|i| i.target.matches_point(point)))
+    }
+
+    /// Start a forward pass with this spec.
+    pub fn run(&self) -> HookRun<'_> {
+        HookRun {
+            spec: self,
+            cache: ActivationCache::new(),
+        }
+    }
+}
+
+/// The per-forward state: the spec and the cache being filled.
+#[derive(Debug)]
+pub struct HookRun<'a> {
+    spec: &'a HookSpec,
+    cache: ActivationCache,
+}
+
+impl<'a> HookRun<'a> {
+    /// The spec.
+    pub fn spec(&self) -> &'a HookSpec {
+        self.spec
+    }
+
+    /// Whether `point` is captured or intervened on.
+    pub fn touches(&self, point: &HookPoint) -> bool {
+        self.spec.touches(point)
+    }
+
+    /// Apply the interventions that target `point` (in the order they were added), then
+    /// capture the result if asked. Returns the (possibly changed) activation.
+    pub fn apply<const D: usize>(&mut self, point: HookPoint, x: Tensor<D>) -> Result<Tensor<D>> {
+        if self.spec.is_empty() {
+            return Ok(x);
+        }
+        let mut x = x;
+        for iv in &self.spec.interventions {
+            if iv.target.matches_point(&point) {
+                x = intervene(&point, x, iv)?;
+            }
+        }
+        if self.spec.captures_point(&point) {
+            self.cache.insert(point, Act::new(x.clone()));
+        }
+        Ok(x)
+    }
+
+    /// Record an activation that the forward pass does not use further (e.g. indexer
+    /// top-k choices), if it is captured.
+    pub fn record<const D: usize>(&mut self, point: HookPoint, x: impl FnOnce() -> Tensor<D>) {
+        if !self.spec.is_empty() && self.spec.captures_point(&point) {
+            self.cache.insert(point, Act::new(x()));
+        }
+    }
+
+    /// Take the cache filled so far.
+    pub fn finish(&mut self) -> ActivationCache {
+        std::mem::take(&mut self.cache)
+    }
+}
+
+fn broadcast_to<const D: usize>(
+    point: &HookPoint,
+    src: &Act,
+    dims: [usize; D],
+) -> Result<Tensor<D>> {
+    let t = src
+        .get::<D>()
+        .map_err(|e| Error::hook(point.to_string(), e.to_string()))?;
+    let sd = t.dims();
+    if sd == dims {
+        return Ok(t);
+    }
+    if sd.iter().zip(dims.iter()).all(|(s, d)| s == d || *s == 1) {
+        return Ok(t.expand(dims));
+    }
+    Err(Error::hook(
+        point.to_string(),
+        format!("source activation of shape {sd:?} does not fit the point's shape {dims:?}"),
+    ))
+}
+
+fn source_at<'c>(point: &HookPoint, cache: &'c ActivationCache) -> Result<&'c Act> {
+    cache.get(point).ok_or_else(|| {
+        Error::hook(
+            point.to_string(),
+            "the source cache has no activation at this point (capture it in the source run)",
+        )
+    })
+}
+
+fn intervene<const D: usize>(
+    point: &HookPoint,
+    x: Tensor<D>,
+    iv: &Intervention,
+) -> Result<Tensor<D>> {
+    let dims = x.dims();
+    let new = match &iv.action {
+        Action::Zero => x.zeros_like(),
+        Action::Mean(a) | Action::Replace(a) => broadcast_to(point, a, dims)?,
+        Action::Patch(cache) => broadcast_to(point, source_at(point, cache)?, dims)?,
+        Action::Resample { source, perm } => {
+            if perm.len() != dims[0] {
+                return Err(Error::hook(
+                    point.to_string(),
+                    format!(
+                        "resample permutation has {} rows, batch has {}",
+                        perm.len(),
+                        dims[0]
+                    ),
+                ));
+            }
+            let picked = source_at(point, source)?.select_batch(perm)?;
+            broadcast_to(point, &picked, dims)?
+        }
+        Action::Scale(s) => x.clone().mul_scalar(*s),
+        Action::Add(a) => x.clone() + broadcast_to(point, a, dims)?,
+        Action::Roll { axis, shift } => {
+            if *axis >= D {
+                return Err(Error::hook(
+                    point.to_string(),
+                    format!("roll axis {axis} out of range for rank {D}"),
+                ));
+            }
+            x.clone().roll_dim(*shift, *axis)
+        }
+    };
+    if iv.scope.is_all() {
+        return Ok(new);
+    }
+    let mask = scope_mask(point, &iv.scope, dims, &x.device())?;
+    Ok(x.mask_where(mask, new))
+}
+
+/// A boolean mask, true where the scope applies, broadcast to `dims`.
+fn scope_mask<const D: usize>(
+    point: &HookPoint,
+    scope: &Scope,
+    dims: [usize; D],
+    device: &burn::tensor::Device,
+) -> Result<Tensor<D, Bool>> {
+    let info = point.site.info();
+    let mut axes: Vec<(usize, &Vec<usize>)> = Vec::new();
+    if let Some(rows) = &scope.batch {
+        axes.push((0, rows));
+    }
+    if let Some(heads) = &scope.heads {
+        let (axis, _) = info.head_axis.ok_or_else(|| {
+            Error::hook(
+                point.to_string(),
+                "this point has no head axis; drop the head scope",
+            )
+        })?;
+        axes.push((axis, heads));
+    }
+    if let Some(pos) = &scope.positions {
+        let axis = info
+            .pos_axis
+            .ok_or_else(|| Error::hook(point.to_string(), "this point has no position axis"))?;
+        axes.push((axis, pos));
+    }
+    let mut mshape = [1usize; D];
+    for (axis, idx) in &axes {
+        if *axis >= D {
+            return Err(Error::hook(
+                point.to_string(),
+                format!("axis {axis} out of range for rank {D}"),
+            ));
+        }
+        let n = dims[*axis];
+        if let Some(bad) = idx.iter().find(|&&i| i >= n) {
+            let what = match axis {
+                0 => "batch row",
+                a if Some(*a) == info.pos_axis => "position",
+                _ => "head",
+            };
+            return Err(Error::hook(
+                point.to_string(),
+                format!("{what} {bad} out of range 0..{n}"),
+            ));
+        }
+        mshape[*axis] = n;
+    }
+    // Per-axis membership, then the outer product over the mask's shape.
+    let mut member: Vec<Vec<bool>> = mshape.iter().map(|&n| vec![true; n]).collect();
+    for (axis, idx) in &axes {
+        let mut m = vec![false; dims[*axis]];
+        for &i in idx.iter() {
+            m[i] = true;
+        }
+        // Two scopes on the same axis (not possible today) would intersect.
+        for (a, b) in member[*axis].iter_mut().zip(m) {
+            *a = *a && b;
+        }
+    }
+    let total: usize = mshape.iter().product();
+    let mut values = vec![false; total];
+    let mut idx = [0usize; D];
+    for v in values.iter_mut() {
+        *v = (0..D).all(|a| member[a][idx[a]]);
+        for a in (0..D).rev() {
+            idx[a] += 1;
+            if idx[a] < mshape[a] {
+                break;
+            }
+            idx[a] = 0;
+        }
+    }
+    let mask = Tensor::<D, Bool>::from_data(TensorData::new(values, mshape), device);
+    Ok(mask.expand(dims))
+}

@@ -1,0 +1,17 @@
+//! phaselens: mechanistic interpretability of phase sensitivity in chunk-compressed
+//! KV-cache language models.
+//!
+//! Data flows one way: config -> model + task -> runner (hooks, interventions) ->
+//! tables -> figures/report.
+
+// pub mod analysis; (being written)
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod hooks;
+pub mod model;
+// pub mod output; (being written)
+pub mod tasks;
+pub mod train;
+
+pub use error::{Error, Result};

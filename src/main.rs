@@ -1,0 +1,42 @@
+//! The `phaselens` command line.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+/// phaselens: a workbench for phase sensitivity in chunk-compressed KV-cache models.
+#[derive(Parser, Debug)]
+#[command(name = "phaselens", version, about, long_about = None, after_help = "\
+Examples:
+  phaselens hooks                                  # list hook points and shapes
+  phaselens forward --model experiments/organisms/kvc-w8s8 --input ids.json --out out.safetensors
+  phaselens train experiments/organisms/kvc-w8s8.toml
+  phaselens run experiments/v4pro.toml             # what `just patch-heads exp/v4pro.toml` runs
+  phaselens figures                                # redraw every figure from the tables")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a model on token ids; write logits and captured activations (safetensors).
+    Forward(cli::forward::ForwardArgs),
+    /// List every hook point with its shape.
+    Hooks,
+    /// Train (or resume) a model organism from its TOML recipe.
+    Train(cli::train::TrainArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Forward(a) => cli::forward::run(a),
+        Command::Hooks => cli::hooks::run(),
+        Command::Train(a) => cli::train::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,274 @@
+//! Shared building blocks: linear maps in PyTorch layout, RMSNorm, embeddings, RoPE,
+//! SwiGLU, and the masked softmax every attention uses.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::silu;
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+
+use super::weights::{Init, Vb};
+use crate::error::Result;
+
+/// `y = x W^T (+ b)` with `W` stored `[out, in]` as in PyTorch/safetensors checkpoints.
+#[derive(Module, Debug)]
+pub struct Linear {
+    pub weight: Param<Tensor<2>>,
+    pub bias: Option<Param<Tensor<1>>>,
+}
+
+impl Linear {
+    /// Build `[out, in]` (no bias) initialised N(0, std^2).
+    pub fn new(vb: &Vb, d_in: usize, d_out: usize, std: f64) -> Result<Self> {
+        Ok(Linear {
+            weight: vb.param("weight", [d_out, d_in], Init::Normal(std))?,
+            bias: None,
+        })
+    }
+
+    /// Build with a bias.
+    pub fn with_bias(vb: &Vb, d_in: usize, d_out: usize, std: f64) -> Result<Self> {
+        Ok(Linear {
+            weight: vb.param("weight", [d_out, d_in], Init::Normal(std))?,
+            bias: Some(vb.param("bias", [d_out], Init::Zeros)?),
+        })
+    }
+
+    /// Output features.
+    pub fn d_out(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    /// Apply to the last axis of `x` (any rank).
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let dims = x.dims();
+        let d_in = dims[D - 1];
+        let n: usize = dims[..D - 1].iter().product();
+        let w = self.weight.val();
+        let d_out = w.dims()[0];
+        let mut y = x.reshape([n, d_in]).matmul(w.transpose());
+        if let Some(b) = &self.bias {
+            y = y + b.val().unsqueeze::<2>();
+        }
+        let mut out = dims;
+        out[D - 1] = d_out;
+        y.reshape(out)
+    }
+}
+
+/// Root-mean-square norm over the last axis, with a learned scale.
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    pub weight: Param<Tensor<1>>,
+    #[module(skip)]
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(vb: &Vb, dim: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: vb.param("weight", [dim], Init::Ones)?,
+            eps,
+        })
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        rms_normalize(x, self.eps) * self.weight.val().unsqueeze::<D>()
+    }
+}
+
+/// `x / sqrt(mean(x^2) + eps)` over the last axis (no scale).
+pub fn rms_normalize<const D: usize>(x: Tensor<D>, eps: f64) -> Tensor<D> {
+    let ms = x.clone().square().mean_dim(D - 1);
+    x * (ms + eps).sqrt().recip()
+}
+
+/// Token embedding table `[vocab, d_model]`.
+#[derive(Module, Debug)]
+pub struct Embedding {
+    pub weight: Param<Tensor<2>>,
+}
+
+impl Embedding {
+    pub fn new(vb: &Vb, vocab: usize, dim: usize, std: f64) -> Result<Self> {
+        Ok(Embedding {
+            weight: vb.param("weight", [vocab, dim], Init::Normal(std))?,
+        })
+    }
+
+    /// `[batch, pos]` ids -> `[batch, pos, d_model]`.
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = ids.dims();
+        let d = self.weight.dims()[1];
+        self.weight
+            .val()
+            .select(0, ids.reshape([b * t]))
+            .reshape([b, t, d])
+    }
+}
+
+/// SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct SwiGlu {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl SwiGlu {
+    pub fn new(vb: &Vb, d_model: usize, d_ff: usize, std: f64, out_std: f64) -> Result<Self> {
+        Ok(SwiGlu {
+            gate: Linear::new(&vb.pp("gate"), d_model, d_ff, std)?,
+            up: Linear::new(&vb.pp("up"), d_model, d_ff, std)?,
+            down: Linear::new(&vb.pp("down"), d_ff, d_model, out_std)?,
+        })
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.down
+            .forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+    }
+}
+
+/// How rotary dims are paired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Pairs `(i, i + r/2)` (GPT-NeoX / Llama in transformers).
+    HalfSplit,
+    /// Pairs `(2i, 2i + 1)` (the original complex-number formulation).
+    Interleaved,
+}
+
+/// Rotary embedding tables for a set of positions.
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    /// `[n_pos, rot_dims / 2]`
+    pub cos: Tensor<2>,
+    /// `[n_pos, rot_dims / 2]`
+    pub sin: Tensor<2>,
+}
+
+impl RopeTables {
+    /// Tables for `positions` with per-pair inverse frequencies `inv_freq`
+    /// (`theta^(-2i/r)` for plain RoPE; YaRN-adjusted by callers that need it) and an
+    /// optional attention scaling factor multiplied into cos and sin.
+    pub fn new(positions: &[usize], inv_freq: &[f64], mscale: f64, device: &Device) -> Self {
+        let half = inv_freq.len();
+        let mut c = Vec::with_capacity(positions.len() * half);
+        let mut s = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in inv_freq {
+                let a = p as f64 * f;
+                c.push((a.cos() * mscale) as f32);
+                s.push((a.sin() * mscale) as f32);
+            }
+        }
+        let n = positions.len();
+        RopeTables {
+            cos: Tensor::from_data(TensorData::new(c, [n, half]), device),
+            sin: Tensor::from_data(TensorData::new(s, [n, half]), device),
+        }
+    }
+}
+
+/// Standard RoPE inverse frequencies `theta^(-2i/r)`, `i < r/2`.
+pub fn rope_inv_freq(rot_dims: usize, theta: f64) -> Vec<f64> {
+    (0..rot_dims / 2)
+        .map(|i| theta.powf(-(2.0 * i as f64) / rot_dims as f64))
+        .collect()
+}
+
+/// Rotate the first `2 * tables.cos.dims()[1]` dims of `x: [batch, pos, heads, d]`
+/// (positions given by the tables' rows); the remaining dims pass through. `inverse`
+/// rotates by the negative angle.
+pub fn apply_rope(x: Tensor<4>, t: &RopeTables, layout: RopeLayout, inverse: bool) -> Tensor<4> {
+    apply_rope_range(x, t, layout, inverse, 0)
+}
+
+/// As [`apply_rope`], rotating dims `start .. start + rot` and passing the rest.
+pub fn apply_rope_range(
+    x: Tensor<4>,
+    t: &RopeTables,
+    layout: RopeLayout,
+    inverse: bool,
+    start: usize,
+) -> Tensor<4> {
+    let [b, n, h, d] = x.dims();
+    let half = t.cos.dims()[1];
+    let rot = 2 * half;
+    if rot == 0 {
+        return x;
+    }
+    let cos = t.cos.clone().reshape([1, n, 1, half]);
+    let sin = if inverse {
+        t.sin.clone().neg()
+    } else {
+        t.sin.clone()
+    };
+    let sin = sin.reshape([1, n, 1, half]);
+    let xr = x.clone().slice_dim(3, start..start + rot);
+    let (x1, x2) = match layout {
+        RopeLayout::HalfSplit => (xr.clone().slice_dim(3, 0..half), xr.slice_dim(3, half..rot)),
+        RopeLayout::Interleaved => {
+            let pairs = xr.reshape([b, n, h, half, 2]);
+            (
+                pairs.clone().slice_dim(4, 0..1).reshape([b, n, h, half]),
+                pairs.slice_dim(4, 1..2).reshape([b, n, h, half]),
+            )
+        }
+    };
+    let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+    let r2 = x2 * cos + x1 * sin;
+    let rotated = match layout {
+        RopeLayout::HalfSplit => Tensor::cat(vec![r1, r2], 3),
+        RopeLayout::Interleaved => Tensor::stack::<5>(vec![r1, r2], 4).reshape([b, n, h, rot]),
+    };
+    let mut parts = Vec::with_capacity(3);
+    if start > 0 {
+        parts.push(x.clone().slice_dim(3, 0..start));
+    }
+    parts.push(rotated);
+    if start + rot < d {
+        parts.push(x.slice_dim(3, start + rot..d));
+    }
+    if parts.len() == 1 {
+        parts.pop().expect("one part")
+    } else {
+        Tensor::cat(parts, 3)
+    }
+}
+
+/// Softmax over the last axis restricted to `mask` (true = visible). Rows with nothing
+/// visible give all zeros instead of NaN.
+pub fn masked_softmax<const D: usize>(scores: Tensor<D>, mask: Tensor<D, Bool>) -> Tensor<D> {
+    let masked = scores.mask_fill(mask.clone().bool_not(), -1.0e30);
+    let max = masked.clone().max_dim(D - 1).detach();
+    let e = (masked - max).exp() * mask.float();
+    let denom = e.clone().sum_dim(D - 1).clamp_min(1e-30);
+    e / denom
+}
+
+/// A `[rows, cols]` boolean mask from a host predicate.
+pub fn mask_from_fn(
+    rows: usize,
+    cols: usize,
+    device: &Device,
+    f: impl Fn(usize, usize) -> bool,
+) -> Tensor<2, Bool> {
+    let mut v = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        for c in 0..cols {
+            v.push(f(r, c));
+        }
+    }
+    Tensor::from_data(TensorData::new(v, [rows, cols]), device)
+}
+
+/// An index tensor from host values.
+pub fn int_tensor(values: &[usize], device: &Device) -> Tensor<1, Int> {
+    Tensor::from_data(
+        TensorData::new(
+            values.iter().map(|&v| v as i64).collect::<Vec<_>>(),
+            [values.len()],
+        ),
+        device,
+    )
+}

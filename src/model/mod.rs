@@ -1,0 +1,164 @@
+//! Models. Every architecture speaks the same interface: `forward(tokens, &HookSpec)
+//! -> (logits, cache)`, plus `forward_from(layer, resid)` for batched interventions.
+
+pub mod kvc;
+pub mod layers;
+pub mod safetensors_io;
+pub mod weights;
+
+use std::path::Path;
+
+use burn::tensor::{Device, Int, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::hooks::{Act, ActivationCache, HookSpec};
+
+pub use kvc::{KvcConfig, KvcModel};
+
+/// What a forward pass returns.
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// `[batch, pos, vocab]`
+    pub logits: Tensor<3>,
+    /// The captured activations.
+    pub cache: ActivationCache,
+}
+
+/// The attention geometry of one layer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum LayerKind {
+    /// Causal attention over every raw token.
+    Full,
+    /// Sliding-window attention over the last `window` raw tokens.
+    Sliding { window: usize },
+    /// Chunk-compressed attention: windows of `window` tokens every `stride` tokens,
+    /// plus `local_tail` raw tokens. Phase = position mod `stride`.
+    Compressed {
+        window: usize,
+        stride: usize,
+        local_tail: usize,
+    },
+}
+
+impl LayerKind {
+    /// The compression stride, if the layer compresses.
+    pub fn stride(&self) -> Option<usize> {
+        match self {
+            LayerKind::Compressed { stride, .. } => Some(*stride),
+            _ => None,
+        }
+    }
+}
+
+/// One layer's description.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerSpec {
+    pub kind: LayerKind,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+}
+
+/// Static facts about a model that runners check experiments against.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub arch: String,
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub d_head: usize,
+    pub layers: Vec<LayerSpec>,
+}
+
+impl ModelInfo {
+    /// Number of blocks.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The distinct compression strides, sorted.
+    pub fn strides(&self) -> Vec<usize> {
+        let mut s: Vec<usize> = self.layers.iter().filter_map(|l| l.kind.stride()).collect();
+        s.sort_unstable();
+        s.dedup();
+        s
+    }
+
+    /// Whether any layer compresses.
+    pub fn compressed(&self) -> bool {
+        !self.strides().is_empty()
+    }
+}
+
+/// The interface every model implements.
+pub trait LanguageModel: Send + Sync {
+    /// Static description.
+    fn info(&self) -> ModelInfo;
+    /// The device the weights live on.
+    fn device(&self) -> Device;
+    /// `[batch, pos]` token ids -> logits and captured activations.
+    fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput>;
+    /// Run from block `start` given the residual stream entering it (the activation
+    /// captured at `blocks.{start}.hook_resid_pre`). `tokens` are needed by models whose
+    /// layers read token ids (hash routing).
+    fn forward_from(
+        &self,
+        tokens: Tensor<2, Int>,
+        start: usize,
+        resid: &Act,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput>;
+}
+
+/// Read a model directory's `config.json` as JSON, with file-named errors.
+pub fn read_config_json(dir: &Path) -> Result<(std::path::PathBuf, String, serde_json::Value)> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+        path: path.clone(),
+        message: format!("not valid JSON: {e}"),
+    })?;
+    Ok((path, text, json))
+}
+
+/// Load a kvc model directory (`config.json` + `model.safetensors`).
+pub fn load_kvc(dir: &Path, device: &Device) -> Result<KvcModel> {
+    let (path, text, _) = read_config_json(dir)?;
+    let config = KvcConfig::from_json(&text).map_err(|m| Error::Config {
+        path: path.clone(),
+        message: m,
+    })?;
+    let src = weights::CheckpointSource::open_dir(dir)?;
+    let model = KvcModel::new(&config, &weights::Vb::new(&src, device))?;
+    src.check_all_used()?;
+    Ok(model)
+}
+
+/// Save a kvc model as `dir/config.json` + `dir/model.safetensors` (atomic writes).
+pub fn save_kvc(model: &KvcModel, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let json = serde_json::to_string_pretty(&model.config).expect("config serialises");
+    weights::save_module(model, &dir.join("model.safetensors"), Default::default())?;
+    safetensors_io::write_atomic(&dir.join("config.json"), format!("{json}\n").as_bytes())
+}
+
+/// Load any supported model directory, dispatching on `config.json`'s `model_type`.
+pub fn load_model(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>> {
+    let (path, _, json) = read_config_json(dir)?;
+    match json["model_type"].as_str() {
+        Some(kvc::MODEL_TYPE) => Ok(Box::new(load_kvc(dir, device)?)),
+        Some(other) => Err(Error::Config {
+            path,
+            message: format!(
+                "unsupported model_type \"{other}\" (supported: \"{}\")",
+                kvc::MODEL_TYPE
+            ),
+        }),
+        None => Err(Error::Config {
+            path,
+            message: "no `model_type` field".into(),
+        }),
+    }
+}

@@ -1,0 +1,485 @@
+//! Reading and writing safetensors files tensor by tensor.
+//!
+//! Reading parses each file's header once and then reads one tensor at a time with a
+//! positioned read, so loading a sharded checkpoint never holds more than the model in
+//! the compute dtype plus one source tensor (no whole-file buffers, no mmap pages).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::error::{Error, Result};
+
+/// Element types phaselens reads from checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StDtype {
+    F64,
+    F32,
+    F16,
+    BF16,
+    /// float8 e4m3 ("fn" variant: no infinities, NaN = S.1111.111).
+    F8E4M3,
+    /// float8 e8m0 (power-of-two scales used by some FP8 releases).
+    F8E8M0,
+    I64,
+    I32,
+    I16,
+    I8,
+    U8,
+    Bool,
+}
+
+impl StDtype {
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "F64" => StDtype::F64,
+            "F32" => StDtype::F32,
+            "F16" => StDtype::F16,
+            "BF16" => StDtype::BF16,
+            "F8_E4M3" => StDtype::F8E4M3,
+            "F8_E8M0" => StDtype::F8E8M0,
+            "I64" => StDtype::I64,
+            "I32" => StDtype::I32,
+            "I16" => StDtype::I16,
+            "I8" => StDtype::I8,
+            "U8" => StDtype::U8,
+            "BOOL" => StDtype::Bool,
+            _ => return None,
+        })
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            StDtype::F64 | StDtype::I64 => 8,
+            StDtype::F32 | StDtype::I32 => 4,
+            StDtype::F16 | StDtype::BF16 | StDtype::I16 => 2,
+            StDtype::F8E4M3 | StDtype::F8E8M0 | StDtype::I8 | StDtype::U8 | StDtype::Bool => 1,
+        }
+    }
+
+    /// Whether values are floating point.
+    pub fn is_float(self) -> bool {
+        matches!(
+            self,
+            StDtype::F64
+                | StDtype::F32
+                | StDtype::F16
+                | StDtype::BF16
+                | StDtype::F8E4M3
+                | StDtype::F8E8M0
+        )
+    }
+}
+
+/// Decode one float8 e4m3fn value.
+pub fn f8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let exp = ((b >> 3) & 0x0f) as i32;
+    let man = (b & 0x07) as f32;
+    if exp == 0x0f && (b & 0x07) == 0x07 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * (man / 8.0) * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    }
+}
+
+/// Decode one float8 e8m0 value (an unsigned power of two, 0xFF = NaN).
+pub fn f8_e8m0_to_f32(b: u8) -> f32 {
+    if b == 0xff {
+        f32::NAN
+    } else {
+        2f32.powi(b as i32 - 127)
+    }
+}
+
+/// Where one tensor lives.
+#[derive(Debug, Clone)]
+pub struct TensorEntry {
+    pub file: usize,
+    pub dtype: StDtype,
+    pub dtype_name: String,
+    pub shape: Vec<usize>,
+    /// Absolute byte offset in the file.
+    pub start: u64,
+    pub len: u64,
+}
+
+struct OpenFile {
+    path: PathBuf,
+    file: Mutex<File>,
+    metadata: BTreeMap<String, String>,
+}
+
+/// A set of safetensors files (one, or the shards of an index) opened for reading.
+pub struct SafetensorsReader {
+    files: Vec<OpenFile>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+impl SafetensorsReader {
+    /// Open one file.
+    pub fn open(path: &Path) -> Result<Self> {
+        let mut r = SafetensorsReader {
+            files: Vec::new(),
+            tensors: BTreeMap::new(),
+        };
+        r.add_file(path)?;
+        Ok(r)
+    }
+
+    /// Open several files (shards); a tensor present in two files is an error.
+    pub fn open_many(paths: &[PathBuf]) -> Result<Self> {
+        let mut r = SafetensorsReader {
+            files: Vec::new(),
+            tensors: BTreeMap::new(),
+        };
+        for p in paths {
+            r.add_file(p)?;
+        }
+        Ok(r)
+    }
+
+    fn add_file(&mut self, path: &Path) -> Result<()> {
+        let bad = |m: String| Error::Safetensors {
+            path: path.to_path_buf(),
+            message: m,
+        };
+        let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file_len = f.metadata().map_err(|e| Error::io(path, e))?.len();
+        let mut n = [0u8; 8];
+        f.read_exact(&mut n)
+            .map_err(|_| bad(format!("file is {file_len} bytes, too short for a header")))?;
+        let header_len = u64::from_le_bytes(n);
+        if header_len > 100_000_000 || 8 + header_len > file_len {
+            return Err(bad(format!(
+                "header claims {header_len} bytes but the file has {file_len} (truncated or not safetensors)"
+            )));
+        }
+        let mut header = vec![0u8; header_len as usize];
+        f.read_exact(&mut header).map_err(|e| Error::io(path, e))?;
+        let json: serde_json::Value =
+            serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+        let obj = json
+            .as_object()
+            .ok_or_else(|| bad("header is not a JSON object".into()))?;
+        let data_start = 8 + header_len;
+        let file_idx = self.files.len();
+        let mut metadata = BTreeMap::new();
+        for (name, v) in obj {
+            if name == "__metadata__" {
+                if let Some(m) = v.as_object() {
+                    for (k, val) in m {
+                        metadata.insert(k.clone(), val.as_str().unwrap_or_default().to_string());
+                    }
+                }
+                continue;
+            }
+            let terr = |m: String| Error::tensor(path, name, m);
+            let dtype_name = v["dtype"]
+                .as_str()
+                .ok_or_else(|| terr("no dtype".into()))?
+                .to_string();
+            let dtype = StDtype::parse(&dtype_name)
+                .ok_or_else(|| terr(format!("unsupported dtype {dtype_name}")))?;
+            let shape: Vec<usize> = v["shape"]
+                .as_array()
+                .ok_or_else(|| terr("no shape".into()))?
+                .iter()
+                .map(|d| d.as_u64().map(|d| d as usize))
+                .collect::<Option<_>>()
+                .ok_or_else(|| terr("shape is not a list of integers".into()))?;
+            let offs = v["data_offsets"]
+                .as_array()
+                .filter(|a| a.len() == 2)
+                .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
+                .ok_or_else(|| terr("bad data_offsets".into()))?;
+            let numel: usize = shape.iter().product();
+            let expect = (numel * dtype.size()) as u64;
+            if offs.1 < offs.0 || offs.1 - offs.0 != expect {
+                return Err(terr(format!(
+                    "data_offsets {:?} span {} bytes but shape {:?} of {dtype_name} needs {expect}",
+                    offs,
+                    offs.1.saturating_sub(offs.0),
+                    shape
+                )));
+            }
+            if data_start + offs.1 > file_len {
+                return Err(terr(format!(
+                    "data ends at byte {} but the file has only {file_len} bytes (truncated file)",
+                    data_start + offs.1
+                )));
+            }
+            if let Some(prev) = self.tensors.get(name) {
+                return Err(terr(format!(
+                    "also present in {}",
+                    self.files[prev.file].path.display()
+                )));
+            }
+            self.tensors.insert(
+                name.clone(),
+                TensorEntry {
+                    file: file_idx,
+                    dtype,
+                    dtype_name,
+                    shape,
+                    start: data_start + offs.0,
+                    len: expect,
+                },
+            );
+        }
+        self.files.push(OpenFile {
+            path: path.to_path_buf(),
+            file: Mutex::new(f),
+            metadata,
+        });
+        Ok(())
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(|s| s.as_str())
+    }
+
+    /// The entry for `name`.
+    pub fn entry(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.get(name)
+    }
+
+    /// The file holding `name` (for error messages).
+    pub fn path_of(&self, name: &str) -> PathBuf {
+        match self.tensors.get(name) {
+            Some(e) => self.files[e.file].path.clone(),
+            None => self
+                .files
+                .first()
+                .map(|f| f.path.clone())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// `__metadata__` of the first file.
+    pub fn metadata(&self) -> BTreeMap<String, String> {
+        self.files
+            .first()
+            .map(|f| f.metadata.clone())
+            .unwrap_or_default()
+    }
+
+    fn raw(&self, name: &str) -> Result<(&TensorEntry, Vec<u8>)> {
+        let e = self.tensors.get(name).ok_or_else(|| {
+            Error::tensor(self.path_of(name), name, "missing from the checkpoint")
+        })?;
+        let of = &self.files[e.file];
+        let mut buf = vec![0u8; e.len as usize];
+        let mut f = of.file.lock().expect("file lock");
+        f.seek(SeekFrom::Start(e.start))
+            .map_err(|x| Error::io(&of.path, x))?;
+        f.read_exact(&mut buf)
+            .map_err(|x| Error::tensor(&of.path, name, format!("cannot read data: {x}")))?;
+        Ok((e, buf))
+    }
+
+    /// Read a float tensor converted to f32 (F64/F32/F16/BF16/F8 accepted).
+    pub fn read_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let (e, buf) = self.raw(name)?;
+        let v: Vec<f32> = match e.dtype {
+            StDtype::F32 => buf
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            StDtype::F64 => buf
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+                .collect(),
+            StDtype::F16 => buf
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            StDtype::BF16 => buf
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            StDtype::F8E4M3 => buf.iter().map(|&b| f8_e4m3_to_f32(b)).collect(),
+            StDtype::F8E8M0 => buf.iter().map(|&b| f8_e8m0_to_f32(b)).collect(),
+            other => {
+                return Err(Error::tensor(
+                    &self.files[e.file].path,
+                    name,
+                    format!(
+                        "expected a floating-point tensor, found {} ({other:?})",
+                        e.dtype_name
+                    ),
+                ));
+            }
+        };
+        Ok((e.shape.clone(), v))
+    }
+
+    /// Read an integer tensor converted to i64.
+    pub fn read_i64(&self, name: &str) -> Result<(Vec<usize>, Vec<i64>)> {
+        let (e, buf) = self.raw(name)?;
+        let v: Vec<i64> = match e.dtype {
+            StDtype::I64 => buf
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            StDtype::I32 => buf
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
+                .collect(),
+            StDtype::I16 => buf
+                .chunks_exact(2)
+                .map(|c| i16::from_le_bytes([c[0], c[1]]) as i64)
+                .collect(),
+            StDtype::I8 => buf.iter().map(|&b| b as i8 as i64).collect(),
+            StDtype::U8 | StDtype::Bool => buf.iter().map(|&b| b as i64).collect(),
+            _ => {
+                return Err(Error::tensor(
+                    &self.files[e.file].path,
+                    name,
+                    format!("expected an integer tensor, found {}", e.dtype_name),
+                ));
+            }
+        };
+        Ok((e.shape.clone(), v))
+    }
+}
+
+/// A tensor to write.
+pub struct OwnedTensor {
+    pub shape: Vec<usize>,
+    pub data: TensorValues,
+}
+
+/// Values of a tensor to write.
+pub enum TensorValues {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+struct View<'a>(&'a OwnedTensor, Vec<u8>);
+
+impl safetensors::View for View<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        match self.0.data {
+            TensorValues::F32(_) => safetensors::Dtype::F32,
+            TensorValues::I64(_) => safetensors::Dtype::I64,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.1)
+    }
+    fn data_len(&self) -> usize {
+        self.1.len()
+    }
+}
+
+/// Write tensors to `path` atomically (temp file in the same folder, fsync, rename).
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, OwnedTensor>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let views: Vec<(String, View)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            let bytes = match &t.data {
+                TensorValues::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                TensorValues::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            };
+            (n.clone(), View(t, bytes))
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, metadata).map_err(|e| Error::Safetensors {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    write_atomic(path, &bytes)
+}
+
+/// Write bytes to `path` atomically: a temp file beside it, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::io(path, e));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_e4m3_decoding() {
+        assert_eq!(f8_e4m3_to_f32(0x00), 0.0);
+        assert_eq!(f8_e4m3_to_f32(0x38), 1.0); // exp 7, man 0
+        assert_eq!(f8_e4m3_to_f32(0xb8), -1.0);
+        assert_eq!(f8_e4m3_to_f32(0x7e), 448.0); // largest finite
+        assert!(f8_e4m3_to_f32(0x7f).is_nan());
+        assert_eq!(f8_e4m3_to_f32(0x01), 2f32.powi(-9)); // smallest subnormal
+        assert_eq!(f8_e8m0_to_f32(127), 1.0);
+        assert_eq!(f8_e8m0_to_f32(130), 8.0);
+    }
+
+    #[test]
+    fn write_then_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.safetensors");
+        let mut m = BTreeMap::new();
+        m.insert(
+            "a".to_string(),
+            OwnedTensor {
+                shape: vec![2, 3],
+                data: TensorValues::F32(vec![1., 2., 3., 4., 5., 6.]),
+            },
+        );
+        m.insert(
+            "b".to_string(),
+            OwnedTensor {
+                shape: vec![2],
+                data: TensorValues::I64(vec![7, -8]),
+            },
+        );
+        write_safetensors(&p, &m, None).unwrap();
+        let r = SafetensorsReader::open(&p).unwrap();
+        assert_eq!(
+            r.read_f32("a").unwrap(),
+            (vec![2, 3], vec![1., 2., 3., 4., 5., 6.])
+        );
+        assert_eq!(r.read_i64("b").unwrap(), (vec![2], vec![7, -8]));
+        assert!(r.read_f32("b").is_err());
+        let e = r.read_f32("zzz").unwrap_err().to_string();
+        assert!(e.contains("zzz") && e.contains("missing"), "{e}");
+        // truncation is detected at open, naming the tensor
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &bytes[..bytes.len() - 4]).unwrap();
+        let e = SafetensorsReader::open(&p).err().unwrap().to_string();
+        assert!(e.contains("truncated"), "{e}");
+    }
+}

@@ -1,0 +1,382 @@
+//! Building modules from a weight source: a checkpoint or a seeded random init.
+//!
+//! Every parameter is requested by its full name and expected shape through a [`Vb`]
+//! ("var builder"), so loading and initialising share one code path and a bad checkpoint
+//! fails with the file, the tensor and expected-vs-found shape. Saving walks the module
+//! tree with burn's path visitor, so names are the struct field paths
+//! (`blocks.0.attn.w_q.weight`), the same names `Vb` asked for.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::safetensors_io::{OwnedTensor, SafetensorsReader, TensorValues, write_safetensors};
+use crate::error::{Error, Result};
+
+/// How a freshly initialised parameter is filled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// N(0, std^2).
+    Normal(f64),
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+    /// A constant.
+    Const(f32),
+}
+
+/// Where parameter values come from.
+pub trait WeightSource: Send + Sync {
+    /// Values (row-major, f32) for parameter `name` of shape `shape`.
+    fn float(&self, name: &str, shape: &[usize], init: Init) -> Result<Vec<f32>>;
+    /// Values of an integer buffer (e.g. a routing table).
+    fn int(&self, name: &str, shape: &[usize], init: &dyn Fn(usize) -> i64) -> Result<Vec<i64>>;
+}
+
+/// A var builder: a source, a name prefix and a device.
+#[derive(Clone)]
+pub struct Vb<'a> {
+    src: &'a dyn WeightSource,
+    prefix: String,
+    device: Device,
+}
+
+impl<'a> Vb<'a> {
+    /// A builder at the root.
+    pub fn new(src: &'a dyn WeightSource, device: &Device) -> Self {
+        Vb {
+            src,
+            prefix: String::new(),
+            device: device.clone(),
+        }
+    }
+
+    /// A builder for a sub-module.
+    pub fn pp(&self, name: impl std::fmt::Display) -> Self {
+        Vb {
+            src: self.src,
+            prefix: self.full(&name.to_string()),
+            device: self.device.clone(),
+        }
+    }
+
+    /// The full name of `name` under this prefix.
+    pub fn full(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// A float tensor of shape `shape`.
+    pub fn tensor<const D: usize>(
+        &self,
+        name: &str,
+        shape: [usize; D],
+        init: Init,
+    ) -> Result<Tensor<D>> {
+        let full = self.full(name);
+        let v = self.src.float(&full, &shape, init)?;
+        Ok(Tensor::from_data(TensorData::new(v, shape), &self.device))
+    }
+
+    /// A trainable parameter of shape `shape`.
+    pub fn param<const D: usize>(
+        &self,
+        name: &str,
+        shape: [usize; D],
+        init: Init,
+    ) -> Result<Param<Tensor<D>>> {
+        // Parameter ids derive from the full name, so optimizer state saved in a training
+        // checkpoint matches the parameters of a model rebuilt from that checkpoint.
+        let (_, value, mapper) = Param::from_tensor(self.tensor(name, shape, init)?).consume();
+        Ok(Param::from_mapped_value(
+            ParamId::from(name_seed(0x5eed, &self.full(name))),
+            value,
+            mapper,
+        ))
+    }
+
+    /// An integer buffer of shape `shape` (as host values).
+    pub fn ints(
+        &self,
+        name: &str,
+        shape: &[usize],
+        init: &dyn Fn(usize) -> i64,
+    ) -> Result<Vec<i64>> {
+        self.src.int(&self.full(name), shape, init)
+    }
+
+    /// An integer tensor of shape `shape`.
+    pub fn int_tensor<const D: usize>(
+        &self,
+        name: &str,
+        shape: [usize; D],
+        init: &dyn Fn(usize) -> i64,
+    ) -> Result<Tensor<D, Int>> {
+        let v = self.ints(name, &shape, init)?;
+        Ok(Tensor::from_data(TensorData::new(v, shape), &self.device))
+    }
+}
+
+/// Seeded random initialisation. Each tensor's values depend only on the seed and the
+/// tensor's name, so adding a parameter does not change the others.
+pub struct RandomInit {
+    pub seed: u64,
+}
+
+fn name_seed(seed: u64, name: &str) -> u64 {
+    // FNV-1a over the name, mixed with the seed.
+    let mut h: u64 = 0xcbf29ce484222325 ^ seed.wrapping_mul(0x9E3779B97F4A7C15);
+    for b in name.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// `n` samples of N(0, 1) from a seeded generator (Box-Muller).
+pub fn normal_samples(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n + 1);
+    while out.len() < n {
+        let u1: f64 = rng.random::<f64>().max(1e-300);
+        let u2: f64 = rng.random::<f64>();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = 2.0 * std::f64::consts::PI * u2;
+        out.push((r * t.cos()) as f32);
+        out.push((r * t.sin()) as f32);
+    }
+    out.truncate(n);
+    out
+}
+
+impl WeightSource for RandomInit {
+    fn float(&self, name: &str, shape: &[usize], init: Init) -> Result<Vec<f32>> {
+        let n: usize = shape.iter().product();
+        Ok(match init {
+            Init::Zeros => vec![0.0; n],
+            Init::Ones => vec![1.0; n],
+            Init::Const(c) => vec![c; n],
+            Init::Normal(std) => {
+                let mut rng = ChaCha8Rng::seed_from_u64(name_seed(self.seed, name));
+                normal_samples(&mut rng, n)
+                    .into_iter()
+                    .map(|x| x * std as f32)
+                    .collect()
+            }
+        })
+    }
+
+    fn int(&self, _name: &str, shape: &[usize], init: &dyn Fn(usize) -> i64) -> Result<Vec<i64>> {
+        Ok((0..shape.iter().product()).map(init).collect())
+    }
+}
+
+/// A checkpoint on disk: one safetensors file or several shards. Remembers which
+/// tensors were used so that unknown (unused) tensors can be reported.
+pub struct CheckpointSource {
+    reader: SafetensorsReader,
+    used: Mutex<BTreeSet<String>>,
+    /// Optional map from the names the model asks for to the names in the files.
+    rename: Option<Box<dyn Fn(&str) -> String + Send + Sync>>,
+}
+
+impl CheckpointSource {
+    /// Open `model.safetensors`, or the shards listed in `model.safetensors.index.json`,
+    /// in `dir`.
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let reader = if single.exists() {
+            SafetensorsReader::open(&single)?
+        } else if index.exists() {
+            SafetensorsReader::open_many(&shard_paths(&index)?)?
+        } else {
+            return Err(Error::Io {
+                path: single,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no model.safetensors or model.safetensors.index.json in the model directory",
+                ),
+            });
+        };
+        Ok(Self::from_reader(reader))
+    }
+
+    /// Wrap an open reader.
+    pub fn from_reader(reader: SafetensorsReader) -> Self {
+        CheckpointSource {
+            reader,
+            used: Mutex::new(BTreeSet::new()),
+            rename: None,
+        }
+    }
+
+    /// Map requested names to file names (e.g. for another naming scheme).
+    pub fn with_rename(mut self, f: impl Fn(&str) -> String + Send + Sync + 'static) -> Self {
+        self.rename = Some(Box::new(f));
+        self
+    }
+
+    /// The underlying reader.
+    pub fn reader(&self) -> &SafetensorsReader {
+        &self.reader
+    }
+
+    fn file_name(&self, name: &str) -> String {
+        match &self.rename {
+            Some(f) => f(name),
+            None => name.to_string(),
+        }
+    }
+
+    /// Mark a file tensor as used (for sources that read tensors directly).
+    pub fn mark_used(&self, file_name: &str) {
+        self.used
+            .lock()
+            .expect("lock")
+            .insert(file_name.to_string());
+    }
+
+    /// An error listing tensors in the files that the model never asked for.
+    pub fn check_all_used(&self) -> Result<()> {
+        let used = self.used.lock().expect("lock");
+        let unknown: Vec<&str> = self.reader.names().filter(|n| !used.contains(*n)).collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let shown: Vec<&str> = unknown.iter().take(8).copied().collect();
+        Err(Error::tensor(
+            self.reader.path_of(unknown[0]),
+            unknown[0],
+            format!(
+                "unknown tensor(s) not used by the model ({} in all): {}{}",
+                unknown.len(),
+                shown.join(", "),
+                if unknown.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
+            ),
+        ))
+    }
+
+    fn check_shape(&self, fname: &str, want: &[usize], found: &[usize]) -> Result<()> {
+        if want != found {
+            return Err(Error::tensor(
+                self.reader.path_of(fname),
+                fname,
+                format!("expected shape {want:?}, found {found:?}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl WeightSource for CheckpointSource {
+    fn float(&self, name: &str, shape: &[usize], _init: Init) -> Result<Vec<f32>> {
+        let fname = self.file_name(name);
+        let (found, v) = self.reader.read_f32(&fname)?;
+        self.check_shape(&fname, shape, &found)?;
+        self.mark_used(&fname);
+        Ok(v)
+    }
+
+    fn int(&self, name: &str, shape: &[usize], _init: &dyn Fn(usize) -> i64) -> Result<Vec<i64>> {
+        let fname = self.file_name(name);
+        let (found, v) = self.reader.read_i64(&fname)?;
+        self.check_shape(&fname, shape, &found)?;
+        self.mark_used(&fname);
+        Ok(v)
+    }
+}
+
+/// The shard files named by a `model.safetensors.index.json`.
+pub fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+        path: index.to_path_buf(),
+        message: format!("not valid JSON: {e}"),
+    })?;
+    let map = json["weight_map"]
+        .as_object()
+        .ok_or_else(|| Error::Config {
+            path: index.to_path_buf(),
+            message: "no `weight_map` object".into(),
+        })?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let files: BTreeSet<String> = map
+        .values()
+        .filter_map(|v| v.as_str().map(|s| s.to_string()))
+        .collect();
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
+
+/// Collects every float parameter of a module with its path name (struct field names
+/// and Vec indices joined by dots).
+struct Collect {
+    path: Vec<String>,
+    out: BTreeMap<String, OwnedTensor>,
+}
+
+impl ModuleVisitor for Collect {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let tensor = param.val();
+        let data = tensor.to_data().convert::<f32>();
+        self.out.insert(
+            self.path.join("."),
+            OwnedTensor {
+                shape: tensor.dims().to_vec(),
+                data: TensorValues::F32(data.try_into_vec::<f32>().expect("f32")),
+            },
+        );
+    }
+}
+
+/// Every float parameter of `module`, by path name.
+pub fn named_tensors<M: Module>(module: &M) -> BTreeMap<String, OwnedTensor> {
+    let mut c = Collect {
+        path: Vec::new(),
+        out: BTreeMap::new(),
+    };
+    module.visit(&mut c);
+    c.out
+}
+
+/// Save a module's parameters as safetensors (atomically).
+pub fn save_module<M: Module>(
+    module: &M,
+    path: &Path,
+    extra: BTreeMap<String, OwnedTensor>,
+) -> Result<()> {
+    let mut t = named_tensors(module);
+    t.extend(extra);
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    meta.insert(
+        "producer".to_string(),
+        format!("phaselens {}", env!("CARGO_PKG_VERSION")),
+    );
+    write_safetensors(path, &t, Some(meta))
+}

@@ -1,0 +1,347 @@
+//! Training model organisms: `phaselens train experiments/organisms/<name>.toml`.
+//!
+//! nanoGPT-shaped and linear: sample a batch (a pure function of seed and step), forward,
+//! cross-entropy on the answer positions only, backward, clip, AdamW step with warm-up +
+//! cosine. Every `checkpoint_every` steps the weights, the optimizer state and the loss
+//! history are written to `<run_dir>/checkpoints/step-NNNNNNN/`, `meta.json` last (atomic
+//! rename), so a run killed at any moment (even `kill -9`) resumes from the latest
+//! complete checkpoint and loses at most one interval.
+
+pub mod organism;
+pub mod schedule;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::grad_clipping::GradientClippingConfig;
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::hooks::HookSpec;
+use crate::model::safetensors_io::write_atomic;
+use crate::model::weights::{CheckpointSource, RandomInit, Vb};
+use crate::model::{KvcModel, save_kvc};
+use crate::tasks::{IGNORE_INDEX, KvTrainSampler, TrainBatch};
+
+pub use organism::{OrganismFile, TrainConfig};
+pub use schedule::lr_at;
+
+/// One logged training step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LogRow {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub tokens_seen: u64,
+    /// Top-1 accuracy on the batch's answer positions.
+    pub accuracy: f64,
+}
+
+/// What a checkpoint's `meta.json` records.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    pub step: u64,
+    pub loss: f64,
+    pub tokens_seen: u64,
+    pub config_hash: String,
+    pub phaselens_version: String,
+    pub history: Vec<LogRow>,
+}
+
+/// Cross-entropy over the positions whose label is not [`IGNORE_INDEX`], and the
+/// top-1 accuracy there. `logits: [batch, pos, vocab]`, labels row-major `[batch, pos]`.
+pub fn answer_loss(logits: Tensor<3>, labels: &[i64]) -> (Tensor<1>, Tensor<1>) {
+    let [b, t, v] = logits.dims();
+    let device = logits.device();
+    let idx: Vec<i64> = labels
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l != IGNORE_INDEX)
+        .map(|(i, _)| i as i64)
+        .collect();
+    let tgt: Vec<i64> = labels
+        .iter()
+        .copied()
+        .filter(|l| *l != IGNORE_INDEX)
+        .collect();
+    let n = idx.len();
+    let flat = logits.reshape([b * t, v]);
+    let rows = flat.select(
+        0,
+        Tensor::<1, Int>::from_data(TensorData::new(idx, [n]), &device),
+    );
+    let tgt_t = Tensor::<2, Int>::from_data(TensorData::new(tgt, [n, 1]), &device);
+    let logp = log_softmax(rows.clone(), 1);
+    let nll = logp.gather(1, tgt_t.clone()).neg().mean();
+    let hit = rows.detach().argmax(1).equal(tgt_t).float().mean();
+    (nll, hit)
+}
+
+/// The sha256 of the organism file's `[model]`, `[task]` and `[train]` tables, so a
+/// checkpoint from another recipe is never resumed by mistake.
+pub fn config_hash(file: &OrganismFile) -> String {
+    use sha2::Digest;
+    let text = serde_json::to_string(&(&file.model, &file.task, &file.train)).expect("serialises");
+    let d = sha2::Sha256::digest(text.as_bytes());
+    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+fn step_dir(run: &Path, step: u64) -> PathBuf {
+    run.join("checkpoints").join(format!("step-{step:07}"))
+}
+
+/// The latest complete checkpoint (one whose `meta.json` exists) under `run`.
+pub fn latest_checkpoint(run: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>> {
+    let dir = run.join("checkpoints");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Ok(None);
+    };
+    let mut best: Option<(PathBuf, CheckpointMeta)> = None;
+    for e in entries.flatten() {
+        let meta_path = e.path().join("meta.json");
+        let Ok(text) = std::fs::read_to_string(&meta_path) else {
+            continue; // incomplete: killed before meta.json was renamed into place
+        };
+        let meta: CheckpointMeta = serde_json::from_str(&text).map_err(|x| Error::Config {
+            path: meta_path.clone(),
+            message: format!("corrupt checkpoint metadata: {x}"),
+        })?;
+        if best.as_ref().is_none_or(|(_, m)| meta.step > m.step) {
+            best = Some((e.path(), meta));
+        }
+    }
+    Ok(best)
+}
+
+/// Options of one training invocation.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Ignore existing checkpoints and start from step 0.
+    pub fresh: bool,
+    /// Stop after this many steps in total (for tests and quick looks).
+    pub max_steps: Option<u64>,
+    /// Show a progress bar.
+    pub progress: bool,
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    pub resumed_from: Option<u64>,
+    pub final_step: u64,
+    pub history: Vec<LogRow>,
+    pub model_dir: PathBuf,
+}
+
+/// Train (or resume) the organism described by `file` (located at `path`).
+pub fn train(
+    path: &Path,
+    file: &OrganismFile,
+    device: &Device,
+    opts: &TrainOptions,
+) -> Result<TrainSummary> {
+    let tc = &file.train;
+    let space = file
+        .task
+        .vocab
+        .build()
+        .map_err(|e| Error::Other(format!("{}: [task.vocab]: {e}", path.display())))?;
+    let sampler = KvTrainSampler::new(&space, file.task.train.clone())
+        .map_err(|e| Error::Other(format!("{}: [task.train]: {e}", path.display())))?;
+    let cfg = &file.model;
+    if space.vocab_size() > cfg.vocab_size {
+        return Err(Error::Config {
+            path: path.to_path_buf(),
+            message: format!(
+                "[model] vocab_size = {} is smaller than the task's vocabulary ({})",
+                cfg.vocab_size,
+                space.vocab_size()
+            ),
+        });
+    }
+    let run = file.run_dir(path);
+    let hash = config_hash(file);
+    let ad = device.clone().autodiff();
+    let mut optim = AdamWConfig::new()
+        .with_beta_2(tc.beta2)
+        .with_epsilon(1e-8)
+        .with_weight_decay(tc.weight_decay)
+        .with_grad_clipping(Some(GradientClippingConfig::Norm(tc.grad_clip)))
+        .init();
+
+    let latest = if opts.fresh {
+        None
+    } else {
+        latest_checkpoint(&run)?
+    };
+    let (mut model, start, mut history, resumed_from) = match latest {
+        Some((dir, meta)) => {
+            if meta.config_hash != hash {
+                return Err(Error::Config {
+                    path: path.to_path_buf(),
+                    message: format!(
+                        "{} holds a checkpoint of a different recipe (hash {} vs {hash}); \
+                         rerun with --fresh to start over",
+                        run.display(),
+                        meta.config_hash
+                    ),
+                });
+            }
+            let src = CheckpointSource::open_dir(&dir)?;
+            let model = KvcModel::new(cfg, &Vb::new(&src, &ad))?;
+            let bytes = std::fs::read(dir.join("optim.bpk"))
+                .map_err(|e| Error::io(dir.join("optim.bpk"), e))?;
+            optim = optim
+                .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
+                .map_err(|e| Error::Other(format!("{}: optimizer state: {e}", dir.display())))?;
+            (model, meta.step, meta.history, Some(meta.step))
+        }
+        None => (
+            KvcModel::new(cfg, &Vb::new(&RandomInit { seed: tc.seed }, &ad))?,
+            0,
+            Vec::new(),
+            None,
+        ),
+    };
+
+    let total = opts.max_steps.map_or(tc.steps, |m| m.min(tc.steps));
+    let seq = sampler.seq_len();
+    let tokens_per_step = (tc.batch_size * seq) as u64;
+    let bar = if opts.progress {
+        ProgressBar::new(total)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps  {msg}  eta {eta}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(file.organism.name.clone());
+    bar.set_position(start);
+    let mut tokens_seen = start * tokens_per_step;
+    let t0 = Instant::now();
+    let mut ema: Option<f64> = history.last().map(|r| r.loss);
+    for step in start..total {
+        let batch: TrainBatch = sampler.batch(step, tc.batch_size);
+        let ids: Vec<i64> = batch.input_ids().into_iter().map(|x| x as i64).collect();
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [tc.batch_size, seq]), &ad);
+        let logits = model.forward(tokens, &HookSpec::new())?.logits;
+        let (loss, acc) = answer_loss(logits, &batch.labels());
+        let lr = lr_at(tc, step);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+        let loss_v: f64 = loss.into_scalar::<f32>() as f64;
+        if !loss_v.is_finite() {
+            return Err(Error::Other(format!(
+                "loss became {loss_v} at step {step}; lower [train] lr (now {})",
+                tc.lr
+            )));
+        }
+        tokens_seen += tokens_per_step;
+        history.push(LogRow {
+            step,
+            loss: loss_v,
+            lr,
+            tokens_seen,
+            accuracy: acc.into_scalar::<f32>() as f64,
+        });
+        let e = ema.map_or(loss_v, |e| 0.95 * e + 0.05 * loss_v);
+        ema = Some(e);
+        let done = step + 1 - start;
+        let tps = (done * tokens_per_step) as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!(
+            "loss {e:.3}  acc {:.2}  {tps:.0} tok/s",
+            history.last().map_or(0.0, |r| r.accuracy)
+        ));
+        bar.inc(1);
+        let last = step + 1 == total;
+        if (step + 1) % tc.checkpoint_every == 0 || last {
+            save_checkpoint(
+                &run,
+                &model,
+                &optim,
+                step + 1,
+                loss_v,
+                tokens_seen,
+                &hash,
+                &history,
+                tc.keep_checkpoints,
+            )?;
+        }
+    }
+    bar.finish();
+    let final_step = total.max(start);
+    let out = file.model_dir(path);
+    if final_step == tc.steps {
+        let inference = model.valid();
+        save_kvc(&inference, &out)?;
+        let meta = serde_json::json!({
+            "organism": file.organism.name,
+            "steps": final_step,
+            "tokens_seen": final_step * tokens_per_step,
+            "final_loss": history.last().map(|r| r.loss),
+            "config_hash": hash,
+            "phaselens_version": env!("CARGO_PKG_VERSION"),
+        });
+        write_atomic(
+            &out.join("training.json"),
+            format!("{:#}\n", meta).as_bytes(),
+        )?;
+    }
+    Ok(TrainSummary {
+        resumed_from,
+        final_step,
+        history,
+        model_dir: out,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn save_checkpoint(
+    run: &Path,
+    model: &KvcModel,
+    optim: &burn::optim::ModuleOptimizer,
+    step: u64,
+    loss: f64,
+    tokens_seen: u64,
+    hash: &str,
+    history: &[LogRow],
+    keep: usize,
+) -> Result<()> {
+    let dir = step_dir(run, step);
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    save_kvc(model, &dir)?;
+    let bytes = optim
+        .into_bytes()
+        .map_err(|e| Error::Other(format!("serialising optimizer state: {e}")))?;
+    write_atomic(&dir.join("optim.bpk"), &bytes)?;
+    let meta = CheckpointMeta {
+        step,
+        loss,
+        tokens_seen,
+        config_hash: hash.to_string(),
+        phaselens_version: env!("CARGO_PKG_VERSION").into(),
+        history: history.to_vec(),
+    };
+    // meta.json last: its presence marks the checkpoint complete.
+    write_atomic(
+        &dir.join("meta.json"),
+        serde_json::to_string(&meta).expect("meta").as_bytes(),
+    )?;
+    // Drop older checkpoints beyond `keep`.
+    if let Ok(entries) = std::fs::read_dir(run.join("checkpoints")) {
+        let mut steps: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+        steps.sort();
+        let n = steps.len();
+        for old in steps.into_iter().take(n.saturating_sub(keep.max(1))) {
+            let _ = std::fs::remove_dir_all(old);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,155 @@
+//! The organism TOML: what to build, what to train it on, and how.
+//!
+//! ```toml
+//! [organism]
+//! name = "kvc-w8s8"
+//! description = "W = S = 8, one KV head"
+//! # model_dir = "kvc-w8s8"          # default: <name>, next to this file
+//! # run_dir = "../../runs/kvc-w8s8"  # default: runs/<name> at the repo root (checkpoints)
+//!
+//! [model]        # a kvc config.json, as TOML (see docs/models.md)
+//! [task.vocab]   # the token space (see docs/prompt_format.md)
+//! [task.train]   # the training prompt sampler
+//! [train]        # optimisation (fields below)
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::load_toml;
+use crate::error::Result;
+use crate::model::KvcConfig;
+use crate::tasks::{KvTrainConfig, TokenSpaceConfig};
+
+/// `[organism]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrganismSection {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// Where the trained model directory goes (relative to the TOML's folder).
+    #[serde(default)]
+    pub model_dir: Option<PathBuf>,
+    /// Where checkpoints go (relative to the TOML's folder).
+    #[serde(default)]
+    pub run_dir: Option<PathBuf>,
+}
+
+/// `[task]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSection {
+    #[serde(default)]
+    pub vocab: TokenSpaceConfig,
+    #[serde(default)]
+    pub train: KvTrainConfig,
+}
+
+/// `[train]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimiser steps.
+    pub steps: u64,
+    /// Prompts per step.
+    pub batch_size: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: u64,
+    /// Final learning rate as a fraction of `lr` (cosine decay).
+    pub min_lr_ratio: f64,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f32,
+    /// AdamW beta2.
+    pub beta2: f32,
+    /// Gradient clipping by global norm.
+    pub grad_clip: f32,
+    /// Init seed.
+    pub seed: u64,
+    /// Steps between checkpoints.
+    pub checkpoint_every: u64,
+    /// Checkpoints kept on disk.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 3000,
+            batch_size: 32,
+            lr: 3e-3,
+            warmup_steps: 100,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.01,
+            beta2: 0.99,
+            grad_clip: 1.0,
+            seed: 0,
+            checkpoint_every: 250,
+            keep_checkpoints: 2,
+        }
+    }
+}
+
+/// A whole organism file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrganismFile {
+    pub organism: OrganismSection,
+    pub model: KvcConfig,
+    #[serde(default = "default_task")]
+    pub task: TaskSection,
+    #[serde(default)]
+    pub train: TrainConfig,
+}
+
+fn default_task() -> TaskSection {
+    TaskSection {
+        vocab: TokenSpaceConfig::default(),
+        train: KvTrainConfig::default(),
+    }
+}
+
+impl OrganismFile {
+    /// Read and validate an organism TOML.
+    pub fn load(path: &Path) -> Result<Self> {
+        let f: OrganismFile = load_toml(path)?;
+        f.model
+            .validate()
+            .map_err(|e| crate::error::Error::Config {
+                path: path.to_path_buf(),
+                message: format!("[model]: {e}"),
+            })?;
+        if f.train.checkpoint_every == 0 || f.train.batch_size == 0 || f.train.steps == 0 {
+            return Err(crate::error::Error::Config {
+                path: path.to_path_buf(),
+                message: "[train] steps, batch_size and checkpoint_every must be at least 1".into(),
+            });
+        }
+        Ok(f)
+    }
+
+    fn base(path: &Path) -> PathBuf {
+        path.parent().unwrap_or(Path::new(".")).to_path_buf()
+    }
+
+    /// The trained model directory.
+    pub fn model_dir(&self, path: &Path) -> PathBuf {
+        Self::base(path).join(
+            self.organism
+                .model_dir
+                .clone()
+                .unwrap_or_else(|| self.organism.name.clone().into()),
+        )
+    }
+
+    /// The checkpoint directory.
+    pub fn run_dir(&self, path: &Path) -> PathBuf {
+        match &self.organism.run_dir {
+            Some(r) => Self::base(path).join(r),
+            None => PathBuf::from("runs").join(&self.organism.name),
+        }
+    }
+}

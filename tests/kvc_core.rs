@@ -1,0 +1,478 @@
+//! The kvc model core: causality, compression geometry, pooling, hooks and checkpoints.
+
+use std::sync::Arc;
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use phaselens::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
+use phaselens::model::kvc::{
+    AttentionKind, CompressionConfig, GateMode, KvcConfig, KvcModel, RopeMode,
+};
+use phaselens::model::weights::{RandomInit, Vb};
+
+fn dev() -> Device {
+    Device::flex()
+}
+
+fn config(
+    attention: AttentionKind,
+    window: usize,
+    stride: usize,
+    tail: usize,
+    gate: GateMode,
+) -> KvcConfig {
+    KvcConfig {
+        model_type: "phaselens-kvc".into(),
+        vocab_size: 37,
+        d_model: 32,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        d_head: Some(8),
+        d_ff: 48,
+        norm_eps: 1e-6,
+        rope: RopeMode::All,
+        rope_dims: None,
+        rope_theta: 10000.0,
+        qk_norm: true,
+        tied_kv: false,
+        sink: true,
+        tie_embeddings: false,
+        attention,
+        compression: (attention == AttentionKind::Compressed).then_some(CompressionConfig {
+            window,
+            stride,
+            local_tail: tail,
+            gate,
+            gate_bias: true,
+        }),
+        init_std: 0.3,
+    }
+}
+
+fn build(c: &KvcConfig, seed: u64) -> KvcModel {
+    // A large init std and random gate biases make every path matter numerically.
+    let model = KvcModel::new(c, &Vb::new(&RandomInit { seed }, &dev())).unwrap();
+    randomize_biases(model, seed)
+}
+
+/// Gate biases and sinks start at zero; give them random values so tests see them.
+fn randomize_biases(mut m: KvcModel, seed: u64) -> KvcModel {
+    use burn::module::Param;
+    let mut k = 0u64;
+    let mut rnd = |dims: Vec<usize>| -> Vec<f32> {
+        k += 1;
+        let n: usize = dims.iter().product();
+        (0..n)
+            .map(|i| {
+                (((i as u64 * 7919 + seed * 31 + k * 104729) % 1000) as f32 / 1000.0 - 0.5) * 2.0
+            })
+            .collect()
+    };
+    for b in m.blocks.iter_mut() {
+        if let Some(c) = b.attn.compressor.as_mut() {
+            for p in [&mut c.key_gate_bias, &mut c.value_gate_bias]
+                .into_iter()
+                .flatten()
+            {
+                let dims = p.dims();
+                let v = rnd(dims.to_vec());
+                *p = Param::from_tensor(Tensor::from_data(TensorData::new(v, dims), &dev()));
+            }
+        }
+        if let Some(s) = b.attn.sink.as_mut() {
+            let dims = s.dims();
+            let v = rnd(dims.to_vec());
+            *s = Param::from_tensor(Tensor::from_data(TensorData::new(v, dims), &dev()));
+        }
+    }
+    m
+}
+
+fn tokens(rows: &[Vec<i64>]) -> Tensor<2, Int> {
+    let t = rows[0].len();
+    let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+    Tensor::from_data(TensorData::new(flat, [rows.len(), t]), &dev())
+}
+
+fn seq(n: usize, seed: i64) -> Vec<i64> {
+    (0..n as i64)
+        .map(|i| (i * 13 + seed * 7 + 3) % 37)
+        .collect()
+}
+
+fn vals(t: Tensor<3>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+fn geometries() -> Vec<KvcConfig> {
+    vec![
+        config(AttentionKind::Compressed, 4, 4, 0, GateMode::Scalar),
+        config(AttentionKind::Compressed, 8, 4, 0, GateMode::Scalar),
+        config(AttentionKind::Compressed, 6, 3, 2, GateMode::Vector),
+        config(AttentionKind::Compressed, 5, 5, 3, GateMode::Uniform),
+        config(AttentionKind::Full, 0, 0, 0, GateMode::Scalar),
+    ]
+}
+
+#[test]
+fn causal_on_every_path() {
+    let t = 21;
+    for c in geometries() {
+        let m = build(&c, 1);
+        let base = seq(t, 0);
+        let out0 = vals(
+            m.forward(tokens(&[base.clone()]), &HookSpec::new())
+                .unwrap()
+                .logits,
+        );
+        for cut in [0, 5, 11, 19] {
+            let mut changed = base.clone();
+            for x in changed.iter_mut().skip(cut + 1) {
+                *x = (*x + 5) % 37;
+            }
+            let out1 = vals(
+                m.forward(tokens(&[changed]), &HookSpec::new())
+                    .unwrap()
+                    .logits,
+            );
+            let v = c.vocab_size;
+            assert_eq!(
+                &out0[..(cut + 1) * v],
+                &out1[..(cut + 1) * v],
+                "{:?}: positions <= {cut} changed",
+                c.compression
+            );
+            assert_ne!(
+                &out0[(cut + 1) * v..],
+                &out1[(cut + 1) * v..],
+                "later positions must react"
+            );
+        }
+    }
+}
+
+#[test]
+fn entries_become_visible_exactly_when_their_window_closes() {
+    for (w, s) in [(4, 4), (8, 4), (6, 3)] {
+        let c = config(AttentionKind::Compressed, w, s, 0, GateMode::Scalar);
+        let m = build(&c, 2);
+        let t = 23;
+        let spec = HookSpec::new()
+            .capture("blocks.0.attn.hook_pattern")
+            .unwrap();
+        let out = m.forward(tokens(&[seq(t, 1)]), &spec).unwrap();
+        let p = out.cache.get_name("blocks.0.attn.hook_pattern").unwrap();
+        let n_entries = (t - w) / s + 1;
+        // slots: entries, then the sink (no raw tail)
+        assert_eq!(p.shape(), &[1, 4, t, n_entries + 1]);
+        let v = p.to_vec();
+        for h in 0..4 {
+            for q in 0..t {
+                for e in 0..n_entries {
+                    let mass = v[(h * t + q) * (n_entries + 1) + e];
+                    let visible = e * s + w - 1 <= q;
+                    assert_eq!(
+                        mass > 0.0,
+                        visible,
+                        "w{w} s{s} head {h} query {q} entry {e}: {mass}"
+                    );
+                }
+                let row: f32 = (0..=n_entries)
+                    .map(|e| v[(h * t + q) * (n_entries + 1) + e])
+                    .sum();
+                assert!((row - 1.0).abs() < 1e-5);
+            }
+        }
+    }
+}
+
+/// Naive per-window pooling from the captured raw keys and the model's own gate weights.
+#[test]
+fn pooled_entries_equal_a_naive_loop() {
+    for c in [
+        config(AttentionKind::Compressed, 4, 4, 0, GateMode::Scalar),
+        config(AttentionKind::Compressed, 8, 4, 0, GateMode::Scalar),
+        config(AttentionKind::Compressed, 6, 3, 2, GateMode::Vector),
+        config(AttentionKind::Compressed, 8, 4, 1, GateMode::Vector),
+        config(AttentionKind::Compressed, 5, 5, 3, GateMode::Uniform),
+        config(AttentionKind::Compressed, 6, 2, 0, GateMode::Uniform),
+    ] {
+        let m = build(&c, 3);
+        let cc = c.compression.clone().unwrap();
+        let (w, s) = (cc.window, cc.stride);
+        let (t, kvh, dh, d) = (19, 2, 8, 32);
+        let spec = HookSpec::new()
+            .capture("blocks.1.hook_resid_pre")
+            .unwrap()
+            .capture("blocks.1.attn.hook_*")
+            .unwrap()
+            .capture("blocks.1.attn.compressor.*")
+            .unwrap();
+        let out = m.forward(tokens(&[seq(t, 2), seq(t, 5)]), &spec).unwrap();
+        let resid = out
+            .cache
+            .get_name("blocks.1.hook_resid_pre")
+            .unwrap()
+            .to_vec();
+        let k = out.cache.get_name("blocks.1.attn.hook_k").unwrap().to_vec();
+        let vv = out.cache.get_name("blocks.1.attn.hook_v").unwrap().to_vec();
+        let ck = out
+            .cache
+            .get_name("blocks.1.attn.compressor.hook_compressed_k")
+            .unwrap();
+        let cv = out
+            .cache
+            .get_name("blocks.1.attn.compressor.hook_compressed_v")
+            .unwrap();
+        let n = (t - w) / s + 1;
+        assert_eq!(ck.shape(), &[2, n, kvh, dh]);
+        let (ck, cv) = (ck.to_vec(), cv.to_vec());
+        let blk = &m.blocks[1];
+        let host = |p: &burn::module::Param<Tensor<2>>| {
+            p.val()
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .unwrap()
+        };
+        let norm_w = blk
+            .attn_norm
+            .weight
+            .val()
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap();
+        let comp = blk.attn.compressor.as_ref().unwrap();
+        let g = if cc.gate == GateMode::Vector { dh } else { 1 };
+        for b in 0..2 {
+            // attention input: RMSNorm of the residual
+            let hnorm: Vec<Vec<f32>> = (0..t)
+                .map(|p| {
+                    let x = &resid[(b * t + p) * d..(b * t + p + 1) * d];
+                    let ms = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                    let r = 1.0 / (ms + 1e-6).sqrt();
+                    x.iter().zip(&norm_w).map(|(v, w)| v * r * w).collect()
+                })
+                .collect();
+            for (value, raw, pooled) in [(false, &k, &ck), (true, &vv, &cv)] {
+                let (gate, bias) = if value {
+                    (&comp.value_gate, &comp.value_gate_bias)
+                } else {
+                    (&comp.key_gate, &comp.key_gate_bias)
+                };
+                for e in 0..n {
+                    for hh in 0..kvh {
+                        for ch in 0..dh {
+                            let gi = if g == 1 { 0 } else { ch };
+                            // gate logits over the window's offsets
+                            let logits: Vec<f32> = (0..w)
+                                .map(|o| match gate {
+                                    None => 0.0,
+                                    Some(lin) => {
+                                        let wt = host(&lin.weight);
+                                        let row = hh * g + gi;
+                                        let mut acc: f32 = (0..d)
+                                            .map(|j| hnorm[e * s + o][j] * wt[row * d + j])
+                                            .sum();
+                                        if let Some(bp) = bias {
+                                            acc += host(bp)[o * kvh + hh];
+                                        }
+                                        acc
+                                    }
+                                })
+                                .collect();
+                            let mx = logits.iter().cloned().fold(f32::MIN, f32::max);
+                            let ex: Vec<f32> = logits.iter().map(|l| (l - mx).exp()).collect();
+                            let z: f32 = ex.iter().sum();
+                            let want: f32 = (0..w)
+                                .map(|o| {
+                                    ex[o] / z * raw[((b * t + e * s + o) * kvh + hh) * dh + ch]
+                                })
+                                .sum();
+                            let got = pooled[((b * n + e) * kvh + hh) * dh + ch];
+                            assert!(
+                                (want - got).abs() < 1e-4 * (1.0 + want.abs()),
+                                "{:?} value={value} b{b} e{e} h{hh} c{ch}: {want} vs {got}",
+                                cc
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn capturing_hooks_leaves_logits_bit_identical() {
+    for c in geometries() {
+        let m = build(&c, 4);
+        let x = tokens(&[seq(17, 3), seq(17, 4)]);
+        let plain = vals(m.forward(x.clone(), &HookSpec::new()).unwrap().logits);
+        let spec = HookSpec::new().capture("**").unwrap();
+        let out = m.forward(x, &spec).unwrap();
+        assert!(out.cache.len() > 20, "captured {}", out.cache.len());
+        assert_eq!(plain, vals(out.logits));
+    }
+}
+
+#[test]
+fn patching_a_full_clean_cache_reproduces_clean_logits() {
+    for c in geometries() {
+        let m = build(&c, 5);
+        let clean = tokens(&[seq(17, 1)]);
+        let corrupt = tokens(&[seq(17, 9)]);
+        let all = HookSpec::new().capture("**").unwrap();
+        let clean_out = m.forward(clean, &all).unwrap();
+        let corrupt_plain = vals(m.forward(corrupt.clone(), &HookSpec::new()).unwrap().logits);
+        let clean_logits = vals(clean_out.logits);
+        assert_ne!(clean_logits, corrupt_plain);
+        let cache = Arc::new(clean_out.cache);
+        let spec = HookSpec::new()
+            .intervene("**", Action::Patch(cache.clone()), Scope::all())
+            .unwrap();
+        let patched = vals(m.forward(corrupt.clone(), &spec).unwrap().logits);
+        assert_eq!(patched, clean_logits);
+        // Patching only the last residual stream is enough too.
+        let spec = HookSpec::new()
+            .intervene(
+                "blocks.1.hook_resid_post",
+                Action::Patch(cache),
+                Scope::all(),
+            )
+            .unwrap();
+        assert_eq!(
+            vals(m.forward(corrupt, &spec).unwrap().logits),
+            clean_logits
+        );
+    }
+}
+
+#[test]
+fn zero_ablating_a_head_equals_zeroing_its_hook_z_slice_by_hand() {
+    let c = config(AttentionKind::Compressed, 8, 4, 2, GateMode::Scalar);
+    let m = build(&c, 6);
+    let x = tokens(&[seq(20, 2), seq(20, 7)]);
+    let z_point = HookPoint::block(1, Site::AttnZ);
+    let out = m
+        .forward(x.clone(), &HookSpec::new().capture_point(z_point))
+        .unwrap();
+    let z = out.cache.get(&z_point).unwrap();
+    let (shape, mut v) = (z.shape().to_vec(), z.to_vec());
+    let (b, t, nh, dh) = (shape[0], shape[1], shape[2], shape[3]);
+    let head = 2;
+    for bi in 0..b {
+        for p in 0..t {
+            for j in 0..dh {
+                v[((bi * t + p) * nh + head) * dh + j] = 0.0;
+            }
+        }
+    }
+    let by_hand = Act::from_vec(v, shape, &dev()).unwrap();
+    let hand = HookSpec::new().intervene_point(z_point, Action::Replace(by_hand), Scope::all());
+    let ablate = HookSpec::new().intervene_point(z_point, Action::Zero, Scope::heads([head]));
+    let a = vals(m.forward(x.clone(), &hand).unwrap().logits);
+    let bb = vals(m.forward(x.clone(), &ablate).unwrap().logits);
+    assert_eq!(a, bb);
+    assert_ne!(a, vals(m.forward(x, &HookSpec::new()).unwrap().logits));
+}
+
+#[test]
+fn gqa_maps_each_query_head_to_its_kv_head() {
+    for c in geometries() {
+        let m = build(&c, 7);
+        let x = tokens(&[seq(18, 5)]);
+        let z = HookPoint::block(0, Site::AttnZ);
+        let clean = m
+            .forward(x.clone(), &HookSpec::new().capture_point(z))
+            .unwrap();
+        // Scale KV head 1's values: only query heads 2 and 3 (group size 2) may change.
+        let spec = HookSpec::new()
+            .capture_point(z)
+            .intervene(
+                "blocks.0.attn.hook_v",
+                Action::Scale(3.0),
+                Scope::heads([1]),
+            )
+            .unwrap();
+        let hit = m.forward(x, &spec).unwrap();
+        let (a, b) = (
+            clean.cache.get(&z).unwrap().to_vec(),
+            hit.cache.get(&z).unwrap().to_vec(),
+        );
+        let (t, nh, dh) = (18, 4, 8);
+        for h in 0..nh {
+            let same = (0..t)
+                .all(|p| (0..dh).all(|j| a[(p * nh + h) * dh + j] == b[(p * nh + h) * dh + j]));
+            assert_eq!(same, h / 2 == 0, "{:?} head {h}", c.compression);
+        }
+    }
+}
+
+#[test]
+fn forward_from_a_layer_matches_the_full_forward() {
+    for c in geometries() {
+        let m = build(&c, 8);
+        let x = tokens(&[seq(16, 1), seq(16, 2)]);
+        let out = m
+            .forward(
+                x,
+                &HookSpec::new().capture("blocks.1.hook_resid_pre").unwrap(),
+            )
+            .unwrap();
+        let resid = out
+            .cache
+            .get_name("blocks.1.hook_resid_pre")
+            .unwrap()
+            .get::<3>()
+            .unwrap();
+        let from = m.forward_from(1, resid, &HookSpec::new()).unwrap();
+        assert_eq!(vals(out.logits), vals(from.logits));
+    }
+}
+
+#[test]
+fn scoped_interventions_touch_only_their_rows_positions_and_heads() {
+    let c = config(AttentionKind::Compressed, 4, 4, 1, GateMode::Scalar);
+    let m = build(&c, 9);
+    let x = tokens(&[seq(12, 1), seq(12, 2)]);
+    let z = HookPoint::block(0, Site::AttnZ);
+    let spec = HookSpec::new()
+        .intervene_point(
+            z,
+            Action::Zero,
+            Scope::heads([1]).with_batch([1]).with_positions([3, 7]),
+        )
+        .capture_point(z);
+    let out = m.forward(x.clone(), &spec).unwrap();
+    let clean = m.forward(x, &HookSpec::new().capture_point(z)).unwrap();
+    let (a, b) = (
+        out.cache.get(&z).unwrap().to_vec(),
+        clean.cache.get(&z).unwrap().to_vec(),
+    );
+    let (t, nh, dh) = (12, 4, 8);
+    for bi in 0..2 {
+        for p in 0..t {
+            for h in 0..nh {
+                for j in 0..dh {
+                    let i = ((bi * t + p) * nh + h) * dh + j;
+                    if bi == 1 && h == 1 && (p == 3 || p == 7) {
+                        assert_eq!(a[i], 0.0);
+                    } else {
+                        assert_eq!(a[i], b[i]);
+                    }
+                }
+            }
+        }
+    }
+    // out-of-range scopes are errors, not panics
+    let bad = HookSpec::new().intervene_point(z, Action::Zero, Scope::heads([9]));
+    let e = m
+        .forward(tokens(&[seq(12, 1)]), &bad)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("head 9 out of range"), "{e}");
+}
