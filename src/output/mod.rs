@@ -1,0 +1,54 @@
+//! Everything an experiment leaves on disk: Arrow tables (with a Parquet copy),
+//! figures (PNG + SVG) and reports (Markdown + HTML). All writes are atomic
+//! (temporary file in the same directory, fsync, rename), so an interrupted run
+//! never leaves a truncated file behind and resume logic can trust whatever
+//! exists.
+//!
+//! | Submodule | Contents |
+//! |---|---|
+//! | [`table`] | [`Table`]: typed named columns + schema metadata, Arrow IPC read/write |
+//! | [`schema`] | the documented long and phase-accuracy schemas with typed rows (`docs/tables.md`) |
+//! | [`frame`] | polars: read a table as a DataFrame, Parquet copy, merge shards |
+//! | [`figure`] | heatmaps with colour bars, lines with CI bands, predicted-vs-observed, bar profiles, loss curves |
+//! | [`report`] | `report.md` / `report.html` with headline numbers, tables and figures |
+//! | [`atomic`] | the atomic write primitive |
+
+pub mod atomic;
+pub mod figure;
+pub mod frame;
+pub mod report;
+pub mod schema;
+pub mod table;
+
+pub use atomic::{write_atomic, write_bytes_atomic};
+pub use figure::{
+    BandSeries, BarProfileSpec, ColorScale, FigureError, FigureFiles, FigureSpec, HeatmapSpec,
+    LinePlotSpec, LossCurveSpec, ScatterSeries, ScatterSpec, bar_profile, check_fonts, heatmap,
+    line_with_bands, loss_curve, render, scatter_predicted_vs_observed,
+};
+pub use frame::{merge_shards, parquet_path, read_dataframe, write_parquet_copy};
+pub use report::{
+    Headline, Report, ReportError, ReportFiles, phase_gap_headlines, ranked_heads_rows,
+};
+pub use schema::{
+    HeadKind, LONG_COLUMNS, LongRow, PHASE_ACCURACY_COLUMNS, PhaseAccuracyRow, long_table,
+    phase_accuracy_table, read_long_rows, read_phase_accuracy_rows, validate_columns,
+};
+pub use table::{
+    Column, ColumnData, ColumnType, META_EXPERIMENT_TOML, META_SCHEMA, META_TABLE, META_VERSION,
+    Table, TableError,
+};
+
+/// Any error of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum OutputError {
+    /// A table error.
+    #[error(transparent)]
+    Table(#[from] TableError),
+    /// A figure error.
+    #[error(transparent)]
+    Figure(#[from] FigureError),
+    /// A report error.
+    #[error(transparent)]
+    Report(#[from] ReportError),
+}
