@@ -24,6 +24,8 @@ enum Command {
     Forward(cli::forward::ForwardArgs),
     /// List every hook point with its shape.
     Hooks,
+    /// Speed benchmarks (ratios within one run).
+    Bench(cli::bench::BenchArgs),
     /// Train (or resume) a model organism from its TOML recipe.
     Train(cli::train::TrainArgs),
 }
@@ -33,6 +35,7 @@ fn main() {
     let result = match cli.command {
         Command::Forward(a) => cli::forward::run(a),
         Command::Hooks => cli::hooks::run(),
+        Command::Bench(a) => cli::bench::run(a),
         Command::Train(a) => cli::train::run(a),
     };
     if let Err(e) = result {
