@@ -2,7 +2,11 @@
 # Idempotent set-up of a fresh Debian machine for phaselens: `just` (from PyPI's
 # rust-just wheel), cargo-nextest, fonts for figures. Rust itself comes from rustup.
 set -euo pipefail
+# Figures (plotters + font-kit) need fontconfig at build time (pkg-config, headers) and
+# at run time (a font).
 need_apt=()
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+pkg-config --exists fontconfig 2>/dev/null || need_apt+=(libfontconfig1-dev)
 fc-list 2>/dev/null | grep -qi dejavu || need_apt+=(fonts-dejavu-core fontconfig)
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null

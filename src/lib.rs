@@ -4,13 +4,13 @@
 //! Data flows one way: config -> model + task -> runner (hooks, interventions) ->
 //! tables -> figures/report.
 
-// pub mod analysis; (being written)
+pub mod analysis;
 pub mod config;
 pub mod device;
 pub mod error;
 pub mod hooks;
 pub mod model;
-// pub mod output; (being written)
+pub mod output;
 pub mod tasks;
 pub mod train;
 

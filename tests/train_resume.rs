@@ -99,7 +99,23 @@ fn resumed_run_equals_uninterrupted_run() {
     )
     .unwrap();
     assert_eq!(meta["steps"], 6);
-    assert!(b.path().join("run/loss.arrow").exists() || b.path().join("run/checkpoints").exists());
+    // the loss curve, as a table and a figure, next to the checkpoints and the model
+    for f in [
+        "run/loss.arrow",
+        "run/loss.png",
+        "run/loss.svg",
+        "tiny/training/loss.arrow",
+        "tiny/training/loss.png",
+    ] {
+        assert!(b.path().join(f).exists(), "{f}");
+    }
+    let t =
+        phaselens::output::Table::read_arrow(b.path().join("tiny/training/loss.arrow")).unwrap();
+    assert_eq!(t.num_rows(), 6);
+    assert_eq!(
+        t.column_names(),
+        vec!["step", "loss", "lr", "tokens_seen", "accuracy"]
+    );
 }
 
 #[test]

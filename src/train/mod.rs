@@ -10,6 +10,7 @@
 pub mod organism;
 pub mod schedule;
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -273,6 +274,16 @@ pub fn train(
                 &history,
                 tc.keep_checkpoints,
             )?;
+            write_loss_curve(&run, &file.organism.name, &history, &hash)?;
+            if opts.progress && !std::io::stderr().is_terminal() {
+                // Logs and CI get one line per checkpoint instead of a bar.
+                eprintln!(
+                    "{}: step {}/{total}  loss {e:.4}  batch acc {:.3}  {tps:.0} tok/s  checkpoint saved",
+                    file.organism.name,
+                    step + 1,
+                    history.last().map_or(0.0, |r| r.accuracy)
+                );
+            }
         }
     }
     bar.finish();
@@ -293,6 +304,7 @@ pub fn train(
             &out.join("training.json"),
             format!("{:#}\n", meta).as_bytes(),
         )?;
+        write_loss_curve(&out.join("training"), &file.organism.name, &history, &hash)?;
     }
     Ok(TrainSummary {
         resumed_from,
@@ -300,6 +312,45 @@ pub fn train(
         history,
         model_dir: out,
     })
+}
+
+/// The loss curve as `loss.arrow` (columns `step, loss, lr, tokens_seen, accuracy`) and
+/// `loss.png` / `loss.svg` in `dir`.
+pub fn write_loss_curve(dir: &Path, name: &str, history: &[LogRow], hash: &str) -> Result<()> {
+    use crate::output::{Table, loss_curve};
+    let table = Table::new(format!("{name}-loss"))
+        .with_metadata("phaselens.version", env!("CARGO_PKG_VERSION"))
+        .with_metadata("phaselens.organism", name)
+        .with_metadata("phaselens.config_hash", hash)
+        .with_column("step", history.iter().map(|r| r.step).collect::<Vec<u64>>())
+        .and_then(|t| t.with_column("loss", history.iter().map(|r| r.loss).collect::<Vec<f64>>()))
+        .and_then(|t| t.with_column("lr", history.iter().map(|r| r.lr).collect::<Vec<f64>>()))
+        .and_then(|t| {
+            t.with_column(
+                "tokens_seen",
+                history.iter().map(|r| r.tokens_seen).collect::<Vec<u64>>(),
+            )
+        })
+        .and_then(|t| {
+            t.with_column(
+                "accuracy",
+                history.iter().map(|r| r.accuracy).collect::<Vec<f64>>(),
+            )
+        })
+        .map_err(|e| Error::Other(format!("loss table: {e}")))?;
+    table
+        .write_arrow(dir.join("loss.arrow"))
+        .map_err(|e| Error::Other(format!("{}: {e}", dir.join("loss.arrow").display())))?;
+    let steps: Vec<u64> = history.iter().map(|r| r.step).collect();
+    let losses: Vec<f64> = history.iter().map(|r| r.loss).collect();
+    loss_curve(
+        dir.join("loss"),
+        &steps,
+        &losses,
+        &format!("{name}: training loss (answer tokens)"),
+    )
+    .map_err(|e| Error::Other(format!("{}: {e}", dir.join("loss.png").display())))?;
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
