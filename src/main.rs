@@ -23,7 +23,11 @@ enum Command {
     /// Run a model on token ids; write logits and captured activations (safetensors).
     Forward(cli::forward::ForwardArgs),
     /// List every hook point with its shape.
-    Hooks,
+    Hooks {
+        /// Print the Markdown table of docs/hooks.md.
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Speed benchmarks (ratios within one run).
     Bench(cli::bench::BenchArgs),
     /// Train (or resume) a model organism from its TOML recipe.
@@ -34,7 +38,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Forward(a) => cli::forward::run(a),
-        Command::Hooks => cli::hooks::run(),
+        Command::Hooks { markdown } => cli::hooks::run(markdown),
         Command::Bench(a) => cli::bench::run(a),
         Command::Train(a) => cli::train::run(a),
     };

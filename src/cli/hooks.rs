@@ -2,7 +2,11 @@
 
 use phaselens::hooks::Site;
 
-pub fn run() -> anyhow::Result<()> {
+pub fn run(markdown: bool) -> anyhow::Result<()> {
+    if markdown {
+        print!("{}", phaselens::hooks::point::markdown_table());
+        return Ok(());
+    }
     println!("{:<40} {:<60} meaning", "name", "shape");
     for site in Site::ALL {
         let info = site.info();

@@ -45,8 +45,13 @@ pub enum Site {
     HcPre,
     HcPost,
     HcComb,
+    MlpHcPre,
+    MlpHcPost,
+    MlpHcComb,
     RouterScores,
+    RouterWeights,
     RouterTopk,
+    HcHeadPre,
 }
 
 /// Static description of a site.
@@ -107,39 +112,80 @@ sites! {
     AttnV => ("attn.hook_v", true, "[batch, pos, kv_head, d_head]", Some(1), Some((2, Kv)),
         "raw per-token values, before compression"),
     AttnZ => ("attn.hook_z", true, "[batch, pos, head, d_head]", Some(1), Some((2, Query)),
-        "per-head attention output (pattern x values), before the output projection"),
+        "per-head attention output (pattern x values), before the output projection (DeepSeek-V4: after the inverse RoPE of its rope slice)"),
     AttnPattern => ("attn.hook_pattern", true, "[batch, head, query_pos, key_slot]", Some(2), Some((1, Query)),
         "attention probabilities; key slots = [compressed entries..., raw tokens..., sink (if any)]"),
     AttnResult => ("attn.hook_result", true, "[batch, pos, head, d_model]", Some(1), Some((2, Query)),
         "per-head contribution to the attention output (computed only when requested)"),
     AttnOut => ("hook_attn_out", true, "[batch, pos, d_model]", Some(1), None,
-        "attention sublayer output added to the residual stream"),
+        "attention sublayer output (DeepSeek-V4: before the mHC expansion into the streams)"),
     MlpOut => ("hook_mlp_out", true, "[batch, pos, d_model]", Some(1), None,
-        "MLP (or MoE) sublayer output"),
+        "MLP (or MoE: routed + shared experts) sublayer output"),
     FinalNorm => ("hook_final_norm", false, "[batch, pos, d_model]", Some(1), None,
         "final normalised residual fed to the LM head"),
     KeyGate => ("attn.compressor.hook_key_gate", true, "[batch, entry, offset, kv_head] (vector gates: [batch, entry, offset, kv_head, d_head])", Some(1), Some((3, Kv)),
-        "compressor pooling weights for keys: softmax over the offsets of each window"),
+        "compressor pooling weights for keys: softmax over the offsets of each window (DeepSeek-V4: vector gates shared by K and V; CSA offsets 0..m = previous window's A half, m..2m = own window's B half)"),
     ValueGate => ("attn.compressor.hook_value_gate", true, "[batch, entry, offset, kv_head] (vector gates: [batch, entry, offset, kv_head, d_head])", Some(1), Some((3, Kv)),
-        "compressor pooling weights for values"),
+        "compressor pooling weights for values (DeepSeek-V4: the same gates as hook_key_gate unless one of them is changed)"),
     CompressedK => ("attn.compressor.hook_compressed_k", true, "[batch, entry, kv_head, d_head]", Some(1), Some((2, Kv)),
-        "pooled (compressed) keys, before RoPE"),
+        "pooled (compressed) keys, before RoPE (DeepSeek-V4: after the compressor's kv_norm)"),
     CompressedV => ("attn.compressor.hook_compressed_v", true, "[batch, entry, kv_head, d_head]", Some(1), Some((2, Kv)),
-        "pooled (compressed) values"),
+        "pooled (compressed) values (DeepSeek-V4: after kv_norm, before RoPE; K = V)"),
     IndexerScores => ("attn.indexer.hook_scores", true, "[batch, query_pos, entry]", Some(1), None,
-        "lightning-indexer scores of each compressed entry (DeepSeek-V4 CSA)"),
+        "lightning-indexer scores of each compressed entry, before causal masking (DeepSeek-V4 CSA)"),
     IndexerTopk => ("attn.indexer.hook_topk", true, "[batch, query_pos, k]", Some(1), None,
-        "indices of the entries the indexer kept (as f32; -1 = none)"),
-    HcPre => ("hook_hc_pre", true, "[batch, pos, sublayer, hc_mult]", Some(1), None,
-        "mHC collapse weights (DeepSeek-V4), sublayer 0 = attention, 1 = MLP"),
-    HcPost => ("hook_hc_post", true, "[batch, pos, sublayer, hc_mult]", Some(1), None,
-        "mHC expand weights (DeepSeek-V4)"),
-    HcComb => ("hook_hc_comb", true, "[batch, pos, sublayer, hc_mult, hc_mult]", Some(1), None,
-        "mHC Sinkhorn-normalised stream mixing (DeepSeek-V4)"),
+        "indices of the entries the indexer kept, by descending score (as f32; -1 = none; capture only)"),
+    HcPre => ("attn_hc.hook_pre", true, "[batch, pos, hc_mult]", Some(1), None,
+        "mHC collapse weights of the attention sublayer (DeepSeek-V4): input = sum_n pre[n] * stream n"),
+    HcPost => ("attn_hc.hook_post", true, "[batch, pos, hc_mult]", Some(1), None,
+        "mHC expand weights of the attention sublayer: stream k gets post[k] * output"),
+    HcComb => ("attn_hc.hook_comb", true, "[batch, pos, hc_mult, hc_mult]", Some(1), None,
+        "mHC Sinkhorn-normalised stream mixing of the attention sublayer, [from j, to k]: stream k += sum_j comb[j, k] * stream j"),
+    MlpHcPre => ("mlp_hc.hook_pre", true, "[batch, pos, hc_mult]", Some(1), None,
+        "mHC collapse weights of the MoE sublayer (DeepSeek-V4)"),
+    MlpHcPost => ("mlp_hc.hook_post", true, "[batch, pos, hc_mult]", Some(1), None,
+        "mHC expand weights of the MoE sublayer"),
+    MlpHcComb => ("mlp_hc.hook_comb", true, "[batch, pos, hc_mult, hc_mult]", Some(1), None,
+        "mHC stream mixing of the MoE sublayer, [from j, to k]"),
     RouterScores => ("mlp.hook_router_scores", true, "[batch, pos, n_experts]", Some(1), None,
-        "MoE router scores after the scoring function (DeepSeek-V4)"),
+        "MoE router scores after the scoring function, before the score-correction bias (DeepSeek-V4)"),
+    RouterWeights => ("mlp.hook_router_weights", true, "[batch, pos, top_k]", Some(1), None,
+        "weights of the chosen experts (normalised, times routed_scaling_factor), aligned with hook_router_topk"),
     RouterTopk => ("mlp.hook_router_topk", true, "[batch, pos, top_k]", Some(1), None,
-        "experts chosen per token (as f32)"),
+        "experts chosen per token (as f32; hash layers: the tid2eid row; capture only)"),
+    HcHeadPre => ("hook_hc_head_pre", false, "[batch, pos, hc_mult]", Some(1), None,
+        "final hyper-head collapse weights before the last norm (DeepSeek-V4)"),
+}
+
+/// The table of every site as Markdown (the body of `docs/hooks.md`; a test keeps the
+/// file current: regenerate it with `phaselens hooks --markdown > docs/hooks.md`).
+pub fn markdown_table() -> String {
+    let mut out = String::from(
+        "# Hook points\n\n\
+         Generated by `phaselens hooks --markdown`. `{l}` is the block index. \\\n\
+         *head axis* / *position axis*: the dimensions that an intervention `Scope`'s \\\n\
+         `heads` / `positions` restrict (`q` = query heads, `kv` = KV heads).\n\n\
+         | name | shape | head axis | position axis | meaning |\n|---|---|---|---|---|\n",
+    );
+    for site in Site::ALL {
+        let i = site.info();
+        let name = if i.layered {
+            format!("blocks.{{l}}.{}", i.suffix)
+        } else {
+            i.suffix.to_string()
+        };
+        let head = match i.head_axis {
+            Some((a, HeadKind::Query)) => format!("{a} (q)"),
+            Some((a, HeadKind::Kv)) => format!("{a} (kv)"),
+            None => "-".into(),
+        };
+        let pos = i.pos_axis.map_or("-".to_string(), |a| a.to_string());
+        out.push_str(&format!(
+            "| `{name}` | `{}` | {head} | {pos} | {} |\n",
+            i.shape, i.doc
+        ));
+    }
+    out
 }
 
 /// A concrete hook point: a site, inside block `layer` when the site is layered.
@@ -307,6 +353,16 @@ mod tests {
         assert!("blocks.0.attn.hook_zz".parse::<HookPoint>().is_err());
         assert!("hook_resid_pre".parse::<HookPoint>().is_err());
         assert!(PointPattern::new("blocks.0.nope").is_err());
+    }
+
+    #[test]
+    fn docs_hooks_md_is_current() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/hooks.md");
+        let doc = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            doc == markdown_table(),
+            "docs/hooks.md is stale: run `cargo run -- hooks --markdown > docs/hooks.md`"
+        );
     }
 
     #[test]
