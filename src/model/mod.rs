@@ -1,6 +1,7 @@
 //! Models. Every architecture speaks the same interface: `forward(tokens, &HookSpec)
 //! -> (logits, cache)`, plus `forward_from(layer, resid)` for batched interventions.
 
+pub mod deepseek_v4;
 pub mod kvc;
 pub mod layers;
 pub mod safetensors_io;
@@ -149,11 +150,13 @@ pub fn load_model(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>>
     let (path, _, json) = read_config_json(dir)?;
     match json["model_type"].as_str() {
         Some(kvc::MODEL_TYPE) => Ok(Box::new(load_kvc(dir, device)?)),
+        Some(deepseek_v4::MODEL_TYPE) => Ok(Box::new(deepseek_v4::load(dir, device)?)),
         Some(other) => Err(Error::Config {
             path,
             message: format!(
-                "unsupported model_type \"{other}\" (supported: \"{}\")",
-                kvc::MODEL_TYPE
+                "unsupported model_type \"{other}\" (supported: \"{}\", \"{}\")",
+                kvc::MODEL_TYPE,
+                deepseek_v4::MODEL_TYPE
             ),
         }),
         None => Err(Error::Config {

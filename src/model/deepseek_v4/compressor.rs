@@ -1,0 +1,176 @@
+//! KV compressors: HCA (non-overlapping windows of m' tokens) and CSA (overlapping
+//! windows of 2m tokens every m tokens, the "two halves" layout). Stateless prefill:
+//! only closed windows exist, trailing tokens beyond `floor(S / rate) * rate` are unused.
+//!
+//! Per token `kv = W_kv x` and `gate = W_gate x + position_bias[offset]`; a per-channel
+//! softmax over the window's slots weights the sum, then RMSNorm (`kv_norm`) and RoPE at
+//! the window's first position `w * rate` on the last `rot_dims` channels.
+//!
+//! CSA: each token projects `2 * dim` channels. Channels `[0, dim)` (the A half) feed the
+//! NEXT window's entry, channels `[dim, 2 dim)` (the B half) its own window's entry. Entry
+//! `w` pools slots `0..m` = A half of tokens `(w-1) m + j` and slots `m..2m` = B half of
+//! tokens `w m + j`; entry 0 has no A slots (weight 0). The lightning indexer uses the
+//! same layout at `index_head_dim` ([`Pooler`] is shared).
+
+use burn::module::{Module, Param};
+use burn::tensor::Tensor;
+use burn::tensor::activation::softmax;
+
+use super::indexer::Indexer;
+use super::rope;
+use crate::error::Result;
+use crate::hooks::{HookPoint, HookRun, Site};
+use crate::model::layers::{Linear, RmsNorm, RopeTables};
+use crate::model::weights::{Init, Vb};
+
+/// The projections and norm of one pooling compressor.
+#[derive(Module, Debug)]
+pub struct Pooler {
+    /// `[slots_per_token * dim, d_model]` (2 * dim when overlapping).
+    pub kv_proj: Linear,
+    pub gate_proj: Linear,
+    /// `[rate, slots_per_token * dim]`, added to the gate logits by in-window offset.
+    pub position_bias: Param<Tensor<2>>,
+    /// Weighted RMSNorm over `dim`.
+    pub kv_norm: RmsNorm,
+    #[module(skip)]
+    pub rate: usize,
+    #[module(skip)]
+    pub overlap: bool,
+    #[module(skip)]
+    pub dim: usize,
+}
+
+impl Pooler {
+    /// Build under `vb` (names `kv_proj.weight`, `gate_proj.weight`, `position_bias`,
+    /// `kv_norm.weight`).
+    pub fn new(
+        vb: &Vb,
+        d_model: usize,
+        dim: usize,
+        rate: usize,
+        overlap: bool,
+        eps: f64,
+    ) -> Result<Self> {
+        let w = if overlap { 2 } else { 1 };
+        let std = 1.0 / (d_model as f64).sqrt();
+        Ok(Pooler {
+            kv_proj: Linear::new(&vb.pp("kv_proj"), d_model, w * dim, std)?,
+            gate_proj: Linear::new(&vb.pp("gate_proj"), d_model, w * dim, std)?,
+            position_bias: vb.param("position_bias", [rate, w * dim], Init::Zeros)?,
+            kv_norm: RmsNorm::new(&vb.pp("kv_norm"), dim, eps)?,
+            rate,
+            overlap,
+            dim,
+        })
+    }
+
+    /// Number of closed windows for a sequence of `t` tokens.
+    pub fn n_entries(&self, t: usize) -> usize {
+        t / self.rate
+    }
+
+    /// Gate weights and slot values of every closed window, both `[b, n, slots, dim]`
+    /// (slots = rate, or 2 * rate when overlapping). `None` when no window has closed.
+    pub fn windows(&self, x: &Tensor<3>) -> Option<(Tensor<4>, Tensor<4>)> {
+        let [b, t, _] = x.dims();
+        let (m, d) = (self.rate, self.dim);
+        let n = t / m;
+        if n == 0 {
+            return None;
+        }
+        let wd = if self.overlap { 2 * d } else { d };
+        let kv = self
+            .kv_proj
+            .forward(x.clone().slice_dim(1, 0..n * m))
+            .reshape([b, n, m, wd]);
+        let gate = self
+            .gate_proj
+            .forward(x.clone().slice_dim(1, 0..n * m))
+            .reshape([b, n, m, wd])
+            + self.position_bias.val().reshape([1, 1, m, wd]);
+        if !self.overlap {
+            return Some((softmax(gate, 2), kv));
+        }
+        let device = x.device();
+        let a_kv = kv.clone().slice_dim(3, 0..d);
+        let b_kv = kv.slice_dim(3, d..2 * d);
+        let a_g = gate.clone().slice_dim(3, 0..d);
+        let b_g = gate.slice_dim(3, d..2 * d);
+        // A half of window w-1 goes to entry w; entry 0 gets zero values, -inf gates.
+        let zero_kv = Tensor::<4>::zeros([b, 1, m, d], &device);
+        let ninf_g = Tensor::<4>::full([b, 1, m, d], f32::NEG_INFINITY, &device);
+        let (prev_kv, prev_g) = if n > 1 {
+            (
+                Tensor::cat(vec![zero_kv, a_kv.slice_dim(1, 0..n - 1)], 1),
+                Tensor::cat(vec![ninf_g, a_g.slice_dim(1, 0..n - 1)], 1),
+            )
+        } else {
+            (zero_kv, ninf_g)
+        };
+        let values = Tensor::cat(vec![prev_kv, b_kv], 2);
+        let logits = Tensor::cat(vec![prev_g, b_g], 2);
+        Some((softmax(logits, 2), values))
+    }
+
+    /// `kv_norm(sum_slots weights * values)`: `[b, n, dim]`.
+    pub fn pool(&self, weights: Tensor<4>, values: Tensor<4>) -> Tensor<3> {
+        let [b, n, _, d] = values.dims();
+        self.kv_norm
+            .forward((weights * values).sum_dim(2).reshape([b, n, d]))
+    }
+}
+
+/// The compressor of a CSA or HCA layer (and, for CSA, its lightning indexer).
+#[derive(Module, Debug)]
+pub struct Compressor {
+    pub pooler: Pooler,
+    /// CSA only.
+    pub indexer: Option<Indexer>,
+}
+
+/// Compressed keys and values of one layer, `[b, n, 1, head_dim]`, rotated at their
+/// window starts. They are the same tensor unless a hook changed one of them.
+pub struct Compressed {
+    pub keys: Tensor<4>,
+    pub values: Tensor<4>,
+}
+
+impl Compressor {
+    /// Run on the attention input `x: [b, t, d_model]`; `None` when no window has closed.
+    /// `starts` are the RoPE tables at the window starts `w * rate`.
+    pub fn forward(
+        &self,
+        layer: usize,
+        x: &Tensor<3>,
+        starts: &RopeTables,
+        hooks: &mut HookRun,
+    ) -> Result<Option<Compressed>> {
+        let Some((w, values)) = self.pooler.windows(x) else {
+            return Ok(None);
+        };
+        let [b, n, s, d] = w.dims();
+        let kg = HookPoint::block(layer, Site::KeyGate);
+        let vg = HookPoint::block(layer, Site::ValueGate);
+        let (pk, pv) = if hooks.touches(&kg) || hooks.touches(&vg) {
+            let wk = hooks.apply(kg, w.clone().reshape([b, n, s, 1, d]))?;
+            let wv = hooks.apply(vg, w.reshape([b, n, s, 1, d]))?;
+            (
+                self.pooler.pool(wk.reshape([b, n, s, d]), values.clone()),
+                Some(self.pooler.pool(wv.reshape([b, n, s, d]), values)),
+            )
+        } else {
+            (self.pooler.pool(w, values), None)
+        };
+        let pk = pk.reshape([b, n, 1, d]);
+        let ck = hooks.apply(HookPoint::block(layer, Site::CompressedK), pk.clone())?;
+        let cv = hooks.apply(
+            HookPoint::block(layer, Site::CompressedV),
+            pv.map(|v| v.reshape([b, n, 1, d])).unwrap_or(pk),
+        )?;
+        Ok(Some(Compressed {
+            keys: rope::rotate(ck, starts, false),
+            values: rope::rotate(cv, starts, false),
+        }))
+    }
+}

@@ -1,0 +1,778 @@
+//! `config.json` of a DeepSeek-V4 checkpoint, in the transformers form (`layer_types`,
+//! `compress_rates`, nested `rope_parameters`) or DeepSeek's release form
+//! (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`), resolved
+//! the way transformers 5.24 `DeepseekV4Config.__post_init__` resolves it.
+//!
+//! [`RawConfig`] is the file as written (every field optional, unknown keys ignored as
+//! transformers ignores them); [`DeepseekV4Config`] is the resolved, validated form the
+//! model is built from.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// The `model_type` of DeepSeek-V4 checkpoints.
+pub const MODEL_TYPE: &str = "deepseek_v4";
+
+/// Attention kind of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AttnType {
+    /// Sliding window only.
+    #[serde(rename = "sliding_attention")]
+    Sliding,
+    /// Compressed sparse attention: overlapping compression at rate m, lightning indexer.
+    #[serde(rename = "compressed_sparse_attention")]
+    Csa,
+    /// Heavily compressed attention: non-overlapping compression at rate m'.
+    #[serde(rename = "heavily_compressed_attention")]
+    Hca,
+}
+
+impl AttnType {
+    /// The name used in `layer_types`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnType::Sliding => "sliding_attention",
+            AttnType::Csa => "compressed_sparse_attention",
+            AttnType::Hca => "heavily_compressed_attention",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "sliding_attention" => AttnType::Sliding,
+            "compressed_sparse_attention" => AttnType::Csa,
+            "heavily_compressed_attention" => AttnType::Hca,
+            _ => return None,
+        })
+    }
+}
+
+/// MoE routing kind of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpType {
+    /// Experts chosen by a fixed token-id table (`tid2eid`).
+    HashMoe,
+    /// Learned top-k routing with a score-correction bias.
+    Moe,
+}
+
+/// Router scoring function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScoringFunc {
+    /// `sqrt(softplus(x))` (V4 default).
+    Sqrtsoftplus,
+    /// Softmax over the experts. transformers 5.24 cannot build this (`ACT2FN` has no
+    /// `softmax`), so there is no parity target; phaselens implements the usual definition.
+    Softmax,
+    /// `1 / (1 + e^-x)`.
+    Sigmoid,
+}
+
+/// A resolved rotary table: inverse frequencies (f32, as the reference computes them)
+/// and the factor multiplied into cos and sin.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RopeSpec {
+    /// `default` or `yarn`.
+    pub rope_type: String,
+    pub theta: f64,
+    /// Number of rotated channels (the LAST `rot_dims` of a head).
+    pub rot_dims: usize,
+    /// YaRN factor (1 for default).
+    pub factor: f64,
+    pub original_max_position_embeddings: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// Multiplies cos and sin.
+    pub attention_scaling: f64,
+}
+
+/// The config.json as written: every field optional.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct RawConfig {
+    pub model_type: Option<String>,
+    pub vocab_size: Option<usize>,
+    pub hidden_size: Option<usize>,
+    pub moe_intermediate_size: Option<usize>,
+    pub num_hidden_layers: Option<usize>,
+    pub num_attention_heads: Option<usize>,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub q_lora_rank: Option<usize>,
+    pub num_experts_per_tok: Option<usize>,
+    pub n_routed_experts: Option<usize>,
+    pub n_shared_experts: Option<usize>,
+    pub scoring_func: Option<String>,
+    pub routed_scaling_factor: Option<f64>,
+    pub max_position_embeddings: Option<f64>,
+    pub rope_theta: Option<f64>,
+    pub layer_types: Option<Vec<String>>,
+    pub compress_rates: Option<serde_json::Map<String, Value>>,
+    pub compress_rope_theta: Option<f64>,
+    pub hc_mult: Option<usize>,
+    pub hc_sinkhorn_iters: Option<usize>,
+    pub hc_eps: Option<f64>,
+    pub mlp_layer_types: Option<Vec<String>>,
+    pub swiglu_limit: Option<f64>,
+    pub sliding_window: Option<usize>,
+    pub o_groups: Option<usize>,
+    pub o_lora_rank: Option<usize>,
+    pub index_n_heads: Option<usize>,
+    pub index_head_dim: Option<usize>,
+    pub index_topk: Option<usize>,
+    pub hidden_act: Option<String>,
+    pub rms_norm_eps: Option<f64>,
+    pub tie_word_embeddings: Option<bool>,
+    pub rope_parameters: Option<Value>,
+    pub partial_rotary_factor: Option<f64>,
+    pub mlp_bias: Option<bool>,
+    pub attention_bias: Option<bool>,
+    pub quantization_config: Option<Value>,
+    // Legacy (release) keys.
+    pub compress_ratios: Option<Vec<i64>>,
+    pub compress_rate_csa: Option<usize>,
+    pub compress_rate_hca: Option<usize>,
+    pub num_hash_layers: Option<usize>,
+    pub qk_rope_head_dim: Option<usize>,
+    pub rope_scaling: Option<Value>,
+}
+
+/// The resolved configuration the model is built from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeepseekV4Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub head_dim: usize,
+    pub q_lora_rank: usize,
+    pub o_groups: usize,
+    pub o_lora_rank: usize,
+    pub sliding_window: usize,
+    /// CSA rate m.
+    pub csa_rate: usize,
+    /// HCA rate m'.
+    pub hca_rate: usize,
+    pub layer_types: Vec<AttnType>,
+    pub mlp_layer_types: Vec<MlpType>,
+    pub index_n_heads: usize,
+    pub index_head_dim: usize,
+    pub index_topk: usize,
+    /// Rotary of sliding layers.
+    pub rope_main: RopeSpec,
+    /// Rotary of CSA/HCA layers, their compressors and the indexer.
+    pub rope_compress: RopeSpec,
+    pub hc_mult: usize,
+    pub hc_sinkhorn_iters: usize,
+    pub hc_eps: f64,
+    pub rms_norm_eps: f64,
+    pub n_routed_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub scoring_func: ScoringFunc,
+    pub routed_scaling_factor: f64,
+    pub swiglu_limit: f64,
+    /// Biases on the shared expert's linears.
+    pub mlp_bias: bool,
+    pub tie_word_embeddings: bool,
+    /// FP8 block size from `quantization_config.weight_block_size` (default 128 x 128).
+    pub fp8_block: [usize; 2],
+}
+
+impl DeepseekV4Config {
+    /// Parse and resolve config.json text.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let raw: RawConfig = serde_json::from_str(text)
+            .map_err(|e| Error::field("config.json", format!("cannot parse: {e}")))?;
+        Self::resolve(&raw)
+    }
+
+    /// Resolve a raw config (defaults are the V4-Flash values, as in transformers).
+    pub fn resolve(r: &RawConfig) -> Result<Self> {
+        if let Some(mt) = &r.model_type
+            && mt != MODEL_TYPE
+        {
+            return Err(Error::field(
+                "model_type",
+                format!("must be \"{MODEL_TYPE}\", got \"{mt}\""),
+            ));
+        }
+        let n = r.num_hidden_layers.unwrap_or(43);
+        let head_dim = r.head_dim.unwrap_or(512);
+
+        // compress rates: dict, then legacy scalar overrides.
+        let mut csa_rate = 4usize;
+        let mut hca_rate = 128usize;
+        if let Some(m) = &r.compress_rates {
+            for (k, v) in m {
+                let v = v.as_u64().ok_or_else(|| {
+                    Error::field(format!("compress_rates.{k}"), "must be a positive integer")
+                })? as usize;
+                match AttnType::parse(k) {
+                    Some(AttnType::Csa) => csa_rate = v,
+                    Some(AttnType::Hca) => hca_rate = v,
+                    _ => {
+                        return Err(Error::field(
+                            "compress_rates",
+                            format!(
+                                "unknown key \"{k}\" (allowed: \"compressed_sparse_attention\", \"heavily_compressed_attention\")"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(v) = r.compress_rate_csa {
+            csa_rate = v;
+        }
+        if let Some(v) = r.compress_rate_hca {
+            hca_rate = v;
+        }
+
+        // layer types: explicit > legacy compress_ratios > V4-Pro default; truncated to n.
+        let mut layer_types: Vec<AttnType> = if let Some(lt) = &r.layer_types {
+            lt.iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    AttnType::parse(s).ok_or_else(|| {
+                        Error::field(
+                            format!("layer_types[{i}]"),
+                            format!(
+                                "\"{s}\" is not one of \"sliding_attention\", \"compressed_sparse_attention\", \"heavily_compressed_attention\""
+                            ),
+                        )
+                    })
+                })
+                .collect::<Result<_>>()?
+        } else if let Some(cr) = &r.compress_ratios {
+            cr.iter()
+                .enumerate()
+                .map(|(i, &v)| match v {
+                    0 => Ok(AttnType::Sliding),
+                    4 => Ok(AttnType::Csa),
+                    128 => Ok(AttnType::Hca),
+                    _ => Err(Error::field(
+                        format!("compress_ratios[{i}]"),
+                        format!("{v} is not one of 0 (sliding), 4 (CSA), 128 (HCA)"),
+                    )),
+                })
+                .collect::<Result<_>>()?
+        } else {
+            let mut v = vec![AttnType::Hca; n.min(2)];
+            v.extend((0..n.saturating_sub(2)).map(|i| {
+                if i % 2 == 1 {
+                    AttnType::Csa
+                } else {
+                    AttnType::Hca
+                }
+            }));
+            v
+        };
+        layer_types.truncate(n);
+        if layer_types.len() != n {
+            return Err(Error::field(
+                if r.layer_types.is_some() {
+                    "layer_types"
+                } else {
+                    "compress_ratios"
+                },
+                format!(
+                    "has {} entries but num_hidden_layers is {n}",
+                    layer_types.len()
+                ),
+            ));
+        }
+
+        let mut mlp_layer_types: Vec<MlpType> = if let Some(mt) = &r.mlp_layer_types {
+            mt.iter()
+                .enumerate()
+                .map(|(i, s)| match s.as_str() {
+                    "hash_moe" => Ok(MlpType::HashMoe),
+                    "moe" => Ok(MlpType::Moe),
+                    _ => Err(Error::field(
+                        format!("mlp_layer_types[{i}]"),
+                        format!("\"{s}\" is not one of \"hash_moe\", \"moe\""),
+                    )),
+                })
+                .collect::<Result<_>>()?
+        } else {
+            let h = r.num_hash_layers.unwrap_or(3).min(n);
+            let mut v = vec![MlpType::HashMoe; h];
+            v.extend(std::iter::repeat_n(MlpType::Moe, n - h));
+            v
+        };
+        mlp_layer_types.truncate(n);
+        if mlp_layer_types.len() != n {
+            return Err(Error::field(
+                "mlp_layer_types",
+                format!(
+                    "has {} entries but num_hidden_layers is {n}",
+                    mlp_layer_types.len()
+                ),
+            ));
+        }
+
+        let partial = match (r.partial_rotary_factor, r.qk_rope_head_dim) {
+            (Some(p), _) => p,
+            (None, Some(q)) => q as f64 / head_dim as f64,
+            (None, None) => 64.0 / 512.0,
+        };
+        let max_pos = r.max_position_embeddings.unwrap_or(1048576.0);
+        let rope_theta = r.rope_theta.unwrap_or(10000.0);
+        let compress_theta = r.compress_rope_theta.unwrap_or(160000.0);
+        let (rope_main, rope_compress) =
+            resolve_rope(r, head_dim, partial, rope_theta, compress_theta, max_pos)?;
+
+        let scoring_func = match r.scoring_func.as_deref().unwrap_or("sqrtsoftplus") {
+            "sqrtsoftplus" => ScoringFunc::Sqrtsoftplus,
+            "softmax" => ScoringFunc::Softmax,
+            "sigmoid" => ScoringFunc::Sigmoid,
+            other => {
+                return Err(Error::field(
+                    "scoring_func",
+                    format!("\"{other}\" is not one of \"sqrtsoftplus\", \"softmax\", \"sigmoid\""),
+                ));
+            }
+        };
+        if let Some(act) = &r.hidden_act
+            && act != "silu"
+            && act != "swish"
+        {
+            return Err(Error::field(
+                "hidden_act",
+                format!("only \"silu\" is supported, got \"{act}\""),
+            ));
+        }
+        if r.attention_bias == Some(true) {
+            return Err(Error::field(
+                "attention_bias",
+                "DeepSeek-V4 attention has no biases (transformers ignores the flag); set it to false",
+            ));
+        }
+        if let Some(kv) = r.num_key_value_heads
+            && kv != 1
+        {
+            return Err(Error::field(
+                "num_key_value_heads",
+                format!("DeepSeek-V4 has one shared K=V head, got {kv}"),
+            ));
+        }
+        let fp8_block = match r
+            .quantization_config
+            .as_ref()
+            .and_then(|q| q.get("weight_block_size"))
+        {
+            None | Some(Value::Null) => [128, 128],
+            Some(v) => {
+                let a: Option<Vec<usize>> = v.as_array().map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_u64().map(|x| x as usize))
+                        .collect()
+                });
+                match a.as_deref() {
+                    Some([a, b]) if *a > 0 && *b > 0 => [*a, *b],
+                    _ => {
+                        return Err(Error::field(
+                            "quantization_config.weight_block_size",
+                            format!("must be two positive integers, got {v}"),
+                        ));
+                    }
+                }
+            }
+        };
+
+        let c = DeepseekV4Config {
+            vocab_size: r.vocab_size.unwrap_or(129280),
+            hidden_size: r.hidden_size.unwrap_or(4096),
+            num_hidden_layers: n,
+            num_attention_heads: r.num_attention_heads.unwrap_or(64),
+            head_dim,
+            q_lora_rank: r.q_lora_rank.unwrap_or(1024),
+            o_groups: r.o_groups.unwrap_or(8),
+            o_lora_rank: r.o_lora_rank.unwrap_or(1024),
+            sliding_window: r.sliding_window.unwrap_or(128),
+            csa_rate,
+            hca_rate,
+            layer_types,
+            mlp_layer_types,
+            index_n_heads: r.index_n_heads.unwrap_or(64),
+            index_head_dim: r.index_head_dim.unwrap_or(128),
+            index_topk: r.index_topk.unwrap_or(512),
+            rope_main,
+            rope_compress,
+            hc_mult: r.hc_mult.unwrap_or(4),
+            hc_sinkhorn_iters: r.hc_sinkhorn_iters.unwrap_or(20),
+            hc_eps: r.hc_eps.unwrap_or(1e-6),
+            rms_norm_eps: r.rms_norm_eps.unwrap_or(1e-6),
+            n_routed_experts: r.n_routed_experts.unwrap_or(256),
+            num_experts_per_tok: r.num_experts_per_tok.unwrap_or(6),
+            moe_intermediate_size: r.moe_intermediate_size.unwrap_or(2048),
+            scoring_func,
+            routed_scaling_factor: r.routed_scaling_factor.unwrap_or(1.5),
+            swiglu_limit: r.swiglu_limit.unwrap_or(10.0),
+            mlp_bias: r.mlp_bias.unwrap_or(false),
+            tie_word_embeddings: r.tie_word_embeddings.unwrap_or(false),
+            fp8_block,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Check the resolved values; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        let pos = |name: &str, v: usize| {
+            if v == 0 {
+                Err(Error::field(name, "must be at least 1"))
+            } else {
+                Ok(())
+            }
+        };
+        pos("vocab_size", self.vocab_size)?;
+        pos("hidden_size", self.hidden_size)?;
+        pos("num_hidden_layers", self.num_hidden_layers)?;
+        pos("num_attention_heads", self.num_attention_heads)?;
+        pos("head_dim", self.head_dim)?;
+        pos("q_lora_rank", self.q_lora_rank)?;
+        pos("o_groups", self.o_groups)?;
+        pos("o_lora_rank", self.o_lora_rank)?;
+        pos("sliding_window", self.sliding_window)?;
+        pos("compress_rates.compressed_sparse_attention", self.csa_rate)?;
+        pos("compress_rates.heavily_compressed_attention", self.hca_rate)?;
+        pos("hc_mult", self.hc_mult)?;
+        pos("hc_sinkhorn_iters", self.hc_sinkhorn_iters)?;
+        pos("n_routed_experts", self.n_routed_experts)?;
+        pos("num_experts_per_tok", self.num_experts_per_tok)?;
+        pos("moe_intermediate_size", self.moe_intermediate_size)?;
+        if self.num_experts_per_tok > self.n_routed_experts {
+            return Err(Error::field(
+                "num_experts_per_tok",
+                format!(
+                    "must be at most n_routed_experts ({}), got {}",
+                    self.n_routed_experts, self.num_experts_per_tok
+                ),
+            ));
+        }
+        if !self.num_attention_heads.is_multiple_of(self.o_groups) {
+            return Err(Error::field(
+                "o_groups",
+                format!(
+                    "must divide num_attention_heads ({}), got {}",
+                    self.num_attention_heads, self.o_groups
+                ),
+            ));
+        }
+        for (name, r) in [("main", &self.rope_main), ("compress", &self.rope_compress)] {
+            if r.rot_dims % 2 != 0 || r.rot_dims > self.head_dim {
+                return Err(Error::field(
+                    format!("rope_parameters.{name}.partial_rotary_factor"),
+                    format!(
+                        "gives {} rotated dims; must be even and at most head_dim ({})",
+                        r.rot_dims, self.head_dim
+                    ),
+                ));
+            }
+        }
+        if self.layer_types.contains(&AttnType::Csa) {
+            pos("index_n_heads", self.index_n_heads)?;
+            pos("index_head_dim", self.index_head_dim)?;
+            pos("index_topk", self.index_topk)?;
+            if self.rope_compress.rot_dims > self.index_head_dim {
+                return Err(Error::field(
+                    "index_head_dim",
+                    format!(
+                        "must be at least the rotated dims ({}), got {}",
+                        self.rope_compress.rot_dims, self.index_head_dim
+                    ),
+                ));
+            }
+        }
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
+            return Err(Error::field("rms_norm_eps", "must be > 0"));
+        }
+        if self.hc_eps.is_nan() || self.hc_eps < 0.0 {
+            return Err(Error::field("hc_eps", "must be >= 0"));
+        }
+        if self.swiglu_limit.is_nan() || self.swiglu_limit <= 0.0 {
+            return Err(Error::field("swiglu_limit", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// The compression rate of a layer type (None for sliding layers).
+    pub fn rate(&self, t: AttnType) -> Option<usize> {
+        match t {
+            AttnType::Sliding => None,
+            AttnType::Csa => Some(self.csa_rate),
+            AttnType::Hca => Some(self.hca_rate),
+        }
+    }
+
+    /// Number of parameters (f32 values) the model holds.
+    pub fn n_params(&self) -> usize {
+        let (h, d, nh, q) = (
+            self.hidden_size,
+            self.head_dim,
+            self.num_attention_heads,
+            self.q_lora_rank,
+        );
+        let (e, i, n) = (
+            self.n_routed_experts,
+            self.moe_intermediate_size,
+            self.hc_mult,
+        );
+        let hc = (2 + n) * n * (n * h) + (2 + n) * n + 3;
+        let mut total = 2 * self.vocab_size * h + h + n * n * h + n + 1;
+        if self.tie_word_embeddings {
+            total -= self.vocab_size * h;
+        }
+        for (l, t) in self.layer_types.iter().enumerate() {
+            let mut p = h * q + q + q * nh * d + h * d + d;
+            p += self.o_groups * self.o_lora_rank * (nh * d / self.o_groups);
+            p += h * self.o_groups * self.o_lora_rank + nh;
+            let (di, hi) = (self.index_head_dim, self.index_n_heads);
+            p += match t {
+                AttnType::Sliding => 0,
+                AttnType::Hca => 2 * h * d + self.hca_rate * d + d,
+                AttnType::Csa => {
+                    4 * h * d
+                        + self.csa_rate * 2 * d
+                        + d
+                        + 4 * h * di
+                        + self.csa_rate * 2 * di
+                        + di
+                        + hi * di * q
+                        + hi * h
+                }
+            };
+            p += 2 * h + 2 * hc;
+            p += e * h + e * 3 * i * h + 3 * i * h;
+            if self.mlp_bias {
+                p += 2 * i + h;
+            }
+            if self.mlp_layer_types[l] == MlpType::Moe {
+                p += e;
+            }
+            total += p;
+        }
+        total
+    }
+}
+
+fn rope_err(field: &str, msg: impl Into<String>) -> Error {
+    Error::field(field, msg)
+}
+
+/// Resolve the `main` and `compress` rotaries (transformers' `__post_init__` + rope init).
+fn resolve_rope(
+    r: &RawConfig,
+    head_dim: usize,
+    partial: f64,
+    rope_theta: f64,
+    compress_theta: f64,
+    max_pos: f64,
+) -> Result<(RopeSpec, RopeSpec)> {
+    let rp = r.rope_parameters.clone().or_else(|| r.rope_scaling.clone());
+    let rp = match rp {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(m)) => m,
+        Some(other) => {
+            return Err(rope_err(
+                "rope_parameters",
+                format!("must be an object, got {other}"),
+            ));
+        }
+    };
+    let nested = matches!(rp.get("main"), Some(Value::Object(_)))
+        && matches!(rp.get("compress"), Some(Value::Object(_)));
+    let (main, compress) = if nested {
+        let m = rp["main"].as_object().cloned().unwrap_or_default();
+        let c = rp["compress"].as_object().cloned().unwrap_or_default();
+        (m, c)
+    } else {
+        let mut flat: serde_json::Map<String, Value> = rp
+            .into_iter()
+            .filter(|(k, _)| k != "main" && k != "compress")
+            .collect();
+        if !flat.contains_key("rope_type")
+            && let Some(t) = flat.get("type").cloned()
+        {
+            flat.insert("rope_type".into(), t);
+        }
+        let mut main = serde_json::Map::new();
+        main.insert("rope_type".into(), Value::from("default"));
+        main.insert("rope_theta".into(), Value::from(rope_theta));
+        main.insert("partial_rotary_factor".into(), Value::from(partial));
+        let mut compress = flat;
+        compress.insert("rope_theta".into(), Value::from(compress_theta));
+        compress.insert("partial_rotary_factor".into(), Value::from(partial));
+        if !compress.contains_key("rope_type") {
+            compress.insert("rope_type".into(), Value::from("default"));
+        }
+        if compress["rope_type"] == "yarn" && !compress.contains_key("attention_factor") {
+            compress.insert("attention_factor".into(), Value::from(1.0));
+        }
+        (main, compress)
+    };
+    Ok((
+        rope_spec("rope_parameters.main", &main, head_dim, max_pos)?,
+        rope_spec("rope_parameters.compress", &compress, head_dim, max_pos)?,
+    ))
+}
+
+fn num(m: &serde_json::Map<String, Value>, k: &str) -> Option<f64> {
+    m.get(k).and_then(|v| v.as_f64())
+}
+
+fn rope_spec(
+    field: &str,
+    m: &serde_json::Map<String, Value>,
+    head_dim: usize,
+    max_pos: f64,
+) -> Result<RopeSpec> {
+    let rope_type = m
+        .get("rope_type")
+        .or_else(|| m.get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default")
+        .to_string();
+    let theta =
+        num(m, "rope_theta").ok_or_else(|| rope_err(&format!("{field}.rope_theta"), "missing"))?;
+    if theta.is_nan() || theta <= 1.0 {
+        return Err(rope_err(
+            &format!("{field}.rope_theta"),
+            format!("must be > 1, got {theta}"),
+        ));
+    }
+    let partial = num(m, "partial_rotary_factor").unwrap_or(1.0);
+    let rot_dims = (head_dim as f64 * partial) as usize;
+    match rope_type.as_str() {
+        "default" => Ok(RopeSpec {
+            rope_type,
+            theta,
+            rot_dims,
+            factor: 1.0,
+            original_max_position_embeddings: max_pos,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_scaling: 1.0,
+        }),
+        "yarn" => {
+            let orig = num(m, "original_max_position_embeddings").unwrap_or(max_pos);
+            let factor = num(m, "factor").unwrap_or(max_pos / orig);
+            let get_mscale = |scale: f64, ms: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * ms * scale.ln() + 1.0
+                }
+            };
+            let attention_scaling = match num(m, "attention_factor") {
+                Some(a) => a,
+                None => match (num(m, "mscale"), num(m, "mscale_all_dim")) {
+                    (Some(a), Some(b)) if a != 0.0 && b != 0.0 => {
+                        get_mscale(factor, a) / get_mscale(factor, b)
+                    }
+                    _ => get_mscale(factor, 1.0),
+                },
+            };
+            let nz = |k: &str, d: f64| match num(m, k) {
+                Some(v) if v != 0.0 => v,
+                _ => d,
+            };
+            Ok(RopeSpec {
+                rope_type,
+                theta,
+                rot_dims,
+                factor,
+                original_max_position_embeddings: orig,
+                beta_fast: nz("beta_fast", 32.0),
+                beta_slow: nz("beta_slow", 1.0),
+                attention_scaling,
+            })
+        }
+        other => Err(rope_err(
+            &format!("{field}.rope_type"),
+            format!("\"{other}\" is not supported (supported: \"default\", \"yarn\")"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn legacy_release_keys_resolve() {
+        let c = DeepseekV4Config::from_json(
+            r#"{"model_type": "deepseek_v4", "num_hidden_layers": 4, "head_dim": 32,
+                "qk_rope_head_dim": 8, "num_hash_layers": 2,
+                "compress_ratios": [128, 128, 4, 0, 4],
+                "rope_scaling": {"type": "yarn", "factor": 16,
+                    "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+                "topk_method": "noaux_tc"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.layer_types,
+            vec![
+                AttnType::Hca,
+                AttnType::Hca,
+                AttnType::Csa,
+                AttnType::Sliding
+            ]
+        );
+        assert_eq!(
+            c.mlp_layer_types,
+            vec![
+                MlpType::HashMoe,
+                MlpType::HashMoe,
+                MlpType::Moe,
+                MlpType::Moe
+            ]
+        );
+        assert_eq!(c.rope_main.rope_type, "default");
+        assert_eq!(c.rope_main.rot_dims, 8);
+        assert_eq!(c.rope_compress.rope_type, "yarn");
+        assert_eq!(c.rope_compress.theta, 160000.0);
+        assert_eq!(c.rope_compress.attention_scaling, 1.0);
+        assert_eq!(c.hca_rate, 128);
+    }
+
+    #[test]
+    fn defaults_follow_v4_pro_schedule() {
+        let c = DeepseekV4Config::from_json(r#"{"num_hidden_layers": 6}"#).unwrap();
+        use AttnType::*;
+        assert_eq!(c.layer_types, vec![Hca, Hca, Hca, Csa, Hca, Csa]);
+        assert_eq!(c.mlp_layer_types[2], MlpType::HashMoe);
+        assert_eq!(c.mlp_layer_types[3], MlpType::Moe);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e =
+            DeepseekV4Config::from_json(r#"{"num_hidden_layers": 2, "compress_ratios": [4, 7]}"#)
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("compress_ratios[1]"), "{e}");
+        let e = DeepseekV4Config::from_json(
+            r#"{"num_hidden_layers": 3, "layer_types": ["sliding_attention"]}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("layer_types"), "{e}");
+        let e = DeepseekV4Config::from_json(r#"{"scoring_func": "relu"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("scoring_func"), "{e}");
+        let e = DeepseekV4Config::from_json(
+            r#"{"rope_parameters": {"rope_type": "longrope", "factor": 2}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("rope_parameters.compress.rope_type"), "{e}");
+    }
+}

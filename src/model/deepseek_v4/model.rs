@@ -1,0 +1,373 @@
+//! The DeepSeek-V4 decoder: embedding -> `hc_mult` residual streams -> layers (mHC around
+//! attention and MoE) -> hyper-head collapse -> RMSNorm -> LM head.
+//!
+//! The residual state at `blocks.{l}.hook_resid_pre/mid/post` is the mHC stream tensor
+//! `[batch, pos, hc_mult, d_model]`; `forward_from` starts from it.
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor};
+
+use super::attention::{Attention, Geometry};
+use super::compressor::{Compressor, Pooler};
+use super::config::{AttnType, DeepseekV4Config, MODEL_TYPE};
+use super::indexer::{CsaGeometry, Indexer};
+use super::mhc::{self, HyperConnection, HyperHead, Sublayer};
+use super::moe::{Moe, MoeDims};
+use super::rope;
+use crate::error::{Error, Result};
+use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
+use crate::model::layers::{Embedding, Linear, RmsNorm, mask_from_fn};
+use crate::model::weights::{Init, Vb};
+use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo};
+
+/// One decoder layer (`model.layers.{l}`).
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    pub self_attn: Attention,
+    pub mlp: Moe,
+    pub input_layernorm: RmsNorm,
+    pub post_attention_layernorm: RmsNorm,
+    pub attn_hc: HyperConnection,
+    pub ffn_hc: HyperConnection,
+}
+
+/// `model.*`: everything but the LM head.
+#[derive(Module, Debug)]
+pub struct Backbone {
+    pub embed_tokens: Embedding,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: RmsNorm,
+    pub hc_head: HyperHead,
+}
+
+/// A DeepSeek-V4 causal LM (`DeepseekV4ForCausalLM`).
+#[derive(Module, Debug)]
+pub struct DeepseekV4Model {
+    pub model: Backbone,
+    /// Absent with `tie_word_embeddings`.
+    pub lm_head: Option<Linear>,
+    #[module(skip)]
+    pub config: DeepseekV4Config,
+}
+
+impl DeepseekV4Model {
+    /// Build from a weight source; parameter names are transformers' module paths
+    /// (`model.layers.3.self_attn.q_a_proj.weight`, ...; see `checkpoint.rs` for the
+    /// other spellings).
+    pub fn new(config: &DeepseekV4Config, vb: &Vb) -> Result<Self> {
+        config.validate()?;
+        let c = config;
+        let (h, nh, dh, q) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.head_dim,
+            c.q_lora_rank,
+        );
+        let eps = c.rms_norm_eps;
+        let vm = vb.pp("model");
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for (l, &kind) in c.layer_types.iter().enumerate() {
+            let vl = vm.pp("layers").pp(l);
+            let va = vl.pp("self_attn");
+            let vc = va.pp("compressor");
+            let compressor = match kind {
+                AttnType::Sliding => None,
+                AttnType::Hca => Some(Compressor {
+                    pooler: Pooler::new(&vc, h, dh, c.hca_rate, false, eps)?,
+                    indexer: None,
+                }),
+                AttnType::Csa => Some(Compressor {
+                    pooler: Pooler::new(&vc, h, dh, c.csa_rate, true, eps)?,
+                    indexer: Some(Indexer::new(
+                        &vc.pp("indexer"),
+                        h,
+                        q,
+                        c.index_n_heads,
+                        c.index_head_dim,
+                        c.csa_rate,
+                        c.index_topk,
+                        eps,
+                    )?),
+                }),
+            };
+            let s = |d_in: usize| 1.0 / (d_in as f64).sqrt();
+            let gr = c.o_groups * c.o_lora_rank;
+            let self_attn = Attention {
+                q_a_proj: Linear::new(&va.pp("q_a_proj"), h, q, s(h))?,
+                q_a_norm: RmsNorm::new(&va.pp("q_a_norm"), q, eps)?,
+                q_b_proj: Linear::new(&va.pp("q_b_proj"), q, nh * dh, s(q))?,
+                kv_proj: Linear::new(&va.pp("kv_proj"), h, dh, s(h))?,
+                kv_norm: RmsNorm::new(&va.pp("kv_norm"), dh, eps)?,
+                o_a_proj: Linear::new(
+                    &va.pp("o_a_proj"),
+                    nh * dh / c.o_groups,
+                    gr,
+                    s(nh * dh / c.o_groups),
+                )?,
+                o_b_proj: Linear::new(&va.pp("o_b_proj"), gr, h, s(gr))?,
+                sinks: va.param("sinks", [nh], Init::Zeros)?,
+                compressor,
+                kind,
+                n_heads: nh,
+                head_dim: dh,
+                o_groups: c.o_groups,
+                eps,
+            };
+            let dims = MoeDims {
+                d_model: h,
+                d_ff: c.moe_intermediate_size,
+                n_experts: c.n_routed_experts,
+                top_k: c.num_experts_per_tok,
+                vocab: c.vocab_size,
+            };
+            let hc = |name: &str| {
+                HyperConnection::new(
+                    &vl.pp(name),
+                    h,
+                    c.hc_mult,
+                    c.hc_sinkhorn_iters,
+                    c.hc_eps,
+                    eps,
+                )
+            };
+            layers.push(DecoderLayer {
+                self_attn,
+                mlp: Moe::new(
+                    &vl.pp("mlp"),
+                    &dims,
+                    c.mlp_layer_types[l],
+                    c.scoring_func,
+                    c.routed_scaling_factor,
+                    c.swiglu_limit,
+                    c.mlp_bias,
+                )?,
+                input_layernorm: RmsNorm::new(&vl.pp("input_layernorm"), h, eps)?,
+                post_attention_layernorm: RmsNorm::new(&vl.pp("post_attention_layernorm"), h, eps)?,
+                attn_hc: hc("attn_hc")?,
+                ffn_hc: hc("ffn_hc")?,
+            });
+        }
+        Ok(DeepseekV4Model {
+            model: Backbone {
+                embed_tokens: Embedding::new(&vm.pp("embed_tokens"), c.vocab_size, h, 1.0)?,
+                layers,
+                norm: RmsNorm::new(&vm.pp("norm"), h, eps)?,
+                hc_head: HyperHead::new(&vm.pp("hc_head"), h, c.hc_mult, c.hc_eps, eps)?,
+            },
+            lm_head: (!c.tie_word_embeddings)
+                .then(|| Linear::new(&vb.pp("lm_head"), h, c.vocab_size, 1.0 / (h as f64).sqrt()))
+                .transpose()?,
+            config: config.clone(),
+        })
+    }
+
+    /// Static description. Sliding layers: `Sliding { window }`; CSA: `Compressed
+    /// { window: 2m, stride: m, local_tail: sliding_window }` (entry w pools tokens
+    /// `(w-1)m .. (w+1)m`); HCA: `Compressed { window: m', stride: m', local_tail }`.
+    pub fn info(&self) -> ModelInfo {
+        let c = &self.config;
+        let w = c.sliding_window;
+        ModelInfo {
+            arch: MODEL_TYPE.into(),
+            vocab_size: c.vocab_size,
+            d_model: c.hidden_size,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: 1,
+            d_head: c.head_dim,
+            layers: c
+                .layer_types
+                .iter()
+                .map(|t| LayerSpec {
+                    kind: match t {
+                        AttnType::Sliding => LayerKind::Sliding { window: w },
+                        AttnType::Csa => LayerKind::Compressed {
+                            window: 2 * c.csa_rate,
+                            stride: c.csa_rate,
+                            local_tail: w,
+                        },
+                        AttnType::Hca => LayerKind::Compressed {
+                            window: c.hca_rate,
+                            stride: c.hca_rate,
+                            local_tail: w,
+                        },
+                    },
+                    n_heads: c.num_attention_heads,
+                    n_kv_heads: 1,
+                })
+                .collect(),
+        }
+    }
+
+    /// Number of parameters.
+    pub fn n_params(&self) -> usize {
+        self.num_params()
+    }
+
+    fn token_ids(&self, tokens: &Tensor<2, Int>) -> Result<Vec<i64>> {
+        let [b, t] = tokens.dims();
+        if b == 0 || t == 0 {
+            return Err(Error::Input(format!("empty token batch [{b}, {t}]")));
+        }
+        let ids: Vec<i64> = tokens
+            .to_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .map_err(|e| Error::Input(format!("token ids: {e:?}")))?;
+        let v = self.config.vocab_size;
+        if let Some((i, bad)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, x)| **x < 0 || **x as usize >= v)
+        {
+            return Err(Error::Input(format!(
+                "row {}, position {}: token id {bad} is out of the vocabulary 0..{v}",
+                i / t,
+                i % t
+            )));
+        }
+        Ok(ids)
+    }
+
+    /// Full forward pass: `[batch, pos]` ids -> logits `[batch, pos, vocab]` and captures.
+    pub fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
+        let ids = self.token_ids(&tokens)?;
+        let [b, t] = tokens.dims();
+        let mut hooks = spec.run();
+        let e = self.model.embed_tokens.forward(tokens);
+        let e = hooks.apply(HookPoint::global(Site::Embed), e)?;
+        let h = self.config.hidden_size;
+        let n = self.config.hc_mult;
+        let x = e.reshape([b, t, 1, h]).expand([b, t, n, h]);
+        self.run_layers(x, 0, &ids, &mut hooks)
+    }
+
+    /// Forward from layer `start` given the streams entering it
+    /// (`blocks.{start}.hook_resid_pre`, `[batch, pos, hc_mult, d_model]`). `tokens` are
+    /// needed for hash routing.
+    pub fn forward_from(
+        &self,
+        tokens: Tensor<2, Int>,
+        start: usize,
+        resid: Tensor<4>,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        let n_layers = self.model.layers.len();
+        if start > n_layers {
+            return Err(Error::Input(format!(
+                "start layer {start} out of range 0..={n_layers}"
+            )));
+        }
+        let ids = self.token_ids(&tokens)?;
+        let [b, t] = tokens.dims();
+        let want = [b, t, self.config.hc_mult, self.config.hidden_size];
+        if resid.dims() != want {
+            return Err(Error::Input(format!(
+                "residual streams have shape {:?}, expected {want:?} ([batch, pos, hc_mult, d_model] for the tokens)",
+                resid.dims()
+            )));
+        }
+        let mut hooks = spec.run();
+        self.run_layers(resid, start, &ids, &mut hooks)
+    }
+
+    /// The per-forward geometry for `t` tokens.
+    pub fn geometry(&self, t: usize, device: &Device) -> Geometry {
+        let c = &self.config;
+        let pos: Vec<usize> = (0..t).collect();
+        let w = c.sliding_window;
+        let starts = |rate: usize| {
+            let p: Vec<usize> = (0..t / rate).map(|i| i * rate).collect();
+            rope::tables(&c.rope_compress, &p, device)
+        };
+        let hca = c.layer_types.contains(&AttnType::Hca).then(|| {
+            let m = c.hca_rate;
+            let n = t / m;
+            let vis = mask_from_fn(t, n, device, |q, e| e < (q + 1) / m);
+            (n, vis, starts(m))
+        });
+        let csa = c
+            .layer_types
+            .contains(&AttnType::Csa)
+            .then(|| CsaGeometry::new(t, c.csa_rate, starts(c.csa_rate), device));
+        Geometry {
+            main: rope::tables(&c.rope_main, &pos, device),
+            compress: rope::tables(&c.rope_compress, &pos, device),
+            window: mask_from_fn(t, t, device, |q, k| k <= q && k + w > q),
+            hca,
+            csa,
+        }
+    }
+
+    fn run_layers(
+        &self,
+        mut x: Tensor<4>,
+        start: usize,
+        ids: &[i64],
+        hooks: &mut HookRun,
+    ) -> Result<ForwardOutput> {
+        let [_, t, _, _] = x.dims();
+        let geo = self.geometry(t, &x.device());
+        for (l, layer) in self.model.layers.iter().enumerate().skip(start) {
+            x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
+            let hc = layer.attn_hc.forward(l, Sublayer::Attention, &x, hooks)?;
+            let a = layer.self_attn.forward(
+                l,
+                layer.input_layernorm.forward(hc.collapsed.clone()),
+                &geo,
+                hooks,
+            )?;
+            let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
+            x = mhc::expand(x, a, &hc);
+            x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
+            let hc = layer.ffn_hc.forward(l, Sublayer::Mlp, &x, hooks)?;
+            let m = layer.mlp.forward(
+                l,
+                layer.post_attention_layernorm.forward(hc.collapsed.clone()),
+                ids,
+                hooks,
+            )?;
+            let m = hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
+            x = mhc::expand(x, m, &hc);
+            x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
+        }
+        let h = self.model.hc_head.forward(x, hooks)?;
+        let h = self.model.norm.forward(h);
+        let h = hooks.apply(HookPoint::global(Site::FinalNorm), h)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => {
+                let [b, t, d] = h.dims();
+                let w = self.model.embed_tokens.weight.val();
+                let v = w.dims()[0];
+                h.reshape([b * t, d])
+                    .matmul(w.transpose())
+                    .reshape([b, t, v])
+            }
+        };
+        Ok(ForwardOutput {
+            logits,
+            cache: hooks.finish(),
+        })
+    }
+}
+
+impl crate::model::LanguageModel for DeepseekV4Model {
+    fn info(&self) -> ModelInfo {
+        DeepseekV4Model::info(self)
+    }
+    fn device(&self) -> Device {
+        self.model.embed_tokens.weight.val().device()
+    }
+    fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
+        DeepseekV4Model::forward(self, tokens, spec)
+    }
+    fn forward_from(
+        &self,
+        tokens: Tensor<2, Int>,
+        start: usize,
+        resid: &Act,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        DeepseekV4Model::forward_from(self, tokens, start, resid.get::<4>()?, spec)
+    }
+}

@@ -1,0 +1,264 @@
+//! The DeepSeek-V4 MoE block: a router (learned top-k with a score-correction bias, or
+//! hash routing through the fixed `tid2eid` table), routed SwiGLU experts with a clamp,
+//! and one always-on shared expert.
+//!
+//! Scores `s = score_fn(x W_gate^T)` (sqrtsoftplus, sigmoid or softmax). Top-k layers pick
+//! the k largest `s + bias` (the bias affects the choice only); hash layers take
+//! `tid2eid[token]`. Weights are the chosen (unbiased) scores, normalised to sum 1 and
+//! multiplied by `routed_scaling_factor`. Expert: `down(silu(min(gate, L)) *
+//! clamp(up, -L, L))` with `L = swiglu_limit`; the shared expert uses the same clamp.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{sigmoid, silu, softmax, softplus};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+
+use super::config::{MlpType, ScoringFunc};
+use crate::error::{Error, Result};
+use crate::hooks::{HookPoint, HookRun, Site};
+use crate::model::layers::{Linear, int_tensor};
+use crate::model::weights::{Init, Vb};
+
+/// The router (`mlp.gate`).
+#[derive(Module, Debug)]
+pub struct Router {
+    /// `[n_experts, d_model]`
+    pub weight: Param<Tensor<2>>,
+    /// `e_score_correction_bias` `[n_experts]` (top-k layers).
+    pub e_score_correction_bias: Option<Param<Tensor<1>>>,
+    /// `tid2eid` `[vocab, top_k]`, row-major (hash layers).
+    #[module(skip)]
+    pub tid2eid: Option<Vec<i64>>,
+}
+
+/// Routed experts, stacked as in transformers.
+#[derive(Module, Debug)]
+pub struct Experts {
+    /// `[n_experts, 2 * d_ff, d_model]`: rows `0..d_ff` = gate (w1), `d_ff..` = up (w3).
+    pub gate_up_proj: Param<Tensor<3>>,
+    /// `[n_experts, d_model, d_ff]` (w2).
+    pub down_proj: Param<Tensor<3>>,
+}
+
+/// The shared expert.
+#[derive(Module, Debug)]
+pub struct SharedExpert {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+/// One MoE block.
+#[derive(Module, Debug)]
+pub struct Moe {
+    pub gate: Router,
+    pub experts: Experts,
+    pub shared_experts: SharedExpert,
+    #[module(skip)]
+    pub kind: MlpType,
+    #[module(skip)]
+    pub scoring: ScoringFunc,
+    #[module(skip)]
+    pub top_k: usize,
+    #[module(skip)]
+    pub scaling: f64,
+    #[module(skip)]
+    pub limit: f64,
+}
+
+/// Sizes of a MoE block.
+pub struct MoeDims {
+    pub d_model: usize,
+    pub d_ff: usize,
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub vocab: usize,
+}
+
+/// `down(silu(min(gate, L)) * clamp(up, -L, L))` given the two pre-activations.
+pub fn clamped_swiglu(gate: Tensor<2>, up: Tensor<2>, limit: f64) -> Tensor<2> {
+    silu(gate.clamp_max(limit)) * up.clamp(-limit, limit)
+}
+
+impl Moe {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        vb: &Vb,
+        dims: &MoeDims,
+        kind: MlpType,
+        scoring: ScoringFunc,
+        scaling: f64,
+        limit: f64,
+        bias: bool,
+    ) -> Result<Self> {
+        let MoeDims {
+            d_model: h,
+            d_ff: i,
+            n_experts: e,
+            top_k: k,
+            vocab,
+        } = *dims;
+        let vg = vb.pp("gate");
+        let std = 1.0 / (h as f64).sqrt();
+        let tid2eid = match kind {
+            MlpType::HashMoe => {
+                let name = vg.full("tid2eid");
+                let t = vg.ints("tid2eid", &[vocab, k], &|x| ((x % k) % e) as i64)?;
+                if let Some(bad) = t.iter().find(|&&x| x < 0 || x as usize >= e) {
+                    return Err(Error::Other(format!(
+                        "tensor `{name}`: expert id {bad} out of range 0..{e}"
+                    )));
+                }
+                Some(t)
+            }
+            MlpType::Moe => None,
+        };
+        let ve = vb.pp("experts");
+        let vs = vb.pp("shared_experts");
+        let lin = |name: &str, d_in: usize, d_out: usize| {
+            let v = vs.pp(name);
+            let s = 1.0 / (d_in as f64).sqrt();
+            if bias {
+                Linear::with_bias(&v, d_in, d_out, s)
+            } else {
+                Linear::new(&v, d_in, d_out, s)
+            }
+        };
+        Ok(Moe {
+            gate: Router {
+                weight: vg.param("weight", [e, h], Init::Normal(std))?,
+                e_score_correction_bias: (kind == MlpType::Moe)
+                    .then(|| vg.param("e_score_correction_bias", [e], Init::Zeros))
+                    .transpose()?,
+                tid2eid,
+            },
+            experts: Experts {
+                gate_up_proj: ve.param("gate_up_proj", [e, 2 * i, h], Init::Normal(std))?,
+                down_proj: ve.param(
+                    "down_proj",
+                    [e, h, i],
+                    Init::Normal(1.0 / (i as f64).sqrt()),
+                )?,
+            },
+            shared_experts: SharedExpert {
+                gate_proj: lin("gate_proj", h, i)?,
+                up_proj: lin("up_proj", h, i)?,
+                down_proj: lin("down_proj", i, h)?,
+            },
+            kind,
+            scoring,
+            top_k: k,
+            scaling,
+            limit,
+        })
+    }
+
+    /// `y: [b, t, d]` (after `post_attention_layernorm`), `tokens` the row-major token ids
+    /// (hash routing) -> `[b, t, d]`.
+    pub fn forward(
+        &self,
+        layer: usize,
+        y: Tensor<3>,
+        tokens: &[i64],
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<3>> {
+        let [b, t, h] = y.dims();
+        let nt = b * t;
+        let k = self.top_k;
+        let device = y.device();
+        let flat = y.clone().reshape([nt, h]);
+        let w = self.gate.weight.val();
+        let e = w.dims()[0];
+        let logits = flat.clone().matmul(w.transpose());
+        let scores = match self.scoring {
+            ScoringFunc::Sqrtsoftplus => softplus(logits, 1.0).sqrt(),
+            ScoringFunc::Sigmoid => sigmoid(logits),
+            ScoringFunc::Softmax => softmax(logits, 1),
+        };
+        let scores = hooks
+            .apply(
+                HookPoint::block(layer, Site::RouterScores),
+                scores.reshape([b, t, e]),
+            )?
+            .reshape([nt, e]);
+        let idx: Tensor<2, Int> = match (&self.gate.tid2eid, &self.gate.e_score_correction_bias) {
+            (Some(table), _) => {
+                let mut v = Vec::with_capacity(nt * k);
+                for &tok in tokens {
+                    let r = tok as usize * k;
+                    v.extend_from_slice(&table[r..r + k]);
+                }
+                Tensor::from_data(TensorData::new(v, [nt, k]), &device)
+            }
+            (None, Some(bias)) => {
+                let biased = scores.clone() + bias.val().reshape([1, e]);
+                biased.topk_with_indices(k, 1).1
+            }
+            (None, None) => scores.clone().topk_with_indices(k, 1).1,
+        };
+        let chosen = scores.gather(1, idx.clone());
+        let weights = chosen.clone() / (chosen.sum_dim(1) + 1e-20) * self.scaling;
+        let weights = hooks
+            .apply(
+                HookPoint::block(layer, Site::RouterWeights),
+                weights.reshape([b, t, k]),
+            )?
+            .reshape([nt * k]);
+        hooks.record(HookPoint::block(layer, Site::RouterTopk), || {
+            idx.clone().float().reshape([b, t, k])
+        });
+
+        // Dispatch: the tokens (and top-k slots) each expert serves.
+        let host: Vec<i64> = idx
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .map_err(|e| Error::Other(format!("router indices: {e:?}")))?;
+        let mut per_expert: Vec<(Vec<usize>, Vec<usize>)> = vec![(Vec::new(), Vec::new()); e];
+        for (slot, &ex) in host.iter().enumerate() {
+            let ex = ex as usize;
+            per_expert[ex].0.push(slot / k);
+            per_expert[ex].1.push(slot);
+        }
+        let gate_up = self.experts.gate_up_proj.val();
+        let down = self.experts.down_proj.val();
+        let d_ff = down.dims()[2];
+        let mut routed = Tensor::<2>::zeros([nt, h], &device);
+        for (ex, (toks, slots)) in per_expert.iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            let ti = int_tensor(toks, &device);
+            let rows = flat.clone().select(0, ti.clone());
+            let gu = rows.matmul(
+                gate_up
+                    .clone()
+                    .slice_dim(0, ex..ex + 1)
+                    .reshape([2 * d_ff, h])
+                    .transpose(),
+            );
+            let act = clamped_swiglu(
+                gu.clone().slice_dim(1, 0..d_ff),
+                gu.slice_dim(1, d_ff..2 * d_ff),
+                self.limit,
+            );
+            let out = act.matmul(
+                down.clone()
+                    .slice_dim(0, ex..ex + 1)
+                    .reshape([h, d_ff])
+                    .transpose(),
+            );
+            let wsel = weights
+                .clone()
+                .select(0, int_tensor(slots, &device))
+                .reshape([toks.len(), 1]);
+            routed = routed.select_assign(0, ti, out * wsel, IndexingUpdateOp::Add);
+        }
+        let s = &self.shared_experts;
+        let shared = s.down_proj.forward(clamped_swiglu(
+            s.gate_proj.forward(flat.clone()),
+            s.up_proj.forward(flat),
+            self.limit,
+        ));
+        Ok((routed + shared).reshape([b, t, h]))
+    }
+}
