@@ -291,3 +291,388 @@ fn parity_long() {
 fn parity_original_fp8() {
     check_fixture("original_fp8");
 }
+
+fn logits_of(m: &dyn LanguageModel, ids: &[i64], s: &[usize], spec: &HookSpec) -> Vec<f32> {
+    m.forward(tokens(ids, s), spec)
+        .unwrap()
+        .logits
+        .into_data()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn forward_from_resumes_from_the_stream_tensor() {
+    let m = deepseek_v4::load(&fixture("pro"), &Device::flex()).unwrap();
+    let r = Reference::open("pro");
+    let (s, ids) = r.i64("input_ids");
+    let spec = HookSpec::new().capture("blocks.3.hook_resid_pre").unwrap();
+    let out = LanguageModel::forward(&m, tokens(&ids, &s), &spec).unwrap();
+    let full = out.logits.into_data().try_into_vec::<f32>().unwrap();
+    let resid = get(&out.cache, "blocks.3.hook_resid_pre");
+    assert_eq!(resid.shape(), &[2, 37, 2, 64]); // [batch, pos, hc_mult, d_model]
+    let from = m
+        .forward_from(
+            tokens(&ids, &s),
+            3,
+            resid.get::<4>().unwrap(),
+            &HookSpec::new(),
+        )
+        .unwrap()
+        .logits
+        .into_data()
+        .try_into_vec::<f32>()
+        .unwrap();
+    assert!(rel(&from, &full) < 1e-6);
+    // a wrongly shaped residual is an input error
+    let bad = Tensor::<4>::zeros([2, 37, 4, 64], &Device::flex());
+    let e = m
+        .forward_from(tokens(&ids, &s), 3, bad, &HookSpec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("hc_mult"), "{e}");
+}
+
+#[test]
+fn optional_hook_paths_keep_the_numbers() {
+    use phaselens::hooks::{Action, Scope};
+    let m = deepseek_v4::load(&fixture("flash"), &Device::flex()).unwrap();
+    let r = Reference::open("flash");
+    let (s, ids) = r.i64("input_ids");
+    let base = logits_of(&m, &ids, &s, &HookSpec::new());
+    // Capturing the gates takes the separate key / value pooling path; capturing
+    // hook_result computes per-head contributions that must sum to hook_attn_out.
+    let spec = HookSpec::new()
+        .capture("blocks.*.attn.compressor.**")
+        .unwrap()
+        .capture("blocks.*.attn.hook_result")
+        .unwrap()
+        .capture("blocks.*.hook_attn_out")
+        .unwrap();
+    let out = m.forward(tokens(&ids, &s), &spec).unwrap();
+    let l = out.logits.into_data().try_into_vec::<f32>().unwrap();
+    assert!(rel(&l, &base) < 1e-6);
+    for layer in 0..6 {
+        let res = get(&out.cache, &format!("blocks.{layer}.attn.hook_result"));
+        assert_eq!(res.shape(), &[1, 19, 4, 64]);
+        let summed = res
+            .get::<4>()
+            .unwrap()
+            .sum_dim(2)
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap();
+        let a = get(&out.cache, &format!("blocks.{layer}.hook_attn_out")).to_vec();
+        assert!(rel(&summed, &a) < 1e-5, "layer {layer}");
+    }
+    // CSA layer 2: 19 tokens at rate 4 -> 4 entries of 2 * 4 offsets, vector gates
+    let g = get(&out.cache, "blocks.2.attn.compressor.hook_key_gate");
+    assert_eq!(g.shape(), &[1, 4, 8, 1, 32]);
+    // HCA layer 3: rate 8 -> 2 entries of 8 offsets; the gates sum to 1 over offsets
+    let g = get(&out.cache, "blocks.3.attn.compressor.hook_value_gate");
+    assert_eq!(g.shape(), &[1, 2, 8, 1, 32]);
+    let sums = g
+        .get::<5>()
+        .unwrap()
+        .sum_dim(2)
+        .into_data()
+        .try_into_vec::<f32>()
+        .unwrap();
+    assert!(sums.iter().all(|x| (x - 1.0).abs() < 1e-5));
+    // Zeroing the value gates of the HCA layer changes the output; only the values.
+    let spec = HookSpec::new()
+        .intervene(
+            "blocks.3.attn.compressor.hook_value_gate",
+            Action::Zero,
+            Scope::all(),
+        )
+        .unwrap()
+        .capture("blocks.3.attn.compressor.hook_compressed_k")
+        .unwrap();
+    let out2 = m.forward(tokens(&ids, &s), &spec).unwrap();
+    let k2 = get(&out2.cache, "blocks.3.attn.compressor.hook_compressed_k").to_vec();
+    let k1 = get(&out.cache, "blocks.3.attn.compressor.hook_compressed_k").to_vec();
+    assert!(rel(&k2, &k1) < 1e-6);
+    let l2 = out2.logits.into_data().try_into_vec::<f32>().unwrap();
+    assert!(rel(&l2, &base) > 1e-4 && l2.iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn fp8_release_tensors_dequantise_exactly() {
+    use phaselens::model::weights::{Init, WeightSource};
+    let src = deepseek_v4::V4Checkpoint::open_dir(&fixture("original_fp8"), [128, 128]).unwrap();
+    let r = Reference::open("original_fp8");
+    let read = |name: &str, shape: &[usize]| src.float(name, shape, Init::Zeros).unwrap();
+    // FP8 with full blocks (q_lora 256 = two block rows), with a partial block (192 rows),
+    // BF16 widened, and one expert of a stacked FP8 expert tensor.
+    let cases = [
+        (
+            "model.layers.2.self_attn.q_a_proj.weight",
+            "layers.2.attn.wq_a.weight",
+            vec![256, 64],
+        ),
+        (
+            "model.layers.2.self_attn.o_a_proj.weight",
+            "layers.2.attn.wo_a.weight",
+            vec![192, 64],
+        ),
+        (
+            "model.layers.2.self_attn.compressor.kv_proj.weight",
+            "layers.2.attn.compressor.wkv.weight",
+            vec![64, 64],
+        ),
+    ];
+    for (ours, theirs, shape) in cases {
+        let got = read(ours, &shape);
+        let (_, want) = r.f32(&format!("dequant.{theirs}"));
+        assert_eq!(got, want, "{ours}");
+    }
+    let down = read("model.layers.3.mlp.experts.down_proj", &[4, 64, 16]);
+    let (_, want) = r.f32("dequant.layers.3.ffn.experts.1.w2.weight");
+    assert_eq!(&down[64 * 16..2 * 64 * 16], &want[..]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Loader errors, on edited copies of the fixtures.
+
+struct Raw {
+    name: String,
+    dtype: String,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+fn read_raw(p: &Path) -> Vec<Raw> {
+    let b = std::fs::read(p).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let data = &b[8 + n..];
+    let mut out: Vec<Raw> = h
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let o = v["data_offsets"].as_array().unwrap();
+            let (a, z) = (
+                o[0].as_u64().unwrap() as usize,
+                o[1].as_u64().unwrap() as usize,
+            );
+            Raw {
+                name: k.clone(),
+                dtype: v["dtype"].as_str().unwrap().to_string(),
+                shape: v["shape"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as usize)
+                    .collect(),
+                bytes: data[a..z].to_vec(),
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+fn write_raw(p: &Path, tensors: &[Raw]) {
+    let mut header = serde_json::Map::new();
+    let mut off = 0usize;
+    for t in tensors {
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [off, off + t.bytes.len()]}),
+        );
+        off += t.bytes.len();
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(h);
+    for t in tensors {
+        out.extend(&t.bytes);
+    }
+    std::fs::write(p, out).unwrap();
+}
+
+/// A copy of fixture `name` with `file` edited; returns the load error.
+fn load_error(name: &str, file: &str, edit: impl FnOnce(&mut Vec<Raw>)) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    let p = dir.path().join(file);
+    let mut t = read_raw(&p);
+    edit(&mut t);
+    write_raw(&p, &t);
+    match phaselens::model::load_model(dir.path(), &Device::flex()) {
+        Ok(_) => panic!("edited {name}/{file} loaded without error"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn find<'a>(t: &'a mut [Raw], name: &str) -> &'a mut Raw {
+    t.iter_mut().find(|x| x.name == name).unwrap()
+}
+
+#[test]
+fn loader_errors_name_file_and_tensor() {
+    let f = "model.safetensors";
+    // unknown tensor
+    let e = load_error("flash", f, |t| {
+        t.push(Raw {
+            name: "model.layers.0.attn.wbogus.weight".into(),
+            dtype: "F32".into(),
+            shape: vec![2],
+            bytes: vec![0; 8],
+        })
+    });
+    assert!(
+        e.contains(f) && e.contains("model.layers.0.attn.wbogus.weight") && e.contains("unknown"),
+        "{e}"
+    );
+    // missing tensor (with its release spelling in the message)
+    let e = load_error("flash", f, |t| {
+        t.retain(|x| x.name != "model.layers.2.attn.compressor.ape")
+    });
+    assert!(
+        e.contains("model.layers.2.self_attn.compressor.position_bias")
+            && e.contains("layers.2.attn.compressor.ape")
+            && e.contains("missing")
+            && e.contains(f),
+        "{e}"
+    );
+    // wrong shape
+    let e = load_error("flash", f, |t| {
+        find(t, "model.layers.0.attn.wq_a.weight").shape = vec![64, 32]
+    });
+    assert!(
+        e.contains(f)
+            && e.contains("model.layers.0.attn.wq_a.weight")
+            && e.contains("expected shape [32, 64], found [64, 32]"),
+        "{e}"
+    );
+    // a dtype safetensors allows but phaselens does not read
+    let e = load_error("flash", f, |t| {
+        let x = find(t, "model.layers.0.attn.attn_sink");
+        x.dtype = "F8_E5M2".into();
+        x.shape = vec![16];
+    });
+    assert!(
+        e.contains(f)
+            && e.contains("model.layers.0.attn.attn_sink")
+            && e.contains("unsupported dtype F8_E5M2"),
+        "{e}"
+    );
+    // an integer tensor where a float is expected
+    let e = load_error("flash", f, |t| {
+        find(t, "model.layers.0.attn.attn_sink").dtype = "I32".into()
+    });
+    assert!(
+        e.contains("model.layers.0.attn.attn_sink") && e.contains("floating-point"),
+        "{e}"
+    );
+    // two spellings of one parameter
+    let e = load_error("flash", f, |t| {
+        let dup = find(t, "model.layers.0.attn.norm.weight");
+        let copy = Raw {
+            name: "model.layers.0.self_attn.kv_norm.weight".into(),
+            dtype: dup.dtype.clone(),
+            shape: dup.shape.clone(),
+            bytes: dup.bytes.clone(),
+        };
+        t.push(copy);
+    });
+    assert!(e.contains("two spellings"), "{e}");
+}
+
+#[test]
+fn fp8_loader_errors() {
+    let shard2 = "model-00002-of-00002.safetensors";
+    // an FP8 weight without its block scales
+    let e = load_error("original_fp8", shard2, |t| {
+        t.retain(|x| x.name != "layers.2.attn.wq_a.scale")
+    });
+    assert!(
+        e.contains(shard2) && e.contains("layers.2.attn.wq_a.weight") && e.contains("F8_E4M3"),
+        "{e}"
+    );
+    // a scale grid that does not fit the weight
+    let e = load_error("original_fp8", shard2, |t| {
+        let s = find(t, "layers.2.attn.wo_a.scale");
+        s.shape = vec![1, 2];
+    });
+    assert!(
+        e.contains("layers.2.attn.wo_a.scale")
+            && e.contains("scale grid [1, 2]")
+            && e.contains("expected [2, 1]"),
+        "{e}"
+    );
+    // a missing routed expert
+    let e = load_error("original_fp8", shard2, |t| {
+        t.retain(|x| !x.name.starts_with("layers.3.ffn.experts.1.w2."))
+    });
+    assert!(
+        e.contains("layers.3.ffn.experts.1.w2.weight") && e.contains("expert 1"),
+        "{e}"
+    );
+}
+
+#[test]
+fn cli_forward_captures_on_a_v4_directory() {
+    let r = Reference::open("pro");
+    let (s, ids) = r.i64("input_ids");
+    let dir = tempfile::tempdir().unwrap();
+    let rows: Vec<Vec<i64>> = ids.chunks(s[1]).map(|c| c.to_vec()).collect();
+    let input = dir.path().join("ids.json");
+    std::fs::write(&input, serde_json::to_string(&rows).unwrap()).unwrap();
+    let out = dir.path().join("out.safetensors");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_phaselens"))
+        .args(["forward", "--model"])
+        .arg(fixture("pro"))
+        .arg("--input")
+        .arg(&input)
+        .arg("--out")
+        .arg(&out)
+        .args([
+            "--capture",
+            "blocks.*.attn.indexer.hook_topk",
+            "--capture",
+            "blocks.0.hook_resid_pre",
+            "--capture",
+            "blocks.2.mlp.hook_router_topk",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let got = SafetensorsReader::open(&out).unwrap();
+    let (shape, logits) = got.read_f32("logits").unwrap();
+    assert_eq!(shape, vec![2, 37, 256]);
+    assert!(rel(&logits, &r.f32("logits").1) <= TOL);
+    let names: Vec<&str> = got.names().collect();
+    assert_eq!(
+        names,
+        vec![
+            "blocks.0.hook_resid_pre",
+            "blocks.2.attn.indexer.hook_topk",
+            "blocks.2.mlp.hook_router_topk",
+            "blocks.4.attn.indexer.hook_topk",
+            "logits"
+        ]
+    );
+    assert_eq!(
+        got.read_f32("blocks.0.hook_resid_pre").unwrap().0,
+        vec![2, 37, 2, 64]
+    );
+    assert_eq!(
+        got.read_f32("blocks.2.attn.indexer.hook_topk").unwrap().0,
+        vec![2, 37, 4]
+    );
+}
