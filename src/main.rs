@@ -30,6 +30,8 @@ enum Command {
     },
     /// Speed benchmarks (ratios within one run).
     Bench(cli::bench::BenchArgs),
+    /// Load a model; report layers, parameters, load time, peak memory (and forward time).
+    Inspect(cli::inspect::InspectArgs),
     /// Train (or resume) a model organism from its TOML recipe.
     Train(cli::train::TrainArgs),
 }
@@ -40,6 +42,7 @@ fn main() {
         Command::Forward(a) => cli::forward::run(a),
         Command::Hooks { markdown } => cli::hooks::run(markdown),
         Command::Bench(a) => cli::bench::run(a),
+        Command::Inspect(a) => cli::inspect::run(a),
         Command::Train(a) => cli::train::run(a),
     };
     if let Err(e) = result {

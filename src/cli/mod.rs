@@ -3,4 +3,5 @@
 pub mod bench;
 pub mod forward;
 pub mod hooks;
+pub mod inspect;
 pub mod train;

@@ -746,6 +746,9 @@ impl super::LanguageModel for KvcModel {
     fn info(&self) -> ModelInfo {
         KvcModel::info(self)
     }
+    fn n_params(&self) -> Option<usize> {
+        Some(self.num_params())
+    }
     fn device(&self) -> Device {
         self.embed.weight.val().device()
     }

@@ -111,6 +111,10 @@ pub trait LanguageModel: Send + Sync {
         resid: &Act,
         spec: &HookSpec,
     ) -> Result<ForwardOutput>;
+    /// Number of parameters (values held in the compute dtype), when known.
+    fn n_params(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Read a model directory's `config.json` as JSON, with file-named errors.

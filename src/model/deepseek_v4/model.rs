@@ -355,6 +355,9 @@ impl crate::model::LanguageModel for DeepseekV4Model {
     fn info(&self) -> ModelInfo {
         DeepseekV4Model::info(self)
     }
+    fn n_params(&self) -> Option<usize> {
+        Some(self.num_params())
+    }
     fn device(&self) -> Device {
         self.model.embed_tokens.weight.val().device()
     }
