@@ -11,7 +11,15 @@ fc-list 2>/dev/null | grep -qi dejavu || need_apt+=(fonts-dejavu-core fontconfig
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
-command -v just >/dev/null 2>&1 || python3 -m pip install -q rust-just
+if ! command -v just >/dev/null 2>&1; then
+  python3 -m pip install -q rust-just
+  hash -r
+  if ! command -v just >/dev/null 2>&1; then
+    # pip put it in a scripts folder that is not on PATH (e.g. pyenv without a rehash).
+    scripts=$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+    [ -x "$scripts/just" ] && ln -sf "$scripts/just" /usr/local/bin/just
+  fi
+fi
 command -v just >/dev/null 2>&1 || { echo "setup: 'just' is not on PATH after installing rust-just" >&2; exit 1; }
 cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
 echo "setup: ok ($(just --version), $(cargo --version))"
