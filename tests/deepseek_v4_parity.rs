@@ -676,3 +676,68 @@ fn cli_forward_captures_on_a_v4_directory() {
         vec![2, 37, 4]
     );
 }
+
+#[test]
+fn prefixes_give_the_same_logits() {
+    // The model is causal: running a prefix gives the full run's logits at those
+    // positions. This covers sequences with no closed window (t < rate) and every phase
+    // of the CSA (m = 4) and HCA (m' = 8) windows.
+    let m = deepseek_v4::load(&fixture("flash"), &Device::flex()).unwrap();
+    let r = Reference::open("flash");
+    let (s, ids) = r.i64("input_ids");
+    let full = logits_of(&m, &ids, &s, &HookSpec::new());
+    let v = m.config.vocab_size;
+    for len in [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17] {
+        let got = logits_of(&m, &ids[..len], &[1, len], &HookSpec::new());
+        let e = rel(&got, &full[..len * v]);
+        assert!(e < 1e-5, "prefix {len}: {e:.3e}");
+    }
+}
+
+#[test]
+fn variants_without_a_reference_run() {
+    use phaselens::model::deepseek_v4::DeepseekV4Config;
+    use phaselens::model::weights::{RandomInit, Vb};
+    // softmax scoring (transformers 5.24 cannot build it), tied embeddings, shared-expert
+    // biases, the default schedule with 3 hash layers.
+    let c = DeepseekV4Config::from_json(
+        r#"{"model_type": "deepseek_v4", "vocab_size": 50, "hidden_size": 32,
+            "num_hidden_layers": 5, "num_attention_heads": 4, "head_dim": 16,
+            "qk_rope_head_dim": 4, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8,
+            "n_routed_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 8,
+            "scoring_func": "softmax", "tie_word_embeddings": true, "mlp_bias": true,
+            "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            "sliding_window": 3, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 2,
+            "hc_mult": 2}"#,
+    )
+    .unwrap();
+    let m = DeepseekV4Model::new(&c, &Vb::new(&RandomInit { seed: 5 }, &Device::flex())).unwrap();
+    assert!(m.lm_head.is_none());
+    let ids: Vec<i64> = (0..22).map(|i| (i * 7 % 50) as i64).collect();
+    let spec = HookSpec::new()
+        .capture("blocks.4.mlp.hook_router_weights")
+        .unwrap();
+    let out = m.forward(tokens(&ids, &[2, 11]), &spec).unwrap();
+    let l = out.logits.into_data().try_into_vec::<f32>().unwrap();
+    assert!(l.iter().all(|x| x.is_finite()));
+    let w = get(&out.cache, "blocks.4.mlp.hook_router_weights").to_vec();
+    for row in w.chunks(3) {
+        assert!((row.iter().sum::<f32>() - 1.5).abs() < 1e-5); // routed_scaling_factor
+    }
+    let info = m.info();
+    assert_eq!(info.layers.len(), 5);
+    assert_eq!(
+        info.layers[3].kind,
+        phaselens::model::LayerKind::Compressed {
+            window: 4,
+            stride: 2,
+            local_tail: 3
+        }
+    );
+    // an out-of-vocabulary id is an input error
+    let e = m
+        .forward(tokens(&[1, 50], &[1, 2]), &HookSpec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("token id 50"), "{e}");
+}
