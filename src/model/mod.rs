@@ -145,7 +145,14 @@ pub fn load_kvc(dir: &Path, device: &Device) -> Result<KvcModel> {
 pub fn save_kvc(model: &KvcModel, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let json = serde_json::to_string_pretty(&model.config).expect("config serialises");
-    weights::save_module(model, &dir.join("model.safetensors"), Default::default())?;
+    let config = model.config.clone();
+    weights::save_by_builder_names(
+        model,
+        &|vb| KvcModel::new(&config, vb),
+        &model.device(),
+        &dir.join("model.safetensors"),
+        Default::default(),
+    )?;
     safetensors_io::write_atomic(&dir.join("config.json"), format!("{json}\n").as_bytes())
 }
 

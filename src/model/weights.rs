@@ -103,7 +103,7 @@ impl<'a> Vb<'a> {
         // checkpoint matches the parameters of a model rebuilt from that checkpoint.
         let (_, value, mapper) = Param::from_tensor(self.tensor(name, shape, init)?).consume();
         Ok(Param::from_mapped_value(
-            ParamId::from(name_seed(0x5eed, &self.full(name))),
+            param_id(&self.full(name)),
             value,
             mapper,
         ))
@@ -128,6 +128,41 @@ impl<'a> Vb<'a> {
     ) -> Result<Tensor<D, Int>> {
         let v = self.ints(name, &shape, init)?;
         Ok(Tensor::from_data(TensorData::new(v, shape), &self.device))
+    }
+}
+
+/// The id of the parameter named `name`: a hash of the name, so that a rebuilt model's
+/// parameters have the same ids (optimizer state, saving by name).
+pub fn param_id(name: &str) -> ParamId {
+    ParamId::from(name_seed(0x5eed, name))
+}
+
+/// A source that records the names and shapes a model asks for and returns zeros.
+/// Building a model with it lists the model's parameter names exactly as its loader
+/// expects them.
+#[derive(Default)]
+pub struct NameRecorder {
+    names: Mutex<Vec<(String, Vec<usize>)>>,
+}
+
+impl NameRecorder {
+    /// The recorded float parameter names, in build order.
+    pub fn names(&self) -> Vec<(String, Vec<usize>)> {
+        self.names.lock().expect("lock").clone()
+    }
+}
+
+impl WeightSource for NameRecorder {
+    fn float(&self, name: &str, shape: &[usize], _init: Init) -> Result<Vec<f32>> {
+        self.names
+            .lock()
+            .expect("lock")
+            .push((name.to_string(), shape.to_vec()));
+        Ok(vec![0.0; shape.iter().product()])
+    }
+
+    fn int(&self, _name: &str, shape: &[usize], init: &dyn Fn(usize) -> i64) -> Result<Vec<i64>> {
+        Ok((0..shape.iter().product()).map(init).collect())
     }
 }
 
@@ -352,6 +387,69 @@ impl ModuleVisitor for Collect {
             },
         );
     }
+}
+
+/// Collects every float parameter by its id.
+struct CollectById {
+    out: std::collections::HashMap<u64, OwnedTensor>,
+}
+
+impl ModuleVisitor for CollectById {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let tensor = param.val();
+        let data = tensor.to_data().convert::<f32>();
+        self.out.insert(
+            param.id.val(),
+            OwnedTensor {
+                shape: tensor.dims().to_vec(),
+                data: TensorValues::F32(data.try_into_vec::<f32>().expect("f32")),
+            },
+        );
+    }
+}
+
+/// Save `module` with the parameter names its builder asks a [`Vb`] for: `build` is
+/// run once on a [`NameRecorder`] to list them, and each is matched to the module's
+/// parameter by id. The file therefore loads back through the same builder.
+pub fn save_by_builder_names<M: Module>(
+    module: &M,
+    build: &dyn Fn(&Vb) -> Result<M>,
+    device: &Device,
+    path: &Path,
+    extra: BTreeMap<String, OwnedTensor>,
+) -> Result<()> {
+    let rec = NameRecorder::default();
+    let _ = build(&Vb::new(&rec, device))?;
+    let mut c = CollectById {
+        out: std::collections::HashMap::new(),
+    };
+    module.visit(&mut c);
+    let mut t = BTreeMap::new();
+    for (name, shape) in rec.names() {
+        let v = c.out.remove(&param_id(&name).val()).ok_or_else(|| {
+            Error::tensor(
+                path,
+                &name,
+                "the model has no parameter with this name's id (built outside a Vb?)",
+            )
+        })?;
+        if v.shape != shape {
+            return Err(Error::tensor(
+                path,
+                &name,
+                format!("expected shape {shape:?}, the model holds {:?}", v.shape),
+            ));
+        }
+        t.insert(name, v);
+    }
+    t.extend(extra);
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    meta.insert(
+        "producer".to_string(),
+        format!("phaselens {}", env!("CARGO_PKG_VERSION")),
+    );
+    write_safetensors(path, &t, Some(meta))
 }
 
 /// Every float parameter of `module`, by path name.

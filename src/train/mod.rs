@@ -24,12 +24,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::hooks::HookSpec;
+use crate::model::deepseek_v4::DeepseekV4Model;
+use crate::model::deepseek_v4::V4Checkpoint;
 use crate::model::safetensors_io::write_atomic;
-use crate::model::weights::{CheckpointSource, RandomInit, Vb};
-use crate::model::{KvcModel, save_kvc};
+use crate::model::weights::{CheckpointSource, RandomInit, Vb, WeightSource};
+use crate::model::{KvcModel, LanguageModel, save_kvc};
 use crate::tasks::{IGNORE_INDEX, KvTrainSampler, TrainBatch};
 
-pub use organism::{OrganismFile, TrainConfig};
+pub use organism::{ModelConfig, OrganismFile, TrainConfig};
 pub use schedule::lr_at;
 
 /// One logged training step.
@@ -146,6 +148,41 @@ pub fn train(
     device: &Device,
     opts: &TrainOptions,
 ) -> Result<TrainSummary> {
+    match &file.model {
+        ModelConfig::Kvc(cfg) => train_model(
+            path,
+            file,
+            device,
+            opts,
+            &|vb: &Vb| KvcModel::new(cfg, vb),
+            &|dir: &Path| Ok(Box::new(CheckpointSource::open_dir(dir)?)),
+            &|m: &KvcModel, dir: &Path| save_kvc(m, dir),
+        ),
+        ModelConfig::DeepseekV4 { json, resolved } => train_model(
+            path,
+            file,
+            device,
+            opts,
+            &|vb: &Vb| DeepseekV4Model::new(resolved, vb),
+            &|dir: &Path| Ok(Box::new(V4Checkpoint::open_dir(dir, resolved.fp8_block)?)),
+            &|m: &DeepseekV4Model, dir: &Path| crate::model::deepseek_v4::save(m, json, dir),
+        ),
+    }
+}
+
+type Build<'a, M> = &'a dyn Fn(&Vb) -> Result<M>;
+type Save<'a, M> = &'a dyn Fn(&M, &Path) -> Result<()>;
+type Open<'a> = &'a dyn Fn(&Path) -> Result<Box<dyn WeightSource>>;
+
+fn train_model<M: Module + LanguageModel>(
+    path: &Path,
+    file: &OrganismFile,
+    device: &Device,
+    opts: &TrainOptions,
+    build: Build<M>,
+    open: Open,
+    save: Save<M>,
+) -> Result<TrainSummary> {
     let tc = &file.train;
     let space = file
         .task
@@ -154,13 +191,12 @@ pub fn train(
         .map_err(|e| Error::Other(format!("{}: [task.vocab]: {e}", path.display())))?;
     let sampler = KvTrainSampler::new(&space, file.task.train.clone())
         .map_err(|e| Error::Other(format!("{}: [task.train]: {e}", path.display())))?;
-    let cfg = &file.model;
-    if space.vocab_size() > cfg.vocab_size {
+    if space.vocab_size() > file.model.vocab_size() {
         return Err(Error::Config {
             path: path.to_path_buf(),
             message: format!(
                 "[model] vocab_size = {} is smaller than the task's vocabulary ({})",
-                cfg.vocab_size,
+                file.model.vocab_size(),
                 space.vocab_size()
             ),
         });
@@ -193,8 +229,8 @@ pub fn train(
                     ),
                 });
             }
-            let src = CheckpointSource::open_dir(&dir)?;
-            let model = KvcModel::new(cfg, &Vb::new(&src, &ad))?;
+            let src = open(&dir)?;
+            let model = build(&Vb::new(src.as_ref(), &ad))?;
             let bytes = std::fs::read(dir.join("optim.bpk"))
                 .map_err(|e| Error::io(dir.join("optim.bpk"), e))?;
             optim = optim
@@ -203,7 +239,7 @@ pub fn train(
             (model, meta.step, meta.history, Some(meta.step))
         }
         None => (
-            KvcModel::new(cfg, &Vb::new(&RandomInit { seed: tc.seed }, &ad))?,
+            build(&Vb::new(&RandomInit { seed: tc.seed }, &ad))?,
             0,
             Vec::new(),
             None,
@@ -266,6 +302,7 @@ pub fn train(
             save_checkpoint(
                 &run,
                 &model,
+                save,
                 &optim,
                 step + 1,
                 loss_v,
@@ -291,7 +328,7 @@ pub fn train(
     let out = file.model_dir(path);
     if final_step == tc.steps {
         let inference = model.valid();
-        save_kvc(&inference, &out)?;
+        save(&inference, &out)?;
         let meta = serde_json::json!({
             "organism": file.organism.name,
             "steps": final_step,
@@ -354,9 +391,10 @@ pub fn write_loss_curve(dir: &Path, name: &str, history: &[LogRow], hash: &str) 
 }
 
 #[allow(clippy::too_many_arguments)]
-fn save_checkpoint(
+fn save_checkpoint<M: Module>(
     run: &Path,
-    model: &KvcModel,
+    model: &M,
+    save: Save<M>,
     optim: &burn::optim::ModuleOptimizer,
     step: u64,
     loss: f64,
@@ -367,7 +405,7 @@ fn save_checkpoint(
 ) -> Result<()> {
     let dir = step_dir(run, step);
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
-    save_kvc(model, &dir)?;
+    save(model, &dir)?;
     let bytes = optim
         .into_bytes()
         .map_err(|e| Error::Other(format!("serialising optimizer state: {e}")))?;

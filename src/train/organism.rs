@@ -17,9 +17,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::load_toml;
-use crate::error::Result;
+use crate::config::parse_toml;
+use crate::error::{Error, Result};
 use crate::model::KvcConfig;
+use crate::model::deepseek_v4::DeepseekV4Config;
 use crate::tasks::{KvTrainConfig, TokenSpaceConfig};
 
 /// `[organism]`
@@ -93,16 +94,59 @@ impl Default for TrainConfig {
     }
 }
 
+/// `[model]`: a kvc config (`model_type = "phaselens-kvc"`) or a DeepSeek-V4 config in
+/// transformers' config.json form (`model_type = "deepseek_v4"`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum ModelConfig {
+    Kvc(KvcConfig),
+    /// The config.json fields as written (saved verbatim with the trained model) and
+    /// their resolved form.
+    DeepseekV4 {
+        json: serde_json::Value,
+        #[serde(skip)]
+        resolved: Box<DeepseekV4Config>,
+    },
+}
+
+impl ModelConfig {
+    /// The vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelConfig::Kvc(c) => c.vocab_size,
+            ModelConfig::DeepseekV4 { resolved, .. } => resolved.vocab_size,
+        }
+    }
+}
+
 /// A whole organism file.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Serialize)]
 pub struct OrganismFile {
     pub organism: OrganismSection,
-    pub model: KvcConfig,
-    #[serde(default = "default_task")]
+    pub model: ModelConfig,
     pub task: TaskSection,
-    #[serde(default)]
     pub train: TrainConfig,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Doc<M> {
+    organism: OrganismSection,
+    model: M,
+    #[serde(default = "default_task")]
+    task: TaskSection,
+    #[serde(default)]
+    train: TrainConfig,
+}
+
+#[derive(Deserialize)]
+struct ModelType {
+    model: ModelTypeInner,
+}
+
+#[derive(Deserialize)]
+struct ModelTypeInner {
+    model_type: Option<String>,
 }
 
 fn default_task() -> TaskSection {
@@ -115,15 +159,58 @@ fn default_task() -> TaskSection {
 impl OrganismFile {
     /// Read and validate an organism TOML.
     pub fn load(path: &Path) -> Result<Self> {
-        let f: OrganismFile = load_toml(path)?;
-        f.model
-            .validate()
-            .map_err(|e| crate::error::Error::Config {
-                path: path.to_path_buf(),
-                message: format!("[model]: {e}"),
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let bad = |m: String| Error::Config {
+            path: path.to_path_buf(),
+            message: m,
+        };
+        // First pass: which architecture; second pass: the whole file with line numbers.
+        let kind = toml::from_str::<ModelType>(&text)
+            .ok()
+            .and_then(|m| m.model.model_type)
+            .ok_or_else(|| {
+                bad("[model] needs model_type = \"phaselens-kvc\" or \"deepseek_v4\"".into())
             })?;
+        let f = match kind.as_str() {
+            crate::model::kvc::MODEL_TYPE => {
+                let d: Doc<KvcConfig> = parse_toml(path, &text)?;
+                d.model
+                    .validate()
+                    .map_err(|e| bad(format!("[model]: {e}")))?;
+                OrganismFile {
+                    organism: d.organism,
+                    model: ModelConfig::Kvc(d.model),
+                    task: d.task,
+                    train: d.train,
+                }
+            }
+            crate::model::deepseek_v4::MODEL_TYPE => {
+                let d: Doc<serde_json::Value> = parse_toml(path, &text)?;
+                let raw = serde_json::from_value(d.model.clone())
+                    .map_err(|e| bad(format!("[model]: {e}")))?;
+                let resolved =
+                    DeepseekV4Config::resolve(&raw).map_err(|e| bad(format!("[model]: {e}")))?;
+                resolved
+                    .validate()
+                    .map_err(|e| bad(format!("[model]: {e}")))?;
+                OrganismFile {
+                    organism: d.organism,
+                    model: ModelConfig::DeepseekV4 {
+                        json: d.model,
+                        resolved: Box::new(resolved),
+                    },
+                    task: d.task,
+                    train: d.train,
+                }
+            }
+            other => {
+                return Err(bad(format!(
+                    "[model] model_type \"{other}\" cannot be trained (allowed: \"phaselens-kvc\", \"deepseek_v4\")"
+                )));
+            }
+        };
         if f.train.checkpoint_every == 0 || f.train.batch_size == 0 || f.train.steps == 0 {
-            return Err(crate::error::Error::Config {
+            return Err(Error::Config {
                 path: path.to_path_buf(),
                 message: "[train] steps, batch_size and checkpoint_every must be at least 1".into(),
             });

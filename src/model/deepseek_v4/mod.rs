@@ -25,6 +25,7 @@ pub mod mhc;
 pub mod model;
 pub mod moe;
 pub mod rope;
+pub mod save;
 
 use std::path::Path;
 
@@ -33,6 +34,7 @@ use burn::tensor::Device;
 pub use checkpoint::V4Checkpoint;
 pub use config::{DeepseekV4Config, MODEL_TYPE};
 pub use model::DeepseekV4Model;
+pub use save::save;
 
 use crate::error::{Error, Result};
 use crate::model::read_config_json;
