@@ -86,10 +86,21 @@ impl Attention {
             .kv_norm
             .forward(self.kv_proj.forward(x.clone()))
             .reshape([b, t, 1, dh]);
-        let k = hooks.apply(HookPoint::block(layer, Site::AttnK), kv.clone())?;
-        let v = hooks.apply(HookPoint::block(layer, Site::AttnV), kv)?;
-        let k = rope::rotate(k, tables, false).reshape([b, t, dh]);
-        let v = rope::rotate(v, tables, false).reshape([b, t, dh]);
+        let (kp, vp) = (
+            HookPoint::block(layer, Site::AttnK),
+            HookPoint::block(layer, Site::AttnV),
+        );
+        let (k, v) = if hooks.touches(&kp) || hooks.touches(&vp) {
+            let k = hooks.apply(kp, kv.clone())?;
+            let v = hooks.apply(vp, kv)?;
+            (
+                rope::rotate(k, tables, false).reshape([b, t, dh]),
+                rope::rotate(v, tables, false).reshape([b, t, dh]),
+            )
+        } else {
+            let kv = rope::rotate(kv, tables, false).reshape([b, t, dh]);
+            (kv.clone(), kv)
+        };
 
         // Compressed entries and their visibility [b, t, n].
         let mut keys = Vec::with_capacity(2);

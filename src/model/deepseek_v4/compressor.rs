@@ -152,6 +152,17 @@ impl Compressor {
         let [b, n, s, d] = w.dims();
         let kg = HookPoint::block(layer, Site::KeyGate);
         let vg = HookPoint::block(layer, Site::ValueGate);
+        let ckp = HookPoint::block(layer, Site::CompressedK);
+        let cvp = HookPoint::block(layer, Site::CompressedV);
+        if ![&kg, &vg, &ckp, &cvp].iter().any(|p| hooks.touches(p)) {
+            // K = V: pool and rotate once.
+            let e = self.pooler.pool(w, values).reshape([b, n, 1, d]);
+            let e = rope::rotate(e, starts, false);
+            return Ok(Some(Compressed {
+                keys: e.clone(),
+                values: e,
+            }));
+        }
         let (pk, pv) = if hooks.touches(&kg) || hooks.touches(&vg) {
             let wk = hooks.apply(kg, w.clone().reshape([b, n, s, 1, d]))?;
             let wv = hooks.apply(vg, w.reshape([b, n, s, 1, d]))?;
@@ -163,11 +174,8 @@ impl Compressor {
             (self.pooler.pool(w, values), None)
         };
         let pk = pk.reshape([b, n, 1, d]);
-        let ck = hooks.apply(HookPoint::block(layer, Site::CompressedK), pk.clone())?;
-        let cv = hooks.apply(
-            HookPoint::block(layer, Site::CompressedV),
-            pv.map(|v| v.reshape([b, n, 1, d])).unwrap_or(pk),
-        )?;
+        let ck = hooks.apply(ckp, pk.clone())?;
+        let cv = hooks.apply(cvp, pv.map(|v| v.reshape([b, n, 1, d])).unwrap_or(pk))?;
         Ok(Some(Compressed {
             keys: rope::rotate(ck, starts, false),
             values: rope::rotate(cv, starts, false),
