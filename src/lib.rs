@@ -11,6 +11,7 @@ pub mod error;
 pub mod hooks;
 pub mod model;
 pub mod output;
+pub mod runner;
 pub mod tasks;
 pub mod train;
 

@@ -34,6 +34,10 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// Train (or resume) a model organism from its TOML recipe.
     Train(cli::train::TrainArgs),
+    /// Run an experiment TOML (tables, figures, report; resumes interrupted runs).
+    Run(cli::run::RunArgs),
+    /// Redraw every figure and report from the tables (no model runs).
+    Figures(cli::figures::FiguresArgs),
 }
 
 fn main() {
@@ -44,6 +48,8 @@ fn main() {
         Command::Bench(a) => cli::bench::run(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Train(a) => cli::train::run(a),
+        Command::Run(a) => cli::run::run(a),
+        Command::Figures(a) => cli::figures::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

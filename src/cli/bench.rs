@@ -26,6 +26,8 @@ pub enum BenchWhat {
     /// cost of an empty HookSpec's dispatch.
     #[command(after_help = "Example:\n  phaselens bench forward --tokens 1024 --reps 5")]
     Forward(ForwardBench),
+    /// Cells/s of the runner's batched patching vs one forward per cell.
+    Patching(super::run::PatchingBench),
 }
 
 #[derive(Args, Debug)]
@@ -52,6 +54,7 @@ pub struct ForwardBench {
 pub fn run(args: BenchArgs) -> Result<()> {
     match args.what {
         BenchWhat::Forward(b) => forward(b),
+        BenchWhat::Patching(b) => super::run::bench_patching(b),
     }
 }
 

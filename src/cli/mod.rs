@@ -1,7 +1,9 @@
 //! Command-line subcommands. Each file parses its arguments and calls the library.
 
 pub mod bench;
+pub mod figures;
 pub mod forward;
 pub mod hooks;
 pub mod inspect;
+pub mod run;
 pub mod train;

@@ -1,0 +1,126 @@
+//! Runs batches of cells through the routine with resume and progress: the glue every
+//! kind shares.
+
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::model::LanguageModel;
+
+use super::patching::{
+    self, Base, Cell, Outcome, Prompts, base_run, captures_for, plan_chunks, run_chunk,
+};
+use super::progress::Progress;
+use super::store::Store;
+
+/// One prompt batch and the cells to evaluate on it.
+#[derive(Debug, Clone)]
+pub struct Group {
+    /// Unique, stable key (shard file names): e.g. `p3` for phase group 3.
+    pub key: String,
+    pub prompts: Prompts,
+    pub cells: Vec<Cell>,
+}
+
+impl Group {
+    /// Progress units of the group: its cells, or 1 for a base-only group.
+    pub fn units(&self) -> u64 {
+        self.cells.len().max(1) as u64
+    }
+}
+
+/// Outcomes of a group: the base run's, and per cell one per prompt of the cell.
+#[derive(Debug, Clone)]
+pub struct GroupResult {
+    pub base: Vec<Outcome>,
+    pub cells: Vec<Vec<Outcome>>,
+}
+
+/// Counters for the summary line and the benchmark.
+#[derive(Debug, Clone, Default)]
+pub struct ExecStats {
+    pub cells_computed: u64,
+    pub cells_resumed: u64,
+    pub forwards: u64,
+    pub seconds: f64,
+}
+
+/// Evaluates groups, loading finished chunks from the store.
+pub struct Executor<'a> {
+    pub model: &'a dyn LanguageModel,
+    pub store: &'a Store,
+    pub max_rows: usize,
+    pub progress: &'a mut Progress,
+    pub stats: ExecStats,
+}
+
+impl<'a> Executor<'a> {
+    /// Evaluate one group (resuming what the store already holds).
+    pub fn run(&mut self, g: &Group) -> Result<GroupResult> {
+        let t0 = Instant::now();
+        let n = g.prompts.n();
+        let chunks = plan_chunks(&g.cells, self.max_rows)?;
+        let base_key = format!("{}-base", g.key);
+        let mut base: Option<Vec<Outcome>> =
+            self.store.load(&base_key, &[n])?.map(|mut v| v.remove(0));
+        let mut results: Vec<Option<Vec<Vec<Outcome>>>> = Vec::with_capacity(chunks.len());
+        for (i, chunk) in chunks.iter().enumerate() {
+            let expected: Vec<usize> = chunk.iter().map(|&c| g.cells[c].prompts.len()).collect();
+            let got = self.store.load(&format!("{}-c{i:04}", g.key), &expected)?;
+            if got.is_some() {
+                self.progress.skip(chunk.len() as u64);
+                self.stats.cells_resumed += chunk.len() as u64;
+            }
+            results.push(got);
+        }
+        let missing: Vec<usize> = (0..chunks.len())
+            .filter(|&i| results[i].is_none())
+            .collect();
+        if base.is_none() || !missing.is_empty() {
+            let cells_needed: Vec<Cell> = missing
+                .iter()
+                .flat_map(|&i| chunks[i].iter().map(|&c| g.cells[c].clone()))
+                .collect();
+            let b: Base = if cells_needed.is_empty() {
+                Base {
+                    cache: Default::default(),
+                    outcomes: patching::evaluate(self.model, &g.prompts, self.max_rows)?,
+                }
+            } else {
+                base_run(self.model, &g.prompts, &captures_for(&cells_needed)?)?
+            };
+            self.stats.forwards += 1;
+            if base.is_none() {
+                self.store
+                    .save(&base_key, std::slice::from_ref(&b.outcomes))?;
+                if g.cells.is_empty() {
+                    self.progress.inc(1);
+                }
+            }
+            base = Some(b.outcomes.clone());
+            for i in missing {
+                let out = run_chunk(self.model, &g.prompts, &b, &g.cells, &chunks[i])?;
+                self.stats.forwards += 1;
+                self.store.save(&format!("{}-c{i:04}", g.key), &out)?;
+                self.progress.inc(chunks[i].len() as u64);
+                self.stats.cells_computed += chunks[i].len() as u64;
+                results[i] = Some(out);
+            }
+        } else if g.cells.is_empty() {
+            self.progress.skip(1);
+        }
+        let mut cells: Vec<Vec<Outcome>> = vec![Vec::new(); g.cells.len()];
+        for (chunk, res) in chunks.iter().zip(results) {
+            for (&c, out) in chunk
+                .iter()
+                .zip(res.expect("every chunk computed or loaded"))
+            {
+                cells[c] = out;
+            }
+        }
+        self.stats.seconds += t0.elapsed().as_secs_f64();
+        Ok(GroupResult {
+            base: base.expect("base computed or loaded"),
+            cells,
+        })
+    }
+}

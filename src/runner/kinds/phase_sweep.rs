@@ -1,0 +1,148 @@
+//! `phase-sweep`: top-1 accuracy by phase group for each model and protocol.
+//!
+//! Writes, per model, `notebooks-data/<experiment>/<model>/phase_accuracy.arrow`
+//! (schema `phase_accuracy/v1`, Wilson intervals) and `summary.json` (mean accuracy,
+//! best and worst phase, phase gap with its selection-adjusted cluster-bootstrap
+//! CI), and long rows `accuracy_<protocol>`, `phase_gap_pp_<protocol>`, ... for the
+//! experiment's `phase_sweep` table.
+
+use crate::analysis::{DEFAULT_LEVEL, phase_gap};
+use crate::error::{Error, Result};
+use crate::output::{PhaseAccuracyRow, phase_accuracy_table, write_parquet_copy};
+use crate::tasks::Protocol;
+
+use super::super::aggregate::{accuracy_clusters, baseline_rows, phase_clusters};
+use super::super::config::SweepConfig;
+use super::super::exec::Group;
+use super::super::prompts::clean_prompts;
+use super::{Ctx, KindOutput};
+
+/// Short protocol name of the `phase_accuracy` table (`prefix`, `in-sequence`).
+pub fn protocol_label(p: Protocol) -> &'static str {
+    match p {
+        Protocol::PrefixPadding => "prefix",
+        Protocol::InSequencePadding => "in-sequence",
+    }
+}
+
+/// Metric suffix of a protocol (`_prefix`, `_in_sequence`).
+pub fn protocol_suffix(p: Protocol) -> &'static str {
+    match p {
+        Protocol::PrefixPadding => "_prefix",
+        Protocol::InSequencePadding => "_in_sequence",
+    }
+}
+
+pub fn run(ctx: &mut Ctx, data_dir: &std::path::Path) -> Result<KindOutput> {
+    let cfg: SweepConfig = ctx.exp.file.sweep.clone().unwrap_or_default();
+    let p = ctx.p();
+    let mut sets = Vec::new();
+    let mut groups = Vec::new();
+    let mut metas = Vec::new();
+    for &proto in &cfg.protocols {
+        let set = ctx.task.eval_set(proto)?;
+        ctx.preflight(set.prompt_len)?;
+        for &r in &ctx.task.phases {
+            let ex = ctx.examples(&set, r);
+            let (prompts, meta) = clean_prompts(&ex, |_| 0);
+            groups.push(Group {
+                key: format!("{}-{}-p{r}", ctx.mref.name, protocol_label(proto)),
+                prompts,
+                cells: Vec::new(),
+            });
+            metas.push((proto, meta));
+        }
+        sets.push(set);
+    }
+    let results = ctx.execute(&format!("{} phase-sweep", ctx.mref.name), &groups)?;
+    let (reps, seed) = (ctx.reps(), ctx.seed());
+    let rc = ctx.rows.clone();
+    let phases = ctx.task.phases.clone();
+    let mut rows = Vec::new();
+    let mut table_rows = Vec::new();
+    let mut per_protocol = serde_json::Map::new();
+    let mut first: Option<serde_json::Value> = None;
+    for &proto in &cfg.protocols {
+        let obs: Vec<(u64, u32, bool)> = metas
+            .iter()
+            .zip(&results)
+            .filter(|((pr, _), _)| *pr == proto)
+            .flat_map(|((_, meta), res)| {
+                meta.iter()
+                    .zip(&res.base)
+                    .map(|(m, o)| (m.logical, m.phase, o.correct))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let acc = accuracy_clusters(p, obs.clone());
+        rows.extend(baseline_rows(
+            &rc,
+            protocol_suffix(proto),
+            &acc,
+            &phases,
+            reps,
+            seed,
+        ));
+        for &r in &phases {
+            let (n, correct) = obs
+                .iter()
+                .filter(|(_, ph, _)| *ph == r)
+                .fold((0u64, 0u64), |(n, c), (_, _, ok)| {
+                    (n + 1, c + u64::from(*ok))
+                });
+            table_rows.push(PhaseAccuracyRow::new(
+                &rc.model,
+                protocol_label(proto),
+                r,
+                n,
+                correct,
+            ));
+        }
+        let gap = phase_gap(&phase_clusters(&acc), reps, seed, DEFAULT_LEVEL).ok();
+        let s = serde_json::json!({
+            "protocol": proto.name(),
+            "mean_accuracy": gap.as_ref().map(|g| g.mean_accuracy),
+            "mean_accuracy_ci95": gap.as_ref().map(|g| [g.mean_ci.0, g.mean_ci.1]),
+            "best_phase": gap.as_ref().map(|g| g.best_phase),
+            "worst_phase": gap.as_ref().map(|g| g.worst_phase),
+            "phase_gap_pp": gap.as_ref().map(|g| g.gap_pp),
+            "phase_gap_ci95": gap.as_ref().map(|g| [g.ci_lo_pp, g.ci_hi_pp]),
+            "n_logical": ctx.task.n_logical,
+            "bootstrap_reps": reps,
+        });
+        if first.is_none() {
+            first = Some(s.clone());
+        }
+        per_protocol.insert(proto.name().to_string(), s);
+    }
+    let dir = data_dir.join(&ctx.mref.name);
+    let t = phase_accuracy_table("phase_accuracy", &table_rows).with_provenance(&ctx.exp.text);
+    let path = dir.join("phase_accuracy.arrow");
+    t.write_arrow(&path)
+        .map_err(|e| Error::Other(e.to_string()))?;
+    write_parquet_copy(&path).map_err(|e| Error::Other(e.to_string()))?;
+    let first = first.unwrap_or_default();
+    let summary = serde_json::json!({
+        "model": ctx.mref.name,
+        "compressed": ctx.info.compressed(),
+        "stride": ctx.info.strides().first(),
+        "strides": ctx.info.strides(),
+        "period": p,
+        "protocol": first["protocol"],
+        "mean_accuracy": first["mean_accuracy"],
+        "best_phase": first["best_phase"],
+        "worst_phase": first["worst_phase"],
+        "phase_gap_pp": first["phase_gap_pp"],
+        "phase_gap_ci95": first["phase_gap_ci95"],
+        "protocols": per_protocol,
+        "phaselens_version": env!("CARGO_PKG_VERSION"),
+    });
+    crate::output::write_bytes_atomic(
+        &dir.join("summary.json"),
+        format!("{summary:#}\n").as_bytes(),
+    )
+    .map_err(|e| Error::io(dir.join("summary.json"), e))?;
+    Ok(KindOutput {
+        tables: vec![("phase_sweep".into(), rows)],
+    })
+}

@@ -1,0 +1,232 @@
+//! The experiment runner: `phaselens run <experiment.toml>`.
+//!
+//! ```text
+//! experiment TOML --config--> settings --setup--> model + prompts (+ checks)
+//!   --kinds/<kind>--> cells --patching (one batched routine) + exec (resume, progress)-->
+//!   outcomes --aggregate (analysis)--> long rows --output--> tables
+//!   --figures--> figures + report            (`phaselens figures` redraws from tables)
+//! ```
+//!
+//! | file | role |
+//! |---|---|
+//! | [`config`] | the experiment TOML (every key documented in docs/experiments.md) |
+//! | [`setup`] | organism / model directory, token space, prompt format, period; checks against the model |
+//! | [`prompts`] | phase-group prompt batches, clean/corrupted pairs |
+//! | [`patching`] | THE batched intervention routine (and its one-forward-per-cell reference) |
+//! | [`exec`], [`store`], [`progress`] | chunks with resume (atomic shard tables), progress with ETA |
+//! | [`aggregate`] | outcomes -> rows with cluster-bootstrap CIs (through [`crate::analysis`]) |
+//! | [`kinds`] | one small file per experiment kind |
+//! | [`figures`] | figures and report from the tables alone |
+//! | [`bench`] | batched vs one-forward-per-cell throughput |
+
+pub mod aggregate;
+pub mod bench;
+pub mod config;
+pub mod exec;
+pub mod figures;
+pub mod kinds;
+pub mod patching;
+pub mod progress;
+pub mod prompts;
+pub mod setup;
+pub mod store;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::device::DeviceSpec;
+use crate::error::{Error, Result};
+use crate::model::load_model;
+use crate::output::{LongRow, long_table, write_parquet_copy};
+
+pub use config::{Experiment, Kind};
+pub use exec::ExecStats;
+pub use progress::ProgressMode;
+
+/// Where outputs go and how the run behaves.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Tables go to `<data_root>/<experiment>/`. Default `notebooks-data`.
+    pub data_root: PathBuf,
+    /// Figures and the report go to `<reports_root>/<experiment>/`. Default `reports`.
+    pub reports_root: PathBuf,
+    /// Recompute everything (drop the shards of earlier runs).
+    pub fresh: bool,
+    /// Overrides `[model] device`.
+    pub device: Option<DeviceSpec>,
+    pub progress: ProgressMode,
+    /// Draw the figures and the report after the run.
+    pub figures: bool,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            data_root: PathBuf::from("notebooks-data"),
+            reports_root: PathBuf::from("reports"),
+            fresh: false,
+            device: None,
+            progress: ProgressMode::Auto,
+            figures: true,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub name: String,
+    pub kind: Kind,
+    pub models: Vec<String>,
+    /// `<data_root>/<experiment>`.
+    pub data_dir: PathBuf,
+    /// `<reports_root>/<experiment>`.
+    pub report_dir: PathBuf,
+    /// The long tables written (`.arrow`; each has a `.parquet` copy).
+    pub tables: Vec<PathBuf>,
+    /// Figure files (PNG and SVG).
+    pub figures: Vec<PathBuf>,
+    pub notes: Vec<String>,
+    pub stats: ExecStats,
+    pub seconds: f64,
+}
+
+/// Table metadata key: the experiment kind.
+pub const META_KIND: &str = "phaselens.kind";
+/// Table metadata key: notes (warnings of the checks, provenance of defaults), one per line.
+pub const META_NOTES: &str = "phaselens.notes";
+
+/// Write a long table `<dir>/<name>.arrow` (+ Parquet copy) with provenance.
+pub fn write_long_table(
+    dir: &Path,
+    name: &str,
+    rows: &[LongRow],
+    exp: &Experiment,
+    notes: &[String],
+) -> Result<PathBuf> {
+    let path = dir.join(format!("{name}.arrow"));
+    let t = long_table(name, rows)
+        .with_provenance(&exp.text)
+        .with_metadata(META_KIND, exp.kind().name())
+        .with_metadata(META_NOTES, notes.join("\n"));
+    t.write_arrow(&path)
+        .map_err(|e| Error::Other(e.to_string()))?;
+    write_parquet_copy(&path).map_err(|e| Error::Other(e.to_string()))?;
+    Ok(path)
+}
+
+/// The settings that determine the computed outcomes (for the run hash).
+fn settings_for_hash(exp: &Experiment) -> serde_json::Value {
+    let mut f = exp.file.clone();
+    f.experiment.description.clear();
+    f.experiment.bootstrap_reps = 0;
+    f.experiment.seed = 0;
+    f.experiment.name = None;
+    serde_json::to_value(&f).expect("experiment settings serialise")
+}
+
+/// Run the experiment at `path`.
+pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
+    let t0 = Instant::now();
+    let exp = Experiment::load(path)?;
+    let name = exp.name();
+    let kind = exp.kind();
+    let (models, mut notes) = setup::resolve_models(&exp)?;
+    for n in &notes {
+        eprintln!("note: {n}");
+    }
+    let device_spec = match (&opts.device, &exp.file.model.device) {
+        (Some(d), _) => d.clone(),
+        (None, Some(s)) => s
+            .parse::<DeviceSpec>()
+            .map_err(|e| exp.err("model", "device", e))?,
+        (None, None) => DeviceSpec::Cpu,
+    };
+    let device = device_spec.device()?;
+    let data_dir = opts.data_root.join(&name);
+    let report_dir = opts.reports_root.join(&name);
+    let dirs: Vec<&Path> = models.iter().map(|m| m.dir.as_path()).collect();
+    let hash = store::run_hash(&settings_for_hash(&exp), &dirs);
+    let (store, removed) = store::Store::open(&data_dir.join("shards"), &hash, opts.fresh)?;
+    if removed > 0 && !opts.fresh {
+        let n = format!(
+            "removed {removed} shard(s) of an earlier run with other settings or another model"
+        );
+        eprintln!("note: {n}");
+    }
+    let mut tables: Vec<(String, Vec<LongRow>)> = Vec::new();
+    let mut stats = ExecStats::default();
+    for mref in &models {
+        let model = load_model(&mref.dir, &device)
+            .map_err(|e| Error::Other(format!("loading model {}: {e}", mref.dir.display())))?;
+        let info = model.info();
+        let task = setup::TaskSetup::resolve(&exp, mref, &info)?;
+        let mut ctx = kinds::Ctx {
+            exp: &exp,
+            opts,
+            store: &store,
+            model: model.as_ref(),
+            info,
+            mref,
+            rows: aggregate::RowCtx {
+                experiment: name.clone(),
+                model: mref.name.clone(),
+                kind: kind.name().to_string(),
+            },
+            notes: task.provenance.clone(),
+            task,
+            stats: ExecStats::default(),
+            device: device.clone(),
+            max_rows: exp.max_rows(&device_spec),
+        };
+        let out = match kind {
+            Kind::PhaseSweep => kinds::phase_sweep::run(&mut ctx, &data_dir)?,
+            Kind::PatchHeads => kinds::patch_heads::run(&mut ctx)?,
+            Kind::AblateHeads => kinds::ablate::run(&mut ctx)?,
+            Kind::Knockout => kinds::knockout::run(&mut ctx)?,
+            Kind::GateProfiles => kinds::gate_profiles::run(&mut ctx)?,
+            Kind::GateCycling => kinds::gate_cycling::run(&mut ctx)?,
+        };
+        for n in &ctx.notes {
+            let tagged = if models.len() > 1 {
+                format!("{}: {n}", mref.name)
+            } else {
+                n.clone()
+            };
+            if !notes.contains(&tagged) {
+                notes.push(tagged);
+            }
+        }
+        stats.cells_computed += ctx.stats.cells_computed;
+        stats.cells_resumed += ctx.stats.cells_resumed;
+        stats.forwards += ctx.stats.forwards;
+        stats.seconds += ctx.stats.seconds;
+        for (t, rows) in out.tables {
+            match tables.iter_mut().find(|(n, _)| *n == t) {
+                Some((_, acc)) => acc.extend(rows),
+                None => tables.push((t, rows)),
+            }
+        }
+    }
+    let mut written = Vec::new();
+    for (t, rows) in &tables {
+        written.push(write_long_table(&data_dir, t, rows, &exp, &notes)?);
+    }
+    let figures = if opts.figures {
+        figures::draw_experiment(&data_dir, &report_dir)?
+    } else {
+        Vec::new()
+    };
+    Ok(RunSummary {
+        name,
+        kind,
+        models: models.iter().map(|m| m.name.clone()).collect(),
+        data_dir,
+        report_dir,
+        tables: written,
+        figures,
+        notes,
+        stats,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}

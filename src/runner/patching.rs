@@ -1,0 +1,838 @@
+//! The one batched intervention routine every experiment kind uses.
+//!
+//! Like TransformerLens' `patching.py`, the routine is generic: a [`Cell`] is one
+//! variant of a forward pass (patch head 3 of layer 2 from the clean run, zero KV
+//! head 0 of layer 1, roll the gates of every layer by +2 offsets, ...) applied to a
+//! set of prompts, and the experiment kinds only decide which cells to sweep (layer x
+//! head x source phase x direction, layer x KV head, gate shifts, ...).
+//!
+//! How a set of cells is evaluated on a batch of prompts ([`Prompts`]):
+//!
+//! 1. [`base_run`]: ONE forward over all prompts (e.g. the clean AND the corrupted
+//!    prompts of one phase group), capturing `blocks.{l}.hook_resid_pre` at every
+//!    layer a cell starts at and every activation a cell replaces.
+//! 2. [`plan_chunks`]: cells are grouped by the layer they start at and packed into
+//!    chunks of at most `max_rows` batch rows (cells x prompts).
+//! 3. [`run_chunk`]: ONE `forward_from(start, resid)` over the rows of a chunk; the
+//!    layers before `start` are not run again. Each block of rows carries one cell:
+//!    - a [`Edit::Replace`] at a point of layer `start` (hook_z, hook_attn_out,
+//!      hook_resid_pre, ...): since nothing upstream of that point differs from the
+//!      base run, the receiving activation IS the base run's; the routine builds, for
+//!      every replaced point, one tensor = base activation of each row's prompt with
+//!      the cell's heads x positions taken from the fill (the partner prompt's
+//!      activation, zero, the group mean, another prompt of the group), and installs it
+//!      with one `Action::Replace` scoped to the rows of the cells that edit that point.
+//!      Positions may differ per row (the answer position moves with prefix padding).
+//!    - a [`Edit::Transform`] (e.g. `Action::Roll` on the compressor gates) is applied
+//!      inside the forward through the hook mechanism, scoped to its rows.
+//! 4. The logits are read only at each prompt's target positions ([`Outcome`]).
+//!
+//! [`run_cell_naive`] evaluates one cell the slow, obvious way (a full forward per
+//! cell with the hooks' own `Patch`/`Zero`/`Mean`/`Resample` actions); it is the
+//! reference the batched path is tested against and the baseline of
+//! `phaselens bench patching`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
+use crate::model::LanguageModel;
+
+/// Which query positions an edit touches, per prompt.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Positions {
+    /// Every position (TransformerLens' "all positions" patching).
+    #[default]
+    All,
+    /// The prompt's target positions (where the answer is read).
+    Answer,
+    /// The last `k` positions up to and including the last target position
+    /// (a band of final query positions; clipped at position 0).
+    Final(usize),
+}
+
+impl Positions {
+    /// The positions for a prompt whose target positions are `targets`; `None` = all.
+    pub fn resolve(&self, targets: &[usize]) -> Option<Vec<usize>> {
+        match self {
+            Positions::All => None,
+            Positions::Answer => Some(targets.to_vec()),
+            Positions::Final(k) => {
+                let end = *targets.last().expect("a prompt has a target position");
+                Some((end + 1).saturating_sub(*k)..end + 1).map(|r| r.collect())
+            }
+        }
+    }
+}
+
+/// What a [`Edit::Replace`] puts in place of the activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Fill {
+    /// The same activation in the prompt's partner ([`Prompts::source`]): activation
+    /// patching (clean into corrupted = denoising, the reverse = noising).
+    Source,
+    /// Zero.
+    Zero,
+    /// The mean over the prompts of the same group ([`Prompts::group`]), per position.
+    Mean,
+    /// The activation of the next prompt of the same group (cyclically): resampling.
+    Resample,
+}
+
+/// One intervention.
+#[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // a few hundred cells per run; boxing buys nothing
+pub enum Edit {
+    /// Replace the activation at `point` (a layer point), within `heads` (along the
+    /// point's head axis; `None` = all) and `positions`, by `fill`.
+    Replace {
+        point: HookPoint,
+        heads: Option<Vec<usize>>,
+        positions: Positions,
+        fill: Fill,
+    },
+    /// Apply `action` at every point of `points` during the forward (e.g. roll the
+    /// compressor gates), within `heads`.
+    Transform {
+        points: Vec<HookPoint>,
+        action: Action,
+        heads: Option<Vec<usize>>,
+    },
+}
+
+impl Edit {
+    /// The block the batched forward starts at.
+    pub fn start_layer(&self) -> Result<usize> {
+        let layer = |p: &HookPoint| {
+            p.layer.ok_or_else(|| {
+                Error::hook(
+                    p.to_string(),
+                    "interventions of the batched routine target block points (blocks.{l}.*)",
+                )
+            })
+        };
+        match self {
+            Edit::Replace { point, .. } => layer(point),
+            Edit::Transform { points, .. } => {
+                let mut m = usize::MAX;
+                for p in points {
+                    m = m.min(layer(p)?);
+                }
+                if m == usize::MAX {
+                    return Err(Error::Other("a transform edit without points".into()));
+                }
+                Ok(m)
+            }
+        }
+    }
+}
+
+/// One variant of the forward pass applied to some of the prompts.
+#[derive(Debug, Clone)]
+pub struct Cell {
+    pub edit: Edit,
+    /// The prompts (indices into [`Prompts`]) that receive the edit.
+    pub prompts: Vec<usize>,
+}
+
+/// Where a prompt is scored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// Positions whose logits predict `answers` (teacher forcing).
+    pub positions: Vec<usize>,
+    /// The answer token at each position.
+    pub answers: Vec<u32>,
+    /// The competing answer of the logit difference at `positions[0]` (the
+    /// corrupted prompt's answer for a clean prompt and vice versa).
+    pub alt: Option<u32>,
+}
+
+/// A batch of equal-length prompts and what the routine needs to know about them.
+#[derive(Debug, Clone)]
+pub struct Prompts {
+    /// Tokens per prompt (prompts are cut after their last target position).
+    pub len: usize,
+    /// Row-major `[n, len]`.
+    pub tokens: Vec<u32>,
+    pub targets: Vec<Target>,
+    /// Partner prompt of each prompt, for [`Fill::Source`].
+    pub source: Vec<Option<usize>>,
+    /// Group of each prompt, for [`Fill::Mean`] and [`Fill::Resample`].
+    pub group: Vec<usize>,
+}
+
+impl Prompts {
+    /// Number of prompts.
+    pub fn n(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// `[rows.len(), len]` token ids of the given prompts.
+    pub fn tokens_of(&self, rows: &[usize], device: &burn::tensor::Device) -> Tensor<2, Int> {
+        let mut ids = Vec::with_capacity(rows.len() * self.len);
+        for &r in rows {
+            ids.extend(
+                self.tokens[r * self.len..(r + 1) * self.len]
+                    .iter()
+                    .map(|&t| t as i64),
+            );
+        }
+        Tensor::from_data(TensorData::new(ids, [rows.len(), self.len]), device)
+    }
+
+    /// For every prompt, the next prompt of its group (cyclic; itself when alone).
+    pub fn resample_partner(&self) -> Vec<usize> {
+        let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (p, g) in self.group.iter().enumerate() {
+            members.entry(*g).or_default().push(p);
+        }
+        let mut out = vec![0; self.n()];
+        for m in members.values() {
+            for (i, &p) in m.iter().enumerate() {
+                out[p] = m[(i + 1) % m.len()];
+            }
+        }
+        out
+    }
+
+    fn partner(&self, p: usize) -> Result<usize> {
+        self.source[p].ok_or_else(|| {
+            Error::Other(format!(
+                "prompt {p} has no source partner (Fill::Source needs paired prompts)"
+            ))
+        })
+    }
+
+    fn check(&self) -> Result<()> {
+        let n = self.n();
+        if n == 0 || self.len == 0 || self.tokens.len() != n * self.len {
+            return Err(Error::Input(format!(
+                "prompt batch: {} tokens for {n} prompts of length {}",
+                self.tokens.len(),
+                self.len
+            )));
+        }
+        if self.source.len() != n || self.group.len() != n {
+            return Err(Error::Input(
+                "prompt batch: source/group length mismatch".into(),
+            ));
+        }
+        for (i, t) in self.targets.iter().enumerate() {
+            if t.positions.is_empty()
+                || t.positions.len() != t.answers.len()
+                || t.positions.iter().any(|&p| p >= self.len)
+            {
+                return Err(Error::Input(format!(
+                    "prompt {i}: bad target positions {:?} for length {}",
+                    t.positions, self.len
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a forward pass says about one prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Outcome {
+    /// Top-1 over the full vocabulary equals the answer at every target position.
+    pub correct: bool,
+    /// `logit(answer[0]) - logit(alt)` at the first target position (`NaN` without alt).
+    pub ld: f32,
+}
+
+/// The base run of a batch: its captured activations and outcomes.
+#[derive(Debug, Clone)]
+pub struct Base {
+    pub cache: Arc<ActivationCache>,
+    pub outcomes: Vec<Outcome>,
+}
+
+/// The points a base run must capture so that `cells` can run.
+pub fn captures_for(cells: &[Cell]) -> Result<Vec<HookPoint>> {
+    let mut pts = std::collections::BTreeSet::new();
+    for c in cells {
+        pts.insert(HookPoint::block(c.edit.start_layer()?, Site::ResidPre));
+        if let Edit::Replace { point, .. } = &c.edit {
+            pts.insert(*point);
+        }
+    }
+    Ok(pts.into_iter().collect())
+}
+
+fn read_err(e: impl std::fmt::Display) -> Error {
+    Error::Other(format!("reading a tensor back from the device: {e}"))
+}
+
+/// Read the outcomes of `targets[i]` from row `i` of `logits: [rows, pos, vocab]`.
+pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
+    let [r, t, v] = logits.dims();
+    if r != targets.len() {
+        return Err(Error::Other(format!(
+            "readout: {r} logit rows for {} targets",
+            targets.len()
+        )));
+    }
+    let device = logits.device();
+    let mut flat = Vec::new();
+    let mut pairs = Vec::new();
+    for (i, tg) in targets.iter().enumerate() {
+        for (k, (&p, &a)) in tg.positions.iter().zip(&tg.answers).enumerate() {
+            flat.push((i * t + p) as i64);
+            let alt = if k == 0 { tg.alt.unwrap_or(a) } else { a };
+            if a as usize >= v || alt as usize >= v {
+                return Err(Error::Input(format!(
+                    "answer token {a} / {alt} is outside the model's vocabulary 0..{v}"
+                )));
+            }
+            pairs.push(a as i64);
+            pairs.push(alt as i64);
+        }
+    }
+    let k = flat.len();
+    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
+    let rows = logits.reshape([r * t, v]).select(0, idx);
+    let top = rows
+        .clone()
+        .argmax(1)
+        .try_into_vec_as::<i64>()
+        .map_err(read_err)?;
+    let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [k, 2]), &device);
+    let vals = rows
+        .gather(1, pairs)
+        .try_into_vec_as::<f32>()
+        .map_err(read_err)?;
+    let mut out = Vec::with_capacity(r);
+    let mut j = 0;
+    for tg in targets {
+        let mut correct = true;
+        let mut ld = f32::NAN;
+        for (k, &a) in tg.answers.iter().enumerate() {
+            correct &= top[j] == a as i64;
+            if k == 0 && tg.alt.is_some() {
+                ld = vals[2 * j] - vals[2 * j + 1];
+            }
+            j += 1;
+        }
+        out.push(Outcome { correct, ld });
+    }
+    Ok(out)
+}
+
+/// One forward over every prompt, capturing `captures`.
+pub fn base_run(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    captures: &[HookPoint],
+) -> Result<Base> {
+    prompts.check()?;
+    let device = model.device();
+    let all: Vec<usize> = (0..prompts.n()).collect();
+    let mut spec = HookSpec::new();
+    for p in captures {
+        spec = spec.capture_point(*p);
+    }
+    let out = model.forward(prompts.tokens_of(&all, &device), &spec)?;
+    let targets: Vec<&Target> = prompts.targets.iter().collect();
+    let outcomes = readout(out.logits, &targets)?;
+    for p in captures {
+        if out.cache.get(p).is_none() {
+            return Err(Error::hook(
+                p.to_string(),
+                "the model did not produce this activation (is the layer of the right kind?)",
+            ));
+        }
+    }
+    Ok(Base {
+        cache: Arc::new(out.cache),
+        outcomes,
+    })
+}
+
+/// Outcomes of plain forwards over every prompt, `max_rows` prompts at a time.
+pub fn evaluate(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    max_rows: usize,
+) -> Result<Vec<Outcome>> {
+    prompts.check()?;
+    let device = model.device();
+    let mut out = Vec::with_capacity(prompts.n());
+    let idx: Vec<usize> = (0..prompts.n()).collect();
+    for rows in idx.chunks(max_rows.max(1)) {
+        let logits = model
+            .forward(prompts.tokens_of(rows, &device), &HookSpec::new())?
+            .logits;
+        let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
+        out.extend(readout(logits, &targets)?);
+    }
+    Ok(out)
+}
+
+/// Split `cells` into chunks that share a start layer and hold at most `max_rows`
+/// rows (a cell with more prompts than that gets a chunk of its own). The plan is a
+/// pure function of the cells, so an interrupted run finds the same chunks again.
+pub fn plan_chunks(cells: &[Cell], max_rows: usize) -> Result<Vec<Vec<usize>>> {
+    let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, c) in cells.iter().enumerate() {
+        by_layer.entry(c.edit.start_layer()?).or_default().push(i);
+    }
+    let mut chunks = Vec::new();
+    for idx in by_layer.into_values() {
+        let mut cur: Vec<usize> = Vec::new();
+        let mut rows = 0;
+        for i in idx {
+            let n = cells[i].prompts.len();
+            if !cur.is_empty() && rows + n > max_rows {
+                chunks.push(std::mem::take(&mut cur));
+                rows = 0;
+            }
+            cur.push(i);
+            rows += n;
+        }
+        if !cur.is_empty() {
+            chunks.push(cur);
+        }
+    }
+    Ok(chunks)
+}
+
+/// Per row of a merged replacement: which prompt, which fill, which heads and positions.
+struct RowEdit<'a> {
+    row: usize,
+    prompt: usize,
+    fill: Fill,
+    heads: Option<&'a [usize]>,
+    positions: Option<Vec<usize>>,
+}
+
+fn act_at<'c>(cache: &'c ActivationCache, point: &HookPoint) -> Result<&'c Act> {
+    cache.get(point).ok_or_else(|| {
+        Error::hook(
+            point.to_string(),
+            "not captured by the base run (a bug in the runner's capture list)",
+        )
+    })
+}
+
+fn positions_allowed(point: &HookPoint) -> bool {
+    !matches!(
+        point.site,
+        Site::KeyGate | Site::ValueGate | Site::CompressedK | Site::CompressedV
+    )
+}
+
+/// Mean over `members` (batch rows) of `act`, keeping a batch axis of 1.
+fn group_mean<const D: usize>(act: &Act, members: &[usize]) -> Result<Tensor<D>> {
+    Ok(act.select_batch(members)?.get::<D>()?.mean_dim(0))
+}
+
+/// Build the merged replacement for one point: `[rows, ...]`, the receiving
+/// activation with each edited row's heads x positions taken from its fill.
+fn replacement<const D: usize>(
+    point: &HookPoint,
+    base: &Act,
+    prompts: &Prompts,
+    row_prompt: &[usize],
+    edits: &[RowEdit],
+) -> Result<Tensor<D>> {
+    let info = point.site.info();
+    let receiving = base.select_batch(row_prompt)?.get::<D>()?;
+    let dims = receiving.dims();
+    let device = receiving.device();
+    let mut out = receiving;
+    let mut fills: Vec<Fill> = edits.iter().map(|e| e.fill).collect();
+    fills.sort();
+    fills.dedup();
+    for fill in fills {
+        let rows: Vec<&RowEdit> = edits.iter().filter(|e| e.fill == fill).collect();
+        let value: Tensor<D> = match fill {
+            Fill::Zero => Tensor::zeros(dims, &device),
+            Fill::Source => {
+                let mut idx = row_prompt.to_vec();
+                for e in &rows {
+                    idx[e.row] = prompts.partner(e.prompt)?;
+                }
+                base.select_batch(&idx)?.get::<D>()?
+            }
+            Fill::Resample => {
+                let partner = prompts.resample_partner();
+                let mut idx = row_prompt.to_vec();
+                for e in &rows {
+                    idx[e.row] = partner[e.prompt];
+                }
+                base.select_batch(&idx)?.get::<D>()?
+            }
+            Fill::Mean => {
+                let mut groups: Vec<usize> = rows.iter().map(|e| prompts.group[e.prompt]).collect();
+                groups.sort_unstable();
+                groups.dedup();
+                let mut means = Vec::with_capacity(groups.len());
+                for g in &groups {
+                    let members: Vec<usize> = (0..prompts.n())
+                        .filter(|&p| prompts.group[p] == *g)
+                        .collect();
+                    means.push(group_mean::<D>(base, &members)?);
+                }
+                let means = Tensor::cat(means, 0);
+                let sel: Vec<i64> = row_prompt
+                    .iter()
+                    .map(|&p| {
+                        groups
+                            .iter()
+                            .position(|g| *g == prompts.group[p])
+                            .unwrap_or(0) as i64
+                    })
+                    .collect();
+                let n = sel.len();
+                means.select(
+                    0,
+                    Tensor::<1, Int>::from_data(TensorData::new(sel, [n]), &device),
+                )
+            }
+        };
+        // Host mask over [rows, pos?, head?] with size-1 feature axes, then broadcast.
+        let mut mshape = [1usize; D];
+        mshape[0] = dims[0];
+        let pos_axis = info.pos_axis.filter(|&a| a < D);
+        let head_axis = info.head_axis.map(|(a, _)| a).filter(|&a| a < D);
+        if let Some(a) = pos_axis {
+            mshape[a] = dims[a];
+        }
+        if let Some(a) = head_axis {
+            mshape[a] = dims[a];
+        }
+        let mut strides = [0usize; D];
+        let mut s = 1;
+        for a in (0..D).rev() {
+            strides[a] = s;
+            s *= mshape[a];
+        }
+        let mut mask = vec![false; s];
+        for e in &rows {
+            if e.heads.is_some() && head_axis.is_none() {
+                return Err(Error::hook(
+                    point.to_string(),
+                    "this point has no head axis; a head-level edit cannot target it",
+                ));
+            }
+            if e.positions.is_some() && (pos_axis.is_none() || !positions_allowed(point)) {
+                return Err(Error::hook(
+                    point.to_string(),
+                    "positions other than \"all\" need a point indexed by token position",
+                ));
+            }
+            let all_pos: Vec<usize>;
+            let pos: &[usize] = match (&e.positions, pos_axis) {
+                (Some(p), _) => p,
+                (None, Some(a)) => {
+                    all_pos = (0..dims[a]).collect();
+                    &all_pos
+                }
+                (None, None) => &[0],
+            };
+            let all_heads: Vec<usize>;
+            let heads: &[usize] = match (e.heads, head_axis) {
+                (Some(h), _) => h,
+                (None, Some(a)) => {
+                    all_heads = (0..dims[a]).collect();
+                    &all_heads
+                }
+                (None, None) => &[0],
+            };
+            for &p in pos {
+                if let Some(a) = pos_axis
+                    && p >= dims[a]
+                {
+                    return Err(Error::hook(
+                        point.to_string(),
+                        format!("position {p} out of range 0..{}", dims[a]),
+                    ));
+                }
+                for &h in heads {
+                    if let Some(a) = head_axis
+                        && h >= dims[a]
+                    {
+                        return Err(Error::hook(
+                            point.to_string(),
+                            format!("head {h} out of range 0..{}", dims[a]),
+                        ));
+                    }
+                    let mut i = e.row * strides[0];
+                    if let Some(a) = pos_axis {
+                        i += p * strides[a];
+                    }
+                    if let Some(a) = head_axis {
+                        i += h * strides[a];
+                    }
+                    mask[i] = true;
+                }
+            }
+        }
+        let mask =
+            Tensor::<D, Bool>::from_data(TensorData::new(mask, mshape), &device).expand(dims);
+        out = out.mask_where(mask, value);
+    }
+    Ok(out)
+}
+
+fn replacement_act(
+    point: &HookPoint,
+    base: &Act,
+    prompts: &Prompts,
+    row_prompt: &[usize],
+    edits: &[RowEdit],
+) -> Result<Act> {
+    Ok(match base.rank() {
+        2 => Act::new(replacement::<2>(point, base, prompts, row_prompt, edits)?),
+        3 => Act::new(replacement::<3>(point, base, prompts, row_prompt, edits)?),
+        4 => Act::new(replacement::<4>(point, base, prompts, row_prompt, edits)?),
+        5 => Act::new(replacement::<5>(point, base, prompts, row_prompt, edits)?),
+        6 => Act::new(replacement::<6>(point, base, prompts, row_prompt, edits)?),
+        r => {
+            return Err(Error::hook(
+                point.to_string(),
+                format!("activations of rank {r} are not supported by the patching routine"),
+            ));
+        }
+    })
+}
+
+/// Evaluate the cells `chunk` (indices into `cells`, all with the same start layer)
+/// in ONE `forward_from` over their rows. Returns, per cell of the chunk, one
+/// outcome per prompt of the cell.
+pub fn run_chunk(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    base: &Base,
+    cells: &[Cell],
+    chunk: &[usize],
+) -> Result<Vec<Vec<Outcome>>> {
+    let first = chunk
+        .first()
+        .ok_or_else(|| Error::Other("empty chunk".into()))?;
+    let start = cells[*first].edit.start_layer()?;
+    let mut row_prompt = Vec::new();
+    let mut cell_rows: Vec<std::ops::Range<usize>> = Vec::new();
+    for &c in chunk {
+        let cell = &cells[c];
+        if cell.edit.start_layer()? != start {
+            return Err(Error::Other("a chunk mixes start layers".into()));
+        }
+        let from = row_prompt.len();
+        row_prompt.extend_from_slice(&cell.prompts);
+        cell_rows.push(from..row_prompt.len());
+    }
+    let device = model.device();
+    let resid =
+        act_at(&base.cache, &HookPoint::block(start, Site::ResidPre))?.select_batch(&row_prompt)?;
+    let tokens = prompts.tokens_of(&row_prompt, &device);
+
+    // Replace edits, merged per point.
+    let mut per_point: BTreeMap<HookPoint, Vec<RowEdit>> = BTreeMap::new();
+    let mut spec = HookSpec::new();
+    for (&c, rows) in chunk.iter().zip(&cell_rows) {
+        match &cells[c].edit {
+            Edit::Replace {
+                point,
+                heads,
+                positions,
+                fill,
+            } => {
+                let list = per_point.entry(*point).or_default();
+                for row in rows.clone() {
+                    let prompt = row_prompt[row];
+                    list.push(RowEdit {
+                        row,
+                        prompt,
+                        fill: *fill,
+                        heads: heads.as_deref(),
+                        positions: positions.resolve(&prompts.targets[prompt].positions),
+                    });
+                }
+            }
+            Edit::Transform {
+                points,
+                action,
+                heads,
+            } => {
+                for p in points {
+                    let scope = Scope {
+                        batch: Some(rows.clone().collect()),
+                        heads: heads.clone(),
+                        positions: None,
+                    };
+                    spec = spec.intervene_point(*p, action.clone(), scope);
+                }
+            }
+        }
+    }
+    for (point, edits) in &per_point {
+        let base_act = act_at(&base.cache, point)?;
+        let new = replacement_act(point, base_act, prompts, &row_prompt, edits)?;
+        let scope = if edits.len() == row_prompt.len() {
+            Scope::all()
+        } else {
+            Scope::all().with_batch(edits.iter().map(|e| e.row).collect::<Vec<_>>())
+        };
+        spec = spec.intervene_point(*point, Action::Replace(new), scope);
+    }
+    let out = model.forward_from(tokens, start, &resid, &spec)?;
+    let targets: Vec<&Target> = row_prompt.iter().map(|&p| &prompts.targets[p]).collect();
+    let outcomes = readout(out.logits, &targets)?;
+    Ok(cell_rows
+        .into_iter()
+        .map(|r| outcomes[r].to_vec())
+        .collect())
+}
+
+fn group_mean_act(act: &Act, members: &[usize]) -> Result<Act> {
+    Ok(match act.rank() {
+        2 => Act::new(group_mean::<2>(act, members)?),
+        3 => Act::new(group_mean::<3>(act, members)?),
+        4 => Act::new(group_mean::<4>(act, members)?),
+        5 => Act::new(group_mean::<5>(act, members)?),
+        6 => Act::new(group_mean::<6>(act, members)?),
+        r => {
+            return Err(Error::Other(format!(
+                "rank {r} activations are not supported"
+            )));
+        }
+    })
+}
+
+/// Evaluate one cell with a full forward of its prompts and the hooks' own actions
+/// (the unbatched reference; `base` must hold the activations the fill reads).
+pub fn run_cell_naive(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    base: &Base,
+    cell: &Cell,
+) -> Result<Vec<Outcome>> {
+    let device = model.device();
+    let rows = &cell.prompts;
+    let mut spec = HookSpec::new();
+    match &cell.edit {
+        Edit::Replace {
+            point,
+            heads,
+            positions,
+            fill,
+        } => {
+            // Rows with the same positions (and group, for means) share one intervention.
+            let mut buckets: BTreeMap<(Option<Vec<usize>>, usize), Vec<usize>> = BTreeMap::new();
+            for (i, &p) in rows.iter().enumerate() {
+                let g = if *fill == Fill::Mean {
+                    prompts.group[p]
+                } else {
+                    0
+                };
+                buckets
+                    .entry((positions.resolve(&prompts.targets[p].positions), g))
+                    .or_default()
+                    .push(i);
+            }
+            let resample = prompts.resample_partner();
+            for ((pos, g), members) in buckets {
+                let scope = Scope {
+                    batch: Some(members),
+                    heads: heads.clone(),
+                    positions: pos,
+                };
+                let action = match fill {
+                    Fill::Zero => Action::Zero,
+                    Fill::Source => Action::Resample {
+                        source: base.cache.clone(),
+                        perm: rows
+                            .iter()
+                            .map(|&p| prompts.partner(p))
+                            .collect::<Result<_>>()?,
+                    },
+                    Fill::Resample => Action::Resample {
+                        source: base.cache.clone(),
+                        perm: rows.iter().map(|&p| resample[p]).collect(),
+                    },
+                    Fill::Mean => {
+                        let group: Vec<usize> = (0..prompts.n())
+                            .filter(|&p| prompts.group[p] == g)
+                            .collect();
+                        Action::Mean(group_mean_act(act_at(&base.cache, point)?, &group)?)
+                    }
+                };
+                spec = spec.intervene_point(*point, action, scope);
+            }
+        }
+        Edit::Transform {
+            points,
+            action,
+            heads,
+        } => {
+            for p in points {
+                let scope = Scope {
+                    heads: heads.clone(),
+                    ..Scope::all()
+                };
+                spec = spec.intervene_point(*p, action.clone(), scope);
+            }
+        }
+    }
+    let out = model.forward(prompts.tokens_of(rows, &device), &spec)?;
+    let targets: Vec<&Target> = rows.iter().map(|&p| &prompts.targets[p]).collect();
+    readout(out.logits, &targets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_resolve() {
+        assert_eq!(Positions::All.resolve(&[5]), None);
+        assert_eq!(Positions::Answer.resolve(&[5, 6]), Some(vec![5, 6]));
+        assert_eq!(Positions::Final(3).resolve(&[5]), Some(vec![3, 4, 5]));
+        assert_eq!(Positions::Final(9).resolve(&[2]), Some(vec![0, 1, 2]));
+    }
+
+    fn cell(layer: usize, n: usize) -> Cell {
+        Cell {
+            edit: Edit::Replace {
+                point: HookPoint::block(layer, Site::AttnZ),
+                heads: Some(vec![0]),
+                positions: Positions::All,
+                fill: Fill::Zero,
+            },
+            prompts: (0..n).collect(),
+        }
+    }
+
+    #[test]
+    fn chunks_share_a_layer_and_respect_max_rows() {
+        let cells = vec![cell(1, 4), cell(0, 4), cell(1, 4), cell(1, 4), cell(0, 10)];
+        let chunks = plan_chunks(&cells, 8).unwrap();
+        assert_eq!(chunks, vec![vec![1], vec![4], vec![0, 2], vec![3]]);
+    }
+
+    #[test]
+    fn resample_partner_stays_in_group() {
+        let p = Prompts {
+            len: 1,
+            tokens: vec![0; 5],
+            targets: vec![
+                Target {
+                    positions: vec![0],
+                    answers: vec![0],
+                    alt: None
+                };
+                5
+            ],
+            source: vec![None; 5],
+            group: vec![0, 1, 0, 1, 0],
+        };
+        assert_eq!(p.resample_partner(), vec![2, 3, 4, 1, 0]);
+    }
+}

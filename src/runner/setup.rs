@@ -1,0 +1,427 @@
+//! From an experiment file to a model directory, a token space and a prompt format,
+//! and the checks of the experiment against the model that run before any compute.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::model::{LayerKind, ModelInfo};
+use crate::tasks::{
+    KvEvalConfig, KvEvalSet, KvPromptConfig, Period, Protocol, TokenSpace, TokenSpaceConfig,
+    generate_eval_set,
+};
+use crate::train::OrganismFile;
+
+use super::config::{Experiment, Kind, Selection};
+
+/// A model the experiment runs on.
+#[derive(Debug, Clone)]
+pub struct ModelRef {
+    /// Name used in tables (`model` column) and output folders.
+    pub name: String,
+    /// The model directory.
+    pub dir: PathBuf,
+    /// The organism recipe it was trained from, if any (path, parsed file).
+    pub organism: Option<(PathBuf, OrganismFile)>,
+}
+
+fn organism_path(base: &Path, spec: &str) -> PathBuf {
+    let p = base.join(spec);
+    if p.extension().is_some_and(|e| e == "toml") {
+        p
+    } else {
+        p.with_extension("toml")
+    }
+}
+
+/// The models of an experiment: one, or (phase-sweep with a glob) every organism the
+/// glob matches. Untrained organisms are an error, or skipped with a note when
+/// `skip_untrained` (phase-sweep).
+pub fn resolve_models(exp: &Experiment) -> Result<(Vec<ModelRef>, Vec<String>)> {
+    let base = exp.base_dir();
+    let m = &exp.file.model;
+    let mut notes = Vec::new();
+    if let Some(path) = &m.path {
+        let dir = if path.is_absolute() {
+            path.clone()
+        } else {
+            base.join(path)
+        };
+        if !dir.join("config.json").exists() {
+            return Err(exp.err(
+                "model",
+                "path",
+                format!(
+                    "{} is not a model directory (no config.json)",
+                    dir.display()
+                ),
+            ));
+        }
+        let name = m.name.clone().unwrap_or_else(|| {
+            dir.file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into())
+        });
+        return Ok((
+            vec![ModelRef {
+                name,
+                dir,
+                organism: None,
+            }],
+            notes,
+        ));
+    }
+    let spec = m.organism.as_deref().expect("checked: organism or path");
+    let recipes: Vec<PathBuf> = if spec.contains('*') {
+        let pattern = organism_path(&base, spec);
+        let mut v: Vec<PathBuf> = glob::glob(&pattern.to_string_lossy())
+            .map_err(|e| exp.err("model", "organism", format!("bad glob: {e}")))?
+            .filter_map(|p| p.ok())
+            .collect();
+        v.sort();
+        if v.is_empty() {
+            return Err(exp.err(
+                "model",
+                "organism",
+                format!("no organism recipe matches {}", pattern.display()),
+            ));
+        }
+        v
+    } else {
+        vec![organism_path(&base, spec)]
+    };
+    let skip = exp.kind() == Kind::PhaseSweep
+        && exp.file.sweep.as_ref().is_none_or(|s| s.skip_untrained)
+        && spec.contains('*');
+    let mut out = Vec::new();
+    for recipe in recipes {
+        if !recipe.exists() {
+            return Err(exp.err(
+                "model",
+                "organism",
+                format!("no organism recipe {}", recipe.display()),
+            ));
+        }
+        let file = OrganismFile::load(&recipe)?;
+        let dir = file.model_dir(&recipe);
+        if !dir.join("config.json").exists() {
+            let msg = format!(
+                "organism `{}` is not trained yet ({} does not exist): run `just train {}`",
+                file.organism.name,
+                dir.display(),
+                recipe.display()
+            );
+            if skip {
+                notes.push(format!("skipping: {msg}"));
+                continue;
+            }
+            return Err(exp.err("model", "organism", msg));
+        }
+        let name = if spec.contains('*') {
+            file.organism.name.clone()
+        } else {
+            m.name.clone().unwrap_or_else(|| file.organism.name.clone())
+        };
+        out.push(ModelRef {
+            name,
+            dir,
+            organism: Some((recipe, file)),
+        });
+    }
+    if out.is_empty() {
+        return Err(exp.err(
+            "model",
+            "organism",
+            format!(
+                "no trained organism matches `{spec}` ({})",
+                notes.join("; ")
+            ),
+        ));
+    }
+    Ok((out, notes))
+}
+
+/// The resolved prompts of an experiment on one model.
+#[derive(Debug, Clone)]
+pub struct TaskSetup {
+    pub space: TokenSpace,
+    pub space_config: TokenSpaceConfig,
+    pub prompt: KvPromptConfig,
+    pub period: Period,
+    /// Protocol of every kind but phase-sweep.
+    pub protocol: Protocol,
+    /// Logical examples used per phase group.
+    pub n_logical: usize,
+    /// Logical examples generated (the smallest exactly matched design >= n_logical).
+    pub n_generated: usize,
+    pub seed: u64,
+    /// The phase groups evaluated.
+    pub phases: Vec<u32>,
+    /// Where each default came from (for the report).
+    pub provenance: Vec<String>,
+}
+
+impl TaskSetup {
+    /// Resolve `[task]` against the organism recipe (if any) and the model.
+    pub fn resolve(exp: &Experiment, m: &ModelRef, info: &ModelInfo) -> Result<Self> {
+        let t = &exp.file.task;
+        let org = m.organism.as_ref().map(|(_, f)| f);
+        let mut provenance = Vec::new();
+        let space_config = match (&t.vocab, org) {
+            (Some(v), _) => v.clone(),
+            (None, Some(o)) => {
+                provenance.push(format!("token space from organism `{}`", o.organism.name));
+                o.task.vocab.clone()
+            }
+            (None, None) => {
+                return Err(exp.err(
+                    "task",
+                    "vocab",
+                    "required for a model that is not an organism, e.g. \
+                     vocab = { kind = \"hugging_face\", tokenizer = \"<model>/tokenizer.json\", pad = \"<pad>\" }",
+                ));
+            }
+        };
+        let space = space_config
+            .build()
+            .map_err(|e| exp.err("task", "vocab", e))?;
+        let prompt = match (&t.prompt, org) {
+            (Some(p), _) => p.clone(),
+            (None, Some(o)) => {
+                provenance.push(format!(
+                    "prompt format from organism `{}` ([task.train.prompt])",
+                    o.organism.name
+                ));
+                o.task.train.prompt.clone()
+            }
+            (None, None) => KvPromptConfig::default(),
+        };
+        prompt
+            .validate(&space)
+            .map_err(|e| exp.err("task", "prompt", e))?;
+        let period = match (t.period, org) {
+            (Some(p), _) => p,
+            (None, Some(o)) => {
+                provenance.push(format!(
+                    "period {} from organism `{}`",
+                    o.task.train.period, o.organism.name
+                ));
+                o.task.train.period.get()
+            }
+            (None, None) => match info.strides().first() {
+                Some(&s) => {
+                    provenance.push(format!("period {s} = the model's smallest stride"));
+                    s as u32
+                }
+                None => {
+                    provenance.push("period 8 (the model does not compress)".into());
+                    8
+                }
+            },
+        };
+        let period = Period::new(period).map_err(|e| exp.err("task", "period", e))?;
+        let kind = exp.kind();
+        let n_logical = t.n_logical.unwrap_or(kind.default_n_logical());
+        let n_generated = KvEvalConfig::round_n_logical(period, n_logical);
+        let phases: Vec<u32> = t
+            .phases
+            .resolve(period.len(), "phases")
+            .map_err(|e| exp.err("task", "phases", e))?
+            .into_iter()
+            .map(|p| p as u32)
+            .collect();
+        Ok(TaskSetup {
+            space,
+            space_config,
+            prompt,
+            period,
+            protocol: t.protocol.unwrap_or_default(),
+            n_logical,
+            n_generated,
+            seed: t.seed,
+            phases,
+            provenance,
+        })
+    }
+
+    /// The evaluation set under `protocol` (every phase, `n_generated` logical examples).
+    pub fn eval_set(&self, protocol: Protocol) -> Result<KvEvalSet> {
+        let cfg = KvEvalConfig {
+            prompt: self.prompt.clone(),
+            period: self.period,
+            protocol,
+            n_logical: self.n_generated,
+            seed: self.seed,
+        };
+        generate_eval_set(&self.space, &cfg).map_err(|e| Error::Other(format!("[task]: {e}")))
+    }
+}
+
+/// Check the experiment against the model before any compute. Returns warnings;
+/// errors name the key to change.
+pub fn check(
+    exp: &Experiment,
+    m: &ModelRef,
+    info: &ModelInfo,
+    task: &TaskSetup,
+    prompt_len: usize,
+) -> Result<Vec<String>> {
+    let mut warn = Vec::new();
+    let p = task.period.len();
+    let strides = info.strides();
+    if strides.is_empty() {
+        warn.push(format!(
+            "{} has no compressed layers: its phase groups are a control (no phase is special)",
+            m.name
+        ));
+    } else {
+        let fixed: Vec<usize> = strides
+            .iter()
+            .copied()
+            .filter(|s| p.is_multiple_of(*s))
+            .collect();
+        let loose: Vec<usize> = strides
+            .iter()
+            .copied()
+            .filter(|s| !p.is_multiple_of(*s))
+            .collect();
+        if fixed.is_empty() && !exp.file.task.allow_period_mismatch {
+            return Err(exp.err(
+                "task",
+                "period",
+                format!(
+                    "P = {p} is not a multiple of any compression stride of {} (strides {strides:?}): \
+                     a phase group would mix compression phases. Use a multiple of {} \
+                     (or set allow_period_mismatch = true to run anyway)",
+                    m.name, strides[0]
+                ),
+            ));
+        }
+        if fixed.is_empty() {
+            warn.push(format!(
+                "P = {p} is not a multiple of any compression stride {strides:?}: phase groups mix compression phases (allow_period_mismatch = true)"
+            ));
+        } else if !loose.is_empty() {
+            warn.push(format!(
+                "P = {p} fixes the compression phase of layers with stride {fixed:?} but not of layers with stride {loose:?}"
+            ));
+        }
+    }
+    if !task
+        .n_logical
+        .is_multiple_of(crate::tasks::matched_block_size(task.period))
+    {
+        warn.push(format!(
+            "n_logical = {}: groups are matched exactly (mean and variance of the target position) only for multiples of 2P^2 = {}; using the first {} of {} generated logical examples",
+            task.n_logical,
+            crate::tasks::matched_block_size(task.period),
+            task.n_logical,
+            task.n_generated
+        ));
+    }
+    if task.space.vocab_size() > info.vocab_size {
+        return Err(exp.err(
+            "task",
+            "vocab",
+            format!(
+                "the token space uses ids up to {} but {} has a vocabulary of {}",
+                task.space.vocab_size(),
+                m.name,
+                info.vocab_size
+            ),
+        ));
+    }
+    if let Ok((_, _, json)) = crate::model::read_config_json(&m.dir)
+        && let Some(max) = json.get("max_position_embeddings").and_then(|v| v.as_u64())
+        && prompt_len as u64 > max
+    {
+        return Err(exp.err(
+            "task",
+            "prompt",
+            format!(
+                "prompts are {prompt_len} tokens but {} takes at most {max} (max_position_embeddings)",
+                m.name
+            ),
+        ));
+    }
+    for (l, spec) in info.layers.iter().enumerate() {
+        if let LayerKind::Compressed { window, .. } = spec.kind
+            && prompt_len < window
+        {
+            warn.push(format!(
+                "prompts ({prompt_len} tokens) are shorter than layer {l}'s compression window ({window}): it has no entries"
+            ));
+            break;
+        }
+    }
+    Ok(warn)
+}
+
+/// Resolve a layer selection; `compressed_only` restricts `"all"` to compressed layers
+/// and rejects explicit uncompressed ones.
+pub fn layers(
+    exp: &Experiment,
+    section: &str,
+    sel: &Selection,
+    info: &ModelInfo,
+    compressed_only: bool,
+) -> Result<Vec<usize>> {
+    let n = info.n_layers();
+    let all = sel
+        .resolve(n, "layers")
+        .map_err(|e| exp.err(section, "layers", e))?;
+    if !compressed_only {
+        return Ok(all);
+    }
+    let is_c = |l: usize| matches!(info.layers[l].kind, LayerKind::Compressed { .. });
+    match sel {
+        Selection::All => {
+            let v: Vec<usize> = all.into_iter().filter(|&l| is_c(l)).collect();
+            if v.is_empty() {
+                return Err(exp.err(
+                    section,
+                    "layers",
+                    "the model has no compressed layers (nothing has gates)",
+                ));
+            }
+            Ok(v)
+        }
+        Selection::Only(_) => {
+            if let Some(l) = all.iter().find(|&&l| !is_c(l)) {
+                return Err(exp.err(
+                    section,
+                    "layers",
+                    format!(
+                        "layer {l} is not compressed ({:?}); it has no compressor gates",
+                        info.layers[*l].kind
+                    ),
+                ));
+            }
+            Ok(all)
+        }
+    }
+}
+
+/// Resolve a head selection against the smallest head count of `layers`.
+pub fn heads(
+    exp: &Experiment,
+    section: &str,
+    key: &str,
+    sel: &Selection,
+    info: &ModelInfo,
+    layers: &[usize],
+    kv: bool,
+) -> Result<Vec<usize>> {
+    let n = layers
+        .iter()
+        .map(|&l| {
+            if kv {
+                info.layers[l].n_kv_heads
+            } else {
+                info.layers[l].n_heads
+            }
+        })
+        .min()
+        .unwrap_or(0);
+    sel.resolve(n, if kv { "KV heads" } else { "heads" })
+        .map_err(|e| exp.err(section, key, e))
+}

@@ -1,0 +1,158 @@
+//! Shared by the runner tests: tiny random kvc organisms saved to a temp dir, tiny
+//! experiment TOMLs, options that keep outputs inside the temp dir.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Param;
+use burn::tensor::{Device, Tensor, TensorData};
+use phaselens::model::kvc::{
+    AttentionKind, CompressionConfig, GateMode, KvcConfig, KvcModel, RopeMode,
+};
+use phaselens::model::save_kvc;
+use phaselens::model::weights::{RandomInit, Vb};
+use phaselens::runner::{ProgressMode, RunOptions};
+
+pub fn dev() -> Device {
+    Device::flex()
+}
+
+/// A tiny chunk-compressed config (vocab 128 = the synthetic token space).
+pub fn tiny(layers: usize, heads: usize, kv: usize, window: usize, stride: usize) -> KvcConfig {
+    KvcConfig {
+        model_type: "phaselens-kvc".into(),
+        vocab_size: 128,
+        d_model: 32,
+        n_layers: layers,
+        n_heads: heads,
+        n_kv_heads: kv,
+        d_head: Some(8),
+        d_ff: 48,
+        norm_eps: 1e-6,
+        rope: RopeMode::All,
+        rope_dims: None,
+        rope_theta: 10000.0,
+        qk_norm: true,
+        tied_kv: false,
+        sink: true,
+        tie_embeddings: false,
+        attention: AttentionKind::Compressed,
+        compression: Some(CompressionConfig {
+            window,
+            stride,
+            local_tail: 2,
+            gate: GateMode::Scalar,
+            gate_bias: true,
+        }),
+        init_std: 0.3,
+    }
+}
+
+/// A random model whose gate biases are random too (so every gate offset matters).
+pub fn random_model(cfg: &KvcConfig, seed: u64) -> KvcModel {
+    let mut m = KvcModel::new(cfg, &Vb::new(&RandomInit { seed }, &dev())).unwrap();
+    let mut k = 0u64;
+    for b in m.blocks.iter_mut() {
+        if let Some(c) = b.attn.compressor.as_mut() {
+            for p in [&mut c.key_gate_bias, &mut c.value_gate_bias]
+                .into_iter()
+                .flatten()
+            {
+                k += 1;
+                let dims = p.dims();
+                let n: usize = dims.iter().product();
+                let v: Vec<f32> = (0..n)
+                    .map(|i| {
+                        (((i as u64 * 7919 + seed * 31 + k * 104729) % 1000) as f32 / 1000.0 - 0.5)
+                            * 4.0
+                    })
+                    .collect();
+                // Keep the parameter id: saving maps ids to the builder's names.
+                *p = Param::initialized(p.id, Tensor::from_data(TensorData::new(v, dims), &dev()));
+            }
+        }
+    }
+    m
+}
+
+/// Save `cfg` as organism `name` under `dir` (model dir + recipe TOML with a small
+/// prompt format, period = stride). Returns the recipe path.
+pub fn organism(dir: &Path, name: &str, cfg: &KvcConfig, seed: u64) -> PathBuf {
+    save_kvc(&random_model(cfg, seed), &dir.join(name)).unwrap();
+    write_recipe(dir, name, cfg)
+}
+
+/// Only the recipe (an untrained organism).
+pub fn write_recipe(dir: &Path, name: &str, cfg: &KvcConfig) -> PathBuf {
+    let c = cfg.compression.as_ref().unwrap();
+    let text = format!(
+        r#"[organism]
+name = "{name}"
+
+[model]
+model_type = "phaselens-kvc"
+vocab_size = {vocab}
+d_model = {d}
+n_layers = {l}
+n_heads = {h}
+n_kv_heads = {kv}
+d_head = {dh}
+d_ff = {ff}
+sink = true
+init_std = 0.3
+attention = "compressed"
+compression = {{ window = {w}, stride = {s}, local_tail = {tail}, gate = "scalar", gate_bias = true }}
+
+[task.vocab]
+kind = "synthetic"
+
+[task.train]
+period = {s}
+prompt = {{ n_bindings = 8, n_queries = 2 }}
+"#,
+        vocab = cfg.vocab_size,
+        d = cfg.d_model,
+        l = cfg.n_layers,
+        h = cfg.n_heads,
+        kv = cfg.n_kv_heads,
+        dh = cfg.d_head(),
+        ff = cfg.d_ff,
+        w = c.window,
+        s = c.stride,
+        tail = c.local_tail,
+    );
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Write an experiment TOML into `dir`.
+pub fn experiment(dir: &Path, file: &str, text: &str) -> PathBuf {
+    let p = dir.join(file);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Outputs inside `dir`, no progress output.
+pub fn opts(dir: &Path) -> RunOptions {
+    RunOptions {
+        data_root: dir.join("notebooks-data"),
+        reports_root: dir.join("reports"),
+        progress: ProgressMode::Hidden,
+        ..RunOptions::default()
+    }
+}
+
+/// The files directly in `dir` with extension `ext`.
+pub fn files_with(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|r| {
+            r.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == ext))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}

@@ -1,0 +1,345 @@
+//! patch-heads end to end, the batched routine against the one-forward-per-cell
+//! loop, exactness, resume, and the checks before compute.
+
+mod runner_common;
+
+use phaselens::hooks::{Action, HookPoint, Site};
+use phaselens::output::{
+    LONG_COLUMNS, META_EXPERIMENT_TOML, META_VERSION, Table, read_long_rows, validate_columns,
+};
+use phaselens::runner::patching::{
+    Cell, Edit, Fill, Positions, base_run, captures_for, plan_chunks, run_cell_naive, run_chunk,
+};
+use phaselens::runner::prompts::{group_examples, paired_prompts};
+use phaselens::runner::run_experiment;
+use phaselens::tasks::{
+    KvEvalConfig, KvPromptConfig, Period, Protocol, TokenSpace, generate_eval_set,
+};
+use runner_common::*;
+
+const PATCH: &str = r#"
+[experiment]
+kind = "patch-heads"
+bootstrap_reps = 50
+
+[model]
+organism = "tiny"
+
+[task]
+n_logical = 8
+"#;
+
+#[test]
+fn patch_heads_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let exp = experiment(d, "patch.toml", PATCH);
+    let s = run_experiment(&exp, &opts(d)).unwrap();
+    // 4 phases x 2 directions x 2 layers x (4 query + 2 KV heads)
+    assert_eq!(s.stats.cells_computed, 4 * 2 * 2 * 6);
+
+    let path = d.join("notebooks-data/patch/heads.arrow");
+    let t = Table::read_arrow(&path).unwrap();
+    validate_columns(&t, LONG_COLUMNS).unwrap();
+    assert_eq!(t.metadata()[META_VERSION], env!("CARGO_PKG_VERSION"));
+    assert_eq!(t.metadata()[META_EXPERIMENT_TOML], PATCH);
+    assert!(path.with_extension("parquet").exists());
+    let rows = read_long_rows(&t).unwrap();
+    let count = |m: &str| rows.iter().filter(|r| r.metric == m).count();
+    // per cell: 4 phases + the pooled row
+    assert_eq!(count("nld_denoise"), 12 * 5);
+    assert_eq!(count("nld_noise"), 12 * 5);
+    assert_eq!(count("specialization"), 12);
+    for r in rows.iter().filter(|r| r.metric == "accuracy") {
+        assert!((0.0..=1.0).contains(&r.value), "{r:?}");
+        assert_eq!(r.n, 8);
+        let (lo, hi) = (r.ci_lo.unwrap(), r.ci_hi.unwrap());
+        assert!(lo <= r.value + 1e-12 && r.value <= hi + 1e-12, "{r:?}");
+    }
+    for r in rows
+        .iter()
+        .filter(|r| r.metric == "specialization" && r.value.is_finite())
+    {
+        assert!((0.0..=1.0).contains(&r.value));
+    }
+    assert!(rows.iter().any(|r| r.metric == "phase_gap_pp"));
+
+    let rep = d.join("reports/patch");
+    for f in [
+        "report.md",
+        "report.html",
+        "accuracy_by_phase.png",
+        "accuracy_by_phase.svg",
+        "nld_denoise_phase0.png",
+        "nld_denoise_phase3.svg",
+        "nld_noise_all_phases.png",
+        "nld_denoise_kv.png",
+        "specialization_map.png",
+        "specialization_index.svg",
+    ] {
+        assert!(rep.join(f).exists(), "missing {f}");
+    }
+    let md = std::fs::read_to_string(rep.join("report.md")).unwrap();
+    assert!(
+        md.contains("Phase gap") && md.contains("Mean accuracy"),
+        "{md}"
+    );
+    assert!(md.contains("specialized heads") || md.contains("large enough to rank"));
+}
+
+#[test]
+fn patching_every_head_of_a_one_layer_model_restores_clean() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // One layer, one KV head: the KV-head cell patches every query head's z.
+    organism(d, "tiny", &tiny(1, 4, 1, 4, 4), 3);
+    let exp = experiment(
+        d,
+        "exact.toml",
+        &format!("{PATCH}\n[patch]\nhead_kinds = [\"kv\"]\n"),
+    );
+    run_experiment(&exp, &opts(d)).unwrap();
+    let t = Table::read_arrow(d.join("notebooks-data/exact/heads.arrow")).unwrap();
+    let rows = read_long_rows(&t).unwrap();
+    let den: Vec<_> = rows.iter().filter(|r| r.metric == "nld_denoise").collect();
+    let noi: Vec<_> = rows.iter().filter(|r| r.metric == "nld_noise").collect();
+    assert_eq!(den.len(), 5);
+    for r in den {
+        assert!((r.value - 1.0).abs() < 1e-4, "denoising all heads: {r:?}");
+    }
+    for r in noi {
+        assert!(r.value.abs() < 1e-4, "noising all heads: {r:?}");
+    }
+}
+
+fn tiny_prompts(space: &TokenSpace, r: u32, n: usize) -> phaselens::runner::patching::Prompts {
+    let cfg = KvEvalConfig {
+        prompt: KvPromptConfig {
+            n_bindings: 8,
+            n_queries: 2,
+            ..KvPromptConfig::default()
+        },
+        period: Period::new(4).unwrap(),
+        protocol: Protocol::PrefixPadding,
+        n_logical: 32,
+        seed: 5,
+    };
+    let set = generate_eval_set(space, &cfg).unwrap();
+    let ex = group_examples(&set, r, n);
+    paired_prompts(&ex, space, 0, 1, 9).unwrap().0
+}
+
+#[test]
+fn batched_routine_equals_one_forward_per_cell() {
+    let model = random_model(&tiny(2, 4, 2, 4, 4), 7);
+    let space = TokenSpace::default_synthetic();
+    let prompts = tiny_prompts(&space, 3, 6);
+    let n = 6;
+    let corrupted: Vec<usize> = (n..2 * n).collect();
+    let clean: Vec<usize> = (0..n).collect();
+    let z = |l| HookPoint::block(l, Site::AttnZ);
+    let rep = |point, heads: Option<Vec<usize>>, positions, fill, prompts: &Vec<usize>| Cell {
+        edit: Edit::Replace {
+            point,
+            heads,
+            positions,
+            fill,
+        },
+        prompts: prompts.clone(),
+    };
+    let cells = vec![
+        rep(
+            z(0),
+            Some(vec![1]),
+            Positions::All,
+            Fill::Source,
+            &corrupted,
+        ),
+        rep(
+            z(0),
+            Some(vec![2, 3]),
+            Positions::Answer,
+            Fill::Source,
+            &clean,
+        ),
+        rep(
+            z(1),
+            Some(vec![0]),
+            Positions::Final(3),
+            Fill::Source,
+            &corrupted,
+        ),
+        rep(z(1), Some(vec![3]), Positions::All, Fill::Zero, &clean),
+        rep(z(1), Some(vec![2]), Positions::All, Fill::Mean, &clean),
+        rep(
+            z(0),
+            Some(vec![0]),
+            Positions::All,
+            Fill::Resample,
+            &corrupted,
+        ),
+        rep(
+            HookPoint::block(1, Site::AttnOut),
+            None,
+            Positions::Final(2),
+            Fill::Mean,
+            &clean,
+        ),
+        rep(
+            HookPoint::block(1, Site::ResidPre),
+            None,
+            Positions::Answer,
+            Fill::Source,
+            &corrupted,
+        ),
+        Cell {
+            edit: Edit::Transform {
+                points: vec![
+                    HookPoint::block(0, Site::KeyGate),
+                    HookPoint::block(1, Site::ValueGate),
+                ],
+                action: Action::Roll { axis: 2, shift: 1 },
+                heads: None,
+            },
+            prompts: clean.clone(),
+        },
+    ];
+    let base = base_run(&model, &prompts, &captures_for(&cells).unwrap()).unwrap();
+    // Small max_rows: several chunks per layer; large: everything of a layer in one.
+    for max_rows in [12, 1000] {
+        let chunks = plan_chunks(&cells, max_rows).unwrap();
+        for ch in &chunks {
+            let got = run_chunk(&model, &prompts, &base, &cells, ch).unwrap();
+            for (&c, out) in ch.iter().zip(got) {
+                let want = run_cell_naive(&model, &prompts, &base, &cells[c]).unwrap();
+                assert_eq!(out.len(), want.len());
+                for (a, b) in out.iter().zip(&want) {
+                    assert!((a.ld - b.ld).abs() < 1e-4, "cell {c}: {} vs {}", a.ld, b.ld);
+                    assert_eq!(a.correct, b.correct, "cell {c}");
+                }
+            }
+        }
+    }
+    // The edits matter (a no-op routine would pass the comparison above trivially).
+    let out = run_chunk(&model, &prompts, &base, &cells, &[0]).unwrap();
+    let moved = out[0]
+        .iter()
+        .zip(&base.outcomes[n..])
+        .any(|(a, b)| (a.ld - b.ld).abs() > 1e-3);
+    assert!(moved, "patching head 1 of layer 0 changed nothing");
+    // Patching the whole residual stream entering layer 0 gives the clean logits.
+    let full = Cell {
+        edit: Edit::Replace {
+            point: HookPoint::block(0, Site::ResidPre),
+            heads: None,
+            positions: Positions::All,
+            fill: Fill::Source,
+        },
+        prompts: corrupted.clone(),
+    };
+    let base = base_run(
+        &model,
+        &prompts,
+        &captures_for(std::slice::from_ref(&full)).unwrap(),
+    )
+    .unwrap();
+    let out = run_chunk(&model, &prompts, &base, &[full], &[0]).unwrap();
+    for (i, o) in out[0].iter().enumerate() {
+        // A corrupted row reads logit(corrupt) - logit(clean): the clean run's LD negated.
+        assert!((o.ld + base.outcomes[i].ld).abs() < 1e-4);
+    }
+}
+
+#[test]
+fn resume_skips_finished_cells() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let text = PATCH.replace("bootstrap_reps = 50", "bootstrap_reps = 50\nmax_rows = 16");
+    let exp = experiment(d, "res.toml", &text);
+    let mut o = opts(d);
+    o.figures = false;
+    let first = run_experiment(&exp, &o).unwrap();
+    let total = first.stats.cells_computed;
+    assert_eq!(total, 96);
+    let table = d.join("notebooks-data/res/heads.arrow");
+    let rows1 = read_long_rows(&Table::read_arrow(&table).unwrap()).unwrap();
+
+    let again = run_experiment(&exp, &o).unwrap();
+    assert_eq!(again.stats.cells_computed, 0);
+    assert_eq!(again.stats.cells_resumed, total);
+    let rows2 = read_long_rows(&Table::read_arrow(&table).unwrap()).unwrap();
+    assert_eq!(format!("{rows1:?}"), format!("{rows2:?}"));
+
+    // Lose one chunk (as if killed before it was written): only it is recomputed.
+    let shards = d.join("notebooks-data/res/shards");
+    let victim = shards.join("p2-c0001.arrow");
+    assert!(victim.exists());
+    std::fs::remove_file(&victim).unwrap();
+    let third = run_experiment(&exp, &o).unwrap();
+    assert_eq!(
+        third.stats.cells_computed, 2,
+        "16 rows / 8 prompts = 2 cells per chunk"
+    );
+    assert_eq!(third.stats.cells_resumed, total - 2);
+    let rows3 = read_long_rows(&Table::read_arrow(&table).unwrap()).unwrap();
+    assert_eq!(format!("{rows1:?}"), format!("{rows3:?}"));
+
+    // Other settings: the old shards are not reused.
+    let exp2 = experiment(
+        d,
+        "res.toml",
+        &format!("{text}\n[patch]\npositions = \"answer\"\n"),
+    );
+    let fourth = run_experiment(&exp2, &o).unwrap();
+    assert_eq!(fourth.stats.cells_computed, total);
+}
+
+#[test]
+fn checks_name_the_key_before_compute() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let o = opts(d);
+    let err = |text: &str| {
+        let p = experiment(d, "bad.toml", text);
+        run_experiment(&p, &o).unwrap_err().to_string()
+    };
+    let e = err(&format!("{PATCH}\n[patch]\nlayers = [0, 5]\n"));
+    assert!(
+        e.contains("bad.toml")
+            && e.contains("line 13")
+            && e.contains("layers")
+            && e.contains("out of range"),
+        "{e}"
+    );
+    let e = err(&format!("{PATCH}\n[patch]\nheads = [4]\n"));
+    assert!(e.contains("heads") && e.contains("4"), "{e}");
+    let e = err(&PATCH.replace("n_logical = 8", "n_logical = 8\nperiod = 3"));
+    assert!(e.contains("period") && e.contains("stride"), "{e}");
+    let p = experiment(
+        d,
+        "override.toml",
+        &PATCH.replace(
+            "n_logical = 8",
+            "n_logical = 8\nperiod = 3\nallow_period_mismatch = true",
+        ),
+    );
+    let s = run_experiment(&p, &o).unwrap();
+    assert!(
+        s.notes.iter().any(|n| n.contains("not a multiple")),
+        "{:?}",
+        s.notes
+    );
+    let e = err(&format!("{PATCH}\n[ablate]\nmethods = [\"zero\"]\n"));
+    assert!(e.contains("[ablate]") && e.contains("line 12"), "{e}");
+    let e = err(&PATCH.replace("bootstrap_reps = 50", "bootstrap_reps = 50\nbogus = 1"));
+    assert!(e.contains("bogus") && e.contains("line 5"), "{e}");
+    write_recipe(d, "raw", &tiny(2, 4, 2, 4, 4));
+    let e = err(&PATCH.replace("organism = \"tiny\"", "organism = \"raw\""));
+    assert!(
+        e.contains("not trained yet") && e.contains("just train"),
+        "{e}"
+    );
+}
