@@ -741,3 +741,71 @@ fn variants_without_a_reference_run() {
         .to_string();
     assert!(e.contains("token id 50"), "{e}");
 }
+
+#[test]
+fn module_path_spelling_with_fused_experts_loads() {
+    // Rewrite the flash fixture (save_pretrained spelling, per-expert w1/w2/w3) into
+    // transformers' module paths with fused `experts.gate_up_proj` / `down_proj`.
+    use phaselens::model::deepseek_v4::checkpoint::{FileKey, canonical_name};
+    use std::collections::BTreeMap;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture("flash").join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let raw = read_raw(&fixture("flash").join("model.safetensors"));
+    let mut out = Vec::new();
+    // (layer, part) -> expert -> (shape, bytes)
+    let mut experts: BTreeMap<(usize, usize), BTreeMap<usize, Raw>> = BTreeMap::new();
+    for t in raw {
+        match canonical_name(&t.name) {
+            FileKey::Module(m) => out.push(Raw { name: m, ..t }),
+            FileKey::Expert {
+                layer,
+                expert,
+                part,
+            } => {
+                experts.entry((layer, part)).or_default().insert(expert, t);
+            }
+            FileKey::Ignored => {}
+        }
+    }
+    let layers: BTreeSet<usize> = experts.keys().map(|k| k.0).collect();
+    for l in layers {
+        let (w1, w2, w3) = (&experts[&(l, 0)], &experts[&(l, 1)], &experts[&(l, 2)]);
+        let e = w1.len();
+        let [i, h] = [w1[&0].shape[0], w1[&0].shape[1]];
+        let mut gate_up = Vec::new();
+        let mut down = Vec::new();
+        for ex in 0..e {
+            gate_up.extend(&w1[&ex].bytes);
+            gate_up.extend(&w3[&ex].bytes);
+            down.extend(&w2[&ex].bytes);
+        }
+        out.push(Raw {
+            name: format!("model.layers.{l}.mlp.experts.gate_up_proj"),
+            dtype: "F32".into(),
+            shape: vec![e, 2 * i, h],
+            bytes: gate_up,
+        });
+        out.push(Raw {
+            name: format!("model.layers.{l}.mlp.experts.down_proj"),
+            dtype: "F32".into(),
+            shape: vec![e, h, i],
+            bytes: down,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    assert!(
+        out.iter()
+            .any(|t| t.name == "model.layers.0.self_attn.q_a_proj.weight")
+    );
+    assert!(out.iter().any(|t| t.name == "lm_head.weight"));
+    write_raw(&dir.path().join("model.safetensors"), &out);
+    let m = phaselens::model::load_model(dir.path(), &Device::flex()).unwrap();
+    let r = Reference::open("flash");
+    let (s, ids) = r.i64("input_ids");
+    let got = logits_of(m.as_ref(), &ids, &s, &HookSpec::new());
+    assert!(rel(&got, &r.f32("logits").1) <= TOL);
+}
