@@ -156,3 +156,40 @@ pub fn files_with(dir: &Path, ext: &str) -> Vec<PathBuf> {
     v.sort();
     v
 }
+
+/// Like [`organism`], with a token space of two value atoms (ids 64, 65) and an LM
+/// head that only scores those two: a random model then answers correctly about
+/// half the time, depending on its heads, so accuracy-based effects are defined.
+pub fn two_value_organism(dir: &Path, name: &str, cfg: &KvcConfig, seed: u64) -> PathBuf {
+    let mut m = random_model(cfg, seed);
+    if let Some(h) = m.lm_head.as_mut() {
+        let dims = h.weight.dims();
+        let w: Vec<f32> = h
+            .weight
+            .val()
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .unwrap();
+        let w: Vec<f32> = w
+            .chunks(dims[1])
+            .enumerate()
+            .flat_map(|(tok, row)| {
+                let keep = tok == 64 || tok == 65;
+                row.iter().map(move |x| if keep { *x } else { 0.0 })
+            })
+            .collect();
+        h.weight = Param::initialized(
+            h.weight.id,
+            Tensor::from_data(TensorData::new(w, dims), &dev()),
+        );
+    }
+    save_kvc(&m, &dir.join(name)).unwrap();
+    let p = write_recipe(dir, name, cfg);
+    let text = std::fs::read_to_string(&p).unwrap().replace(
+        "kind = \"synthetic\"",
+        "kind = \"synthetic\"\nvalues = { start = 64, end = 66 }",
+    );
+    std::fs::write(&p, text).unwrap();
+    p
+}
