@@ -25,3 +25,31 @@ hooks: build
 # Train one organism recipe (resumes from checkpoints).
 train RECIPE: build
     {{bin}} train {{RECIPE}}
+
+# Run any experiment TOML (tables, figures, report; resumes an interrupted run).
+run EXP: build
+    {{bin}} run {{EXP}}
+
+# Activation patching per layer x head x source phase (e.g. `just patch-heads exp/v4pro.toml`).
+patch-heads EXP="exp/v4pro.toml": build
+    {{bin}} run {{EXP}}
+
+# Single-head ablations (zero / mean / resample), relative accuracy change per phase.
+ablate EXP="exp/w8s8-ablate.toml": build
+    {{bin}} run {{EXP}}
+
+# KV-head knockout (the paper's Figure 3) and layer-output replacement.
+knockout EXP="exp/w8s8-knockout.toml": build
+    {{bin}} run {{EXP}}
+
+# Accuracy by phase group of every shipped organism (both protocols).
+phase-sweep: build
+    {{bin}} run experiments/phase-sweep.toml
+
+# Redraw every figure and report from the tables under notebooks-data/ (no model runs).
+figures: build
+    {{bin}} figures
+
+# Batched patching vs one forward per cell (cells/s and their ratio).
+bench-patching EXP="exp/v4pro.toml": build
+    {{bin}} bench patching {{EXP}}

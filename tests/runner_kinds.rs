@@ -339,3 +339,19 @@ fn figures_are_redrawn_from_tables_alone() {
     );
     assert!(draw_all(&d.join("notebooks-data"), &d.join("reports"), Some("nope")).is_err());
 }
+
+#[test]
+fn shipped_experiments_parse() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/experiments");
+    let mut kinds = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let exp = phaselens::runner::Experiment::load(&p).unwrap_or_else(|e| panic!("{e}"));
+            kinds.push(exp.kind());
+        }
+    }
+    for k in phaselens::runner::Kind::ALL {
+        assert!(kinds.contains(&k), "no shipped experiment of kind {k}");
+    }
+}

@@ -143,9 +143,30 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
                 }
             }
             Err(e) => {
-                let w = format!("delta {d:+}: no profile fit ({e})");
+                // Typically a constant observed profile: R^2 is undefined, MAE is not.
+                let w = format!("delta {d:+}: R^2 undefined ({e}); MAE only");
                 eprintln!("warning: {w}");
                 ctx.notes.push(w);
+                let f = |s: &[&ProfileCluster]| {
+                    let pr = phase_accuracy(s.iter().map(|c| &c.predicted));
+                    let ob = phase_accuracy(s.iter().map(|c| &c.observed));
+                    let (a, b): (Vec<f64>, Vec<f64>) = pr
+                        .into_iter()
+                        .zip(ob)
+                        .filter(|(a, b)| a.is_finite() && b.is_finite())
+                        .unzip();
+                    mae(&a, &b).unwrap_or(f64::NAN)
+                };
+                if let Ok(ci) = bootstrap_ci(&clusters, f, reps, seed, DEFAULT_LEVEL) {
+                    rows.push(rc.row(
+                        format!("cycling_mae{sfx}"),
+                        Est {
+                            value: ci.estimate,
+                            ci: Some((ci.lo, ci.hi)),
+                            n,
+                        },
+                    ));
+                }
             }
         }
     }
