@@ -138,6 +138,21 @@ impl ExperimentData {
     }
 }
 
+/// Whether `dir` holds a long-format table written by the runner (other folders under
+/// `notebooks-data/`, e.g. training loss curves, are not experiments).
+fn has_long_table(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|r| {
+        r.flatten().any(|f| {
+            let p = f.path();
+            p.extension().is_some_and(|x| x == "arrow")
+                && Table::read_arrow(&p).is_ok_and(|t| {
+                    t.metadata().get(META_SCHEMA).map(String::as_str) == Some("long/v1")
+                        && t.metadata().contains_key(META_KIND)
+                })
+        })
+    })
+}
+
 /// Draw every experiment under `data_root` (or only `only`); returns the files per experiment.
 pub fn draw_all(
     data_root: &Path,
@@ -150,11 +165,7 @@ pub fn draw_all(
             .map_err(|e| Error::io(data_root, e))?
             .flatten()
             .filter(|e| e.path().is_dir())
-            .filter(|e| {
-                std::fs::read_dir(e.path()).is_ok_and(|mut r| {
-                    r.any(|f| f.is_ok_and(|f| f.path().extension().is_some_and(|x| x == "arrow")))
-                })
-            })
+            .filter(|e| has_long_table(&e.path()))
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect(),
     };
@@ -229,8 +240,8 @@ fn baseline_headlines(d: &ExperimentData, model: &str, suffix: &str, label: &str
         out.push(
             Headline::new(format!("{label}Phase gap"), format!("{:.1} pp", r.value)).with_detail(
                 format!(
-                    "{} (selection-adjusted cluster bootstrap)",
-                    ci_text(r, |v| format!("{v:.1} pp"))
+                    "{} pp, selection-adjusted cluster bootstrap",
+                    ci_text(r, |v| format!("{v:.1}"))
                 ),
             ),
         );
@@ -761,7 +772,7 @@ fn draw_patch(
          into the clean run (0 = the head alone destroys it). KV-head cells patch every query head \
          that reads the KV head.",
     );
-    for d_ in &directions {
+    for (di, d_) in directions.iter().enumerate() {
         let metric = d_.metric();
         if !d.has(m, metric) {
             continue;
@@ -795,12 +806,18 @@ fn draw_patch(
                     range,
                     "H",
                 )?;
-                push(
-                    files,
-                    report,
-                    &format!("{metric} per layer x query head, source phase {p}"),
-                    f,
-                );
+                if di == 0 {
+                    push(
+                        files,
+                        report,
+                        &format!("{metric} per layer x query head, source phase {p}"),
+                        f,
+                    );
+                } else {
+                    // Written, not embedded: the report stays readable.
+                    files.push(f.png);
+                    files.push(f.svg);
+                }
             }
             let f = layer_head_heatmap(
                 &dir.join(format!("{metric}_all_phases")),
@@ -836,6 +853,13 @@ fn draw_patch(
                 f,
             );
         }
+    }
+    if let Some(second) = directions.get(1) {
+        report.paragraph(format!(
+            "Per-phase heatmaps of {} are in this folder as {}_phase<r>.png / .svg.",
+            second.metric(),
+            second.metric()
+        ));
     }
     if let Some(first) = directions.first()
         && d.has(m, first.metric())

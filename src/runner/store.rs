@@ -38,7 +38,9 @@ pub fn run_hash(settings: &serde_json::Value, model_dirs: &[&Path]) -> String {
     let mut h = sha2::Sha256::new();
     h.update(settings.to_string().as_bytes());
     for dir in model_dirs {
-        h.update(dir.to_string_lossy().as_bytes());
+        // The same model reached through `exp/` or `experiments/` is the same model.
+        let canonical = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        h.update(canonical.to_string_lossy().as_bytes());
         if let Ok(text) = std::fs::read(dir.join("config.json")) {
             h.update(&text);
         }
