@@ -169,7 +169,7 @@ pub fn two_value_organism(dir: &Path, name: &str, cfg: &KvcConfig, seed: u64) ->
             .val()
             .into_data()
             .convert::<f32>()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .unwrap();
         let w: Vec<f32> = w
             .chunks(dims[1])
