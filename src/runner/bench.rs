@@ -34,6 +34,10 @@ pub struct BenchResult {
     /// Largest |LD_batched - LD_naive| over all cells and prompts.
     pub max_abs_ld_diff: f64,
     pub forwards_batched: usize,
+    /// Row-layers computed by the loop / by the batched path (base runs included): the
+    /// speed-up that skipping the layers before the patched one allows when a batch row
+    /// costs the same whatever the batch size (the CPU backend).
+    pub work_ratio: f64,
 }
 
 impl std::fmt::Display for BenchResult {
@@ -54,6 +58,11 @@ impl std::fmt::Display for BenchResult {
             self.naive_seconds, self.naive_cells_per_s
         )?;
         writeln!(f, "speed-up: {:.2}x", self.ratio)?;
+        writeln!(
+            f,
+            "row-layers computed, loop / batched: {:.2}x (the bound of layer skipping at equal cost per row)",
+            self.work_ratio
+        )?;
         write!(
             f,
             "max |LD difference| batched vs loop: {:.2e}",
@@ -100,6 +109,15 @@ pub fn bench_cells(
         }
     }
     let n = cells.len() as f64;
+    let layers = model.info().n_layers() as f64;
+    let base_work = prompts.n() as f64 * layers;
+    let mut naive_work = base_work;
+    let mut batched_work = base_work;
+    for c in cells {
+        let rows = c.prompts.len() as f64;
+        naive_work += rows * layers;
+        batched_work += rows * (layers - c.edit.start_layer()? as f64);
+    }
     Ok(BenchResult {
         model: name.to_string(),
         cells: cells.len(),
@@ -112,6 +130,7 @@ pub fn bench_cells(
         ratio: naive_seconds / batched_seconds,
         max_abs_ld_diff: max_diff,
         forwards_batched: chunks.len(),
+        work_ratio: naive_work / batched_work,
     })
 }
 
