@@ -1350,17 +1350,24 @@ fn draw_cycling(
     }
     if !series.is_empty() {
         let r2_text = match (d.scalar(m, "cycling_r2"), d.scalar(m, "cycling_mae")) {
-            (Some(a), Some(b)) => Some(format!(
-                "R² = {:.3} ({}), MAE = {:.3}",
-                a.value,
-                fmt_ci(a),
-                b.value
-            )),
+            (Some(a), Some(b)) => {
+                let ci = |r: &LongRow| match (r.ci_lo, r.ci_hi) {
+                    (Some(lo), Some(hi)) => format!(" [{lo:.3}, {hi:.3}]"),
+                    _ => String::new(),
+                };
+                Some(format!(
+                    "R² = {:.3}{}, MAE = {:.3}{}",
+                    a.value,
+                    ci(a),
+                    b.value,
+                    ci(b)
+                ))
+            }
             _ => None,
         };
         let spec = ScatterSpec {
             series,
-            title: format!("{m}: gate cycling, predicted vs observed accuracy"),
+            title: format!("{m}: gate cycling"),
             x_label: "predicted accuracy (baseline shifted by delta)".into(),
             y_label: "observed accuracy with rolled gates".into(),
             r2_text,
