@@ -205,7 +205,7 @@ fn pct(x: f64) -> String {
 
 fn ci_text(r: &LongRow, f: impl Fn(f64) -> String) -> String {
     match (r.ci_lo, r.ci_hi) {
-        (Some(lo), Some(hi)) => format!("95% CI {}-{}", f(lo), f(hi)),
+        (Some(lo), Some(hi)) => format!("95% CI [{}, {}]", f(lo), f(hi)),
         _ => String::new(),
     }
 }
@@ -1287,7 +1287,9 @@ fn draw_cycling(
     report.paragraph(
         "The learned gates of the selected layers are rolled by delta offsets. Prediction: the baseline \
          accuracy profile shifted by delta, predicted(r) = acc(r - delta). R^2 (of the prediction itself, \
-         no fitted slope) and MAE with 95% cluster-bootstrap intervals.",
+         no fitted slope) and MAE with 95% cluster-bootstrap intervals. R^2 divides by the spread of \
+         the observed profile: when shifted gates flatten the profile (e.g. the model fails at every \
+         phase) it is undefined or hugely negative, and MAE is the number to read.",
     );
     let fmt_ci = |r: &LongRow| ci_text(r, |v| format!("{v:.3}"));
     for (metric, label) in [
