@@ -118,21 +118,23 @@ fn forward(b: ForwardBench) -> Result<()> {
         "kvc forward: {} layers, d_model {}, {} heads / {} KV heads, W=S=8, batch {} x {} tokens, {} reps (median)",
         b.layers, b.d_model, b.heads, b.kv_heads, b.batch, b.tokens, b.reps
     );
-    let mut base = 0.0;
-    for (i, (name, spec)) in variants.iter().enumerate() {
+    // Warm up, then time the variants round-robin so that load changes on a shared
+    // machine hit every variant alike.
+    for (_, spec) in &variants {
         let _ = model.forward(tokens.clone(), spec)?.logits.into_data();
-        let times: Vec<f64> = (0..b.reps)
-            .map(|_| {
-                let t0 = Instant::now();
-                let out = model.forward(tokens.clone(), spec).expect("forward");
-                let _ = out.logits.into_data();
-                t0.elapsed().as_secs_f64()
-            })
-            .collect::<Vec<_>>();
-        let t = median(times);
-        if i == 0 {
-            base = t;
+    }
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    for _ in 0..b.reps {
+        for (i, (_, spec)) in variants.iter().enumerate() {
+            let t0 = Instant::now();
+            let out = model.forward(tokens.clone(), spec)?;
+            let _ = out.logits.into_data();
+            times[i].push(t0.elapsed().as_secs_f64());
         }
+    }
+    let medians: Vec<f64> = times.into_iter().map(median).collect();
+    let base = medians[0];
+    for ((name, _), t) in variants.iter().zip(&medians) {
         println!(
             "  {name:<52} {:>9.0} tokens/s   {:>7.1} ms   x{:.3} vs no hooks",
             (b.batch * b.tokens) as f64 / t,
