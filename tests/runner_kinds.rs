@@ -355,3 +355,99 @@ fn shipped_experiments_parse() {
         assert!(kinds.contains(&k), "no shipped experiment of kind {k}");
     }
 }
+
+/// The runner on the DeepSeek-V4 architecture (residual `[batch, pos, hc_mult, d]`, two
+/// strides, vector gates): the v4pro-mini recipe at random init.
+#[test]
+fn patch_heads_on_a_deepseek_v4_organism() {
+    use burn::tensor::Device;
+    use phaselens::hooks::{Action, HookPoint, Site};
+    use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
+    use phaselens::model::load_model;
+    use phaselens::model::weights::{RandomInit, Vb};
+    use phaselens::runner::patching::{
+        Cell, Edit, Fill, Positions, base_run, captures_for, run_cell_naive, run_chunk,
+    };
+    use phaselens::train::{ModelConfig, OrganismFile};
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("experiments/organisms/v4pro-mini.toml");
+    let recipe = d.join("v4pro-mini.toml");
+    std::fs::copy(&shipped, &recipe).unwrap();
+    let f = OrganismFile::load(&recipe).unwrap();
+    let ModelConfig::DeepseekV4 { json, resolved } = &f.model else {
+        panic!("v4pro-mini is a DeepSeek-V4 organism");
+    };
+    let device = Device::flex();
+    let m = DeepseekV4Model::new(resolved, &Vb::new(&RandomInit { seed: 5 }, &device)).unwrap();
+    deepseek_v4::save(&m, json, &d.join("v4pro-mini")).unwrap();
+
+    let exp = experiment(
+        d,
+        "v4.toml",
+        "[experiment]\nkind = \"patch-heads\"\nbootstrap_reps = 20\n[model]\norganism = \"v4pro-mini\"\n[task]\nn_logical = 4\nphases = [0, 5]\n",
+    );
+    let s = run_experiment(&exp, &opts(d)).unwrap();
+    // 2 phases x 2 directions x 4 layers x (4 query heads + 1 KV head)
+    assert_eq!(s.stats.cells_computed, 2 * 2 * 4 * 5);
+    assert!(
+        s.notes.iter().any(|n| n.contains("stride [16]")),
+        "{:?}",
+        s.notes
+    );
+    let rows = rows(&d.join("notebooks-data/v4/heads.arrow"));
+    assert_eq!(
+        rows.iter().filter(|r| r.metric == "nld_denoise").count(),
+        20 * 3
+    );
+
+    // Batched == one forward per cell on this architecture too.
+    let model = load_model(&d.join("v4pro-mini"), &device).unwrap();
+    let space = phaselens::tasks::TokenSpace::default_synthetic();
+    let cfg = phaselens::tasks::KvEvalConfig {
+        n_logical: 128,
+        ..Default::default()
+    };
+    let set = phaselens::tasks::generate_eval_set(&space, &cfg).unwrap();
+    let ex = phaselens::runner::prompts::group_examples(&set, 3, 3);
+    let (prompts, _) = phaselens::runner::prompts::paired_prompts(&ex, &space, 0, 1, 2).unwrap();
+    let corrupted: Vec<usize> = (3..6).collect();
+    let cells = vec![
+        Cell {
+            edit: Edit::Replace {
+                point: HookPoint::block(2, Site::AttnZ),
+                heads: Some(vec![1]),
+                positions: Positions::All,
+                fill: Fill::Source,
+            },
+            prompts: corrupted.clone(),
+        },
+        Cell {
+            edit: Edit::Replace {
+                point: HookPoint::block(1, Site::ResidPre),
+                heads: None,
+                positions: Positions::Answer,
+                fill: Fill::Source,
+            },
+            prompts: corrupted.clone(),
+        },
+        Cell {
+            edit: Edit::Transform {
+                points: vec![HookPoint::block(2, Site::KeyGate)],
+                action: Action::Roll { axis: 2, shift: 1 },
+                heads: None,
+            },
+            prompts: corrupted,
+        },
+    ];
+    let base = base_run(model.as_ref(), &prompts, &captures_for(&cells).unwrap()).unwrap();
+    for c in 0..cells.len() {
+        let got = run_chunk(model.as_ref(), &prompts, &base, &cells, &[c]).unwrap();
+        let want = run_cell_naive(model.as_ref(), &prompts, &base, &cells[c]).unwrap();
+        for (a, b) in got[0].iter().zip(&want) {
+            assert!((a.ld - b.ld).abs() < 1e-4, "cell {c}: {} vs {}", a.ld, b.ld);
+        }
+    }
+}
