@@ -12,7 +12,11 @@ fn shipped_organism_recipes_are_valid() {
         if p.extension().is_some_and(|x| x == "toml") {
             let f = OrganismFile::load(&p).unwrap_or_else(|e| panic!("{e}"));
             let space = f.task.vocab.build().unwrap();
-            assert!(space.vocab_size() <= f.model.vocab_size(), "{}", p.display());
+            assert!(
+                space.vocab_size() <= f.model.vocab_size(),
+                "{}",
+                p.display()
+            );
             KvTrainSampler::new(&space, f.task.train.clone()).unwrap();
             assert_eq!(
                 p.file_stem().unwrap().to_str().unwrap(),
