@@ -730,6 +730,8 @@ impl FigureSpec for LinePlotSpec {
                 (0.0, 1.0),
             ),
         };
+        // Headroom above the data for the legend, so it never hides a point.
+        let ys = ys.start..ys.end + 0.06 * (1 + self.series.len()) as f64 * (ys.end - ys.start);
         let mut chart = ChartBuilder::on(root)
             .caption(&self.title, (FONT, TITLE_SIZE))
             .margin(16)
