@@ -54,14 +54,22 @@ fn v4pro_mini_trains_and_resumes() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments/organisms/v4pro-mini.toml"),
     )
     .unwrap();
-    let text = src
-        .replace("batch_size = 32", "batch_size = 2")
-        .replace("steps = 3000", "steps = 2")
-        .replace("checkpoint_every = 250", "checkpoint_every = 1")
-        .replace(
-            "name = \"v4pro-mini\"",
-            "name = \"v4pro-mini\"\nrun_dir = \"run\"",
-        );
+    // The shipped recipe with a tiny [train] section.
+    let text: String = src
+        .lines()
+        .map(|l| {
+            let key = l.split('=').next().unwrap_or("").trim();
+            match key {
+                "batch_size" => "batch_size = 2".to_string(),
+                "steps" => "steps = 2".to_string(),
+                "checkpoint_every" => "checkpoint_every = 1".to_string(),
+                "name" => format!("{l}\nrun_dir = \"run\""),
+                _ => l.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(text.contains("steps = 2\n") && text.contains("batch_size = 2\n"));
     let r = d.path().join("v4pro-mini.toml");
     std::fs::write(&r, text).unwrap();
     let run = |extra: &[&str]| {
