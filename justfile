@@ -14,9 +14,9 @@ build:
 
 # Run the whole test suite (what CI runs), plus a compile check of the wgpu backend.
 test:
-    cargo nextest run --no-fail-fast
-    cargo test --doc
     cargo check --features wgpu --lib
+    cargo test --doc
+    cargo nextest run --no-fail-fast
 
 # List hook points.
 hooks: build
