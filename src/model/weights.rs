@@ -2,9 +2,9 @@
 //!
 //! Every parameter is requested by its full name and expected shape through a [`Vb`]
 //! ("var builder"), so loading and initialising share one code path and a bad checkpoint
-//! fails with the file, the tensor and expected-vs-found shape. Saving walks the module
-//! tree with burn's path visitor, so names are the struct field paths
-//! (`blocks.0.attn.w_q.weight`), the same names `Vb` asked for.
+//! fails with the file, the tensor and expected-vs-found shape. Parameter ids are a hash
+//! of the name, so saving ([`save_by_builder_names`]) writes each parameter under the
+//! name its builder asked for, and the file loads back through the same builder.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -360,35 +360,6 @@ pub fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(files.into_iter().map(|f| dir.join(f)).collect())
 }
 
-/// Collects every float parameter of a module with its path name (struct field names
-/// and Vec indices joined by dots).
-struct Collect {
-    path: Vec<String>,
-    out: BTreeMap<String, OwnedTensor>,
-}
-
-impl ModuleVisitor for Collect {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let tensor = param.val();
-        let data = tensor.to_data().convert::<f32>();
-        self.out.insert(
-            self.path.join("."),
-            OwnedTensor {
-                shape: tensor.dims().to_vec(),
-                data: TensorValues::F32(data.try_into_vec::<f32>().expect("f32")),
-            },
-        );
-    }
-}
-
 /// Collects every float parameter by its id.
 struct CollectById {
     out: std::collections::HashMap<u64, OwnedTensor>,
@@ -442,33 +413,6 @@ pub fn save_by_builder_names<M: Module>(
         }
         t.insert(name, v);
     }
-    t.extend(extra);
-    let mut meta = std::collections::HashMap::new();
-    meta.insert("format".to_string(), "pt".to_string());
-    meta.insert(
-        "producer".to_string(),
-        format!("phaselens {}", env!("CARGO_PKG_VERSION")),
-    );
-    write_safetensors(path, &t, Some(meta))
-}
-
-/// Every float parameter of `module`, by path name.
-pub fn named_tensors<M: Module>(module: &M) -> BTreeMap<String, OwnedTensor> {
-    let mut c = Collect {
-        path: Vec::new(),
-        out: BTreeMap::new(),
-    };
-    module.visit(&mut c);
-    c.out
-}
-
-/// Save a module's parameters as safetensors (atomically).
-pub fn save_module<M: Module>(
-    module: &M,
-    path: &Path,
-    extra: BTreeMap<String, OwnedTensor>,
-) -> Result<()> {
-    let mut t = named_tensors(module);
     t.extend(extra);
     let mut meta = std::collections::HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
