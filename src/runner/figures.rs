@@ -338,7 +338,8 @@ fn sym_range(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
     (m > 0.0).then_some((-m, m))
 }
 
-/// Layer x head heatmap of `metric` at `phase` (None = pooled rows).
+/// Layer x head heatmap of `metric` at `phase` (None = pooled rows); `diverging` for
+/// signed effects (centred at 0), sequential otherwise.
 #[allow(clippy::too_many_arguments)]
 fn layer_head_heatmap(
     out: &Path,
@@ -350,6 +351,7 @@ fn layer_head_heatmap(
     colorbar: &str,
     range: Option<(f64, f64)>,
     head_label: &str,
+    diverging: bool,
 ) -> Result<FigureFiles> {
     let matrix = layers
         .iter()
@@ -372,7 +374,7 @@ fn layer_head_heatmap(
         },
         y_label: "layer".into(),
         colorbar_label: colorbar.to_string(),
-        diverging: true,
+        diverging,
         range,
         annotate: true,
         size: None,
@@ -508,33 +510,19 @@ fn spec_index_heatmap(
     if layers.is_empty() {
         return Ok(None);
     }
-    let matrix = layers
-        .iter()
-        .map(|&l| {
-            heads
-                .iter()
-                .map(|&h| cells.get(&(l, h, None)).copied().unwrap_or(f64::NAN))
-                .collect()
-        })
-        .collect();
-    let spec = HeatmapSpec {
-        matrix,
-        row_labels: layers.iter().map(|l| format!("L{l}")).collect(),
-        col_labels: heads.iter().map(|h| format!("{label}{h}")).collect(),
+    layer_head_heatmap(
+        out,
+        &cells,
+        &layers,
+        &heads,
+        None,
         title,
-        x_label: if label == "KV" {
-            "KV head".into()
-        } else {
-            "query head".into()
-        },
-        y_label: "layer".into(),
-        colorbar_label: "specialization S = 1 - (exp(H) - 1)/(P - 1)".into(),
-        diverging: false,
-        range: Some((0.0, 1.0)),
-        annotate: true,
-        size: None,
-    };
-    heatmap(out, &spec).map(Some).map_err(fig_err)
+        "specialization S = 1 - (exp(H) - 1)/(P - 1)",
+        Some((0.0, 1.0)),
+        label,
+        false,
+    )
+    .map(Some)
 }
 
 /// A head's identity in rankings.
@@ -805,6 +793,7 @@ fn draw_patch(
                     "normalised logit difference",
                     range,
                     "H",
+                    true,
                 )?;
                 if di == 0 {
                     push(
@@ -829,6 +818,7 @@ fn draw_patch(
                 "normalised logit difference",
                 range,
                 "H",
+                true,
             )?;
             push(
                 files,
@@ -963,6 +953,7 @@ fn draw_ablate(
                         "relative change of accuracy (%)",
                         range,
                         "H",
+                        true,
                     )?;
                     push(
                         files,
