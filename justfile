@@ -3,7 +3,7 @@
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
 # Cargo profile shared by tests and runs (dependencies optimised, one warm target/).
-bin := "target/debug/phaselens"
+bin := env_var_or_default("CARGO_TARGET_DIR", "target") + "/debug/phaselens"
 
 default:
     @just --list
