@@ -476,3 +476,148 @@ fn scoped_interventions_touch_only_their_rows_positions_and_heads() {
         .to_string();
     assert!(e.contains("head 9 out of range"), "{e}");
 }
+
+/// Logits `[b, t, v]` of row `r`, positions `from..from + len`, flattened.
+fn rows_at(t: Tensor<3>, from: &[usize], len: usize) -> Vec<f32> {
+    let [_, tt, v] = t.dims();
+    let all = vals(t);
+    let mut out = Vec::new();
+    for (r, &f) in from.iter().enumerate() {
+        out.extend_from_slice(&all[(r * tt + f) * v..(r * tt + f + len) * v]);
+    }
+    out
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn suffix_forward_equals_forward_from_at_its_positions() {
+    use phaselens::model::{LanguageModel, Suffix};
+    let mut configs = geometries();
+    let mut partial = config(AttentionKind::Compressed, 4, 2, 1, GateMode::Scalar);
+    partial.rope = RopeMode::Partial;
+    partial.rope_dims = Some(4);
+    partial.tied_kv = true;
+    configs.push(partial);
+    for c in configs {
+        let m = build(&c, 11);
+        let t = 20;
+        let x = tokens(&[seq(t, 1), seq(t, 2), seq(t, 3)]);
+        let spec = HookSpec::new()
+            .capture("blocks.0.hook_resid_pre")
+            .unwrap()
+            .capture("blocks.1.hook_resid_pre")
+            .unwrap();
+        let (out, state) = LanguageModel::forward_with_state(&m, x, &spec).unwrap();
+        let state = state.expect("kvc models keep a prefix state");
+        assert_eq!((state.rows(), state.len()), (3, t));
+        // Rows reordered and repeated; suffixes at the start, the middle and the end.
+        let sfx = Suffix {
+            rows: vec![2, 0, 1, 0],
+            from: vec![13, 5, 0, 17],
+            len: 3,
+        };
+        for start in 0..2 {
+            let resid = out
+                .cache
+                .get_name(&format!("blocks.{start}.hook_resid_pre"))
+                .unwrap()
+                .select_batch(&sfx.rows)
+                .unwrap();
+            let z = HookPoint::block(start, Site::AttnZ);
+            // Plain, and with head 1's output zeroed at the suffix positions.
+            for edit in [false, true] {
+                let mut full_spec = HookSpec::new();
+                let mut sfx_spec = HookSpec::new();
+                if edit {
+                    for (r, &f) in sfx.from.iter().enumerate() {
+                        full_spec = full_spec.intervene_point(
+                            z,
+                            Action::Zero,
+                            Scope {
+                                batch: Some(vec![r]),
+                                heads: Some(vec![1]),
+                                positions: Some((f..f + sfx.len).collect()),
+                            },
+                        );
+                    }
+                    sfx_spec = sfx_spec.intervene_point(
+                        z,
+                        Action::Zero,
+                        Scope {
+                            heads: Some(vec![1]),
+                            ..Scope::all()
+                        },
+                    );
+                }
+                let want = m
+                    .forward_from(start, resid.get::<3>().unwrap(), &full_spec)
+                    .unwrap()
+                    .logits;
+                let want = rows_at(want, &sfx.from, sfx.len);
+                let got = m
+                    .forward_suffix(start, &state, &sfx, resid_suffix(&resid, &sfx), &sfx_spec)
+                    .unwrap()
+                    .logits;
+                assert_eq!(got.dims(), [4, sfx.len, c.vocab_size]);
+                let got = vals(got);
+                let d = max_diff(&got, &want);
+                assert!(
+                    d < 1e-4,
+                    "{:?} start {start} edit {edit}: {d}",
+                    c.compression
+                );
+                if edit {
+                    let plain = m
+                        .forward_from(start, resid.get::<3>().unwrap(), &HookSpec::new())
+                        .unwrap()
+                        .logits;
+                    let plain = rows_at(plain, &sfx.from, sfx.len);
+                    assert!(max_diff(&got, &plain) > 1e-3, "the edit changed nothing");
+                }
+            }
+        }
+        // Bad suffixes are errors, not panics.
+        let bad = Suffix {
+            rows: vec![3],
+            from: vec![0],
+            len: 1,
+        };
+        let r0 = Tensor::<3>::zeros([1, 1, c.d_model], &dev());
+        assert!(
+            m.forward_suffix(0, &state, &bad, r0.clone(), &HookSpec::new())
+                .is_err()
+        );
+        let bad = Suffix {
+            rows: vec![0],
+            from: vec![t - 1],
+            len: 2,
+        };
+        assert!(
+            m.forward_suffix(0, &state, &bad, r0, &HookSpec::new())
+                .is_err()
+        );
+    }
+}
+
+/// The residual rows `[b, t, d]` at each row's suffix positions, `[b, len, d]`.
+fn resid_suffix(resid: &Act, sfx: &phaselens::model::Suffix) -> Tensor<3> {
+    let r = resid.get::<3>().unwrap();
+    let parts: Vec<Tensor<3>> = sfx
+        .from
+        .iter()
+        .enumerate()
+        .map(|(i, &f)| {
+            r.clone()
+                .slice_dim(0, i..i + 1)
+                .slice_dim(1, f..f + sfx.len)
+        })
+        .collect();
+    Tensor::cat(parts, 0)
+}

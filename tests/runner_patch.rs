@@ -8,7 +8,8 @@ use phaselens::output::{
     LONG_COLUMNS, META_EXPERIMENT_TOML, META_VERSION, Table, read_long_rows, validate_columns,
 };
 use phaselens::runner::patching::{
-    Cell, Edit, Fill, Positions, base_run, captures_for, plan_chunks, run_cell_naive, run_chunk,
+    Cell, ChunkPath, Edit, Fill, Positions, base_run, captures_for, plan_chunks, plan_suffix,
+    run_cell_naive, run_chunk, run_chunk_with,
 };
 use phaselens::runner::prompts::{group_examples, paired_prompts};
 use phaselens::runner::run_experiment;
@@ -249,6 +250,100 @@ fn batched_routine_equals_one_forward_per_cell() {
         // A corrupted row reads logit(corrupt) - logit(clean): the clean run's LD negated.
         assert!((o.ld + base.outcomes[i].ld).abs() < 1e-4);
     }
+}
+
+#[test]
+fn suffix_path_equals_the_full_path() {
+    let space = TokenSpace::default_synthetic();
+    let prompts = tiny_prompts(&space, 1, 6);
+    let n = 6;
+    let corrupted: Vec<usize> = (n..2 * n).collect();
+    let clean: Vec<usize> = (0..n).collect();
+    let mut full_cfg = tiny(3, 4, 2, 4, 4);
+    full_cfg.attention = phaselens::model::kvc::AttentionKind::Full;
+    full_cfg.compression = None;
+    for cfg in [tiny(3, 4, 2, 4, 4), tiny(3, 4, 2, 8, 4), full_cfg] {
+        let model = random_model(&cfg, 3);
+        let mut cells = Vec::new();
+        for l in 0..3 {
+            for (site, heads) in [
+                (Site::AttnZ, Some(vec![l % 4])),
+                (Site::AttnZ, Some(vec![0, 1])),
+                (Site::AttnOut, None),
+                (Site::ResidPre, None),
+                (Site::MlpOut, None),
+                (Site::AttnV, Some(vec![1])),
+                (Site::AttnResult, Some(vec![2])),
+            ] {
+                for (positions, fill, rows) in [
+                    (Positions::Answer, Fill::Source, &corrupted),
+                    (Positions::Answer, Fill::Source, &clean),
+                    (Positions::Final(3), Fill::Mean, &clean),
+                    (Positions::Answer, Fill::Zero, &corrupted),
+                    (Positions::Final(2), Fill::Resample, &corrupted),
+                ] {
+                    cells.push(Cell {
+                        edit: Edit::Replace {
+                            point: HookPoint::block(l, site),
+                            heads: heads.clone(),
+                            positions,
+                            fill,
+                        },
+                        prompts: rows.clone(),
+                    });
+                }
+            }
+        }
+        let base = base_run(&model, &prompts, &captures_for(&cells).unwrap()).unwrap();
+        assert!(
+            base.state.is_some(),
+            "kvc base runs keep their prefix state"
+        );
+        let mut moved = 0;
+        for ch in plan_chunks(&cells, 48).unwrap() {
+            let sfx = plan_suffix(&prompts, &cells, &ch).expect("answer / final-band edits");
+            assert!(sfx.len <= 3 && sfx.len < prompts.len / 2, "{sfx:?}");
+            let fast = run_chunk(&model, &prompts, &base, &cells, &ch).unwrap();
+            let full =
+                run_chunk_with(&model, &prompts, &base, &cells, &ch, ChunkPath::Full).unwrap();
+            for ((&c, a), b) in ch.iter().zip(&fast).zip(&full) {
+                for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                    assert!(
+                        (x.ld - y.ld).abs() < 1e-4,
+                        "cell {c} row {i}: {} vs {}",
+                        x.ld,
+                        y.ld
+                    );
+                    assert_eq!(x.correct, y.correct, "cell {c} row {i}");
+                    let p = cells[c].prompts[i];
+                    if (x.ld - base.outcomes[p].ld).abs() > 1e-3 {
+                        moved += 1;
+                    }
+                }
+            }
+        }
+        assert!(moved > cells.len(), "the edits changed too little: {moved}");
+    }
+    // "All positions" and transforms keep the full path.
+    let all = Cell {
+        edit: Edit::Replace {
+            point: HookPoint::block(0, Site::AttnZ),
+            heads: None,
+            positions: Positions::All,
+            fill: Fill::Zero,
+        },
+        prompts: clean.clone(),
+    };
+    assert!(plan_suffix(&prompts, &[all], &[0]).is_none());
+    let roll = Cell {
+        edit: Edit::Transform {
+            points: vec![HookPoint::block(0, Site::KeyGate)],
+            action: Action::Roll { axis: 2, shift: 1 },
+            heads: None,
+        },
+        prompts: clean,
+    };
+    assert!(plan_suffix(&prompts, &[roll], &[0]).is_none());
 }
 
 #[test]

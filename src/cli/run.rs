@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use phaselens::device::DeviceSpec;
+use phaselens::runner::patching::Positions;
 use phaselens::runner::{ProgressMode, RunOptions, bench, run_experiment};
 
 /// Run an experiment (phase-sweep, patch-heads, ablate-heads, knockout, gate-profiles,
@@ -105,12 +106,29 @@ pub struct PatchingBench {
     /// Logical examples (prompts per cell); default: the experiment's.
     #[arg(long)]
     pub n_logical: Option<usize>,
+    /// Patched positions: all, answer or final:K; default: the experiment's
+    /// `[patch] positions`.
+    #[arg(long, value_parser = parse_positions)]
+    pub positions: Option<Positions>,
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
 }
 
+fn parse_positions(s: &str) -> std::result::Result<Positions, String> {
+    match s {
+        "all" => Ok(Positions::All),
+        "answer" => Ok(Positions::Answer),
+        _ => s
+            .strip_prefix("final:")
+            .and_then(|k| k.parse::<usize>().ok())
+            .filter(|&k| k > 0)
+            .map(Positions::Final)
+            .ok_or_else(|| format!("`{s}`: expected all, answer or final:K (K >= 1)")),
+    }
+}
+
 pub fn bench_patching(b: PatchingBench) -> Result<()> {
-    let r = bench::bench_experiment(&b.experiment, b.phase, b.n_logical, &b.device)
+    let r = bench::bench_experiment(&b.experiment, b.phase, b.n_logical, b.positions, &b.device)
         .with_context(|| format!("benchmarking {}", b.experiment.display()))?;
     println!("{r}");
     Ok(())

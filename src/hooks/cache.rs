@@ -67,6 +67,11 @@ impl Act {
         Ok(self.flat.clone().reshape(dims))
     }
 
+    /// All values as one row-major vector (on the device).
+    pub fn flat(&self) -> Tensor<1> {
+        self.flat.clone()
+    }
+
     /// The values on the host, row-major.
     pub fn to_vec(&self) -> Vec<f32> {
         self.flat

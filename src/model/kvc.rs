@@ -421,7 +421,100 @@ impl KvcModel {
         let mut hooks = spec.run();
         let x = self.embed.forward(tokens);
         let x = hooks.apply(HookPoint::global(Site::Embed), x)?;
-        self.run_blocks(x, 0, &mut hooks)
+        self.run_blocks(x, 0, &mut Mode::Plain, &mut hooks)
+    }
+
+    /// [`KvcModel::forward`], also keeping every block's per-token keys, values and
+    /// gate logits for [`KvcModel::forward_suffix`].
+    pub fn forward_with_state(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+    ) -> Result<(ForwardOutput, super::PrefixState)> {
+        self.check_tokens(&tokens)?;
+        let [rows, len] = tokens.dims();
+        let mut hooks = spec.run();
+        let x = self.embed.forward(tokens);
+        let x = hooks.apply(HookPoint::global(Site::Embed), x)?;
+        let mut layers = Vec::with_capacity(self.blocks.len());
+        let out = self.run_blocks(x, 0, &mut Mode::Record(&mut layers), &mut hooks)?;
+        Ok((out, super::PrefixState::new(rows, len, KvState { layers })))
+    }
+
+    /// Run blocks `start..` over only the positions `suffix` names (see
+    /// [`super::LanguageModel::forward_suffix`]); `resid: [rows, len, d_model]`.
+    pub fn forward_suffix(
+        &self,
+        start: usize,
+        state: &super::PrefixState,
+        suffix: &super::Suffix,
+        resid: Tensor<3>,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        let kv = state
+            .inner::<KvState>()
+            .ok_or_else(|| Error::Input("the prefix state was not made by a kvc model".into()))?;
+        if start >= self.blocks.len() || kv.layers.len() != self.blocks.len() {
+            return Err(Error::Input(format!(
+                "suffix forward from block {start}: the model has {} blocks, the state {}",
+                self.blocks.len(),
+                kv.layers.len()
+            )));
+        }
+        let total = state.len();
+        suffix.check(state.rows(), total)?;
+        let [b, l, d] = resid.dims();
+        if b != suffix.rows.len() || l != suffix.len || d != self.config.d_model {
+            return Err(Error::Input(format!(
+                "suffix residual of shape [{b}, {l}, {d}], expected [{}, {}, {}]",
+                suffix.rows.len(),
+                suffix.len,
+                self.config.d_model
+            )));
+        }
+        let device = resid.device();
+        let geo = AttnGeometry::new(&self.config, total, &device);
+        let mut merge = Vec::with_capacity(b * total);
+        let mut qpos = Vec::with_capacity(b * l);
+        for (r, &f) in suffix.from.iter().enumerate() {
+            for p in 0..total {
+                merge.push(if p >= f && p < f + l {
+                    b * total + r * l + (p - f)
+                } else {
+                    r * total + p
+                });
+            }
+            qpos.extend(f..f + l);
+        }
+        let n_keys = geo.mask.dims()[1];
+        let mut mask = Vec::with_capacity(b * l * n_keys);
+        for &q in &qpos {
+            for k in 0..n_keys {
+                mask.push(geo.visible(&self.config, q, k));
+            }
+        }
+        let rot = self.config.rot_dims();
+        let idx = int_tensor(&suffix.rows, &device);
+        let frame = SuffixFrame {
+            merge: int_tensor(&merge, &device),
+            rope_q: (rot > 0).then(|| {
+                RopeTables::new(
+                    &qpos,
+                    &rope_inv_freq(rot, self.config.rope_theta),
+                    1.0,
+                    &device,
+                )
+            }),
+            mask: Tensor::from_data(burn::tensor::TensorData::new(mask, [b, l, n_keys]), &device),
+            layers: kv
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(i, layer)| (i >= start).then(|| layer.select_rows(&idx)))
+                .collect(),
+        };
+        let mut hooks = spec.run();
+        self.run_blocks_over(resid, start, &geo, &mut Mode::Suffix(&frame), &mut hooks)
     }
 
     /// Forward from block `start`, given the residual stream entering it
@@ -440,7 +533,7 @@ impl KvcModel {
             )));
         }
         let mut hooks = spec.run();
-        self.run_blocks(resid, start, &mut hooks)
+        self.run_blocks(resid, start, &mut Mode::Plain, &mut hooks)
     }
 
     fn check_tokens(&self, tokens: &Tensor<2, Int>) -> Result<()> {
@@ -453,20 +546,32 @@ impl KvcModel {
 
     fn run_blocks(
         &self,
-        mut x: Tensor<3>,
+        x: Tensor<3>,
         start: usize,
+        mode: &mut Mode,
         hooks: &mut HookRun,
     ) -> Result<ForwardOutput> {
         let [_, t, _] = x.dims();
-        let device = x.device();
-        let geo = AttnGeometry::new(&self.config, t, &device);
+        let geo = AttnGeometry::new(&self.config, t, &x.device());
+        self.run_blocks_over(x, start, &geo, mode, hooks)
+    }
+
+    fn run_blocks_over(
+        &self,
+        mut x: Tensor<3>,
+        start: usize,
+        geo: &AttnGeometry,
+        mode: &mut Mode,
+        hooks: &mut HookRun,
+    ) -> Result<ForwardOutput> {
         for (l, block) in self.blocks.iter().enumerate().skip(start) {
             x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
             let a = block.attn.forward(
                 l,
                 block.attn_norm.forward(x.clone()),
-                &geo,
+                geo,
                 &self.config,
+                mode,
                 hooks,
             )?;
             let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
@@ -514,7 +619,29 @@ struct AttnGeometry {
     mask: Tensor<2, burn::tensor::Bool>,
 }
 
+/// Whether key `k` (compressed entries first, then raw tokens) is visible to the query
+/// at position `q` in compressed attention with `n_entries` entries.
+fn key_visible(w: usize, s: usize, tail: usize, n_entries: usize, q: usize, k: usize) -> bool {
+    if k < n_entries {
+        k * s + w - 1 <= q
+    } else {
+        let u = k - n_entries;
+        u <= q && u + tail > q
+    }
+}
+
 impl AttnGeometry {
+    /// Whether key `k` is visible to the query at position `q` (the entry of
+    /// [`AttnGeometry::mask`], for any query position).
+    fn visible(&self, c: &KvcConfig, q: usize, k: usize) -> bool {
+        match (&c.compression, c.attention) {
+            (Some(cc), AttentionKind::Compressed) => {
+                key_visible(cc.window, cc.stride, cc.local_tail, self.n_entries, q, k)
+            }
+            _ => k <= q,
+        }
+    }
+
     fn new(c: &KvcConfig, t: usize, device: &Device) -> Self {
         let rot = c.rot_dims();
         let inv = rope_inv_freq(rot, c.rope_theta);
@@ -531,12 +658,7 @@ impl AttnGeometry {
                 let starts: Vec<usize> = (0..n_entries).map(|i| i * s).collect();
                 let n_keys = n_entries + if raw { t } else { 0 };
                 let mask = mask_from_fn(t, n_keys, device, |q, k| {
-                    if k < n_entries {
-                        k * s + w - 1 <= q
-                    } else {
-                        let u = k - n_entries;
-                        u <= q && u + tail > q
-                    }
+                    key_visible(w, s, tail, n_entries, q, k)
                 });
                 AttnGeometry {
                     n_entries,
@@ -561,27 +683,42 @@ impl AttnGeometry {
 }
 
 impl Compressor {
+    /// Per-token gate logits `[b, t, kvh, g]` of the key (or value) gate from
+    /// `h: [b, t, d]`; `None` for uniform pooling.
+    fn gate_logits(&self, value: bool, h: &Tensor<3>, kvh: usize) -> Option<Tensor<4>> {
+        let gate = if value {
+            &self.value_gate
+        } else {
+            &self.key_gate
+        };
+        gate.as_ref().map(|g| {
+            let [b, t, _] = h.dims();
+            g.forward(h.clone()).reshape([b, t, kvh, g.d_out() / kvh])
+        })
+    }
+
     /// Pool per-token `x: [b, t, kvh, dh]` into `[b, n_entries, kvh, dh]`, with the gate
-    /// weights `[b, n_entries, W, kvh, g]` computed from `h: [b, t, d]`.
+    /// weights `[b, n_entries, W, kvh, g]` from the per-token gate logits
+    /// ([`Compressor::gate_logits`]).
     #[allow(clippy::too_many_arguments)]
     fn pool(
         &self,
         layer: usize,
         value: bool,
-        h: &Tensor<3>,
+        logits: Option<Tensor<4>>,
         x: Tensor<4>,
         geo: &AttnGeometry,
         cc: &CompressionConfig,
         hooks: &mut HookRun,
     ) -> Result<Tensor<4>> {
-        let [b, _t, kvh, dh] = x.dims();
+        let [b, _, kvh, dh] = x.dims();
         let (w, n) = (cc.window, geo.n_entries);
         let idx = geo.window_idx.clone().expect("entries exist");
         let xw = x.select(1, idx.clone()).reshape([b, n, w, kvh, dh]);
-        let (gate, bias) = if value {
-            (&self.value_gate, &self.value_gate_bias)
+        let bias = if value {
+            &self.value_gate_bias
         } else {
-            (&self.key_gate, &self.key_gate_bias)
+            &self.key_gate_bias
         };
         let site = if value {
             Site::ValueGate
@@ -589,11 +726,10 @@ impl Compressor {
             Site::KeyGate
         };
         let point = HookPoint::block(layer, site);
-        let weights: Tensor<5> = match gate {
+        let weights: Tensor<5> = match logits {
             None => Tensor::full([b, n, w, kvh, 1], 1.0 / w as f32, &x_device(&xw)),
-            Some(g) => {
-                let gdim = g.d_out() / kvh;
-                let s = g.forward(h.clone()).reshape([b, _t, kvh, gdim]);
+            Some(s) => {
+                let gdim = s.dims()[3];
                 let mut s = s.select(1, idx).reshape([b, n, w, kvh, gdim]);
                 if let Some(bias) = bias {
                     s = s + bias.val().reshape([1, 1, w, kvh, 1]);
@@ -616,21 +752,92 @@ fn x_device(t: &Tensor<5>) -> Device {
     t.device()
 }
 
+/// Per-layer, per-token state of a base forward that later positions' attention reads:
+/// keys and values after the K norm and hooks, before RoPE, and the compressor's gate
+/// logits. All `[prompts, t, kv_heads, *]`.
+#[derive(Debug, Clone)]
+struct KvLayer {
+    k: Tensor<4>,
+    v: Tensor<4>,
+    key_gate: Option<Tensor<4>>,
+    value_gate: Option<Tensor<4>>,
+}
+
+impl KvLayer {
+    fn select_rows(&self, idx: &Tensor<1, Int>) -> KvLayer {
+        let sel = |t: &Tensor<4>| t.clone().select(0, idx.clone());
+        KvLayer {
+            k: sel(&self.k),
+            v: sel(&self.v),
+            key_gate: self.key_gate.as_ref().map(sel),
+            value_gate: self.value_gate.as_ref().map(sel),
+        }
+    }
+}
+
+/// The [`super::PrefixState`] of kvc models: one [`KvLayer`] per block.
+#[derive(Debug)]
+struct KvState {
+    layers: Vec<KvLayer>,
+}
+
+/// Queries at per-row positions `from[r] .. from[r] + len` of prompts of `total`
+/// tokens, over the base run's state (rows already selected) for all other positions.
+struct SuffixFrame {
+    /// `[b * total]`: index into `cat([state rows * total, new rows * len])` that puts
+    /// each row's recomputed positions in place of the base run's.
+    merge: Tensor<1, Int>,
+    /// RoPE tables of the query positions, flattened row-major `[b * len]`.
+    rope_q: Option<RopeTables>,
+    /// `[b, len, n_keys]` visibility of each query.
+    mask: Tensor<3, burn::tensor::Bool>,
+    /// Per block (rows selected); empty for blocks before the start.
+    layers: Vec<Option<KvLayer>>,
+}
+
+impl SuffixFrame {
+    /// `base: [b, total, a, c]` with each row's positions `from..from+len` taken from
+    /// `new: [b, len, a, c]`.
+    fn merge(&self, base: Tensor<4>, new: Tensor<4>) -> Tensor<4> {
+        let [b, t, a, c] = base.dims();
+        let l = new.dims()[1];
+        Tensor::cat(
+            vec![base.reshape([b * t, a, c]), new.reshape([b * l, a, c])],
+            0,
+        )
+        .select(0, self.merge.clone())
+        .reshape([b, t, a, c])
+    }
+}
+
+/// How a forward treats the per-token keys and values.
+enum Mode<'a> {
+    /// A plain forward.
+    Plain,
+    /// A full forward that keeps every block's [`KvLayer`].
+    Record(&'a mut Vec<KvLayer>),
+    /// Only some positions are recomputed ([`KvcModel::forward_suffix`]).
+    Suffix(&'a SuffixFrame),
+}
+
 impl Attention {
+    /// `h: [b, lq, d]`: every position (`lq = t`) or, in [`Mode::Suffix`], the
+    /// recomputed positions of each row.
     fn forward(
         &self,
         layer: usize,
         h: Tensor<3>,
         geo: &AttnGeometry,
         c: &KvcConfig,
+        mode: &mut Mode,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
-        let [b, t, _] = h.dims();
+        let [b, lq, _] = h.dims();
         let (nh, kvh, dh) = (c.n_heads, c.n_kv_heads, c.d_head());
-        let mut q = self.w_q.forward(h.clone()).reshape([b, t, nh, dh]);
-        let mut k = self.w_k.forward(h.clone()).reshape([b, t, kvh, dh]);
+        let mut q = self.w_q.forward(h.clone()).reshape([b, lq, nh, dh]);
+        let mut k = self.w_k.forward(h.clone()).reshape([b, lq, kvh, dh]);
         let v = match &self.w_v {
-            Some(w_v) => w_v.forward(h.clone()).reshape([b, t, kvh, dh]),
+            Some(w_v) => w_v.forward(h.clone()).reshape([b, lq, kvh, dh]),
             None => k.clone(),
         };
         if let Some(n) = &self.q_norm {
@@ -642,11 +849,58 @@ impl Attention {
         let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
         let k = hooks.apply(HookPoint::block(layer, Site::AttnK), k)?;
         let v = hooks.apply(HookPoint::block(layer, Site::AttnV), v)?;
+        let (key_gate, value_gate) = match &self.compressor {
+            Some(comp) if geo.n_entries > 0 => (
+                comp.gate_logits(false, &h, kvh),
+                comp.gate_logits(true, &h, kvh),
+            ),
+            _ => (None, None),
+        };
+        // Per-token state of every position (the base run's where not recomputed).
+        let (k, v, key_gate, value_gate) = match mode {
+            Mode::Plain => (k, v, key_gate, value_gate),
+            Mode::Record(out) => {
+                out.push(KvLayer {
+                    k: k.clone(),
+                    v: v.clone(),
+                    key_gate: key_gate.clone(),
+                    value_gate: value_gate.clone(),
+                });
+                (k, v, key_gate, value_gate)
+            }
+            Mode::Suffix(frame) => {
+                let base = frame.layers[layer]
+                    .as_ref()
+                    .expect("the suffix frame holds every block from the start");
+                let merge = |base: &Option<Tensor<4>>, new: Option<Tensor<4>>| match (base, new) {
+                    (Some(b), Some(n)) => Some(frame.merge(b.clone(), n)),
+                    _ => None,
+                };
+                (
+                    frame.merge(base.k.clone(), k),
+                    frame.merge(base.v.clone(), v),
+                    merge(&base.key_gate, key_gate),
+                    merge(&base.value_gate, value_gate),
+                )
+            }
+        };
         let rope = |x: Tensor<4>, t: &Option<RopeTables>| match t {
             Some(t) => apply_rope(x, t, RopeLayout::HalfSplit, false),
             None => x,
         };
-        let q = rope(q, &geo.rope_tokens);
+        let q = match mode {
+            Mode::Suffix(frame) => match &frame.rope_q {
+                Some(t) => apply_rope(
+                    q.reshape([1, b * lq, nh, dh]),
+                    t,
+                    RopeLayout::HalfSplit,
+                    false,
+                )
+                .reshape([b, lq, nh, dh]),
+                None => q,
+            },
+            _ => rope(q, &geo.rope_tokens),
+        };
 
         let mut keys = Vec::new();
         let mut values = Vec::new();
@@ -656,9 +910,9 @@ impl Attention {
                 .as_ref()
                 .expect("compressed layer has a compressor");
             let cc = c.compression.as_ref().expect("compression config");
-            let ck = comp.pool(layer, false, &h, k.clone(), geo, cc, hooks)?;
+            let ck = comp.pool(layer, false, key_gate, k.clone(), geo, cc, hooks)?;
             let ck = hooks.apply(HookPoint::block(layer, Site::CompressedK), ck)?;
-            let cv = comp.pool(layer, true, &h, v.clone(), geo, cc, hooks)?;
+            let cv = comp.pool(layer, true, value_gate, v.clone(), geo, cc, hooks)?;
             let cv = hooks.apply(HookPoint::block(layer, Site::CompressedV), cv)?;
             keys.push(rope(ck, &geo.rope_entries));
             values.push(cv);
@@ -680,31 +934,38 @@ impl Attention {
         let z = if n_keys == 0 {
             // Nothing to attend to anywhere (sequence shorter than one window, no tail).
             let p = match &self.sink {
-                Some(_) => Tensor::<4>::ones([b, nh, t, 1], &h.device()),
-                None => Tensor::<4>::zeros([b, nh, t, 0], &h.device()),
+                Some(_) => Tensor::<4>::ones([b, nh, lq, 1], &h.device()),
+                None => Tensor::<4>::zeros([b, nh, lq, 0], &h.device()),
             };
             let p = hooks.apply(HookPoint::block(layer, Site::AttnPattern), p)?;
             drop(p);
-            Tensor::<4>::zeros([b, nh, t, dh], &h.device())
+            Tensor::<4>::zeros([b, nh, lq, dh], &h.device())
         } else {
             let kk = expand(Tensor::cat(keys, 1));
             let vv = expand(Tensor::cat(values, 1));
-            let qh = q.swap_dims(1, 2); // [b, nh, t, dh]
+            let qh = q.swap_dims(1, 2); // [b, nh, lq, dh]
             let scores = qh.matmul(kk.swap_dims(2, 3)) * (1.0 / (dh as f64).sqrt());
-            let mask = geo
-                .mask
-                .clone()
-                .reshape([1, 1, t, n_keys])
-                .expand([b, nh, t, n_keys]);
+            let mask = match mode {
+                Mode::Suffix(frame) => frame
+                    .mask
+                    .clone()
+                    .reshape([b, 1, lq, n_keys])
+                    .expand([b, nh, lq, n_keys]),
+                _ => geo
+                    .mask
+                    .clone()
+                    .reshape([1, 1, lq, n_keys])
+                    .expand([b, nh, lq, n_keys]),
+            };
             let p = match &self.sink {
                 Some(sink) => {
-                    let sink_col = sink.val().reshape([1, nh, 1, 1]).expand([b, nh, t, 1]);
+                    let sink_col = sink.val().reshape([1, nh, 1, 1]).expand([b, nh, lq, 1]);
                     let all = Tensor::cat(vec![scores, sink_col], 3);
                     let ones = Tensor::<4, burn::tensor::Bool>::from_data(
                         burn::tensor::TensorData::new(vec![true], [1, 1, 1, 1]),
                         &h.device(),
                     )
-                    .expand([b, nh, t, 1]);
+                    .expand([b, nh, lq, 1]);
                     let m = Tensor::cat(vec![mask, ones], 3);
                     masked_softmax(all, m)
                 }
@@ -714,16 +975,16 @@ impl Attention {
             let p = p.slice_dim(3, 0..n_keys);
             p.matmul(vv)
         };
-        let z = z.swap_dims(1, 2); // [b, t, nh, dh]
+        let z = z.swap_dims(1, 2); // [b, lq, nh, dh]
         let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
         let result_point = HookPoint::block(layer, Site::AttnResult);
         if hooks.touches(&result_point) {
-            // Per-head contributions [b, t, nh, d_model]: W_O split by head.
+            // Per-head contributions [b, lq, nh, d_model]: W_O split by head.
             let d = self.w_o.d_out();
             let wo = self.w_o.weight.val().reshape([d, nh, dh]).swap_dims(0, 1); // [nh, d, dh]
-            let zh = z.clone().swap_dims(0, 2).reshape([nh, t * b, dh]); // [nh, t*b, dh]
-            let r = zh.matmul(wo.swap_dims(1, 2)); // [nh, t*b, d]
-            let r = r.reshape([nh, t, b, d]).swap_dims(0, 2); // [b, t, nh, d]
+            let zh = z.clone().swap_dims(0, 2).reshape([nh, lq * b, dh]); // [nh, lq*b, dh]
+            let r = zh.matmul(wo.swap_dims(1, 2)); // [nh, lq*b, d]
+            let r = r.reshape([nh, lq, b, d]).swap_dims(0, 2); // [b, lq, nh, d]
             let intervened = hooks
                 .spec()
                 .interventions()
@@ -731,14 +992,14 @@ impl Attention {
                 .any(|i| i.target.matches_point(&result_point));
             let r = hooks.apply(result_point, r)?;
             if intervened {
-                let mut out = r.sum_dim(2).reshape([b, t, d]);
+                let mut out = r.sum_dim(2).reshape([b, lq, d]);
                 if let Some(bias) = &self.w_o.bias {
                     out = out + bias.val().unsqueeze::<3>();
                 }
                 return Ok(out);
             }
         }
-        Ok(self.w_o.forward(z.reshape([b, t, nh * dh])))
+        Ok(self.w_o.forward(z.reshape([b, lq, nh * dh])))
     }
 }
 
@@ -763,5 +1024,23 @@ impl super::LanguageModel for KvcModel {
         spec: &HookSpec,
     ) -> Result<ForwardOutput> {
         KvcModel::forward_from(self, start, resid.get::<3>()?, spec)
+    }
+    fn forward_with_state(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+    ) -> Result<(ForwardOutput, Option<super::PrefixState>)> {
+        let (out, state) = KvcModel::forward_with_state(self, tokens, spec)?;
+        Ok((out, Some(state)))
+    }
+    fn forward_suffix(
+        &self,
+        start: usize,
+        state: &super::PrefixState,
+        suffix: &super::Suffix,
+        resid: &Act,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        KvcModel::forward_suffix(self, start, state, suffix, resid.get::<3>()?, spec)
     }
 }

@@ -93,6 +93,94 @@ impl ModelInfo {
     }
 }
 
+/// What a base forward leaves behind so that later forwards of the same prompts can
+/// recompute only their last positions ([`LanguageModel::forward_suffix`]): the
+/// per-layer, per-token state the attention of later positions reads (for kvc: keys,
+/// values and compressor gate logits). Its content is the model's own.
+pub struct PrefixState {
+    rows: usize,
+    len: usize,
+    inner: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for PrefixState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PrefixState {{ rows: {}, len: {} }}",
+            self.rows, self.len
+        )
+    }
+}
+
+impl PrefixState {
+    /// Wrap a model's state of `rows` prompts of `len` tokens.
+    pub fn new<T: std::any::Any + Send + Sync>(rows: usize, len: usize, inner: T) -> Self {
+        PrefixState {
+            rows,
+            len,
+            inner: Box::new(inner),
+        }
+    }
+
+    /// Number of prompts.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Tokens per prompt.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the state holds no prompt.
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    /// The model's own content.
+    pub fn inner<T: std::any::Any>(&self) -> Option<&T> {
+        self.inner.downcast_ref::<T>()
+    }
+}
+
+/// Which positions a [`LanguageModel::forward_suffix`] recomputes: batch row `r` is
+/// prompt `rows[r]` of the [`PrefixState`], at positions `from[r] .. from[r] + len`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Suffix {
+    pub rows: Vec<usize>,
+    pub from: Vec<usize>,
+    pub len: usize,
+}
+
+impl Suffix {
+    /// Check the suffix against a state of `rows` prompts of `total` tokens.
+    pub fn check(&self, rows: usize, total: usize) -> Result<()> {
+        if self.rows.len() != self.from.len() || self.rows.is_empty() || self.len == 0 {
+            return Err(Error::Input(format!(
+                "suffix: {} rows, {} start positions, length {}",
+                self.rows.len(),
+                self.from.len(),
+                self.len
+            )));
+        }
+        for (&r, &f) in self.rows.iter().zip(&self.from) {
+            if r >= rows {
+                return Err(Error::Input(format!(
+                    "suffix row {r} out of range 0..{rows}"
+                )));
+            }
+            if f + self.len > total {
+                return Err(Error::Input(format!(
+                    "suffix positions {f}..{} run past the prompt length {total}",
+                    f + self.len
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The interface every model implements.
 pub trait LanguageModel: Send + Sync {
     /// Static description.
@@ -114,6 +202,38 @@ pub trait LanguageModel: Send + Sync {
     /// Number of parameters (values held in the compute dtype), when known.
     fn n_params(&self) -> Option<usize> {
         None
+    }
+    /// [`forward`](Self::forward), also returning the state that
+    /// [`forward_suffix`](Self::forward_suffix) needs (`None`: the model has no
+    /// suffix path).
+    fn forward_with_state(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+    ) -> Result<(ForwardOutput, Option<PrefixState>)> {
+        Ok((self.forward(tokens, spec)?, None))
+    }
+    /// Run blocks `start..` over only the positions `suffix` names, given the residual
+    /// entering block `start` at those positions (`[rows, len, ...]`) and the state of a
+    /// base forward for every other position. When nothing upstream of block `start`
+    /// differs from the base forward and the hooks edit only those positions, the
+    /// logits (`[rows, len, vocab]`) are those of a full `forward_from` at the same
+    /// positions, up to float rounding: earlier positions are causally unaffected, so
+    /// their keys and values are the base run's. Hooks see suffix-shaped activations
+    /// at per-token points (positions `0..len` = `from[r]..from[r]+len`).
+    fn forward_suffix(
+        &self,
+        start: usize,
+        state: &PrefixState,
+        suffix: &Suffix,
+        resid: &Act,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        let _ = (start, state, suffix, resid, spec);
+        Err(Error::Other(format!(
+            "{} models have no suffix forward",
+            self.info().arch
+        )))
     }
 }
 

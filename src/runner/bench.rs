@@ -11,9 +11,10 @@ use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, Site};
 use crate::model::{LanguageModel, load_model};
 
-use super::config::{Experiment, PatchConfig};
+use super::config::Experiment;
 use super::patching::{
-    Cell, Edit, Fill, Prompts, base_run, captures_for, plan_chunks, run_cell_naive, run_chunk,
+    Cell, ChunkPath, Edit, Fill, Outcome, Positions, Prompts, base_run, captures_for, plan_chunks,
+    plan_suffix, run_cell_naive, run_chunk_with,
 };
 use super::prompts::{group_examples, paired_prompts};
 use super::setup::{self, TaskSetup};
@@ -25,18 +26,30 @@ pub struct BenchResult {
     pub cells: usize,
     pub prompts_per_cell: usize,
     pub prompt_len: usize,
+    /// The patched positions (`all`, `answer`, `final = k`).
+    pub positions: String,
+    /// The runner's path: batched, recomputing only the edited and read positions
+    /// when the model and the edits allow it (see `run_chunk`).
     pub batched_seconds: f64,
+    /// Batched, every position recomputed (`forward_from`).
+    pub full_seconds: f64,
     pub naive_seconds: f64,
     pub batched_cells_per_s: f64,
+    pub full_cells_per_s: f64,
     pub naive_cells_per_s: f64,
-    /// batched / naive cells per second.
+    /// batched / naive cells per second (the headline).
     pub ratio: f64,
-    /// Largest |LD_batched - LD_naive| over all cells and prompts.
+    /// batched-over-every-position / naive cells per second.
+    pub full_ratio: f64,
+    /// Chunks that ran as suffix forwards, and their mean suffix length.
+    pub suffix_chunks: usize,
+    pub mean_suffix_len: f64,
+    /// Largest |LD_batched - LD_naive| (and |LD_full - LD_naive|) over all cells and prompts.
     pub max_abs_ld_diff: f64,
     pub forwards_batched: usize,
-    /// Row-layers computed by the loop / by the batched path (base runs included): the
-    /// speed-up that skipping the layers before the patched one allows when a batch row
-    /// costs the same whatever the batch size (the CPU backend).
+    /// Row-layers computed by the loop / by the every-position batched path (base runs
+    /// included): the speed-up that skipping the layers before the patched one allows
+    /// when a batch row costs the same whatever the batch size (the CPU backend).
     pub work_ratio: f64,
 }
 
@@ -44,34 +57,47 @@ impl std::fmt::Display for BenchResult {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "model {}: {} cells x {} prompts of {} tokens (hook_z patching, denoise + noise, query + KV heads)",
-            self.model, self.cells, self.prompts_per_cell, self.prompt_len
+            "model {}: {} cells x {} prompts of {} tokens (hook_z patching at positions = {}, denoise + noise, query + KV heads)",
+            self.model, self.cells, self.prompts_per_cell, self.prompt_len, self.positions
         )?;
         writeln!(
             f,
-            "batched (base run + {} forward_from calls): {:.2} s, {:.1} cells/s",
-            self.forwards_batched, self.batched_seconds, self.batched_cells_per_s
+            "runner (batched; {} of {} chunks as suffix forwards, mean suffix {:.1} positions): {:.2} s, {:.1} cells/s",
+            self.suffix_chunks,
+            self.forwards_batched,
+            self.mean_suffix_len,
+            self.batched_seconds,
+            self.batched_cells_per_s
         )?;
         writeln!(
             f,
-            "one forward per cell:                    {:.2} s, {:.1} cells/s",
+            "batched, every position recomputed:        {:.2} s, {:.1} cells/s",
+            self.full_seconds, self.full_cells_per_s
+        )?;
+        writeln!(
+            f,
+            "one forward per cell:                      {:.2} s, {:.1} cells/s",
             self.naive_seconds, self.naive_cells_per_s
         )?;
-        writeln!(f, "speed-up: {:.2}x", self.ratio)?;
         writeln!(
             f,
-            "row-layers computed, loop / batched: {:.2}x (the bound of layer skipping at equal cost per row)",
+            "speed-up over one forward per cell: runner {:.2}x, every-position batched {:.2}x",
+            self.ratio, self.full_ratio
+        )?;
+        writeln!(
+            f,
+            "row-layers computed, loop / every-position batched: {:.2}x (the bound of layer skipping at equal cost per row)",
             self.work_ratio
         )?;
         write!(
             f,
-            "max |LD difference| batched vs loop: {:.2e}",
+            "max |LD difference| against the loop: {:.2e}",
             self.max_abs_ld_diff
         )
     }
 }
 
-/// Time both paths on `cells` over `prompts`.
+/// Time the three paths on `cells` over `prompts` (runner, every-position batched, loop).
 pub fn bench_cells(
     name: &str,
     model: &dyn LanguageModel,
@@ -80,19 +106,26 @@ pub fn bench_cells(
     max_rows: usize,
 ) -> Result<BenchResult> {
     let captures = captures_for(cells)?;
-    // Warm-up (allocator, thread pool) so neither path pays first-call costs.
-    let _ = base_run(model, prompts, &captures)?;
-
-    let t = Instant::now();
-    let base = base_run(model, prompts, &captures)?;
+    // Warm-up (allocator, thread pool) so no path pays first-call costs.
+    let has_state = base_run(model, prompts, &captures)?.state.is_some();
     let chunks = plan_chunks(cells, max_rows)?;
-    let mut batched = vec![Vec::new(); cells.len()];
-    for ch in &chunks {
-        for (&c, out) in ch.iter().zip(run_chunk(model, prompts, &base, cells, ch)?) {
-            batched[c] = out;
+
+    let batched_path = |path: ChunkPath| -> Result<(f64, Vec<Vec<Outcome>>)> {
+        let t = Instant::now();
+        let base = base_run(model, prompts, &captures)?;
+        let mut out = vec![Vec::new(); cells.len()];
+        for ch in &chunks {
+            for (&c, o) in ch
+                .iter()
+                .zip(run_chunk_with(model, prompts, &base, cells, ch, path)?)
+            {
+                out[c] = o;
+            }
         }
-    }
-    let batched_seconds = t.elapsed().as_secs_f64();
+        Ok((t.elapsed().as_secs_f64(), out))
+    };
+    let (batched_seconds, batched) = batched_path(ChunkPath::Auto)?;
+    let (full_seconds, full) = batched_path(ChunkPath::Full)?;
 
     let t = Instant::now();
     let base2 = base_run(model, prompts, &captures)?;
@@ -103,9 +136,21 @@ pub fn bench_cells(
     let naive_seconds = t.elapsed().as_secs_f64();
 
     let mut max_diff = 0.0f64;
-    for (a, b) in batched.iter().zip(&naive) {
-        for (x, y) in a.iter().zip(b) {
-            max_diff = max_diff.max((x.ld as f64 - y.ld as f64).abs());
+    for other in [&batched, &full] {
+        for (a, b) in other.iter().zip(&naive) {
+            for (x, y) in a.iter().zip(b) {
+                max_diff = max_diff.max((x.ld as f64 - y.ld as f64).abs());
+            }
+        }
+    }
+    let mut suffix_chunks = 0;
+    let mut suffix_len = 0usize;
+    if has_state {
+        for ch in &chunks {
+            if let Some(s) = plan_suffix(prompts, cells, ch) {
+                suffix_chunks += 1;
+                suffix_len += s.len;
+            }
         }
     }
     let n = cells.len() as f64;
@@ -118,16 +163,34 @@ pub fn bench_cells(
         naive_work += rows * layers;
         batched_work += rows * (layers - c.edit.start_layer()? as f64);
     }
+    let positions = match cells.first().map(|c| &c.edit) {
+        Some(Edit::Replace { positions, .. }) => match positions {
+            Positions::All => "all".to_string(),
+            Positions::Answer => "answer".to_string(),
+            Positions::Final(k) => format!("final {k}"),
+        },
+        _ => "-".to_string(),
+    };
     Ok(BenchResult {
         model: name.to_string(),
         cells: cells.len(),
         prompts_per_cell: cells.first().map_or(0, |c| c.prompts.len()),
         prompt_len: prompts.len,
+        positions,
         batched_seconds,
+        full_seconds,
         naive_seconds,
         batched_cells_per_s: n / batched_seconds,
+        full_cells_per_s: n / full_seconds,
         naive_cells_per_s: n / naive_seconds,
         ratio: naive_seconds / batched_seconds,
+        full_ratio: naive_seconds / full_seconds,
+        suffix_chunks,
+        mean_suffix_len: if suffix_chunks > 0 {
+            suffix_len as f64 / suffix_chunks as f64
+        } else {
+            0.0
+        },
         max_abs_ld_diff: max_diff,
         forwards_batched: chunks.len(),
         work_ratio: naive_work / batched_work,
@@ -135,11 +198,13 @@ pub fn bench_cells(
 }
 
 /// Benchmark hook_z patching of every query and KV head of every layer (both
-/// directions) on phase group `phase` of the experiment's model and prompts.
+/// directions) on phase group `phase` of the experiment's model and prompts, at
+/// `positions` (default: the experiment's `[patch] positions`).
 pub fn bench_experiment(
     path: &Path,
     phase: u32,
     n_logical: Option<usize>,
+    positions: Option<Positions>,
     device: &DeviceSpec,
 ) -> Result<BenchResult> {
     let exp = Experiment::load(path)?;
@@ -169,7 +234,8 @@ pub fn bench_experiment(
         0
     };
     let (prompts, _) = paired_prompts(&ex, &task.space, assign, task.prompt.key_len, task.seed)?;
-    let cfg = PatchConfig::default();
+    let cfg = exp.file.patch.clone().unwrap_or_default();
+    let positions = positions.unwrap_or(cfg.positions);
     let mut cells = Vec::new();
     for receivers in [(n..2 * n).collect::<Vec<_>>(), (0..n).collect()] {
         for l in 0..info.n_layers() {
@@ -182,7 +248,7 @@ pub fn bench_experiment(
                     edit: Edit::Replace {
                         point: HookPoint::block(l, Site::AttnZ),
                         heads: Some(heads),
-                        positions: cfg.positions.clone(),
+                        positions: positions.clone(),
                         fill: Fill::Source,
                     },
                     prompts: receivers.clone(),

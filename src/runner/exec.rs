@@ -84,6 +84,7 @@ impl<'a> Executor<'a> {
                 Base {
                     cache: Default::default(),
                     outcomes: patching::evaluate(self.model, &g.prompts, self.max_rows)?,
+                    state: None,
                 }
             } else {
                 base_run(self.model, &g.prompts, &captures_for(&cells_needed)?)?

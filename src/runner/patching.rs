@@ -40,7 +40,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
-use crate::model::LanguageModel;
+use crate::model::{LanguageModel, PrefixState, Suffix};
 
 /// Which query positions an edit touches, per prompt.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -246,11 +246,14 @@ pub struct Outcome {
     pub ld: f32,
 }
 
-/// The base run of a batch: its captured activations and outcomes.
+/// The base run of a batch: its captured activations and outcomes, and, for models
+/// with a suffix forward, the state that lets a chunk recompute only the positions it
+/// edits and reads ([`run_chunk`]).
 #[derive(Debug, Clone)]
 pub struct Base {
     pub cache: Arc<ActivationCache>,
     pub outcomes: Vec<Outcome>,
+    pub state: Option<Arc<PrefixState>>,
 }
 
 /// The points a base run must capture so that `cells` can run.
@@ -337,7 +340,7 @@ pub fn base_run(
     for p in captures {
         spec = spec.capture_point(*p);
     }
-    let out = model.forward(prompts.tokens_of(&all, &device), &spec)?;
+    let (out, state) = model.forward_with_state(prompts.tokens_of(&all, &device), &spec)?;
     let targets: Vec<&Target> = prompts.targets.iter().collect();
     let outcomes = readout(out.logits, &targets)?;
     for p in captures {
@@ -351,6 +354,7 @@ pub fn base_run(
     Ok(Base {
         cache: Arc::new(out.cache),
         outcomes,
+        state: state.map(Arc::new),
     })
 }
 
@@ -603,15 +607,167 @@ fn replacement_act(
     })
 }
 
+/// How [`run_chunk_with`] runs the blocks from the start layer on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkPath {
+    /// The suffix forward when the chunk allows it (see [`run_chunk`]), else full.
+    Auto,
+    /// Always `forward_from` over every position.
+    Full,
+}
+
+/// Sites whose activations are per token position (axis 1), so that an edit at some
+/// positions leaves every earlier position of the same forward untouched.
+fn per_token_site(site: Site) -> bool {
+    matches!(
+        site,
+        Site::ResidPre
+            | Site::ResidMid
+            | Site::ResidPost
+            | Site::AttnQ
+            | Site::AttnK
+            | Site::AttnV
+            | Site::AttnZ
+            | Site::AttnResult
+            | Site::AttnOut
+            | Site::MlpOut
+    )
+}
+
+/// The positions a chunk (rows in cell order) must recompute, if it can run as a
+/// suffix forward ([`run_chunk`]): every edit
+/// replaces a per-token activation at given positions (not "all") of the start layer.
+/// Row `r` then needs positions from its first edited or read position to its last
+/// read one (edits after the last read position cannot reach the logits read). The
+/// suffix length is the longest of those spans; shorter rows start earlier (their extra
+/// positions are recomputed unchanged). `None` when an edit does not qualify or the
+/// suffix would cover more than half of the prompt (no gain).
+pub fn plan_suffix(prompts: &Prompts, cells: &[Cell], chunk: &[usize]) -> Option<Suffix> {
+    let row_prompt: Vec<usize> = chunk
+        .iter()
+        .flat_map(|&c| cells[c].prompts.iter().copied())
+        .collect();
+    let mut first = Vec::with_capacity(row_prompt.len());
+    for &c in chunk {
+        let Edit::Replace {
+            point, positions, ..
+        } = &cells[c].edit
+        else {
+            return None;
+        };
+        if !per_token_site(point.site) {
+            return None;
+        }
+        for &p in &cells[c].prompts {
+            let targets = &prompts.targets[p].positions;
+            let edited = positions.resolve(targets)?;
+            let lo = edited
+                .iter()
+                .chain(targets)
+                .copied()
+                .min()
+                .expect("a prompt has a target position");
+            first.push(lo);
+        }
+    }
+    let last: Vec<usize> = row_prompt
+        .iter()
+        .map(|&p| {
+            *prompts.targets[p]
+                .positions
+                .iter()
+                .max()
+                .expect("a prompt has a target position")
+        })
+        .collect();
+    // first <= the smallest target <= last, so every span is at least one position.
+    let len = last.iter().zip(&first).map(|(&l, &f)| l + 1 - f).max()?;
+    if 2 * len > prompts.len {
+        return None;
+    }
+    Some(Suffix {
+        rows: row_prompt,
+        from: last.iter().map(|&l| l + 1 - len).collect(),
+        len,
+    })
+}
+
+/// Positions `from[r] .. from[r] + len` (axis 1) of each row of `act`.
+fn slice_positions(act: &Act, from: &[usize], len: usize) -> Result<Act> {
+    let shape = act.shape().to_vec();
+    if shape.len() < 2 || shape[0] != from.len() {
+        return Err(Error::Other(format!(
+            "cannot take per-row positions of an activation of shape {shape:?}"
+        )));
+    }
+    let (b, t) = (shape[0], shape[1]);
+    let per: usize = shape[2..].iter().product();
+    let mut idx = Vec::with_capacity(b * len);
+    for (r, &f) in from.iter().enumerate() {
+        if f + len > t {
+            return Err(Error::Other(format!(
+                "positions {f}..{} out of range 0..{t}",
+                f + len
+            )));
+        }
+        idx.extend((f..f + len).map(|p| (r * t + p) as i64));
+    }
+    let flat: Tensor<2> = act.flat().reshape([b * t, per]);
+    let device = flat.device();
+    let n = idx.len();
+    let picked = flat.select(
+        0,
+        Tensor::<1, Int>::from_data(TensorData::new(idx, [n]), &device),
+    );
+    let mut out_shape = shape;
+    out_shape[1] = len;
+    let flat = picked.reshape([n * per]);
+    Ok(match out_shape.len() {
+        2 => Act::new(flat.reshape([out_shape[0], out_shape[1]])),
+        3 => Act::new(flat.reshape([out_shape[0], out_shape[1], out_shape[2]])),
+        4 => Act::new(flat.reshape([out_shape[0], out_shape[1], out_shape[2], out_shape[3]])),
+        5 => Act::new(flat.reshape([
+            out_shape[0],
+            out_shape[1],
+            out_shape[2],
+            out_shape[3],
+            out_shape[4],
+        ])),
+        r => {
+            return Err(Error::Other(format!(
+                "activations of rank {r} are not supported by the suffix path"
+            )));
+        }
+    })
+}
+
 /// Evaluate the cells `chunk` (indices into `cells`, all with the same start layer)
-/// in ONE `forward_from` over their rows. Returns, per cell of the chunk, one
-/// outcome per prompt of the cell.
+/// in ONE forward over their rows. Returns, per cell of the chunk, one outcome per
+/// prompt of the cell.
+///
+/// When the model has a suffix forward and every edit of the chunk replaces a
+/// per-token activation at given positions (answer positions, a final band), the
+/// forward recomputes only each row's positions from its first edited or read one to
+/// its last read one, over the base run's keys and values for the rest
+/// ([`LanguageModel::forward_suffix`]); otherwise `forward_from` runs every position.
 pub fn run_chunk(
     model: &dyn LanguageModel,
     prompts: &Prompts,
     base: &Base,
     cells: &[Cell],
     chunk: &[usize],
+) -> Result<Vec<Vec<Outcome>>> {
+    run_chunk_with(model, prompts, base, cells, chunk, ChunkPath::Auto)
+}
+
+/// [`run_chunk`] with the path chosen by the caller (benchmarks, tests).
+pub fn run_chunk_with(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    base: &Base,
+    cells: &[Cell],
+    chunk: &[usize],
+    path: ChunkPath,
 ) -> Result<Vec<Vec<Outcome>>> {
     let first = chunk
         .first()
@@ -672,9 +828,16 @@ pub fn run_chunk(
             }
         }
     }
+    let suffix = match (path, &base.state) {
+        (ChunkPath::Auto, Some(_)) => plan_suffix(prompts, cells, chunk),
+        _ => None,
+    };
     for (point, edits) in &per_point {
         let base_act = act_at(&base.cache, point)?;
-        let new = replacement_act(point, base_act, prompts, &row_prompt, edits)?;
+        let mut new = replacement_act(point, base_act, prompts, &row_prompt, edits)?;
+        if let Some(sfx) = &suffix {
+            new = slice_positions(&new, &sfx.from, sfx.len)?;
+        }
         let scope = if edits.len() == row_prompt.len() {
             Scope::all()
         } else {
@@ -682,9 +845,30 @@ pub fn run_chunk(
         };
         spec = spec.intervene_point(*point, Action::Replace(new), scope);
     }
-    let out = model.forward_from(tokens, start, &resid, &spec)?;
-    let targets: Vec<&Target> = row_prompt.iter().map(|&p| &prompts.targets[p]).collect();
-    let outcomes = readout(out.logits, &targets)?;
+    let outcomes = match (&suffix, &base.state) {
+        (Some(sfx), Some(state)) => {
+            let resid = slice_positions(&resid, &sfx.from, sfx.len)?;
+            let out = model.forward_suffix(start, state, sfx, &resid, &spec)?;
+            // Target positions relative to each row's first recomputed position.
+            let shifted: Vec<Target> = row_prompt
+                .iter()
+                .zip(&sfx.from)
+                .map(|(&p, &f)| {
+                    let t = &prompts.targets[p];
+                    Target {
+                        positions: t.positions.iter().map(|&q| q - f).collect(),
+                        ..t.clone()
+                    }
+                })
+                .collect();
+            readout(out.logits, &shifted.iter().collect::<Vec<_>>())?
+        }
+        _ => {
+            let out = model.forward_from(tokens, start, &resid, &spec)?;
+            let targets: Vec<&Target> = row_prompt.iter().map(|&p| &prompts.targets[p]).collect();
+            readout(out.logits, &targets)?
+        }
+    };
     Ok(cell_rows
         .into_iter()
         .map(|r| outcomes[r].to_vec())
