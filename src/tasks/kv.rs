@@ -726,6 +726,22 @@ pub struct KvTrainConfig {
     pub inner_pad_max: usize,
     /// Seed. Default 0.
     pub seed: u64,
+    /// Start with fewer bindings and grow to `prompt.n_bindings` (default: none).
+    pub curriculum: Option<Curriculum>,
+}
+
+/// A binding-count curriculum (associative recall forms faster with few distractors):
+/// the batch of step `s` has `start_bindings + (n_bindings - start_bindings) * s /
+/// steps` bindings (integer division; `n_bindings` from step `steps` on) and
+/// `min(n_queries, bindings)` queries. Prompts keep the full length: the unused
+/// positions become pads after the last query (they carry no loss).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Curriculum {
+    /// Bindings at step 0 (at least 1, at most `prompt.n_bindings`).
+    pub start_bindings: usize,
+    /// Steps over which the count grows to `prompt.n_bindings`.
+    pub steps: u64,
 }
 
 impl Default for KvTrainConfig {
@@ -735,6 +751,7 @@ impl Default for KvTrainConfig {
             period: Period::new(8).expect("nonzero"),
             inner_pad_max: 0,
             seed: 0,
+            curriculum: None,
         }
     }
 }
@@ -799,6 +816,20 @@ impl KvTrainSampler {
     /// `unpadded_len + (P - 1) + inner_pad_max`.
     pub fn new(space: &TokenSpace, cfg: KvTrainConfig) -> TaskResult<Self> {
         cfg.prompt.validate(space)?;
+        if let Some(c) = &cfg.curriculum {
+            if c.start_bindings == 0 || c.start_bindings > cfg.prompt.n_bindings {
+                return Err(TaskError::config(
+                    "curriculum.start_bindings",
+                    format!(
+                        "must be in 1..={} (prompt.n_bindings), got {}",
+                        cfg.prompt.n_bindings, c.start_bindings
+                    ),
+                ));
+            }
+            if c.steps == 0 {
+                return Err(TaskError::config("curriculum.steps", "must be at least 1"));
+            }
+        }
         let seq_len = cfg.prompt.unpadded_len(space) + cfg.period.len() - 1 + cfg.inner_pad_max;
         cfg.prompt.check_len(seq_len)?;
         Ok(KvTrainSampler {
@@ -818,11 +849,27 @@ impl KvTrainSampler {
         &self.cfg
     }
 
+    /// The prompt format of the batch of `step` (fewer bindings early in a curriculum).
+    pub fn prompt_at(&self, step: u64) -> KvPromptConfig {
+        let mut prompt = self.cfg.prompt.clone();
+        if let Some(c) = &self.cfg.curriculum {
+            let n = prompt.n_bindings;
+            let s = step.min(c.steps);
+            let grown = ((n - c.start_bindings) as u64 * s / c.steps) as usize;
+            prompt.n_bindings = c.start_bindings + grown;
+            prompt.n_queries = prompt.n_queries.min(prompt.n_bindings);
+        }
+        prompt
+    }
+
     /// The batch of `step` (ChaCha8 stream `step` of the seed).
     pub fn batch(&self, step: u64, batch_size: usize) -> TrainBatch {
         let mut rng = rng_for(self.cfg.seed, step);
         let p = self.cfg.period.len();
-        let nb = self.cfg.prompt.n_bindings;
+        let prompt = self.prompt_at(step);
+        let nb = prompt.n_bindings;
+        // Positions the curriculum's shorter prompts leave free (pads at the end).
+        let spare = self.cfg.prompt.unpadded_len(&self.space) - prompt.unpadded_len(&self.space);
         let examples = (0..batch_size)
             .map(|b| {
                 let lead = rng.random_range(0..p);
@@ -834,12 +881,12 @@ impl KvTrainSampler {
                 let pads = Pads {
                     lead,
                     gaps,
-                    tail: (p - 1 - lead) + (self.cfg.inner_pad_max - inner),
+                    tail: (p - 1 - lead) + (self.cfg.inner_pad_max - inner) + spare,
                 };
-                let content = sample_content(&mut rng, &self.space, &self.cfg.prompt, None);
+                let content = sample_content(&mut rng, &self.space, &prompt, None);
                 let ex = render(
                     &self.space,
-                    &self.cfg.prompt,
+                    &prompt,
                     &content,
                     &pads,
                     self.cfg.period,

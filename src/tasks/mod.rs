@@ -35,7 +35,7 @@ pub use filler::{
     binding_filler_probe, text_filler_probe,
 };
 pub use kv::{
-    Binding, IGNORE_INDEX, KvEvalConfig, KvEvalSet, KvExample, KvPromptConfig, KvQuery,
+    Binding, Curriculum, IGNORE_INDEX, KvEvalConfig, KvEvalSet, KvExample, KvPromptConfig, KvQuery,
     KvTrainConfig, KvTrainSampler, QueryMarker, TrainBatch, generate_eval_set, matched_block_size,
 };
 pub use vocab::{HfVocabConfig, SyntheticVocabConfig, TokenRange, TokenSpace, TokenSpaceConfig};

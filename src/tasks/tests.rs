@@ -1018,3 +1018,73 @@ fn hf_text_filler_probe() {
     assert_eq!(d.template.matches("{filler}").count(), 1);
     assert_eq!(d.lengths, LengthRange::new(24, 39));
 }
+
+#[test]
+fn curriculum_grows_the_binding_count_at_a_fixed_length() {
+    let space = syn();
+    let plain = KvTrainSampler::new(&space, KvTrainConfig::default()).unwrap();
+    let cfg = KvTrainConfig {
+        curriculum: Some(Curriculum {
+            start_bindings: 4,
+            steps: 100,
+        }),
+        ..KvTrainConfig::default()
+    };
+    let sampler = KvTrainSampler::new(&space, cfg.clone()).unwrap();
+    assert_eq!(sampler.seq_len(), plain.seq_len());
+    for (step, bindings, queries) in [
+        (0, 4, 4),
+        (50, 14, 14),
+        (99, 23, 16),
+        (100, 24, 16),
+        (5000, 24, 16),
+    ] {
+        assert_eq!(sampler.prompt_at(step).n_bindings, bindings, "step {step}");
+        let batch = sampler.batch(step, 16);
+        assert_eq!(batch, sampler.batch(step, 16), "deterministic");
+        for e in &batch.examples {
+            assert_eq!(e.tokens.len(), 89);
+            assert_eq!(e.bindings.len(), bindings, "step {step}");
+            assert_eq!(e.queries.len(), queries, "step {step}");
+            for q in &e.queries {
+                assert_eq!(e.tokens[q.target_positions[0] + 1], q.answer[0]);
+                let b = &e.bindings[q.binding];
+                assert_eq!(e.tokens[b.key_pos], b.key[0]);
+                assert_eq!(
+                    e.tokens[b.key_pos + 1],
+                    q.answer[0],
+                    "the answer is the key's value"
+                );
+            }
+            // The spare positions are pads after the last query.
+            let last = e
+                .queries
+                .iter()
+                .map(|q| q.target_positions[0] + 1)
+                .max()
+                .unwrap();
+            assert!(e.tokens[last + 1..].iter().all(|&t| t == space.pad()));
+        }
+        assert_eq!(
+            batch.loss_mask().iter().filter(|&&m| m).count(),
+            16 * queries
+        );
+    }
+    // After the ramp the batches are the plain sampler's.
+    assert_eq!(sampler.batch(100, 8), plain.batch(100, 8));
+    for (start, steps, key) in [
+        (0, 10, "curriculum.start_bindings"),
+        (25, 10, "curriculum.start_bindings"),
+        (4, 0, "curriculum.steps"),
+    ] {
+        let bad = KvTrainConfig {
+            curriculum: Some(Curriculum {
+                start_bindings: start,
+                steps,
+            }),
+            ..KvTrainConfig::default()
+        };
+        let err = KvTrainSampler::new(&space, bad).unwrap_err().to_string();
+        assert!(err.contains(key), "{err}");
+    }
+}
