@@ -439,10 +439,45 @@ fn patch_heads_on_a_deepseek_v4_organism() {
                 action: Action::Roll { axis: 2, shift: 1 },
                 heads: None,
             },
+            prompts: corrupted.clone(),
+        },
+        // Suffix forwards (answer positions, a final band) on every layer kind.
+        Cell {
+            edit: Edit::Replace {
+                point: HookPoint::block(2, Site::AttnZ),
+                heads: Some(vec![0]),
+                positions: Positions::Answer,
+                fill: Fill::Source,
+            },
+            prompts: corrupted.clone(),
+        },
+        Cell {
+            edit: Edit::Replace {
+                point: HookPoint::block(0, Site::AttnOut),
+                heads: None,
+                positions: Positions::Final(4),
+                fill: Fill::Mean,
+            },
+            prompts: corrupted.clone(),
+        },
+        Cell {
+            edit: Edit::Replace {
+                point: HookPoint::block(3, Site::MlpOut),
+                heads: None,
+                positions: Positions::Answer,
+                fill: Fill::Zero,
+            },
             prompts: corrupted,
         },
     ];
     let base = base_run(model.as_ref(), &prompts, &captures_for(&cells).unwrap()).unwrap();
+    assert!(base.state.is_some());
+    for c in [1, 3, 4, 5] {
+        assert!(
+            phaselens::runner::patching::plan_suffix(&prompts, &cells, &[c]).is_some(),
+            "cell {c} runs as a suffix forward"
+        );
+    }
     for c in 0..cells.len() {
         let got = run_chunk(model.as_ref(), &prompts, &base, &cells, &[c]).unwrap();
         let want = run_cell_naive(model.as_ref(), &prompts, &base, &cells[c]).unwrap();

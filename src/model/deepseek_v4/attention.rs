@@ -10,9 +10,9 @@
 //! window has closed, `w < (t + 1) / rate`, and (CSA) the indexer selected it.
 
 use burn::module::{Module, Param};
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
 
-use super::compressor::Compressor;
+use super::compressor::{Compressor, Pooler};
 use super::config::AttnType;
 use super::indexer::CsaGeometry;
 use super::rope;
@@ -61,27 +61,106 @@ pub struct Geometry {
     pub csa: Option<CsaGeometry>,
 }
 
+/// Per-layer, per-token state of a base forward that later positions' attention reads
+/// (rows = prompts, every position): the rotated keys and values, and the per-token
+/// projections of the compressor and of the indexer's pooler ([`Pooler::project`]).
+#[derive(Debug, Clone)]
+pub struct LayerState {
+    pub k: Tensor<3>,
+    pub v: Tensor<3>,
+    pub comp: Option<(Tensor<3>, Tensor<3>)>,
+    pub index: Option<(Tensor<3>, Tensor<3>)>,
+}
+
+impl LayerState {
+    /// Rows `idx` of every tensor.
+    pub fn select_rows(&self, idx: &Tensor<1, Int>) -> LayerState {
+        let sel = |t: &Tensor<3>| t.clone().select(0, idx.clone());
+        let pair = |p: &Option<(Tensor<3>, Tensor<3>)>| p.as_ref().map(|(a, b)| (sel(a), sel(b)));
+        LayerState {
+            k: sel(&self.k),
+            v: sel(&self.v),
+            comp: pair(&self.comp),
+            index: pair(&self.index),
+        }
+    }
+}
+
+/// Queries at per-row positions (`len` of them per row) over the base run's state for
+/// every other position (see `DeepseekV4Model::forward_suffix`).
+pub struct SuffixFrame {
+    /// `[b * t]`: index into `cat([state rows * t, new rows * len])` that puts each
+    /// row's recomputed positions in place of the base run's.
+    pub merge: Tensor<1, Int>,
+    /// Main and compress RoPE tables at the query positions, row-major `[b * len]`.
+    pub main: RopeTables,
+    pub compress: RopeTables,
+    /// `[b, len, t]` sliding-window visibility.
+    pub window: Tensor<3, Bool>,
+    /// HCA `[b, len, n]` visibility.
+    pub hca: Option<Tensor<3, Bool>>,
+    /// CSA closed entries per query `[b, len, 1]` and `[b, len, n]`.
+    pub csa: Option<(Tensor<3, Int>, Tensor<3, Bool>)>,
+    /// Per layer (rows selected); `None` before the start layer.
+    pub layers: Vec<Option<LayerState>>,
+}
+
+impl SuffixFrame {
+    /// `base: [b, t, c]` with each row's recomputed positions taken from `new: [b, len, c]`.
+    pub fn merge(&self, base: Tensor<3>, new: Tensor<3>) -> Tensor<3> {
+        let [b, t, c] = base.dims();
+        let l = new.dims()[1];
+        Tensor::cat(vec![base.reshape([b * t, c]), new.reshape([b * l, c])], 0)
+            .select(0, self.merge.clone())
+            .reshape([b, t, c])
+    }
+}
+
+/// How a forward treats the per-token state.
+pub enum Mode<'a> {
+    /// A plain forward.
+    Plain,
+    /// A full forward that keeps every layer's [`LayerState`].
+    Record(&'a mut Vec<LayerState>),
+    /// Only some positions are recomputed.
+    Suffix(&'a SuffixFrame),
+}
+
 impl Attention {
-    /// `x: [b, t, d_model]` (after `input_layernorm`) -> `[b, t, d_model]`.
+    /// `x: [b, t, d_model]` (after `input_layernorm`) -> `[b, t, d_model]`. In
+    /// [`Mode::Suffix`], `t` is the number of recomputed positions per row.
     pub fn forward(
         &self,
         layer: usize,
         x: Tensor<3>,
         geo: &Geometry,
+        mode: &mut Mode,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
         let [b, t, _] = x.dims();
         let (nh, dh) = (self.n_heads, self.head_dim);
         let device = x.device();
-        let tables = match self.kind {
-            AttnType::Sliding => &geo.main,
-            _ => &geo.compress,
+        let (tables, compress_tables) = match mode {
+            Mode::Suffix(f) => (
+                match self.kind {
+                    AttnType::Sliding => &f.main,
+                    _ => &f.compress,
+                },
+                &f.compress,
+            ),
+            _ => (
+                match self.kind {
+                    AttnType::Sliding => &geo.main,
+                    _ => &geo.compress,
+                },
+                &geo.compress,
+            ),
         };
         let q_res = self.q_a_norm.forward(self.q_a_proj.forward(x.clone()));
         let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, nh, dh]);
         let q = rms_normalize(q, self.eps);
         let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
-        let q = rope::rotate(q, tables, false);
+        let q = rope::rotate_rows(q, tables, false);
         let kv = self
             .kv_norm
             .forward(self.kv_proj.forward(x.clone()))
@@ -94,49 +173,124 @@ impl Attention {
             let k = hooks.apply(kp, kv.clone())?;
             let v = hooks.apply(vp, kv)?;
             (
-                rope::rotate(k, tables, false).reshape([b, t, dh]),
-                rope::rotate(v, tables, false).reshape([b, t, dh]),
+                rope::rotate_rows(k, tables, false).reshape([b, t, dh]),
+                rope::rotate_rows(v, tables, false).reshape([b, t, dh]),
             )
         } else {
-            let kv = rope::rotate(kv, tables, false).reshape([b, t, dh]);
+            let kv = rope::rotate_rows(kv, tables, false).reshape([b, t, dh]);
             (kv.clone(), kv)
         };
+        // Per-token projections of the compressor and the indexer's pooler.
+        let project = |p: &Pooler| -> Option<(Tensor<3>, Tensor<3>)> {
+            matches!(mode, Mode::Record(_) | Mode::Suffix(_)).then(|| p.project(&x))
+        };
+        let comp_proj = self.compressor.as_ref().and_then(|c| project(&c.pooler));
+        let index_proj = self
+            .compressor
+            .as_ref()
+            .and_then(|c| c.indexer.as_ref())
+            .and_then(|i| project(&i.pooler));
+        let (k, v, comp_proj, index_proj) = match mode {
+            Mode::Plain => (k, v, None, None),
+            Mode::Record(out) => {
+                out.push(LayerState {
+                    k: k.clone(),
+                    v: v.clone(),
+                    comp: comp_proj.clone(),
+                    index: index_proj.clone(),
+                });
+                (k, v, comp_proj, index_proj)
+            }
+            Mode::Suffix(f) => {
+                let base = f.layers[layer]
+                    .as_ref()
+                    .expect("the suffix frame holds every layer from the start");
+                let pair = |base: &Option<(Tensor<3>, Tensor<3>)>,
+                            new: Option<(Tensor<3>, Tensor<3>)>| {
+                    match (base, new) {
+                        (Some((b0, b1)), Some((n0, n1))) => {
+                            Some((f.merge(b0.clone(), n0), f.merge(b1.clone(), n1)))
+                        }
+                        _ => None,
+                    }
+                };
+                (
+                    f.merge(base.k.clone(), k),
+                    f.merge(base.v.clone(), v),
+                    pair(&base.comp, comp_proj),
+                    pair(&base.index, index_proj),
+                )
+            }
+        };
+        let nt = k.dims()[1]; // every position of the sequence
 
         // Compressed entries and their visibility [b, t, n].
         let mut keys = Vec::with_capacity(2);
         let mut values = Vec::with_capacity(2);
         let mut masks: Vec<Tensor<3, Bool>> = Vec::with_capacity(2);
         if let Some(comp) = &self.compressor {
-            let (starts, visible) = match self.kind {
-                AttnType::Hca => match &geo.hca {
+            let (starts, visible) = match (self.kind, &*mode) {
+                (AttnType::Hca, Mode::Suffix(f)) => match (&geo.hca, &f.hca) {
+                    (Some((n, _, starts)), Some(vis)) if *n > 0 => {
+                        (Some(starts), Some(vis.clone()))
+                    }
+                    _ => (None, None),
+                },
+                (AttnType::Hca, _) => match &geo.hca {
                     Some((n, vis, starts)) if *n > 0 => (
                         Some(starts),
                         Some(vis.clone().reshape([1, t, *n]).expand([b, t, *n])),
                     ),
                     _ => (None, None),
                 },
-                AttnType::Csa => match &geo.csa {
+                (AttnType::Csa, _) => match &geo.csa {
                     Some(g) if g.n_entries > 0 => {
                         let idx = comp.indexer.as_ref().expect("CSA layers have an indexer");
-                        let sel = idx.select(layer, &x, &q_res, &geo.compress, g, hooks)?;
+                        let windows = match &index_proj {
+                            Some(p) => idx.pooler.windows_from(p.clone()),
+                            None => idx.pooler.windows(&x),
+                        }
+                        .expect("entries exist");
+                        let (closed, closed_mask) = match &*mode {
+                            Mode::Suffix(f) => f.csa.clone().expect("CSA suffix geometry"),
+                            _ => (g.closed.clone(), g.closed_mask.clone()),
+                        };
+                        let sel = idx.select_with(
+                            layer,
+                            windows,
+                            &x,
+                            &q_res,
+                            compress_tables,
+                            &g.starts,
+                            &closed,
+                            &closed_mask,
+                            hooks,
+                        )?;
                         (Some(&g.starts), Some(sel))
                     }
                     _ => (None, None),
                 },
-                AttnType::Sliding => (None, None),
+                (AttnType::Sliding, _) => (None, None),
             };
-            if let (Some(starts), Some(visible)) = (starts, visible)
-                && let Some(c) = comp.forward(layer, &x, starts, hooks)?
-            {
-                let n = c.keys.dims()[1];
-                keys.push(c.keys.reshape([b, n, dh]));
-                values.push(c.values.reshape([b, n, dh]));
-                masks.push(visible);
+            if let (Some(starts), Some(visible)) = (starts, visible) {
+                let windows = match comp_proj {
+                    Some(p) => comp.pooler.windows_from(p),
+                    None => comp.pooler.windows(&x),
+                };
+                if let Some(c) = comp.forward_windows(layer, windows, starts, hooks)? {
+                    let n = c.keys.dims()[1];
+                    keys.push(c.keys.reshape([b, n, dh]));
+                    values.push(c.values.reshape([b, n, dh]));
+                    masks.push(visible);
+                }
             }
         }
         keys.push(k);
         values.push(v);
-        masks.push(geo.window.clone().reshape([1, t, t]).expand([b, t, t]));
+        masks.push(match &*mode {
+            Mode::Suffix(f) => f.window.clone(),
+            _ => geo.window.clone().reshape([1, t, nt]).expand([b, t, nt]),
+        });
         let keys = Tensor::cat(keys, 1); // [b, nk, dh]
         let values = Tensor::cat(values, 1);
         let nk = keys.dims()[1];
@@ -164,7 +318,7 @@ impl Attention {
             .matmul(values)
             .reshape([b, nh, t, dh])
             .swap_dims(1, 2); // [b, t, nh, dh]
-        let z = rope::rotate(z, tables, true);
+        let z = rope::rotate_rows(z, tables, true);
         let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
 
         let result_point = HookPoint::block(layer, Site::AttnResult);

@@ -73,26 +73,44 @@ impl Pooler {
     /// Gate weights and slot values of every closed window, both `[b, n, slots, dim]`
     /// (slots = rate, or 2 * rate when overlapping). `None` when no window has closed.
     pub fn windows(&self, x: &Tensor<3>) -> Option<(Tensor<4>, Tensor<4>)> {
-        let [b, t, _] = x.dims();
+        let [_, t, _] = x.dims();
+        let n = t / self.rate;
+        if n == 0 {
+            return None;
+        }
+        let x = x.clone().slice_dim(1, 0..n * self.rate);
+        self.windows_from(self.project(&x))
+    }
+
+    /// Per-token projections `(kv_proj(x), gate_proj(x))`, both `[b, t, slots_per_token *
+    /// dim]` (the gate without its position bias): what [`Pooler::windows_from`] pools.
+    pub fn project(&self, x: &Tensor<3>) -> (Tensor<3>, Tensor<3>) {
+        (
+            self.kv_proj.forward(x.clone()),
+            self.gate_proj.forward(x.clone()),
+        )
+    }
+
+    /// [`Pooler::windows`] from per-token projections ([`Pooler::project`]) of the
+    /// whole sequence (positions past the last closed window are ignored).
+    pub fn windows_from(
+        &self,
+        (kv, gate): (Tensor<3>, Tensor<3>),
+    ) -> Option<(Tensor<4>, Tensor<4>)> {
+        let [b, t, _] = kv.dims();
         let (m, d) = (self.rate, self.dim);
         let n = t / m;
         if n == 0 {
             return None;
         }
         let wd = if self.overlap { 2 * d } else { d };
-        let kv = self
-            .kv_proj
-            .forward(x.clone().slice_dim(1, 0..n * m))
-            .reshape([b, n, m, wd]);
-        let gate = self
-            .gate_proj
-            .forward(x.clone().slice_dim(1, 0..n * m))
-            .reshape([b, n, m, wd])
+        let kv = kv.slice_dim(1, 0..n * m).reshape([b, n, m, wd]);
+        let gate = gate.slice_dim(1, 0..n * m).reshape([b, n, m, wd])
             + self.position_bias.val().reshape([1, 1, m, wd]);
+        let device = kv.device();
         if !self.overlap {
             return Some((softmax(gate, 2), kv));
         }
-        let device = x.device();
         let a_kv = kv.clone().slice_dim(3, 0..d);
         let b_kv = kv.slice_dim(3, d..2 * d);
         let a_g = gate.clone().slice_dim(3, 0..d);
@@ -146,7 +164,19 @@ impl Compressor {
         starts: &RopeTables,
         hooks: &mut HookRun,
     ) -> Result<Option<Compressed>> {
-        let Some((w, values)) = self.pooler.windows(x) else {
+        self.forward_windows(layer, self.pooler.windows(x), starts, hooks)
+    }
+
+    /// [`Compressor::forward`] from the pooler's windows ([`Pooler::windows`] or
+    /// [`Pooler::windows_from`]).
+    pub fn forward_windows(
+        &self,
+        layer: usize,
+        windows: Option<(Tensor<4>, Tensor<4>)>,
+        starts: &RopeTables,
+        hooks: &mut HookRun,
+    ) -> Result<Option<Compressed>> {
+        let Some((w, values)) = windows else {
             return Ok(None);
         };
         let [b, n, s, d] = w.dims();

@@ -98,16 +98,47 @@ impl Indexer {
         geo: &CsaGeometry,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3, Bool>> {
-        let [b, t, _] = x.dims();
-        let (hi, di, n) = (self.n_heads, self.head_dim, geo.n_entries);
-        let (w, values) = self
+        let windows = self
             .pooler
             .windows(x)
             .expect("the caller checked that entries exist");
+        self.select_with(
+            layer,
+            windows,
+            x,
+            q_res,
+            tokens,
+            &geo.starts,
+            &geo.closed,
+            &geo.closed_mask,
+            hooks,
+        )
+    }
+
+    /// [`Indexer::select`] from the indexer pooler's windows of the whole sequence, for
+    /// queries `x, q_res: [b, lq, *]` at the positions of the `tokens` tables
+    /// ([`rope::rotate_rows`]), with `closed: [1 or b, lq, 1]` (closed entries per query)
+    /// and `closed_mask: [1 or b, lq, n]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn select_with(
+        &self,
+        layer: usize,
+        (w, values): (Tensor<4>, Tensor<4>),
+        x: &Tensor<3>,
+        q_res: &Tensor<3>,
+        tokens: &RopeTables,
+        starts: &RopeTables,
+        closed: &Tensor<3, Int>,
+        closed_mask: &Tensor<3, Bool>,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<3, Bool>> {
+        let [b, t, _] = x.dims();
+        let (hi, di) = (self.n_heads, self.head_dim);
+        let n = w.dims()[1];
         let keys = self.pooler.pool(w, values).reshape([b, n, 1, di]);
-        let keys = rope::rotate(keys, &geo.starts, false).reshape([b, n, di]);
+        let keys = rope::rotate(keys, starts, false).reshape([b, n, di]);
         let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, hi, di]);
-        let q = rope::rotate(q, tokens, false).reshape([b, t * hi, di]);
+        let q = rope::rotate_rows(q, tokens, false).reshape([b, t * hi, di]);
         let dots = relu(q.matmul(keys.swap_dims(1, 2))) * (1.0 / (di as f64).sqrt());
         let weights = self.scorer.weights_proj.forward(x.clone()) * (1.0 / (hi as f64).sqrt());
         let scores = (dots.reshape([b, t, hi, n]) * weights.reshape([b, t, hi, 1]))
@@ -117,12 +148,12 @@ impl Indexer {
 
         let k = self.topk.min(n);
         let masked = scores.mask_fill(
-            geo.closed_mask.clone().bool_not().expand([b, t, n]),
+            closed_mask.clone().bool_not().expand([b, t, n]),
             f32::NEG_INFINITY,
         );
         let (_, idx) = masked.topk_with_indices(k, 2);
         // Picks beyond the closed entries (queries with fewer than k closed) are invalid.
-        let valid = idx.clone().lower(geo.closed.clone().expand([b, t, k]));
+        let valid = idx.clone().lower(closed.clone().expand([b, t, k]));
         let device = x.device();
         let hits = Tensor::<3>::zeros([b, t, n], &device).scatter(
             2,

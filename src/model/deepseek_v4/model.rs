@@ -5,9 +5,9 @@
 //! `[batch, pos, hc_mult, d_model]`; `forward_from` starts from it.
 
 use burn::module::Module;
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 
-use super::attention::{Attention, Geometry};
+use super::attention::{Attention, Geometry, LayerState, Mode, SuffixFrame};
 use super::compressor::{Compressor, Pooler};
 use super::config::{AttnType, DeepseekV4Config, MODEL_TYPE};
 use super::indexer::{CsaGeometry, Indexer};
@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
 use crate::model::layers::{Embedding, Linear, RmsNorm, mask_from_fn};
 use crate::model::weights::{Init, Vb};
-use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo};
+use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo, PrefixState, Suffix};
 
 /// One decoder layer (`model.layers.{l}`).
 #[derive(Module, Debug)]
@@ -238,7 +238,123 @@ impl DeepseekV4Model {
         let h = self.config.hidden_size;
         let n = self.config.hc_mult;
         let x = e.reshape([b, t, 1, h]).expand([b, t, n, h]);
-        self.run_layers(x, 0, &ids, &mut hooks)
+        self.run_layers(x, 0, &ids, &mut Mode::Plain, &mut hooks)
+    }
+
+    /// [`DeepseekV4Model::forward`], also keeping every layer's per-token state for
+    /// [`DeepseekV4Model::forward_suffix`].
+    pub fn forward_with_state(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+    ) -> Result<(ForwardOutput, PrefixState)> {
+        let ids = self.token_ids(&tokens)?;
+        let [b, t] = tokens.dims();
+        let mut hooks = spec.run();
+        let e = self.model.embed_tokens.forward(tokens);
+        let e = hooks.apply(HookPoint::global(Site::Embed), e)?;
+        let h = self.config.hidden_size;
+        let n = self.config.hc_mult;
+        let x = e.reshape([b, t, 1, h]).expand([b, t, n, h]);
+        let mut layers = Vec::with_capacity(self.model.layers.len());
+        let out = self.run_layers(x, 0, &ids, &mut Mode::Record(&mut layers), &mut hooks)?;
+        Ok((out, PrefixState::new(b, t, V4State { layers, ids })))
+    }
+
+    /// Run layers `start..` over only the positions `suffix` names (see
+    /// [`crate::model::LanguageModel::forward_suffix`]); `resid: [rows, len, hc_mult,
+    /// d_model]`.
+    pub fn forward_suffix(
+        &self,
+        start: usize,
+        state: &PrefixState,
+        suffix: &Suffix,
+        resid: Tensor<4>,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        let st = state.inner::<V4State>().ok_or_else(|| {
+            Error::Input("the prefix state was not made by a DeepSeek-V4 model".into())
+        })?;
+        let n_layers = self.model.layers.len();
+        if start >= n_layers || st.layers.len() != n_layers {
+            return Err(Error::Input(format!(
+                "suffix forward from layer {start}: the model has {n_layers} layers, the state {}",
+                st.layers.len()
+            )));
+        }
+        let total = state.len();
+        suffix.check(state.rows(), total)?;
+        let c = &self.config;
+        let (b, l) = (suffix.rows.len(), suffix.len);
+        let want = [b, l, c.hc_mult, c.hidden_size];
+        if resid.dims() != want {
+            return Err(Error::Input(format!(
+                "suffix residual streams of shape {:?}, expected {want:?}",
+                resid.dims()
+            )));
+        }
+        let device = resid.device();
+        let geo = self.geometry(total, &device);
+        let mut merge = Vec::with_capacity(b * total);
+        let mut qpos = Vec::with_capacity(b * l);
+        let mut ids = Vec::with_capacity(b * l);
+        for (r, (&row, &f)) in suffix.rows.iter().zip(&suffix.from).enumerate() {
+            for p in 0..total {
+                merge.push(if p >= f && p < f + l {
+                    b * total + r * l + (p - f)
+                } else {
+                    r * total + p
+                });
+            }
+            qpos.extend(f..f + l);
+            ids.extend_from_slice(&st.ids[row * total + f..row * total + f + l]);
+        }
+        let bool3 = |n: usize, f: &dyn Fn(usize, usize) -> bool| -> Tensor<3, burn::tensor::Bool> {
+            let v: Vec<bool> = qpos
+                .iter()
+                .flat_map(|&q| (0..n).map(move |k| (q, k)))
+                .map(|(q, k)| f(q, k))
+                .collect();
+            Tensor::from_data(TensorData::new(v, [b, l, n]), &device)
+        };
+        let w = c.sliding_window;
+        let window = bool3(total, &|q, k| k <= q && k + w > q);
+        let hca = geo.hca.as_ref().map(|(n, _, _)| {
+            let m = c.hca_rate;
+            bool3(*n, &|q, e| e < (q + 1) / m)
+        });
+        let csa = geo.csa.as_ref().map(|g| {
+            let m = c.csa_rate;
+            let closed: Vec<i64> = qpos.iter().map(|&q| ((q + 1) / m) as i64).collect();
+            (
+                Tensor::<3, Int>::from_data(TensorData::new(closed, [b, l, 1]), &device),
+                bool3(g.n_entries, &|q, s| s < (q + 1) / m),
+            )
+        });
+        let idx = crate::model::layers::int_tensor(&suffix.rows, &device);
+        let frame = SuffixFrame {
+            merge: crate::model::layers::int_tensor(&merge, &device),
+            main: rope::tables(&c.rope_main, &qpos, &device),
+            compress: rope::tables(&c.rope_compress, &qpos, &device),
+            window,
+            hca,
+            csa,
+            layers: st
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (i >= start).then(|| s.select_rows(&idx)))
+                .collect(),
+        };
+        let mut hooks = spec.run();
+        self.run_layers_over(
+            resid,
+            start,
+            &ids,
+            &geo,
+            &mut Mode::Suffix(&frame),
+            &mut hooks,
+        )
     }
 
     /// Forward from layer `start` given the streams entering it
@@ -267,7 +383,7 @@ impl DeepseekV4Model {
             )));
         }
         let mut hooks = spec.run();
-        self.run_layers(resid, start, &ids, &mut hooks)
+        self.run_layers(resid, start, &ids, &mut Mode::Plain, &mut hooks)
     }
 
     /// The per-forward geometry for `t` tokens.
@@ -300,20 +416,34 @@ impl DeepseekV4Model {
 
     fn run_layers(
         &self,
-        mut x: Tensor<4>,
+        x: Tensor<4>,
         start: usize,
         ids: &[i64],
+        mode: &mut Mode,
         hooks: &mut HookRun,
     ) -> Result<ForwardOutput> {
         let [_, t, _, _] = x.dims();
         let geo = self.geometry(t, &x.device());
+        self.run_layers_over(x, start, ids, &geo, mode, hooks)
+    }
+
+    fn run_layers_over(
+        &self,
+        mut x: Tensor<4>,
+        start: usize,
+        ids: &[i64],
+        geo: &Geometry,
+        mode: &mut Mode,
+        hooks: &mut HookRun,
+    ) -> Result<ForwardOutput> {
         for (l, layer) in self.model.layers.iter().enumerate().skip(start) {
             x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
             let hc = layer.attn_hc.forward(l, Sublayer::Attention, &x, hooks)?;
             let a = layer.self_attn.forward(
                 l,
                 layer.input_layernorm.forward(hc.collapsed.clone()),
-                &geo,
+                geo,
+                mode,
                 hooks,
             )?;
             let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
@@ -373,4 +503,30 @@ impl crate::model::LanguageModel for DeepseekV4Model {
     ) -> Result<ForwardOutput> {
         DeepseekV4Model::forward_from(self, tokens, start, resid.get::<4>()?, spec)
     }
+    fn forward_with_state(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+    ) -> Result<(ForwardOutput, Option<PrefixState>)> {
+        let (out, state) = DeepseekV4Model::forward_with_state(self, tokens, spec)?;
+        Ok((out, Some(state)))
+    }
+    fn forward_suffix(
+        &self,
+        start: usize,
+        state: &PrefixState,
+        suffix: &Suffix,
+        resid: &Act,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        DeepseekV4Model::forward_suffix(self, start, state, suffix, resid.get::<4>()?, spec)
+    }
+}
+
+/// The [`PrefixState`] of DeepSeek-V4 models: one [`LayerState`] per layer and the
+/// token ids (hash routing), row-major.
+#[derive(Debug)]
+struct V4State {
+    layers: Vec<LayerState>,
+    ids: Vec<i64>,
 }

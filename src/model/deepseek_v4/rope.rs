@@ -72,6 +72,18 @@ pub fn rotate(x: Tensor<4>, t: &RopeTables, inverse: bool) -> Tensor<4> {
     apply_rope_range(x, t, RopeLayout::Interleaved, inverse, d - rot)
 }
 
+/// [`rotate`] with tables for every position of `x: [b, t, heads, d]` shared by the
+/// rows (`t` table rows), or one table row per (row, position), row-major (`b * t`
+/// table rows: suffix forwards, whose rows sit at different positions).
+pub fn rotate_rows(x: Tensor<4>, t: &RopeTables, inverse: bool) -> Tensor<4> {
+    let [b, n, h, d] = x.dims();
+    if t.cos.dims()[0] == n {
+        rotate(x, t, inverse)
+    } else {
+        rotate(x.reshape([1, b * n, h, d]), t, inverse).reshape([b, n, h, d])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

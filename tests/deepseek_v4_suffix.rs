@@ -1,0 +1,155 @@
+//! DeepSeek-V4's suffix forward (the patching runner's fast path): recomputing only
+//! some positions of each row over a base run's state gives the logits of a full
+//! `forward_from` at those positions, with and without an edit there, on the parity
+//! fixtures (sliding, CSA with an indexer that must choose, HCA, hash routing, mHC).
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use phaselens::hooks::{Action, HookPoint, HookSpec, Scope, Site};
+use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
+use phaselens::model::safetensors_io::SafetensorsReader;
+use phaselens::model::{LanguageModel, Suffix};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/deepseek_v4")
+        .join(name)
+}
+
+fn vals<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+/// Rows `from[r]..from[r]+len` of `[b, t, v]` logits, flattened.
+fn rows_at(t: Tensor<3>, from: &[usize], len: usize) -> Vec<f32> {
+    let [_, tt, v] = t.dims();
+    let all = vals(t);
+    let mut out = Vec::new();
+    for (r, &f) in from.iter().enumerate() {
+        out.extend_from_slice(&all[(r * tt + f) * v..(r * tt + f + len) * v]);
+    }
+    out
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let m = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+        / m
+}
+
+#[test]
+fn suffix_forward_equals_forward_from_at_its_positions() {
+    for name in ["flash", "pro", "long"] {
+        let device = Device::flex();
+        let m: DeepseekV4Model = deepseek_v4::load(&fixture(name), &device).unwrap();
+        let r = SafetensorsReader::open(&fixture(name).join("reference.safetensors")).unwrap();
+        let (shape, ids) = r.read_i64("input_ids").unwrap();
+        // Two copies of every fixture row, so that rows can be reordered and repeated.
+        let (b0, t) = (shape[0], shape[1]);
+        let mut all = ids.clone();
+        all.extend_from_slice(&ids);
+        let rows = 2 * b0;
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(all, [rows, t]), &device);
+        let n_layers = m.config.num_hidden_layers;
+        let mut spec = HookSpec::new();
+        for l in 0..n_layers {
+            spec = spec.capture_point(HookPoint::block(l, Site::ResidPre));
+        }
+        let (out, state) = LanguageModel::forward_with_state(&m, tokens.clone(), &spec).unwrap();
+        let state = state.expect("DeepSeek-V4 models keep a prefix state");
+        // The base forward with state gives the plain forward's logits.
+        let plain = m.forward(tokens.clone(), &HookSpec::new()).unwrap().logits;
+        assert!(max_rel(&vals(out.logits), &vals(plain)) < 1e-5, "{name}");
+        let len = 2;
+        let sfx = Suffix {
+            rows: vec![rows - 1, 0, 1, 0],
+            from: vec![t - len, 3, t / 2, t - len - 1],
+            len,
+        };
+        for start in 0..n_layers {
+            let resid = out
+                .cache
+                .get(&HookPoint::block(start, Site::ResidPre))
+                .unwrap()
+                .select_batch(&sfx.rows)
+                .unwrap();
+            let resid4 = resid.get::<4>().unwrap();
+            let sel = Tensor::<1, Int>::from_data(
+                TensorData::new(sfx.rows.iter().map(|&x| x as i64).collect::<Vec<_>>(), [4]),
+                &device,
+            );
+            let row_tokens = tokens.clone().select(0, sel);
+            let suffix_resid = Tensor::cat(
+                sfx.from
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &f)| {
+                        resid4
+                            .clone()
+                            .slice_dim(0, i..i + 1)
+                            .slice_dim(1, f..f + len)
+                    })
+                    .collect(),
+                0,
+            );
+            let z = HookPoint::block(start, Site::AttnZ);
+            for edit in [false, true] {
+                let mut full_spec = HookSpec::new();
+                let mut sfx_spec = HookSpec::new();
+                if edit {
+                    for (i, &f) in sfx.from.iter().enumerate() {
+                        full_spec = full_spec.intervene_point(
+                            z,
+                            Action::Zero,
+                            Scope {
+                                batch: Some(vec![i]),
+                                heads: Some(vec![1]),
+                                positions: Some((f..f + len).collect()),
+                            },
+                        );
+                    }
+                    sfx_spec = sfx_spec.intervene_point(
+                        z,
+                        Action::Zero,
+                        Scope {
+                            heads: Some(vec![1]),
+                            ..Scope::all()
+                        },
+                    );
+                }
+                let want = m
+                    .forward_from(row_tokens.clone(), start, resid4.clone(), &full_spec)
+                    .unwrap()
+                    .logits;
+                let want = rows_at(want, &sfx.from, len);
+                let got = m
+                    .forward_suffix(start, &state, &sfx, suffix_resid.clone(), &sfx_spec)
+                    .unwrap()
+                    .logits;
+                assert_eq!(got.dims()[..2], [4, len]);
+                let got = vals(got);
+                let d = max_rel(&got, &want);
+                assert!(d < 1e-5, "{name} start {start} edit {edit}: {d}");
+                if edit {
+                    let plain = m
+                        .forward_from(row_tokens.clone(), start, resid4.clone(), &HookSpec::new())
+                        .unwrap()
+                        .logits;
+                    let plain = rows_at(plain, &sfx.from, len);
+                    assert!(
+                        max_rel(&got, &plain) > 1e-4,
+                        "{name}: the edit changed nothing"
+                    );
+                }
+            }
+        }
+    }
+}
