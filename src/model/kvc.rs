@@ -474,18 +474,8 @@ impl KvcModel {
         }
         let device = resid.device();
         let geo = AttnGeometry::new(&self.config, total, &device);
-        let mut merge = Vec::with_capacity(b * total);
-        let mut qpos = Vec::with_capacity(b * l);
-        for (r, &f) in suffix.from.iter().enumerate() {
-            for p in 0..total {
-                merge.push(if p >= f && p < f + l {
-                    b * total + r * l + (p - f)
-                } else {
-                    r * total + p
-                });
-            }
-            qpos.extend(f..f + l);
-        }
+        let merge = suffix.merge_index(total);
+        let qpos = suffix.positions();
         let n_keys = geo.mask.dims()[1];
         let mut mask = Vec::with_capacity(b * l * n_keys);
         for &q in &qpos {
@@ -796,17 +786,8 @@ struct SuffixFrame {
 }
 
 impl SuffixFrame {
-    /// `base: [b, total, a, c]` with each row's positions `from..from+len` taken from
-    /// `new: [b, len, a, c]`.
     fn merge(&self, base: Tensor<4>, new: Tensor<4>) -> Tensor<4> {
-        let [b, t, a, c] = base.dims();
-        let l = new.dims()[1];
-        Tensor::cat(
-            vec![base.reshape([b * t, a, c]), new.reshape([b * l, a, c])],
-            0,
-        )
-        .select(0, self.merge.clone())
-        .reshape([b, t, a, c])
+        super::merge_positions(base, new, &self.merge)
     }
 }
 

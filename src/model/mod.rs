@@ -154,6 +154,29 @@ pub struct Suffix {
 }
 
 impl Suffix {
+    /// The recomputed positions, row-major `[rows * len]`.
+    pub fn positions(&self) -> Vec<usize> {
+        self.from.iter().flat_map(|&f| f..f + self.len).collect()
+    }
+
+    /// `[rows * total]`: for every (row, position) of the full sequence, its index in
+    /// `cat([state rows * total, recomputed rows * len])`: the recomputed value where the
+    /// row recomputes that position, the state's elsewhere ([`merge_positions`]).
+    pub fn merge_index(&self, total: usize) -> Vec<usize> {
+        let (b, l) = (self.rows.len(), self.len);
+        let mut merge = Vec::with_capacity(b * total);
+        for (r, &f) in self.from.iter().enumerate() {
+            merge.extend((0..total).map(|p| {
+                if p >= f && p < f + l {
+                    b * total + r * l + (p - f)
+                } else {
+                    r * total + p
+                }
+            }));
+        }
+        merge
+    }
+
     /// Check the suffix against a state of `rows` prompts of `total` tokens.
     pub fn check(&self, rows: usize, total: usize) -> Result<()> {
         if self.rows.len() != self.from.len() || self.rows.is_empty() || self.len == 0 {
@@ -179,6 +202,24 @@ impl Suffix {
         }
         Ok(())
     }
+}
+
+/// `base: [b, total, ...]` with each row's recomputed positions taken from `new: [b,
+/// len, ...]`, through a [`Suffix::merge_index`] tensor.
+pub fn merge_positions<const D: usize>(
+    base: Tensor<D>,
+    new: Tensor<D>,
+    index: &Tensor<1, Int>,
+) -> Tensor<D> {
+    let dims = base.dims();
+    let (b, t, l) = (dims[0], dims[1], new.dims()[1]);
+    let per: usize = dims[2..].iter().product();
+    Tensor::cat(
+        vec![base.reshape([b * t, per]), new.reshape([b * l, per])],
+        0,
+    )
+    .select(0, index.clone())
+    .reshape(dims)
 }
 
 /// The interface every model implements.

@@ -108,11 +108,7 @@ pub struct SuffixFrame {
 impl SuffixFrame {
     /// `base: [b, t, c]` with each row's recomputed positions taken from `new: [b, len, c]`.
     pub fn merge(&self, base: Tensor<3>, new: Tensor<3>) -> Tensor<3> {
-        let [b, t, c] = base.dims();
-        let l = new.dims()[1];
-        Tensor::cat(vec![base.reshape([b * t, c]), new.reshape([b * l, c])], 0)
-            .select(0, self.merge.clone())
-            .reshape([b, t, c])
+        crate::model::merge_positions(base, new, &self.merge)
     }
 }
 

@@ -231,14 +231,18 @@ impl DeepseekV4Model {
     /// Full forward pass: `[batch, pos]` ids -> logits `[batch, pos, vocab]` and captures.
     pub fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
         let ids = self.token_ids(&tokens)?;
-        let [b, t] = tokens.dims();
         let mut hooks = spec.run();
+        let x = self.streams(tokens, &mut hooks)?;
+        self.run_layers(x, 0, &ids, &mut Mode::Plain, &mut hooks)
+    }
+
+    /// Embed `[b, t]` ids and copy them into the `hc_mult` streams `[b, t, hc, d]`.
+    fn streams(&self, tokens: Tensor<2, Int>, hooks: &mut HookRun) -> Result<Tensor<4>> {
+        let [b, t] = tokens.dims();
         let e = self.model.embed_tokens.forward(tokens);
         let e = hooks.apply(HookPoint::global(Site::Embed), e)?;
-        let h = self.config.hidden_size;
-        let n = self.config.hc_mult;
-        let x = e.reshape([b, t, 1, h]).expand([b, t, n, h]);
-        self.run_layers(x, 0, &ids, &mut Mode::Plain, &mut hooks)
+        let (n, h) = (self.config.hc_mult, self.config.hidden_size);
+        Ok(e.reshape([b, t, 1, h]).expand([b, t, n, h]))
     }
 
     /// [`DeepseekV4Model::forward`], also keeping every layer's per-token state for
@@ -251,11 +255,7 @@ impl DeepseekV4Model {
         let ids = self.token_ids(&tokens)?;
         let [b, t] = tokens.dims();
         let mut hooks = spec.run();
-        let e = self.model.embed_tokens.forward(tokens);
-        let e = hooks.apply(HookPoint::global(Site::Embed), e)?;
-        let h = self.config.hidden_size;
-        let n = self.config.hc_mult;
-        let x = e.reshape([b, t, 1, h]).expand([b, t, n, h]);
+        let x = self.streams(tokens, &mut hooks)?;
         let mut layers = Vec::with_capacity(self.model.layers.len());
         let out = self.run_layers(x, 0, &ids, &mut Mode::Record(&mut layers), &mut hooks)?;
         Ok((out, PrefixState::new(b, t, V4State { layers, ids })))
@@ -295,20 +295,14 @@ impl DeepseekV4Model {
         }
         let device = resid.device();
         let geo = self.geometry(total, &device);
-        let mut merge = Vec::with_capacity(b * total);
-        let mut qpos = Vec::with_capacity(b * l);
-        let mut ids = Vec::with_capacity(b * l);
-        for (r, (&row, &f)) in suffix.rows.iter().zip(&suffix.from).enumerate() {
-            for p in 0..total {
-                merge.push(if p >= f && p < f + l {
-                    b * total + r * l + (p - f)
-                } else {
-                    r * total + p
-                });
-            }
-            qpos.extend(f..f + l);
-            ids.extend_from_slice(&st.ids[row * total + f..row * total + f + l]);
-        }
+        let merge = suffix.merge_index(total);
+        let qpos = suffix.positions();
+        let ids: Vec<i64> = suffix
+            .rows
+            .iter()
+            .zip(&suffix.from)
+            .flat_map(|(&row, &f)| st.ids[row * total + f..row * total + f + l].iter().copied())
+            .collect();
         let bool3 = |n: usize, f: &dyn Fn(usize, usize) -> bool| -> Tensor<3, burn::tensor::Bool> {
             let v: Vec<bool> = qpos
                 .iter()
