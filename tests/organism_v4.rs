@@ -44,7 +44,7 @@ fn v4pro_mini_saves_and_loads_back_exactly() {
     );
     // the schedule is the Pro one: 2 HCA layers, then CSA/HCA alternating
     let info = back.info();
-    assert_eq!(info.strides(), vec![4, 16]);
+    assert_eq!(info.strides(), vec![4, 8]);
 }
 
 #[test]
