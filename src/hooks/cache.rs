@@ -67,9 +67,18 @@ impl Act {
         Ok(self.flat.clone().reshape(dims))
     }
 
-    /// All values as one row-major vector (on the device).
-    pub fn flat(&self) -> Tensor<1> {
-        self.flat.clone()
+    /// The same values under another shape of the same size (row-major).
+    pub fn reshaped(&self, shape: Vec<usize>) -> Result<Act> {
+        if shape.iter().product::<usize>() != self.shape.iter().product::<usize>() {
+            return Err(Error::Other(format!(
+                "activation of shape {:?} cannot be viewed as {shape:?}",
+                self.shape
+            )));
+        }
+        Ok(Act {
+            shape,
+            flat: self.flat.clone(),
+        })
     }
 
     /// The values on the host, row-major.

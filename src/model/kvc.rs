@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use super::layers::{
     Embedding, Linear, RmsNorm, RopeLayout, RopeTables, SwiGlu, apply_rope, int_tensor,
-    mask_from_fn, masked_softmax, rope_inv_freq,
+    mask_from_fn, masked_softmax, query_mask, rope_inv_freq,
 };
 use super::weights::{Init, Vb};
 use super::{ForwardOutput, LayerKind, LayerSpec, ModelInfo};
@@ -417,11 +417,20 @@ impl KvcModel {
     /// Full forward pass: `[batch, pos]` token ids -> logits `[batch, pos, vocab]` and
     /// the activations the spec captures.
     pub fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
+        self.forward_mode(tokens, spec, &mut Mode::Plain)
+    }
+
+    fn forward_mode(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+        mode: &mut Mode,
+    ) -> Result<ForwardOutput> {
         self.check_tokens(&tokens)?;
         let mut hooks = spec.run();
         let x = self.embed.forward(tokens);
         let x = hooks.apply(HookPoint::global(Site::Embed), x)?;
-        self.run_blocks(x, 0, &mut Mode::Plain, &mut hooks)
+        self.run_blocks(x, 0, mode, &mut hooks)
     }
 
     /// [`KvcModel::forward`], also keeping every block's per-token keys, values and
@@ -431,13 +440,9 @@ impl KvcModel {
         tokens: Tensor<2, Int>,
         spec: &HookSpec,
     ) -> Result<(ForwardOutput, super::PrefixState)> {
-        self.check_tokens(&tokens)?;
         let [rows, len] = tokens.dims();
-        let mut hooks = spec.run();
-        let x = self.embed.forward(tokens);
-        let x = hooks.apply(HookPoint::global(Site::Embed), x)?;
         let mut layers = Vec::with_capacity(self.blocks.len());
-        let out = self.run_blocks(x, 0, &mut Mode::Record(&mut layers), &mut hooks)?;
+        let out = self.forward_mode(tokens, spec, &mut Mode::Record(&mut layers))?;
         Ok((out, super::PrefixState::new(rows, len, KvState { layers })))
     }
 
@@ -451,9 +456,7 @@ impl KvcModel {
         resid: Tensor<3>,
         spec: &HookSpec,
     ) -> Result<ForwardOutput> {
-        let kv = state
-            .inner::<KvState>()
-            .ok_or_else(|| Error::Input("the prefix state was not made by a kvc model".into()))?;
+        let kv = state.for_suffix::<KvState>(suffix, "kvc")?;
         if start >= self.blocks.len() || kv.layers.len() != self.blocks.len() {
             return Err(Error::Input(format!(
                 "suffix forward from block {start}: the model has {} blocks, the state {}",
@@ -462,7 +465,6 @@ impl KvcModel {
             )));
         }
         let total = state.len();
-        suffix.check(state.rows(), total)?;
         let [b, l, d] = resid.dims();
         if b != suffix.rows.len() || l != suffix.len || d != self.config.d_model {
             return Err(Error::Input(format!(
@@ -477,12 +479,6 @@ impl KvcModel {
         let merge = suffix.merge_index(total);
         let qpos = suffix.positions();
         let n_keys = geo.mask.dims()[1];
-        let mut mask = Vec::with_capacity(b * l * n_keys);
-        for &q in &qpos {
-            for k in 0..n_keys {
-                mask.push(geo.visible(&self.config, q, k));
-            }
-        }
         let rot = self.config.rot_dims();
         let idx = int_tensor(&suffix.rows, &device);
         let frame = SuffixFrame {
@@ -495,7 +491,9 @@ impl KvcModel {
                     &device,
                 )
             }),
-            mask: Tensor::from_data(burn::tensor::TensorData::new(mask, [b, l, n_keys]), &device),
+            mask: query_mask(&qpos, b, n_keys, &device, |q, k| {
+                geo.visible(&self.config, q, k)
+            }),
             layers: kv
                 .layers
                 .iter()
@@ -870,16 +868,7 @@ impl Attention {
             None => x,
         };
         let q = match mode {
-            Mode::Suffix(frame) => match &frame.rope_q {
-                Some(t) => apply_rope(
-                    q.reshape([1, b * lq, nh, dh]),
-                    t,
-                    RopeLayout::HalfSplit,
-                    false,
-                )
-                .reshape([b, lq, nh, dh]),
-                None => q,
-            },
+            Mode::Suffix(frame) => rope(q, &frame.rope_q),
             _ => rope(q, &geo.rope_tokens),
         };
 

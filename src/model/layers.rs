@@ -178,7 +178,9 @@ pub fn rope_inv_freq(rot_dims: usize, theta: f64) -> Vec<f64> {
 
 /// Rotate the first `2 * tables.cos.dims()[1]` dims of `x: [batch, pos, heads, d]`
 /// (positions given by the tables' rows); the remaining dims pass through. `inverse`
-/// rotates by the negative angle.
+/// rotates by the negative angle. The tables hold one row per position, shared by the
+/// batch (`pos` rows), or one row per (batch row, position), row-major (`batch * pos`
+/// rows: rows whose tokens sit at different positions, as in suffix forwards).
 pub fn apply_rope(x: Tensor<4>, t: &RopeTables, layout: RopeLayout, inverse: bool) -> Tensor<4> {
     apply_rope_range(x, t, layout, inverse, 0)
 }
@@ -197,13 +199,14 @@ pub fn apply_rope_range(
     if rot == 0 {
         return x;
     }
-    let cos = t.cos.clone().reshape([1, n, 1, half]);
+    let tb = if t.cos.dims()[0] == n { 1 } else { b };
+    let cos = t.cos.clone().reshape([tb, n, 1, half]);
     let sin = if inverse {
         t.sin.clone().neg()
     } else {
         t.sin.clone()
     };
-    let sin = sin.reshape([1, n, 1, half]);
+    let sin = sin.reshape([tb, n, 1, half]);
     let xr = x.clone().slice_dim(3, start..start + rot);
     let (x1, x2) = match layout {
         RopeLayout::HalfSplit => (xr.clone().slice_dim(3, 0..half), xr.slice_dim(3, half..rot)),
@@ -260,6 +263,19 @@ pub fn mask_from_fn(
         }
     }
     Tensor::from_data(TensorData::new(v, [rows, cols]), device)
+}
+
+/// A `[b, len, cols]` mask for the queries at `positions` (`b` rows of `len`,
+/// row-major) from a host predicate on (position, column).
+pub fn query_mask(
+    positions: &[usize],
+    b: usize,
+    cols: usize,
+    device: &Device,
+    f: impl Fn(usize, usize) -> bool,
+) -> Tensor<3, Bool> {
+    let n = positions.len();
+    mask_from_fn(n, cols, device, |i, c| f(positions[i], c)).reshape([b, n / b, cols])
 }
 
 /// An index tensor from host values.

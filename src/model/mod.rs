@@ -142,6 +142,16 @@ impl PrefixState {
     pub fn inner<T: std::any::Any>(&self) -> Option<&T> {
         self.inner.downcast_ref::<T>()
     }
+
+    /// The content for a suffix forward: an error unless it is a `T` (made by an
+    /// `arch` model) and `suffix` fits the state's prompts ([`Suffix::check`]).
+    pub fn for_suffix<T: std::any::Any>(&self, suffix: &Suffix, arch: &str) -> Result<&T> {
+        let inner = self.inner::<T>().ok_or_else(|| {
+            Error::Input(format!("the prefix state was not made by a {arch} model"))
+        })?;
+        suffix.check(self.rows, self.len)?;
+        Ok(inner)
+    }
 }
 
 /// Which positions a [`LanguageModel::forward_suffix`] recomputes: batch row `r` is

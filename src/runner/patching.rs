@@ -701,7 +701,6 @@ fn slice_positions(act: &Act, from: &[usize], len: usize) -> Result<Act> {
         )));
     }
     let (b, t) = (shape[0], shape[1]);
-    let per: usize = shape[2..].iter().product();
     let mut idx = Vec::with_capacity(b * len);
     for (r, &f) in from.iter().enumerate() {
         if f + len > t {
@@ -710,35 +709,14 @@ fn slice_positions(act: &Act, from: &[usize], len: usize) -> Result<Act> {
                 f + len
             )));
         }
-        idx.extend((f..f + len).map(|p| (r * t + p) as i64));
+        idx.extend((f..f + len).map(|p| r * t + p));
     }
-    let flat: Tensor<2> = act.flat().reshape([b * t, per]);
-    let device = flat.device();
-    let n = idx.len();
-    let picked = flat.select(
-        0,
-        Tensor::<1, Int>::from_data(TensorData::new(idx, [n]), &device),
-    );
-    let mut out_shape = shape;
-    out_shape[1] = len;
-    let flat = picked.reshape([n * per]);
-    Ok(match out_shape.len() {
-        2 => Act::new(flat.reshape([out_shape[0], out_shape[1]])),
-        3 => Act::new(flat.reshape([out_shape[0], out_shape[1], out_shape[2]])),
-        4 => Act::new(flat.reshape([out_shape[0], out_shape[1], out_shape[2], out_shape[3]])),
-        5 => Act::new(flat.reshape([
-            out_shape[0],
-            out_shape[1],
-            out_shape[2],
-            out_shape[3],
-            out_shape[4],
-        ])),
-        r => {
-            return Err(Error::Other(format!(
-                "activations of rank {r} are not supported by the suffix path"
-            )));
-        }
-    })
+    // Rows of the [b * t, ...] view are (row, position) pairs.
+    let mut view = shape.clone();
+    view.splice(0..2, [b * t]);
+    let mut out = shape;
+    out[1] = len;
+    act.reshaped(view)?.select_batch(&idx)?.reshaped(out)
 }
 
 /// Evaluate the cells `chunk` (indices into `cells`, all with the same start layer)

@@ -156,7 +156,7 @@ impl Attention {
         let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, nh, dh]);
         let q = rms_normalize(q, self.eps);
         let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
-        let q = rope::rotate_rows(q, tables, false);
+        let q = rope::rotate(q, tables, false);
         let kv = self
             .kv_norm
             .forward(self.kv_proj.forward(x.clone()))
@@ -169,11 +169,11 @@ impl Attention {
             let k = hooks.apply(kp, kv.clone())?;
             let v = hooks.apply(vp, kv)?;
             (
-                rope::rotate_rows(k, tables, false).reshape([b, t, dh]),
-                rope::rotate_rows(v, tables, false).reshape([b, t, dh]),
+                rope::rotate(k, tables, false).reshape([b, t, dh]),
+                rope::rotate(v, tables, false).reshape([b, t, dh]),
             )
         } else {
-            let kv = rope::rotate_rows(kv, tables, false).reshape([b, t, dh]);
+            let kv = rope::rotate(kv, tables, false).reshape([b, t, dh]);
             (kv.clone(), kv)
         };
         // Per-token projections of the compressor and the indexer's pooler.
@@ -314,7 +314,7 @@ impl Attention {
             .matmul(values)
             .reshape([b, nh, t, dh])
             .swap_dims(1, 2); // [b, t, nh, dh]
-        let z = rope::rotate_rows(z, tables, true);
+        let z = rope::rotate(z, tables, true);
         let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
 
         let result_point = HookPoint::block(layer, Site::AttnResult);

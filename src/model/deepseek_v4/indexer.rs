@@ -117,7 +117,7 @@ impl Indexer {
 
     /// [`Indexer::select`] from the indexer pooler's windows of the whole sequence, for
     /// queries `x, q_res: [b, lq, *]` at the positions of the `tokens` tables
-    /// ([`rope::rotate_rows`]), with `closed: [1 or b, lq, 1]` (closed entries per query)
+    /// ([`rope::rotate`]), with `closed: [1 or b, lq, 1]` (closed entries per query)
     /// and `closed_mask: [1 or b, lq, n]`.
     #[allow(clippy::too_many_arguments)]
     pub fn select_with(
@@ -138,7 +138,7 @@ impl Indexer {
         let keys = self.pooler.pool(w, values).reshape([b, n, 1, di]);
         let keys = rope::rotate(keys, starts, false).reshape([b, n, di]);
         let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, hi, di]);
-        let q = rope::rotate_rows(q, tokens, false).reshape([b, t * hi, di]);
+        let q = rope::rotate(q, tokens, false).reshape([b, t * hi, di]);
         let dots = relu(q.matmul(keys.swap_dims(1, 2))) * (1.0 / (di as f64).sqrt());
         let weights = self.scorer.weights_proj.forward(x.clone()) * (1.0 / (hi as f64).sqrt());
         let scores = (dots.reshape([b, t, hi, n]) * weights.reshape([b, t, hi, 1]))

@@ -16,7 +16,7 @@ use super::moe::{Moe, MoeDims};
 use super::rope;
 use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
-use crate::model::layers::{Embedding, Linear, RmsNorm, mask_from_fn};
+use crate::model::layers::{Embedding, Linear, RmsNorm, mask_from_fn, query_mask};
 use crate::model::weights::{Init, Vb};
 use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo, PrefixState, Suffix};
 
@@ -272,9 +272,7 @@ impl DeepseekV4Model {
         resid: Tensor<4>,
         spec: &HookSpec,
     ) -> Result<ForwardOutput> {
-        let st = state.inner::<V4State>().ok_or_else(|| {
-            Error::Input("the prefix state was not made by a DeepSeek-V4 model".into())
-        })?;
+        let st = state.for_suffix::<V4State>(suffix, "DeepSeek-V4")?;
         let n_layers = self.model.layers.len();
         if start >= n_layers || st.layers.len() != n_layers {
             return Err(Error::Input(format!(
@@ -283,7 +281,6 @@ impl DeepseekV4Model {
             )));
         }
         let total = state.len();
-        suffix.check(state.rows(), total)?;
         let c = &self.config;
         let (b, l) = (suffix.rows.len(), suffix.len);
         let want = [b, l, c.hc_mult, c.hidden_size];
@@ -303,26 +300,18 @@ impl DeepseekV4Model {
             .zip(&suffix.from)
             .flat_map(|(&row, &f)| st.ids[row * total + f..row * total + f + l].iter().copied())
             .collect();
-        let bool3 = |n: usize, f: &dyn Fn(usize, usize) -> bool| -> Tensor<3, burn::tensor::Bool> {
-            let v: Vec<bool> = qpos
-                .iter()
-                .flat_map(|&q| (0..n).map(move |k| (q, k)))
-                .map(|(q, k)| f(q, k))
-                .collect();
-            Tensor::from_data(TensorData::new(v, [b, l, n]), &device)
-        };
         let w = c.sliding_window;
-        let window = bool3(total, &|q, k| k <= q && k + w > q);
+        let window = query_mask(&qpos, b, total, &device, |q, k| k <= q && k + w > q);
         let hca = geo.hca.as_ref().map(|(n, _, _)| {
             let m = c.hca_rate;
-            bool3(*n, &|q, e| e < (q + 1) / m)
+            query_mask(&qpos, b, *n, &device, |q, e| e < (q + 1) / m)
         });
         let csa = geo.csa.as_ref().map(|g| {
             let m = c.csa_rate;
             let closed: Vec<i64> = qpos.iter().map(|&q| ((q + 1) / m) as i64).collect();
             (
                 Tensor::<3, Int>::from_data(TensorData::new(closed, [b, l, 1]), &device),
-                bool3(g.n_entries, &|q, s| s < (q + 1) / m),
+                query_mask(&qpos, b, g.n_entries, &device, |q, s| s < (q + 1) / m),
             )
         });
         let idx = crate::model::layers::int_tensor(&suffix.rows, &device);

@@ -65,23 +65,12 @@ pub fn tables(spec: &RopeSpec, positions: &[usize], device: &Device) -> RopeTabl
 }
 
 /// Rotate the last `2 * tables.cos.dims()[1]` channels of `x: [batch, pos, heads, d]`
-/// (interleaved pairs); `inverse` rotates by the negative angle.
+/// (interleaved pairs); `inverse` rotates by the negative angle. Tables shared by the
+/// batch or per (row, position), as in [`apply_rope_range`].
 pub fn rotate(x: Tensor<4>, t: &RopeTables, inverse: bool) -> Tensor<4> {
     let d = x.dims()[3];
     let rot = 2 * t.cos.dims()[1];
     apply_rope_range(x, t, RopeLayout::Interleaved, inverse, d - rot)
-}
-
-/// [`rotate`] with tables for every position of `x: [b, t, heads, d]` shared by the
-/// rows (`t` table rows), or one table row per (row, position), row-major (`b * t`
-/// table rows: suffix forwards, whose rows sit at different positions).
-pub fn rotate_rows(x: Tensor<4>, t: &RopeTables, inverse: bool) -> Tensor<4> {
-    let [b, n, h, d] = x.dims();
-    if t.cos.dims()[0] == n {
-        rotate(x, t, inverse)
-    } else {
-        rotate(x.reshape([1, b * n, h, d]), t, inverse).reshape([b, n, h, d])
-    }
 }
 
 #[cfg(test)]
