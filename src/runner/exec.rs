@@ -6,9 +6,7 @@ use std::time::Instant;
 use crate::error::Result;
 use crate::model::LanguageModel;
 
-use super::patching::{
-    self, Base, Cell, Outcome, Prompts, base_run, captures_for, plan_chunks, run_chunk,
-};
+use super::patching::{self, Base, Cell, Outcome, Prompts, base_run_for, plan_chunks, run_chunk};
 use super::progress::Progress;
 use super::store::Store;
 
@@ -87,7 +85,7 @@ impl<'a> Executor<'a> {
                     state: None,
                 }
             } else {
-                base_run(self.model, &g.prompts, &captures_for(&cells_needed)?)?
+                base_run_for(self.model, &g.prompts, &cells_needed)?
             };
             self.stats.forwards += 1;
             if base.is_none() {

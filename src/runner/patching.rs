@@ -327,11 +327,30 @@ pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
     Ok(out)
 }
 
-/// One forward over every prompt, capturing `captures`.
+/// One forward over every prompt, capturing `captures`, keeping the model's prefix
+/// state for suffix forwards.
 pub fn base_run(
     model: &dyn LanguageModel,
     prompts: &Prompts,
     captures: &[HookPoint],
+) -> Result<Base> {
+    base_run_with(model, prompts, captures, true)
+}
+
+/// [`base_run`] for `cells`: captures what they read, and keeps the prefix state only
+/// when some cell can run as a suffix forward (it holds every layer's per-token keys
+/// and values: no need to keep them for "all"-position edits or transforms).
+pub fn base_run_for(model: &dyn LanguageModel, prompts: &Prompts, cells: &[Cell]) -> Result<Base> {
+    let keep = cells.iter().any(suffix_edit);
+    base_run_with(model, prompts, &captures_for(cells)?, keep)
+}
+
+/// [`base_run`], keeping the prefix state only when `keep_state`.
+pub fn base_run_with(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    captures: &[HookPoint],
+    keep_state: bool,
 ) -> Result<Base> {
     prompts.check()?;
     let device = model.device();
@@ -340,7 +359,12 @@ pub fn base_run(
     for p in captures {
         spec = spec.capture_point(*p);
     }
-    let (out, state) = model.forward_with_state(prompts.tokens_of(&all, &device), &spec)?;
+    let tokens = prompts.tokens_of(&all, &device);
+    let (out, state) = if keep_state {
+        model.forward_with_state(tokens, &spec)?
+    } else {
+        (model.forward(tokens, &spec)?, None)
+    };
     let targets: Vec<&Target> = prompts.targets.iter().collect();
     let outcomes = readout(out.logits, &targets)?;
     for p in captures {
@@ -642,6 +666,16 @@ fn per_token_site(site: Site) -> bool {
 /// suffix length is the longest of those spans; shorter rows start earlier (their extra
 /// positions are recomputed unchanged). `None` when an edit does not qualify or the
 /// suffix would cover more than half of the prompt (no gain).
+/// Whether a cell's edit can run as a suffix forward: it replaces a per-token
+/// activation at given positions (not "all").
+fn suffix_edit(cell: &Cell) -> bool {
+    matches!(
+        &cell.edit,
+        Edit::Replace { point, positions, .. }
+            if per_token_site(point.site) && *positions != Positions::All
+    )
+}
+
 pub fn plan_suffix(prompts: &Prompts, cells: &[Cell], chunk: &[usize]) -> Option<Suffix> {
     let row_prompt: Vec<usize> = chunk
         .iter()
@@ -649,13 +683,10 @@ pub fn plan_suffix(prompts: &Prompts, cells: &[Cell], chunk: &[usize]) -> Option
         .collect();
     let mut first = Vec::with_capacity(row_prompt.len());
     for &c in chunk {
-        let Edit::Replace {
-            point, positions, ..
-        } = &cells[c].edit
-        else {
+        let Edit::Replace { positions, .. } = &cells[c].edit else {
             return None;
         };
-        if !per_token_site(point.site) {
+        if !suffix_edit(&cells[c]) {
             return None;
         }
         for &p in &cells[c].prompts {

@@ -22,7 +22,7 @@ use crate::tasks::KvEvalSet;
 
 use super::super::aggregate::{Est, RowCtx, accuracy_clusters, baseline_rows};
 use super::super::config::{GateKind, GatesConfig};
-use super::super::patching::base_run;
+use super::super::patching::base_run_with;
 use super::super::progress::Progress;
 use super::super::prompts::clean_prompts;
 use super::super::setup;
@@ -72,7 +72,7 @@ fn profile(
     for &r in &ctx.task.phases {
         let ex = ctx.examples(set, r);
         let (prompts, meta) = clean_prompts(&ex, |_| 0);
-        let base = base_run(model, &prompts, &points)?;
+        let base = base_run_with(model, &prompts, &points, false)?;
         obs.extend(
             meta.iter()
                 .zip(&base.outcomes)
@@ -83,7 +83,7 @@ fn profile(
                 let act = base
                     .cache
                     .get(&HookPoint::block(l, *site))
-                    .expect("captured by base_run");
+                    .expect("captured by the base run");
                 let s = act.shape().to_vec();
                 if s.len() < 4 {
                     return Err(Error::hook(
