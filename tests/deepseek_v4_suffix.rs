@@ -11,38 +11,13 @@ use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
 use phaselens::model::safetensors_io::SafetensorsReader;
 use phaselens::model::{LanguageModel, Suffix};
 
+mod tensor_common;
+use tensor_common::*;
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/deepseek_v4")
         .join(name)
-}
-
-fn vals<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .unwrap()
-}
-
-/// Rows `from[r]..from[r]+len` of `[b, t, v]` logits, flattened.
-fn rows_at(t: Tensor<3>, from: &[usize], len: usize) -> Vec<f32> {
-    let [_, tt, v] = t.dims();
-    let all = vals(t);
-    let mut out = Vec::new();
-    for (r, &f) in from.iter().enumerate() {
-        out.extend_from_slice(&all[(r * tt + f) * v..(r * tt + f + len) * v]);
-    }
-    out
-}
-
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let m = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-        / m
 }
 
 #[test]

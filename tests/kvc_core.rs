@@ -9,6 +9,9 @@ use phaselens::model::kvc::{
 };
 use phaselens::model::weights::{RandomInit, Vb};
 
+mod tensor_common;
+use tensor_common::*;
+
 fn dev() -> Device {
     Device::flex()
 }
@@ -98,13 +101,6 @@ fn seq(n: usize, seed: i64) -> Vec<i64> {
     (0..n as i64)
         .map(|i| (i * 13 + seed * 7 + 3) % 37)
         .collect()
-}
-
-fn vals(t: Tensor<3>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .unwrap()
 }
 
 fn geometries() -> Vec<KvcConfig> {
@@ -475,25 +471,6 @@ fn scoped_interventions_touch_only_their_rows_positions_and_heads() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("head 9 out of range"), "{e}");
-}
-
-/// Logits `[b, t, v]` of row `r`, positions `from..from + len`, flattened.
-fn rows_at(t: Tensor<3>, from: &[usize], len: usize) -> Vec<f32> {
-    let [_, tt, v] = t.dims();
-    let all = vals(t);
-    let mut out = Vec::new();
-    for (r, &f) in from.iter().enumerate() {
-        out.extend_from_slice(&all[(r * tt + f) * v..(r * tt + f + len) * v]);
-    }
-    out
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]
