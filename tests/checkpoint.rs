@@ -34,6 +34,7 @@ fn config() -> KvcConfig {
         tied_kv: false,
         sink: true,
         tie_embeddings: false,
+        key_shift: true,
         attention: AttentionKind::Compressed,
         compression: Some(CompressionConfig {
             window: 4,
@@ -113,6 +114,7 @@ fn save_load_round_trips_exactly() {
         "{names:?}"
     );
     assert!(names.contains(&"embed.weight".to_string()));
+    assert!(names.contains(&"blocks.1.attn.key_shift".to_string()));
     // and through the generic loader
     let any = load_model(d.path(), &Device::flex()).unwrap();
     assert_eq!(any.info().strides(), vec![4]);

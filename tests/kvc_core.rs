@@ -40,6 +40,7 @@ fn config(
         tied_kv: false,
         sink: true,
         tie_embeddings: false,
+        key_shift: false,
         attention,
         compression: (attention == AttentionKind::Compressed).then_some(CompressionConfig {
             window,
@@ -82,7 +83,10 @@ fn randomize_biases(mut m: KvcModel, seed: u64) -> KvcModel {
                 *p = Param::from_tensor(Tensor::from_data(TensorData::new(v, dims), &dev()));
             }
         }
-        if let Some(s) = b.attn.sink.as_mut() {
+        for s in [&mut b.attn.sink, &mut b.attn.key_shift]
+            .into_iter()
+            .flatten()
+        {
             let dims = s.dims();
             let v = rnd(dims.to_vec());
             *s = Param::from_tensor(Tensor::from_data(TensorData::new(v, dims), &dev()));
@@ -110,7 +114,60 @@ fn geometries() -> Vec<KvcConfig> {
         config(AttentionKind::Compressed, 6, 3, 2, GateMode::Vector),
         config(AttentionKind::Compressed, 5, 5, 3, GateMode::Uniform),
         config(AttentionKind::Full, 0, 0, 0, GateMode::Scalar),
+        shifted(config(AttentionKind::Full, 0, 0, 0, GateMode::Scalar)),
+        shifted(config(AttentionKind::Compressed, 6, 3, 2, GateMode::Scalar)),
     ]
+}
+
+fn shifted(mut c: KvcConfig) -> KvcConfig {
+    c.key_shift = true;
+    c
+}
+
+/// With `key_shift`, position t's key is `W_k (mu * h_t + (1 - mu) * h_{t-1})`: check
+/// the captured keys against that formula from the captured attention inputs, and that
+/// the shift is what makes them differ from the unshifted projection.
+#[test]
+fn key_shift_keys_mix_each_input_with_its_predecessor() {
+    let c = shifted(config(AttentionKind::Full, 0, 0, 0, GateMode::Scalar));
+    let mut plain_c = c.clone();
+    plain_c.qk_norm = false;
+    let m = build(&plain_c, 5);
+    let t = 9;
+    let spec = HookSpec::new()
+        .capture("blocks.1.hook_resid_pre")
+        .unwrap()
+        .capture("blocks.1.attn.hook_k")
+        .unwrap();
+    let out = m.forward(tokens(&[seq(t, 4), seq(t, 6)]), &spec).unwrap();
+    let resid = out
+        .cache
+        .get_name("blocks.1.hook_resid_pre")
+        .unwrap()
+        .get::<3>()
+        .unwrap();
+    let h = m.blocks[1].attn_norm.forward(resid);
+    let k = vals(
+        out.cache
+            .get_name("blocks.1.attn.hook_k")
+            .unwrap()
+            .get::<4>()
+            .unwrap(),
+    );
+    let attn = &m.blocks[1].attn;
+    let mu = attn.key_shift.as_ref().unwrap().val().unsqueeze::<3>();
+    let prev = Tensor::cat(
+        vec![
+            Tensor::<3>::zeros([2, 1, c.d_model], &dev()),
+            h.clone().slice_dim(1, 0..t - 1),
+        ],
+        1,
+    );
+    let mixed = h.clone() * mu.clone() + prev * (mu.neg() + 1.0);
+    let want = vals(attn.w_k.forward(mixed));
+    assert!(max_diff(&k, &want) < 1e-5, "{}", max_diff(&k, &want));
+    let unshifted = vals(attn.w_k.forward(h));
+    assert!(max_diff(&k, &unshifted) > 1e-2, "the shift changed nothing");
 }
 
 #[test]

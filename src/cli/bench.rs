@@ -82,6 +82,7 @@ fn forward(b: ForwardBench) -> Result<()> {
         tied_kv: false,
         sink: true,
         tie_embeddings: false,
+        key_shift: false,
         attention: AttentionKind::Compressed,
         compression: Some(CompressionConfig {
             window: 8,

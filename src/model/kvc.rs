@@ -90,6 +90,9 @@ fn default_gate() -> GateMode {
 fn yes() -> bool {
     true
 }
+fn is_false(b: &bool) -> bool {
+    !*b
+}
 fn default_eps() -> f64 {
     1e-6
 }
@@ -139,6 +142,12 @@ pub struct KvcConfig {
     /// LM head shares the embedding matrix.
     #[serde(default)]
     pub tie_embeddings: bool,
+    /// Keys read a learned per-channel mix of the attention input at `t` and `t - 1`
+    /// (`mu * h_t + (1 - mu) * h_{t-1}`, `mu` initialised to 0.5): a one-token shift
+    /// that lets a single layer match a key against the token before it. Shift
+    /// invariant, so it adds no phase structure. Default false (and not written then).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub key_shift: bool,
     pub attention: AttentionKind,
     /// Required when `attention = "compressed"`.
     #[serde(default)]
@@ -289,6 +298,8 @@ pub struct Attention {
     pub k_norm: Option<RmsNorm>,
     /// Per-head sink logits `[n_heads]`.
     pub sink: Option<Param<Tensor<1>>>,
+    /// Key-shift mix `mu` `[d_model]` (`key_shift = true`).
+    pub key_shift: Option<Param<Tensor<1>>>,
     pub compressor: Option<Compressor>,
 }
 
@@ -365,6 +376,10 @@ impl KvcModel {
                 sink: c
                     .sink
                     .then(|| va.param("sink", [h], Init::Zeros))
+                    .transpose()?,
+                key_shift: c
+                    .key_shift
+                    .then(|| va.param("key_shift", [d], Init::Const(0.5)))
                     .transpose()?,
                 compressor,
             };
@@ -500,6 +515,15 @@ impl KvcModel {
                 .enumerate()
                 .map(|(i, layer)| (i >= start).then(|| layer.select_rows(&idx)))
                 .collect(),
+            prev_idx: int_tensor(
+                &suffix
+                    .from
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &f)| if f == 0 { b * total } else { r * total + f - 1 })
+                    .collect::<Vec<_>>(),
+                &device,
+            ),
         };
         let mut hooks = spec.run();
         self.run_blocks_over(resid, start, &geo, &mut Mode::Suffix(&frame), &mut hooks)
@@ -736,6 +760,17 @@ impl Compressor {
     }
 }
 
+/// `[first, h[:, ..lq-1]]` along positions: each position's predecessor input, `first`
+/// (`[b, 1, d]`) for the first one.
+fn shift_in(first: Tensor<3>, h: &Tensor<3>) -> Tensor<3> {
+    let lq = h.dims()[1];
+    if lq == 1 {
+        first
+    } else {
+        Tensor::cat(vec![first, h.clone().slice_dim(1, 0..lq - 1)], 1)
+    }
+}
+
 fn x_device(t: &Tensor<5>) -> Device {
     t.device()
 }
@@ -749,6 +784,9 @@ struct KvLayer {
     v: Tensor<4>,
     key_gate: Option<Tensor<4>>,
     value_gate: Option<Tensor<4>>,
+    /// The attention input `[prompts, t, d_model]` (with `key_shift`: a recomputed
+    /// position's key reads its predecessor's input).
+    input: Option<Tensor<3>>,
 }
 
 impl KvLayer {
@@ -759,6 +797,10 @@ impl KvLayer {
             v: sel(&self.v),
             key_gate: self.key_gate.as_ref().map(sel),
             value_gate: self.value_gate.as_ref().map(sel),
+            input: self
+                .input
+                .as_ref()
+                .map(|t| t.clone().select(0, idx.clone())),
         }
     }
 }
@@ -781,6 +823,9 @@ struct SuffixFrame {
     mask: Tensor<3, burn::tensor::Bool>,
     /// Per block (rows selected); empty for blocks before the start.
     layers: Vec<Option<KvLayer>>,
+    /// `[b]`: index into `cat([state input rows * total, one zero row])` of the
+    /// position before each row's first recomputed one (the zero row at position 0).
+    prev_idx: Tensor<1, Int>,
 }
 
 impl SuffixFrame {
@@ -814,7 +859,33 @@ impl Attention {
         let [b, lq, _] = h.dims();
         let (nh, kvh, dh) = (c.n_heads, c.n_kv_heads, c.d_head());
         let mut q = self.w_q.forward(h.clone()).reshape([b, lq, nh, dh]);
-        let mut k = self.w_k.forward(h.clone()).reshape([b, lq, kvh, dh]);
+        let key_input = match &self.key_shift {
+            Some(mix) => {
+                let prev = match mode {
+                    Mode::Suffix(frame) => {
+                        let base = frame.layers[layer]
+                            .as_ref()
+                            .and_then(|l| l.input.as_ref())
+                            .expect("a key_shift model records its attention inputs");
+                        let [rows, total, d] = base.dims();
+                        let flat = Tensor::cat(
+                            vec![
+                                base.clone().reshape([rows * total, d]),
+                                Tensor::zeros([1, d], &h.device()),
+                            ],
+                            0,
+                        );
+                        let first = flat.select(0, frame.prev_idx.clone()).reshape([b, 1, d]);
+                        shift_in(first, &h)
+                    }
+                    _ => shift_in(Tensor::zeros([b, 1, h.dims()[2]], &h.device()), &h),
+                };
+                let mu = mix.val().unsqueeze::<3>();
+                h.clone() * mu.clone() + prev * (mu.neg() + 1.0)
+            }
+            None => h.clone(),
+        };
+        let mut k = self.w_k.forward(key_input).reshape([b, lq, kvh, dh]);
         let v = match &self.w_v {
             Some(w_v) => w_v.forward(h.clone()).reshape([b, lq, kvh, dh]),
             None => k.clone(),
@@ -844,6 +915,7 @@ impl Attention {
                     v: v.clone(),
                     key_gate: key_gate.clone(),
                     value_gate: value_gate.clone(),
+                    input: self.key_shift.as_ref().map(|_| h.clone()),
                 });
                 (k, v, key_gate, value_gate)
             }

@@ -36,6 +36,7 @@ pub fn tiny(layers: usize, heads: usize, kv: usize, window: usize, stride: usize
         tied_kv: false,
         sink: true,
         tie_embeddings: false,
+        key_shift: false,
         attention: AttentionKind::Compressed,
         compression: Some(CompressionConfig {
             window,
