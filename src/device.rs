@@ -19,19 +19,14 @@ use crate::error::{Error, Result};
 /// | `tch-cpu`     | LibTorch on CPU                 | `tch`         |
 /// | `tch-cuda:N`  | LibTorch on CUDA GPU N          | `tch`         |
 /// | `cuda:N`      | burn's CUDA backend, GPU N      | `cuda`        |
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum DeviceSpec {
+    #[default]
     Cpu,
     Wgpu(Option<usize>),
     TchCpu,
     TchCuda(usize),
     Cuda(usize),
-}
-
-impl Default for DeviceSpec {
-    fn default() -> Self {
-        DeviceSpec::Cpu
-    }
 }
 
 impl fmt::Display for DeviceSpec {

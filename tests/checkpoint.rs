@@ -92,8 +92,7 @@ fn rewrite(dir: &Path, edit: impl FnOnce(&mut BTreeMap<String, OwnedTensor>)) {
 
 fn load_err(dir: &Path) -> String {
     load_kvc(dir, &Device::flex())
-        .err()
-        .expect("load must fail")
+        .expect_err("load must fail")
         .to_string()
 }
 

@@ -177,7 +177,7 @@ fn causal_on_every_path() {
         let m = build(&c, 1);
         let base = seq(t, 0);
         let out0 = vals(
-            m.forward(tokens(&[base.clone()]), &HookSpec::new())
+            m.forward(tokens(std::slice::from_ref(&base)), &HookSpec::new())
                 .unwrap()
                 .logits,
         );

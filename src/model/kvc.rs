@@ -179,7 +179,7 @@ impl KvcConfig {
         pos("n_heads", self.n_heads)?;
         pos("n_kv_heads", self.n_kv_heads)?;
         pos("d_ff", self.d_ff)?;
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(Error::field(
                 "n_kv_heads",
                 format!(
@@ -188,7 +188,7 @@ impl KvcConfig {
                 ),
             ));
         }
-        if self.d_head.is_none() && self.d_model % self.n_heads != 0 {
+        if self.d_head.is_none() && !self.d_model.is_multiple_of(self.n_heads) {
             return Err(Error::field(
                 "d_head",
                 "d_model is not divisible by n_heads; set d_head",
@@ -197,7 +197,7 @@ impl KvcConfig {
         let dh = self.d_head();
         pos("d_head", dh)?;
         match self.rope {
-            RopeMode::All if dh % 2 != 0 => {
+            RopeMode::All if !dh.is_multiple_of(2) => {
                 return Err(Error::field(
                     "rope",
                     format!("\"all\" needs an even d_head, got {dh}"),
@@ -222,6 +222,8 @@ impl KvcConfig {
                 "only allowed with rope = \"partial\"",
             ));
         }
+        // Written so that NaN is rejected too.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !(self.norm_eps > 0.0) {
             return Err(Error::field("norm_eps", "must be > 0"));
         }

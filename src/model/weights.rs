@@ -225,8 +225,11 @@ pub struct CheckpointSource {
     reader: SafetensorsReader,
     used: Mutex<BTreeSet<String>>,
     /// Optional map from the names the model asks for to the names in the files.
-    rename: Option<Box<dyn Fn(&str) -> String + Send + Sync>>,
+    rename: Option<Rename>,
 }
+
+/// Maps the names a model asks for to the names in the files.
+type Rename = Box<dyn Fn(&str) -> String + Send + Sync>;
 
 impl CheckpointSource {
     /// Open `model.safetensors`, or the shards listed in `model.safetensors.index.json`,
