@@ -517,15 +517,38 @@ impl KvcModel {
                 .enumerate()
                 .map(|(i, layer)| (i >= start).then(|| layer.select_rows(&idx)))
                 .collect(),
-            prev_idx: int_tensor(
-                &suffix
+            prev_inputs: {
+                // Each row's input at `from - 1` (a zero row where `from` is 0).
+                let at: Vec<usize> = suffix
+                    .rows
+                    .iter()
+                    .zip(&suffix.from)
+                    .map(|(&r, &f)| r * total + f.saturating_sub(1))
+                    .collect();
+                let at = int_tensor(&at, &device);
+                let live: Vec<f32> = suffix
                     .from
                     .iter()
+                    .map(|&f| if f == 0 { 0.0 } else { 1.0 })
+                    .collect();
+                let live =
+                    Tensor::<3>::from_data(burn::tensor::TensorData::new(live, [b, 1, 1]), &device);
+                kv.layers
+                    .iter()
                     .enumerate()
-                    .map(|(r, &f)| if f == 0 { b * total } else { r * total + f - 1 })
-                    .collect::<Vec<_>>(),
-                &device,
-            ),
+                    .map(|(i, layer)| {
+                        layer.input.as_ref().filter(|_| i >= start).map(|input| {
+                            let [rows, total, d] = input.dims();
+                            input
+                                .clone()
+                                .reshape([rows * total, d])
+                                .select(0, at.clone())
+                                .reshape([b, 1, d])
+                                * live.clone()
+                        })
+                    })
+                    .collect()
+            },
         };
         let mut hooks = spec.run();
         self.run_blocks_over(resid, start, &geo, &mut Mode::Suffix(&frame), &mut hooks)
@@ -799,10 +822,8 @@ impl KvLayer {
             v: sel(&self.v),
             key_gate: self.key_gate.as_ref().map(sel),
             value_gate: self.value_gate.as_ref().map(sel),
-            input: self
-                .input
-                .as_ref()
-                .map(|t| t.clone().select(0, idx.clone())),
+            // Only each row's predecessor input is read ([`SuffixFrame::prev_inputs`]).
+            input: None,
         }
     }
 }
@@ -825,9 +846,10 @@ struct SuffixFrame {
     mask: Tensor<3, burn::tensor::Bool>,
     /// Per block (rows selected); empty for blocks before the start.
     layers: Vec<Option<KvLayer>>,
-    /// `[b]`: index into `cat([state input rows * total, one zero row])` of the
-    /// position before each row's first recomputed one (the zero row at position 0).
-    prev_idx: Tensor<1, Int>,
+    /// Per block with `key_shift` (from the start on): each row's attention input at
+    /// the position before its first recomputed one, `[b, 1, d_model]` (zeros where
+    /// that position is 0).
+    prev_inputs: Vec<Option<Tensor<3>>>,
 }
 
 impl SuffixFrame {
@@ -865,19 +887,9 @@ impl Attention {
             Some(mix) => {
                 let prev = match mode {
                     Mode::Suffix(frame) => {
-                        let base = frame.layers[layer]
-                            .as_ref()
-                            .and_then(|l| l.input.as_ref())
+                        let first = frame.prev_inputs[layer]
+                            .clone()
                             .expect("a key_shift model records its attention inputs");
-                        let [rows, total, d] = base.dims();
-                        let flat = Tensor::cat(
-                            vec![
-                                base.clone().reshape([rows * total, d]),
-                                Tensor::zeros([1, d], &h.device()),
-                            ],
-                            0,
-                        );
-                        let first = flat.select(0, frame.prev_idx.clone()).reshape([b, 1, d]);
                         shift_in(first, &h)
                     }
                     _ => shift_in(Tensor::zeros([b, 1, h.dims()[2]], &h.device()), &h),
