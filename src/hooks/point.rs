@@ -134,7 +134,7 @@ sites! {
     IndexerScores => ("attn.indexer.hook_scores", true, "[batch, query_pos, entry]", Some(1), None,
         "lightning-indexer scores of each compressed entry, before causal masking (DeepSeek-V4 CSA)"),
     IndexerTopk => ("attn.indexer.hook_topk", true, "[batch, query_pos, k]", Some(1), None,
-        "indices of the entries the indexer kept, by descending score (as f32; -1 = none; capture only)"),
+        "indices of the entries the indexer kept, in ascending order (as f32; -1 = none; capture only); top-k rule: among equal scores the lower index wins"),
     HcPre => ("attn_hc.hook_pre", true, "[batch, pos, hc_mult]", Some(1), None,
         "mHC collapse weights of the attention sublayer (DeepSeek-V4): input = sum_n pre[n] * stream n"),
     HcPost => ("attn_hc.hook_post", true, "[batch, pos, hc_mult]", Some(1), None,
@@ -152,7 +152,7 @@ sites! {
     RouterWeights => ("mlp.hook_router_weights", true, "[batch, pos, top_k]", Some(1), None,
         "weights of the chosen experts (normalised, times routed_scaling_factor), aligned with hook_router_topk"),
     RouterTopk => ("mlp.hook_router_topk", true, "[batch, pos, top_k]", Some(1), None,
-        "experts chosen per token (as f32; hash layers: the tid2eid row; capture only)"),
+        "experts chosen per token (as f32; capture only): score top-k layers in ascending order, among equal scores the lower expert index wins; hash layers: the tid2eid row"),
     HcHeadPre => ("hook_hc_head_pre", false, "[batch, pos, hc_mult]", Some(1), None,
         "final hyper-head collapse weights before the last norm (DeepSeek-V4)"),
 }

@@ -5,6 +5,7 @@ pub mod deepseek_v4;
 pub mod kvc;
 pub mod layers;
 pub mod safetensors_io;
+pub mod topk;
 pub mod weights;
 
 use std::path::Path;

@@ -1,19 +1,21 @@
 //! The lightning indexer of CSA layers: scores every closed compressed entry for every
 //! query, `score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) / sqrt(index_head_dim)`,
-//! and keeps the top `index_topk` closed entries. Its keys come from its own overlapping
+//! and keeps the top `index_topk` closed entries ([`crate::model::topk`]: among equal
+//! scores the lower entry index wins). Its keys come from its own overlapping
 //! compressor at `index_head_dim` (same rate and layout as the layer's CSA compressor);
 //! its queries from the attention's low-rank query residual `q_res`; its head weights
 //! `w = weights_proj(x) / sqrt(index_n_heads)` from the attention input.
 
 use burn::module::Module;
 use burn::tensor::activation::relu;
-use burn::tensor::{Bool, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
 
 use super::compressor::Pooler;
 use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::layers::{Linear, RopeTables};
+use crate::model::topk::{selected_indices, topk_mask};
 use crate::model::weights::Vb;
 
 /// `scorer.weights_proj`: per-head weights of the index score.
@@ -128,7 +130,7 @@ impl Indexer {
         q_res: &Tensor<3>,
         tokens: &RopeTables,
         starts: &RopeTables,
-        closed: &Tensor<3, Int>,
+        _closed: &Tensor<3, Int>,
         closed_mask: &Tensor<3, Bool>,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3, Bool>> {
@@ -146,25 +148,16 @@ impl Indexer {
             .reshape([b, t, n]);
         let scores = hooks.apply(HookPoint::block(layer, Site::IndexerScores), scores)?;
 
+        // The top-k rule of every model: among equal scores the lower index wins.
         let k = self.topk.min(n);
-        let masked = scores.mask_fill(
-            closed_mask.clone().bool_not().expand([b, t, n]),
-            f32::NEG_INFINITY,
-        );
-        let (_, idx) = masked.topk_with_indices(k, 2);
-        // Picks beyond the closed entries (queries with fewer than k closed) are invalid.
-        let valid = idx.clone().lower(closed.clone().expand([b, t, k]));
-        let device = x.device();
-        let hits = Tensor::<3>::zeros([b, t, n], &device).scatter(
-            2,
-            idx.clone(),
-            valid.clone().float(),
-            IndexingUpdateOp::Add,
-        );
+        let closed = closed_mask.clone().expand([b, t, n]);
+        let masked = scores.mask_fill(closed.clone().bool_not(), f32::NEG_INFINITY);
+        let selected = topk_mask(masked, k).bool_and(closed);
         hooks.record(HookPoint::block(layer, Site::IndexerTopk), || {
+            let (idx, valid) = selected_indices(selected.clone(), k);
             idx.float().mask_fill(valid.bool_not(), -1.0)
         });
-        Ok(hits.greater_elem(0.5))
+        Ok(selected)
     }
 }
 

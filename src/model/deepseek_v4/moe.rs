@@ -16,6 +16,7 @@ use super::config::{MlpType, ScoringFunc};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::layers::{Linear, int_tensor};
+use crate::model::topk::topk_indices;
 use crate::model::weights::{Init, Vb};
 
 /// The router (`mlp.gate`).
@@ -191,9 +192,9 @@ impl Moe {
             }
             (None, Some(bias)) => {
                 let biased = scores.clone() + bias.val().reshape([1, e]);
-                biased.topk_with_indices(k, 1).1
+                topk_indices(biased, k)
             }
-            (None, None) => scores.clone().topk_with_indices(k, 1).1,
+            (None, None) => topk_indices(scores.clone(), k),
         };
         let chosen = scores.gather(1, idx.clone());
         let weights = chosen.clone() / (chosen.sum_dim(1) + 1e-20) * self.scaling;
