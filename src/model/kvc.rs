@@ -255,6 +255,67 @@ impl KvcConfig {
         Ok(())
     }
 
+    /// A tiny compressed model for tests, benches and examples: vocab 37, d_model 32,
+    /// 2 layers, 4 query heads over 2 KV heads of width 8, d_ff 48, W = S = 4 with no
+    /// tail, scalar gates with per-offset bias, Q/K norm, a sink, init std 0.3 (large
+    /// enough that attention is far from uniform). Change fields, or use
+    /// [`KvcConfig::with_compression`] / [`KvcConfig::full_attention`].
+    pub fn tiny() -> Self {
+        KvcConfig {
+            model_type: MODEL_TYPE.into(),
+            vocab_size: 37,
+            d_model: 32,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            d_head: Some(8),
+            d_ff: 48,
+            norm_eps: 1e-6,
+            rope: RopeMode::All,
+            rope_dims: None,
+            rope_theta: 10000.0,
+            qk_norm: true,
+            tied_kv: false,
+            sink: true,
+            tie_embeddings: false,
+            key_shift: false,
+            attention: AttentionKind::Compressed,
+            compression: Some(CompressionConfig {
+                window: 4,
+                stride: 4,
+                local_tail: 0,
+                gate: GateMode::Scalar,
+                gate_bias: true,
+            }),
+            init_std: 0.3,
+        }
+    }
+
+    /// The same model with compressed attention of window `window`, stride `stride` and
+    /// a raw tail of `local_tail` tokens (gate settings kept, scalar + bias by default).
+    pub fn with_compression(mut self, window: usize, stride: usize, local_tail: usize) -> Self {
+        let (gate, gate_bias) = self
+            .compression
+            .as_ref()
+            .map_or((GateMode::Scalar, true), |c| (c.gate, c.gate_bias));
+        self.attention = AttentionKind::Compressed;
+        self.compression = Some(CompressionConfig {
+            window,
+            stride,
+            local_tail,
+            gate,
+            gate_bias,
+        });
+        self
+    }
+
+    /// The same model with full causal attention (no compression).
+    pub fn full_attention(mut self) -> Self {
+        self.attention = AttentionKind::Full;
+        self.compression = None;
+        self
+    }
+
     /// Head width.
     pub fn d_head(&self) -> usize {
         self.d_head.unwrap_or(self.d_model / self.n_heads.max(1))
