@@ -2,6 +2,7 @@
 //! -> (logits, cache)`, plus `forward_from(layer, resid)` for batched interventions.
 
 pub mod attention;
+pub mod bench;
 pub mod deepseek_v4;
 pub mod kv_state;
 pub mod kvc;
