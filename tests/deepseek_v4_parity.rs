@@ -344,7 +344,10 @@ fn check_ties_fixture(name: &str, min_fraction: f64) {
     )
     .unwrap();
     let (_, ids) = Reference::open(name).i64("input_ids");
-    let (b, t) = (meta["batch"].as_u64().unwrap(), meta["seq_len"].as_u64().unwrap());
+    let (b, t) = (
+        meta["batch"].as_u64().unwrap(),
+        meta["seq_len"].as_u64().unwrap(),
+    );
     assert!(b >= 2 && t >= 256, "{name}: batch {b}, {t} tokens");
     assert_eq!(ids.len() as u64, b * t);
     let rows = tied_rows(name);
@@ -355,7 +358,10 @@ fn check_ties_fixture(name: &str, min_fraction: f64) {
         assert_eq!(rec["rows_tied_at_kth"], tied, "{name} layer {l}");
         let f = tied as f64 / deciding as f64;
         eprintln!("{name}: layer {l}: {tied} of {deciding} indexer choices among tied scores");
-        assert!(f >= min_fraction, "{name} layer {l}: only {f:.2} of rows tie");
+        assert!(
+            f >= min_fraction,
+            "{name} layer {l}: only {f:.2} of rows tie"
+        );
     }
     check_fixture(name, TIES_TOL);
 }
