@@ -94,7 +94,7 @@ fn check_fixture(name: &str, tol: f64) -> f64 {
     cmp("logits", &logits, &r.f32("logits").1);
     let logits_err = rel(&logits, &r.f32("logits").1);
     let mut checked = BTreeSet::new();
-    let geo = m.geometry(t, &device);
+    let geo = m.tables(t, &device);
     for key in r.keys() {
         let parts: Vec<&str> = key.split('.').collect();
         let hook = |n: &str| get(&cache, n).to_vec();
@@ -193,8 +193,8 @@ fn check_fixture(name: &str, tol: f64) -> f64 {
                 .get::<4>()
                 .unwrap();
                 let starts = match c.layer_types[l] {
-                    deepseek_v4::config::AttnType::Hca => &geo.hca.as_ref().unwrap().2,
-                    _ => &geo.csa.as_ref().unwrap().starts,
+                    deepseek_v4::config::AttnType::Hca => &geo.hca.as_ref().unwrap().1,
+                    _ => &geo.csa.as_ref().unwrap().1,
                 };
                 let got = deepseek_v4::rope::rotate(ck, starts, false)
                     .into_data()

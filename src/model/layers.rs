@@ -249,35 +249,6 @@ pub fn masked_softmax<const D: usize>(scores: Tensor<D>, mask: Tensor<D, Bool>) 
     e / denom
 }
 
-/// A `[rows, cols]` boolean mask from a host predicate.
-pub fn mask_from_fn(
-    rows: usize,
-    cols: usize,
-    device: &Device,
-    f: impl Fn(usize, usize) -> bool,
-) -> Tensor<2, Bool> {
-    let mut v = Vec::with_capacity(rows * cols);
-    for r in 0..rows {
-        for c in 0..cols {
-            v.push(f(r, c));
-        }
-    }
-    Tensor::from_data(TensorData::new(v, [rows, cols]), device)
-}
-
-/// A `[b, len, cols]` mask for the queries at `positions` (`b` rows of `len`,
-/// row-major) from a host predicate on (position, column).
-pub fn query_mask(
-    positions: &[usize],
-    b: usize,
-    cols: usize,
-    device: &Device,
-    f: impl Fn(usize, usize) -> bool,
-) -> Tensor<3, Bool> {
-    let n = positions.len();
-    mask_from_fn(n, cols, device, |i, c| f(positions[i], c)).reshape([b, n / b, cols])
-}
-
 /// An index tensor from host values.
 pub fn int_tensor(values: &[usize], device: &Device) -> Tensor<1, Int> {
     Tensor::from_data(
