@@ -61,6 +61,9 @@ impl Entries {
 pub trait EntrySelector {
     /// The most entries a query keeps.
     fn k(&self) -> usize;
+    /// Score elements the selector builds per (query, candidate entry) (the indexer: one
+    /// per index head), for sizing blocks.
+    fn cost_per_entry(&self) -> usize;
     /// For the queries at indices `i0..i1` of every row (positions
     /// `queries.first(r) + i`): `[b, i1 - i0, n_vis]`, true for the kept entries
     /// (only closed ones) among entries `0..n_vis`.
@@ -190,10 +193,11 @@ impl Geometry<'_> {
     fn block_size(&self, keys: &Keys) -> usize {
         let lq = self.queries.len();
         let total = self.queries.total();
-        let entries = match (&keys.entries, &keys.selector) {
-            (Some(_), Some(s)) => s.k(),
-            (Some(e), None) => e.k.dims()[1],
-            _ => 0,
+        let n = keys.entries.as_ref().map_or(0, |e| e.k.dims()[1]);
+        // Attention score columns per query head, and the selector's scores per query.
+        let (entries, selecting) = match &keys.selector {
+            Some(s) if n > 0 => (s.k(), s.cost_per_entry() * n),
+            _ => (n, 0),
         };
         let raw = |bq: usize| match &keys.raw {
             Some(Raw {
@@ -204,7 +208,8 @@ impl Geometry<'_> {
         };
         let budget = BUDGET.with(|b| b.get());
         let mut bq = lq.max(1);
-        while bq > 1 && self.b * self.nh * bq * (entries + raw(bq) + 1) > budget {
+        let cost = |bq: usize| self.b * bq * (self.nh * (entries + raw(bq) + 1) + selecting);
+        while bq > 1 && cost(bq) > budget {
             bq = bq.div_ceil(2);
         }
         bq

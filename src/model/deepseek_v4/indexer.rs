@@ -158,6 +158,10 @@ impl EntrySelector for IndexSelector {
         self.topk
     }
 
+    fn cost_per_entry(&self) -> usize {
+        self.q.dims()[2]
+    }
+
     fn select(
         &mut self,
         i0: usize,
