@@ -234,7 +234,7 @@ fn broadcast_to<const D: usize>(
 ) -> Result<Tensor<D>> {
     let t = src
         .get::<D>()
-        .map_err(|e| Error::hook(point.to_string(), e.to_string()))?;
+        .map_err(|e| e.context(format!("hook `{point}`")))?;
     let sd = t.dims();
     if sd == dims {
         return Ok(t);

@@ -38,17 +38,3 @@ pub use table::{
     Column, ColumnData, ColumnType, META_EXPERIMENT_TOML, META_SCHEMA, META_TABLE, META_VERSION,
     Table, TableError,
 };
-
-/// Any error of this module.
-#[derive(Debug, thiserror::Error)]
-pub enum OutputError {
-    /// A table error.
-    #[error(transparent)]
-    Table(#[from] TableError),
-    /// A figure error.
-    #[error(transparent)]
-    Figure(#[from] FigureError),
-    /// A report error.
-    #[error(transparent)]
-    Report(#[from] ReportError),
-}

@@ -39,10 +39,6 @@ pub struct ExperimentData {
     pub tables: Vec<PathBuf>,
 }
 
-fn table_err(e: impl std::fmt::Display) -> Error {
-    Error::Other(e.to_string())
-}
-
 impl ExperimentData {
     /// Read every long table (`*.arrow`, schema `long/v1`) directly under `dir`.
     pub fn load(dir: &Path) -> Result<Self> {
@@ -59,11 +55,11 @@ impl ExperimentData {
         let mut kind = None;
         let mut tables = Vec::new();
         for p in paths {
-            let t = Table::read_arrow(&p).map_err(table_err)?;
+            let t = Table::read_arrow(&p)?;
             if t.metadata().get(META_SCHEMA).map(String::as_str) != Some("long/v1") {
                 continue;
             }
-            rows.extend(read_long_rows(&t).map_err(table_err)?);
+            rows.extend(read_long_rows(&t)?);
             if let Some(s) = t.metadata().get(META_EXPERIMENT_TOML) {
                 toml = s.clone();
             }
@@ -191,10 +187,6 @@ fn push(files: &mut Vec<PathBuf>, report: &mut Report, caption: &str, f: FigureF
     files.push(f.svg);
 }
 
-fn fig_err(e: impl std::fmt::Display) -> Error {
-    Error::Other(e.to_string())
-}
-
 fn pct(x: f64) -> String {
     if x.is_finite() {
         format!("{:.1}%", 100.0 * x)
@@ -299,7 +291,7 @@ fn accuracy_figure(
         y_range: Some((0.0, 1.0)),
         size: None,
     };
-    line_with_bands(out, &spec).map(Some).map_err(fig_err)
+    Ok(Some(line_with_bands(out, &spec)?))
 }
 
 /// Layers and head indices present for `metric` with head kind `kind`.
@@ -379,7 +371,7 @@ fn layer_head_heatmap(
         annotate: true,
         size: None,
     };
-    heatmap(out, &spec).map_err(fig_err)
+    Ok(heatmap(out, &spec)?)
 }
 
 /// Rows = heads (`L{l}H{h}` / `L{l}KV{g}`), columns = phases.
@@ -430,7 +422,7 @@ fn head_phase_map(
         annotate: true,
         size: None,
     };
-    heatmap(out, &spec).map(Some).map_err(fig_err)
+    Ok(Some(heatmap(out, &spec)?))
 }
 
 /// Rows = layers, columns = (KV head, phase): the paper's Figure 3 layout.
@@ -485,7 +477,7 @@ fn layer_kv_phase_map(
         annotate: true,
         size: None,
     };
-    heatmap(out, &spec).map(Some).map_err(fig_err)
+    Ok(Some(heatmap(out, &spec)?))
 }
 
 fn spec_index_heatmap(
@@ -721,9 +713,7 @@ pub fn draw_experiment(data_dir: &Path, report_dir: &Path) -> Result<Vec<PathBuf
     }
     report.section("Experiment");
     report.code("toml", d.toml.clone());
-    let rf = report
-        .write(report_dir)
-        .map_err(|e| Error::Other(e.to_string()))?;
+    let rf = report.write(report_dir)?;
     files.push(rf.markdown);
     files.push(rf.html);
     Ok(files)
@@ -1066,7 +1056,7 @@ fn draw_knockout(
             size: None,
         };
         report.section("Layer-output replacement");
-        let f = heatmap(dir.join("layer_output"), &spec).map_err(fig_err)?;
+        let f = heatmap(dir.join("layer_output"), &spec)?;
         push(
             files,
             report,
@@ -1162,7 +1152,7 @@ fn draw_gates(
         annotate: true,
         size: None,
     };
-    let f = heatmap(dir.join("gate_g"), &spec).map_err(fig_err)?;
+    let f = heatmap(dir.join("gate_g"), &spec)?;
     push(files, report, "Gate profiles g(r)", f);
     for ((l, h, g), prof) in profiles.iter().take(8) {
         let spec = BarProfileSpec {
@@ -1177,8 +1167,7 @@ fn draw_gates(
             reference_label: Some("uniform share".into()),
             size: None,
         };
-        let f = bar_profile(dir.join(format!("gate_profile_L{l}_KV{h}_{g}")), &spec)
-            .map_err(fig_err)?;
+        let f = bar_profile(dir.join(format!("gate_profile_L{l}_KV{h}_{g}")), &spec)?;
         push(
             files,
             report,
@@ -1215,7 +1204,7 @@ fn draw_gates(
         annotate: true,
         size: None,
     };
-    let f = heatmap(dir.join("gate_entropy"), &spec).map_err(fig_err)?;
+    let f = heatmap(dir.join("gate_entropy"), &spec)?;
     push(files, report, "Effective number of offsets per gate", f);
     // Trajectories over checkpoints.
     let mut steps: Vec<(u64, String)> = d
@@ -1255,7 +1244,7 @@ fn draw_gates(
             y_range: Some((1.0, f64::from(w.max(2)))),
             size: None,
         };
-        let f = line_with_bands(dir.join("gate_trajectory"), &spec).map_err(fig_err)?;
+        let f = line_with_bands(dir.join("gate_trajectory"), &spec)?;
         push(files, report, "Gate sharpness over training checkpoints", f);
     }
     Ok(())
@@ -1366,8 +1355,7 @@ fn draw_cycling(
             r2_text,
             size: None,
         };
-        let f =
-            scatter_predicted_vs_observed(dir.join("cycling_scatter"), &spec).map_err(fig_err)?;
+        let f = scatter_predicted_vs_observed(dir.join("cycling_scatter"), &spec)?;
         push(
             files,
             report,

@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::device::DeviceSpec;
-use crate::error::{Error, Result};
+use crate::error::{Result, ResultExt};
 use crate::model::load_model;
 use crate::output::{LongRow, long_table, write_parquet_copy};
 
@@ -109,9 +109,8 @@ pub fn write_long_table(
         .with_provenance(&exp.text)
         .with_metadata(META_KIND, exp.kind().name())
         .with_metadata(META_NOTES, notes.join("\n"));
-    t.write_arrow(&path)
-        .map_err(|e| Error::Other(e.to_string()))?;
-    write_parquet_copy(&path).map_err(|e| Error::Other(e.to_string()))?;
+    t.write_arrow(&path)?;
+    write_parquet_copy(&path)?;
     Ok(path)
 }
 
@@ -158,7 +157,7 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let mut stats = ExecStats::default();
     for mref in &models {
         let model = load_model(&mref.dir, &device)
-            .map_err(|e| Error::Other(format!("loading model {}: {e}", mref.dir.display())))?;
+            .context_with(|| format!("loading model {}", mref.dir.display()))?;
         let info = model.info();
         let task = setup::TaskSetup::resolve(&exp, mref, &info)?;
         let mut ctx = kinds::Ctx {

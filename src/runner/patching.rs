@@ -268,10 +268,6 @@ pub fn captures_for(cells: &[Cell]) -> Result<Vec<HookPoint>> {
     Ok(pts.into_iter().collect())
 }
 
-fn read_err(e: impl std::fmt::Display) -> Error {
-    Error::Other(format!("reading a tensor back from the device: {e}"))
-}
-
 /// Read the outcomes of `targets[i]` from row `i` of `logits: [rows, pos, vocab]`.
 pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
     let [r, t, v] = logits.dims();
@@ -300,16 +296,9 @@ pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
     let k = flat.len();
     let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
     let rows = logits.reshape([r * t, v]).select(0, idx);
-    let top = rows
-        .clone()
-        .argmax(1)
-        .try_into_vec_as::<i64>()
-        .map_err(read_err)?;
+    let top = rows.clone().argmax(1).try_into_vec_as::<i64>()?;
     let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [k, 2]), &device);
-    let vals = rows
-        .gather(1, pairs)
-        .try_into_vec_as::<f32>()
-        .map_err(read_err)?;
+    let vals = rows.gather(1, pairs).try_into_vec_as::<f32>()?;
     let mut out = Vec::with_capacity(r);
     let mut j = 0;
     for tg in targets {

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{Result, ResultExt};
 use crate::model::{LayerKind, ModelInfo};
 use crate::tasks::{
     KvEvalConfig, KvEvalSet, KvPromptConfig, Period, Protocol, TokenSpace, TokenSpaceConfig,
@@ -252,7 +252,7 @@ impl TaskSetup {
             n_logical: self.n_generated,
             seed: self.seed,
         };
-        generate_eval_set(&self.space, &cfg).map_err(|e| Error::Other(format!("[task]: {e}")))
+        generate_eval_set(&self.space, &cfg).context_with(|| "[task]")
     }
 }
 

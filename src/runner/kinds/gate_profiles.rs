@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::analysis::gate_stats;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ResultExt};
 use crate::hooks::{HookPoint, Site};
 use crate::model::{LanguageModel, load_model};
 use crate::output::{HeadKind, LongRow};
@@ -117,8 +117,8 @@ fn profile(
         if a.is_empty() {
             continue;
         }
-        let st = gate_stats(&a, w)
-            .map_err(|e| Error::Other(format!("layer {l} {name} gate, KV head {kv}: {e}")))?;
+        let st =
+            gate_stats(&a, w).context_with(|| format!("layer {l} {name} gate, KV head {kv}"))?;
         let n = st.num_windows as u64;
         let at = |r: LongRow| r.at_head(l as u32, kv as u32, HeadKind::Kv);
         for (o, g) in st.g.iter().enumerate() {

@@ -118,9 +118,8 @@ pub fn run(ctx: &mut Ctx, data_dir: &std::path::Path) -> Result<KindOutput> {
     let dir = data_dir.join(&ctx.mref.name);
     let t = phase_accuracy_table("phase_accuracy", &table_rows).with_provenance(&ctx.exp.text);
     let path = dir.join("phase_accuracy.arrow");
-    t.write_arrow(&path)
-        .map_err(|e| Error::Other(e.to_string()))?;
-    write_parquet_copy(&path).map_err(|e| Error::Other(e.to_string()))?;
+    t.write_arrow(&path)?;
+    write_parquet_copy(&path)?;
     let first = first.unwrap_or_default();
     let summary = serde_json::json!({
         "model": ctx.mref.name,
