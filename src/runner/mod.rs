@@ -4,30 +4,30 @@
 //! experiment TOML --config--> settings --setup--> model + prompts (+ checks)
 //!   --kinds/<kind>--> cells --patching (one batched routine) + exec (resume, progress)-->
 //!   outcomes --aggregate (analysis)--> long rows --output--> tables
-//!   --figures--> figures + report            (`phaselens figures` redraws from tables)
+//!   --report + the kind's figures--> figures + report   (`phaselens figures` redraws from tables)
 //! ```
 //!
 //! | file | role |
 //! |---|---|
-//! | [`config`] | the experiment TOML (every key documented in docs/experiments.md) |
+//! | [`experiment`] | the experiment TOML (every key documented in docs/experiments.md) |
 //! | [`setup`] | organism / model directory, token space, prompt format, period; checks against the model |
 //! | [`prompts`] | phase-group prompt batches, clean/corrupted pairs |
 //! | [`patching`] | THE batched intervention routine (and its one-forward-per-cell reference) |
 //! | [`exec`], [`store`], [`progress`] | chunks with resume (atomic shard tables), progress with ETA |
 //! | [`aggregate`] | outcomes -> rows with cluster-bootstrap CIs (through [`crate::analysis`]) |
-//! | [`kinds`] | one small file per experiment kind |
-//! | [`figures`] | figures and report from the tables alone |
+//! | [`kinds`] | one file per experiment kind ([`Kind`]: settings, cells, rows, figures, report section) |
+//! | [`report`] | the report frame and figure helpers, from the tables alone |
 //! | [`bench`] | batched vs one-forward-per-cell throughput |
 
 pub mod aggregate;
 pub mod bench;
-pub mod config;
 pub mod exec;
-pub mod figures;
+pub mod experiment;
 pub mod kinds;
 pub mod patching;
 pub mod progress;
 pub mod prompts;
+pub mod report;
 pub mod setup;
 pub mod store;
 
@@ -39,8 +39,9 @@ use crate::error::{Result, ResultExt};
 use crate::model::load_model;
 use crate::output::{LongRow, long_table, write_parquet_copy};
 
-pub use config::{Experiment, Kind};
 pub use exec::ExecStats;
+pub use experiment::Experiment;
+pub use kinds::{Kind, KindConfig};
 pub use progress::ProgressMode;
 
 /// Where outputs go and how the run behaves.
@@ -76,7 +77,8 @@ impl Default for RunOptions {
 #[derive(Debug, Clone)]
 pub struct RunSummary {
     pub name: String,
-    pub kind: Kind,
+    /// The kind's name.
+    pub kind: &'static str,
     pub models: Vec<String>,
     /// `<data_root>/<experiment>`.
     pub data_dir: PathBuf,
@@ -162,6 +164,7 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
         let task = setup::TaskSetup::resolve(&exp, mref, &info)?;
         let mut ctx = kinds::Ctx {
             exp: &exp,
+            data_dir: &data_dir,
             opts,
             store: &store,
             model: model.as_ref(),
@@ -178,14 +181,7 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
             device: device.clone(),
             max_rows: exp.max_rows(&device_spec),
         };
-        let out = match kind {
-            Kind::PhaseSweep => kinds::phase_sweep::run(&mut ctx, &data_dir)?,
-            Kind::PatchHeads => kinds::patch_heads::run(&mut ctx)?,
-            Kind::AblateHeads => kinds::ablate::run(&mut ctx)?,
-            Kind::Knockout => kinds::knockout::run(&mut ctx)?,
-            Kind::GateProfiles => kinds::gate_profiles::run(&mut ctx)?,
-            Kind::GateCycling => kinds::gate_cycling::run(&mut ctx)?,
-        };
+        let out = kind.run(&mut ctx)?;
         for n in &ctx.notes {
             let tagged = if models.len() > 1 {
                 format!("{}: {n}", mref.name)
@@ -212,13 +208,13 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
         written.push(write_long_table(&data_dir, t, rows, &exp, &notes)?);
     }
     let figures = if opts.figures {
-        figures::draw_experiment(&data_dir, &report_dir)?
+        report::draw_experiment(&data_dir, &report_dir)?
     } else {
         Vec::new()
     };
     Ok(RunSummary {
         name,
-        kind,
+        kind: kind.name(),
         models: models.iter().map(|m| m.name.clone()).collect(),
         data_dir,
         report_dir,
