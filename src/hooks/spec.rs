@@ -2,7 +2,8 @@
 //!
 //! A [`HookSpec`] is built once and passed to `forward`; the model calls
 //! [`HookRun::apply`] at every hook point. An empty spec returns the tensor untouched
-//! without formatting a name or allocating (see `benches/forward.rs`).
+//! without formatting a name or allocating (`phaselens bench forward` measures that
+//! dispatch per hook point, `src/cli/bench.rs`).
 
 use std::sync::Arc;
 

@@ -26,7 +26,7 @@ pub use figure::{
     LinePlotSpec, LossCurveSpec, ScatterSeries, ScatterSpec, bar_profile, check_fonts, heatmap,
     line_with_bands, loss_curve, render, scatter_predicted_vs_observed,
 };
-pub use frame::{merge_shards, parquet_path, read_dataframe, write_parquet_copy};
+pub use frame::{parquet_path, read_dataframe, write_parquet_copy};
 pub use report::{
     Headline, Report, ReportError, ReportFiles, phase_gap_headlines, ranked_heads_rows,
 };

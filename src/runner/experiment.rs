@@ -106,16 +106,6 @@ impl<'de> Deserialize<'de> for Selection {
     }
 }
 
-/// Query heads, KV heads, or both.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HeadKindSel {
-    /// One cell per query head.
-    Query,
-    /// One cell per KV head: every query head that reads it (see docs/experiments.md).
-    Kv,
-}
-
 /// How a head is ablated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

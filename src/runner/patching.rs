@@ -647,14 +647,6 @@ fn per_token_site(site: Site) -> bool {
     )
 }
 
-/// The positions a chunk (rows in cell order) must recompute, if it can run as a
-/// suffix forward ([`run_chunk`]): every edit
-/// replaces a per-token activation at given positions (not "all") of the start layer.
-/// Row `r` then needs positions from its first edited or read position to its last
-/// read one (edits after the last read position cannot reach the logits read). The
-/// suffix length is the longest of those spans; shorter rows start earlier (their extra
-/// positions are recomputed unchanged). `None` when an edit does not qualify or the
-/// suffix would cover more than half of the prompt (no gain).
 /// Whether a cell's edit can run as a suffix forward: it replaces a per-token
 /// activation at given positions (not "all").
 fn suffix_edit(cell: &Cell) -> bool {
@@ -665,6 +657,14 @@ fn suffix_edit(cell: &Cell) -> bool {
     )
 }
 
+/// The positions a chunk (rows in cell order) must recompute, if it can run as a
+/// suffix forward ([`run_chunk`]): every edit
+/// replaces a per-token activation at given positions (not "all") of the start layer.
+/// Row `r` then needs positions from its first edited or read position to its last
+/// read one (edits after the last read position cannot reach the logits read). The
+/// suffix length is the longest of those spans; shorter rows start earlier (their extra
+/// positions are recomputed unchanged). `None` when an edit does not qualify or the
+/// suffix would cover more than half of the prompt (no gain).
 pub fn plan_suffix(prompts: &Prompts, cells: &[Cell], chunk: &[usize]) -> Option<Suffix> {
     let row_prompt: Vec<usize> = chunk
         .iter()

@@ -11,7 +11,7 @@ use crate::output::{HeadKind, LongRow};
 use super::super::aggregate::{
     Clusters, accuracy_clusters, baseline_rows, per_phase, specialization_rows,
 };
-use super::super::experiment::{Experiment, HeadKindSel, Method, Selection};
+use super::super::experiment::{Experiment, Method, Selection};
 use super::super::exec::Group;
 use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking, spec_index_heatmap, sym_range};
 use super::super::patching::{Cell, Edit, Positions};
@@ -53,8 +53,8 @@ pub(super) fn acc(s: &[f64; 2], n: u64) -> f64 {
     s[0] / n as f64
 }
 
-fn both_kinds() -> Vec<HeadKindSel> {
-    vec![HeadKindSel::Query, HeadKindSel::Kv]
+fn both_kinds() -> Vec<HeadKind> {
+    vec![HeadKind::Query, HeadKind::Kv]
 }
 
 /// `[ablate]` (ablate-heads).
@@ -64,7 +64,7 @@ pub struct AblateHeads {
     pub layers: Selection,
     pub heads: Selection,
     pub kv_heads: Selection,
-    pub head_kinds: Vec<HeadKindSel>,
+    pub head_kinds: Vec<HeadKind>,
     /// Default zero, mean, resample.
     pub methods: Vec<Method>,
     pub positions: Positions,

@@ -16,7 +16,7 @@ use crate::hooks::{HookPoint, Site};
 use crate::output::{HeadKind, Headline, HeatmapSpec, LongRow, heatmap};
 
 use super::super::aggregate::{accuracy_clusters, baseline_rows, per_phase, specialization_rows};
-use super::super::experiment::{Experiment, HeadKindSel, Method, Selection};
+use super::super::experiment::{Experiment, Method, Selection};
 use super::super::exec::Group;
 use super::super::report::{Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap};
 use super::super::patching::{Cell, Edit, Positions};
@@ -93,7 +93,7 @@ fn run(cfg: &Knockout, ctx: &mut Ctx) -> Result<KindOutput> {
         ctx,
         "knockout",
         &layers,
-        &[HeadKindSel::Kv],
+        &[HeadKind::Kv],
         &Selection::All,
         &cfg.kv_heads,
     )?;

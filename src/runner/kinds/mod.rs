@@ -23,7 +23,7 @@ use crate::tasks::{KvEvalSet, KvExample};
 use super::RunOptions;
 use super::aggregate::RowCtx;
 use super::exec::{ExecStats, Executor, Group, GroupResult};
-use super::experiment::{Experiment, HeadKindSel, Method, Selection};
+use super::experiment::{Experiment, Method, Selection};
 use super::patching::Fill;
 use super::progress::Progress;
 use super::prompts::{PromptMeta, group_examples};
@@ -277,17 +277,17 @@ pub fn head_cells(
     ctx: &Ctx,
     section: &str,
     layers: &[usize],
-    kinds: &[HeadKindSel],
+    kinds: &[HeadKind],
     heads: &Selection,
     kv_heads: &Selection,
 ) -> Result<Vec<HeadCell>> {
     let mut out = Vec::new();
-    let q = if kinds.contains(&HeadKindSel::Query) {
+    let q = if kinds.contains(&HeadKind::Query) {
         setup::heads(ctx.exp, section, "heads", heads, &ctx.info, layers, false)?
     } else {
         Vec::new()
     };
-    let kv = if kinds.contains(&HeadKindSel::Kv) {
+    let kv = if kinds.contains(&HeadKind::Kv) {
         setup::heads(
             ctx.exp, section, "kv_heads", kv_heads, &ctx.info, layers, true,
         )?

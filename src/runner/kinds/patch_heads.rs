@@ -24,7 +24,7 @@ use crate::output::{HeadKind, Headline, LongRow};
 use super::super::aggregate::{
     Clusters, accuracy_clusters, baseline_rows, per_phase, specialization_rows,
 };
-use super::super::experiment::{Experiment, HeadKindSel, Selection};
+use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
 use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap, sym_range};
 use super::super::patching::{Cell, Edit, Fill, Positions};
@@ -32,8 +32,8 @@ use super::super::prompts::paired_prompts;
 use super::super::setup;
 use super::{Ctx, Kind, KindOutput, empty_list, base_obs, head_cells};
 
-fn both_kinds() -> Vec<HeadKindSel> {
-    vec![HeadKindSel::Query, HeadKindSel::Kv]
+fn both_kinds() -> Vec<HeadKind> {
+    vec![HeadKind::Query, HeadKind::Kv]
 }
 
 /// Direction of activation patching.
@@ -67,7 +67,7 @@ pub struct PatchHeads {
     /// KV heads (for `kv` cells). Default all.
     pub kv_heads: Selection,
     /// Which cells. Default both.
-    pub head_kinds: Vec<HeadKindSel>,
+    pub head_kinds: Vec<HeadKind>,
     /// Default both.
     pub directions: Vec<Direction>,
     /// Query positions patched. Default all.
