@@ -1,17 +1,18 @@
 //! End-to-end tests of ablate-heads, knockout, gate-profiles, gate-cycling and
 //! phase-sweep on tiny random organisms, and the redraw of figures from tables.
 
-mod runner_common;
+mod common;
 
 use std::collections::BTreeMap;
 
+use common::dev;
+use common::runner::*;
 use phaselens::output::{
     HeadKind, LONG_COLUMNS, LongRow, PHASE_ACCURACY_COLUMNS, Table, read_long_rows,
     read_phase_accuracy_rows, validate_columns,
 };
 use phaselens::runner::report::draw_all;
 use phaselens::runner::run_experiment;
-use runner_common::*;
 
 fn rows(path: &std::path::Path) -> Vec<LongRow> {
     let t = Table::read_arrow(path).unwrap();

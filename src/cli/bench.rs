@@ -8,9 +8,7 @@ use clap::{Args, Subcommand};
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::{Action, HookPoint, HookSpec, Scope, Site};
-use phaselens::model::kvc::{
-    AttentionKind, CompressionConfig, GateMode, KvcConfig, KvcModel, RopeMode,
-};
+use phaselens::model::kvc::{KvcConfig, KvcModel};
 use phaselens::model::weights::{RandomInit, Vb};
 
 /// Benchmarks. Numbers are wall-clock on this machine; compare ratios, not absolutes.
@@ -66,7 +64,6 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn forward(b: ForwardBench) -> Result<()> {
     let device = b.device.device()?;
     let cfg = KvcConfig {
-        model_type: "phaselens-kvc".into(),
         vocab_size: 256,
         d_model: b.d_model,
         n_layers: b.layers,
@@ -74,25 +71,10 @@ fn forward(b: ForwardBench) -> Result<()> {
         n_kv_heads: b.kv_heads,
         d_head: None,
         d_ff: 4 * b.d_model,
-        norm_eps: 1e-6,
-        rope: RopeMode::All,
-        rope_dims: None,
-        rope_theta: 10000.0,
-        qk_norm: true,
-        tied_kv: false,
-        sink: true,
-        tie_embeddings: false,
-        key_shift: false,
-        attention: AttentionKind::Compressed,
-        compression: Some(CompressionConfig {
-            window: 8,
-            stride: 8,
-            local_tail: 16,
-            gate: GateMode::Scalar,
-            gate_bias: true,
-        }),
         init_std: 0.02,
-    };
+        ..KvcConfig::tiny()
+    }
+    .with_compression(8, 8, 16);
     let model = KvcModel::new(&cfg, &Vb::new(&RandomInit { seed: 0 }, &device))?;
     let ids: Vec<i64> = (0..b.batch * b.tokens)
         .map(|i| (i * 31 % 251) as i64)

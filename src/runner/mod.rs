@@ -3,7 +3,7 @@
 //! ```text
 //! experiment TOML --config--> settings --setup--> model + prompts (+ checks)
 //!   --kinds/<kind>--> cells --patching (one batched routine) + exec (resume, progress)-->
-//!   outcomes --aggregate (analysis)--> long rows --output--> tables
+//!   outcomes --analysis + rows--> long rows --output--> tables
 //!   --report + the kind's figures--> figures + report   (`phaselens figures` redraws from tables)
 //! ```
 //!
@@ -14,12 +14,11 @@
 //! | [`prompts`] | phase-group prompt batches, clean/corrupted pairs |
 //! | [`patching`] | THE batched intervention routine (and its one-forward-per-cell reference) |
 //! | [`exec`], [`store`], [`progress`] | chunks with resume (atomic shard tables), progress with ETA |
-//! | [`aggregate`] | outcomes -> rows with cluster-bootstrap CIs (through [`crate::analysis`]) |
+//! | [`rows`] | statistics (from [`crate::analysis`]) -> long-format rows |
 //! | [`kinds`] | one file per experiment kind ([`Kind`]: settings, cells, rows, figures, report section) |
 //! | [`report`] | the report frame and figure helpers, from the tables alone |
 //! | [`bench`] | batched vs one-forward-per-cell throughput |
 
-pub mod aggregate;
 pub mod bench;
 pub mod exec;
 pub mod experiment;
@@ -28,6 +27,7 @@ pub mod patching;
 pub mod progress;
 pub mod prompts;
 pub mod report;
+pub mod rows;
 pub mod setup;
 pub mod store;
 
@@ -170,7 +170,7 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
             model: model.as_ref(),
             info,
             mref,
-            rows: aggregate::RowCtx {
+            rows: rows::RowCtx {
                 experiment: name.clone(),
                 model: mref.name.clone(),
                 kind: kind.name().to_string(),

@@ -9,14 +9,16 @@ use std::collections::{BTreeMap};
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::{
-    DEFAULT_LEVEL, ProfileCluster, bootstrap_ci, mae, phase_accuracy, profile_fit, r_squared,
+    DEFAULT_LEVEL, ProfileCluster, bootstrap_ci, concatenated_mae, concatenated_r2, pooled_mae,
+    profile_fit,
 };
+use crate::analysis::{Est, accuracy_clusters, per_phase, phase_clusters};
 use crate::error::Result;
 use crate::hooks::{Action, HookPoint, Site};
 use crate::model::LayerKind;
 use crate::output::{Headline, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed};
 
-use super::super::aggregate::{Est, accuracy_clusters, baseline_rows, per_phase, phase_clusters};
+use super::super::rows::{baseline_rows};
 use super::super::experiment::{Experiment, GateKind, Selection};
 use super::super::exec::Group;
 use super::super::report::{Figures, accuracy_figure, ci_text, push};
@@ -212,17 +214,7 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
                 let w = format!("delta {d:+}: R^2 undefined ({e}); MAE only");
                 eprintln!("warning: {w}");
                 ctx.notes.push(w);
-                let f = |s: &[&ProfileCluster]| {
-                    let pr = phase_accuracy(s.iter().map(|c| &c.predicted));
-                    let ob = phase_accuracy(s.iter().map(|c| &c.observed));
-                    let (a, b): (Vec<f64>, Vec<f64>) = pr
-                        .into_iter()
-                        .zip(ob)
-                        .filter(|(a, b)| a.is_finite() && b.is_finite())
-                        .unzip();
-                    mae(&a, &b).unwrap_or(f64::NAN)
-                };
-                if let Ok(ci) = bootstrap_ci(&clusters, f, reps, seed, DEFAULT_LEVEL) {
+                if let Ok(ci) = bootstrap_ci(&clusters, pooled_mae, reps, seed, DEFAULT_LEVEL) {
                     rows.push(rc.row(
                         format!("cycling_mae{sfx}"),
                         Est {
@@ -236,33 +228,11 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
         }
     }
     // Pooled over deltas: the concatenated predicted and observed profiles.
-    let pooled = |s: &[&Vec<ProfileCluster>]| -> (Vec<f64>, Vec<f64>) {
-        let mut pred = Vec::new();
-        let mut obs = Vec::new();
-        for di in 0..cfg.deltas.len() {
-            let pr = phase_accuracy(s.iter().map(|e| &e[di].predicted));
-            let ob = phase_accuracy(s.iter().map(|e| &e[di].observed));
-            for (a, b) in pr.into_iter().zip(ob) {
-                if a.is_finite() && b.is_finite() {
-                    pred.push(a);
-                    obs.push(b);
-                }
-            }
-        }
-        (pred, obs)
-    };
     let n = per_example.len() as u64;
-    let r2 = |s: &[&Vec<ProfileCluster>]| {
-        let (a, b) = pooled(s);
-        r_squared(&a, &b).unwrap_or(f64::NAN)
-    };
-    let ma = |s: &[&Vec<ProfileCluster>]| {
-        let (a, b) = pooled(s);
-        mae(&a, &b).unwrap_or(f64::NAN)
-    };
+    type Stat = fn(&[&Vec<ProfileCluster>]) -> f64;
     for (m, f) in [
-        ("cycling_r2", &r2 as &dyn Fn(&[&Vec<ProfileCluster>]) -> f64),
-        ("cycling_mae", &ma),
+        ("cycling_r2", concatenated_r2 as Stat),
+        ("cycling_mae", concatenated_mae as Stat),
     ] {
         if let Ok(ci) = bootstrap_ci(&per_example, f, reps, seed, DEFAULT_LEVEL) {
             rows.push(rc.row(

@@ -17,13 +17,14 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::gate_stats;
+use crate::analysis::{Est, accuracy_clusters};
 use crate::error::{Error, Result, ResultExt};
 use crate::hooks::{HookPoint, Site};
 use crate::model::{LanguageModel, load_model};
 use crate::output::{BandSeries, BarProfileSpec, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow, bar_profile, heatmap, line_with_bands};
 use crate::tasks::KvEvalSet;
 
-use super::super::aggregate::{Est, RowCtx, accuracy_clusters, baseline_rows};
+use super::super::rows::{RowCtx, baseline_rows};
 use super::super::experiment::{GateKind, Selection};
 use super::super::patching::base_run_with;
 use super::super::progress::Progress;

@@ -11,11 +11,12 @@
 use std::collections::{BTreeSet};
 use serde::{Deserialize, Serialize};
 
+use crate::analysis::{accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::hooks::{HookPoint, Site};
 use crate::output::{HeadKind, Headline, HeatmapSpec, LongRow, heatmap};
 
-use super::super::aggregate::{accuracy_clusters, baseline_rows, per_phase, specialization_rows};
+use super::super::rows::{baseline_rows, specialization_rows};
 use super::super::experiment::{Experiment, Method, Selection};
 use super::super::exec::Group;
 use super::super::report::{Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap};

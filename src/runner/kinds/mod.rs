@@ -21,13 +21,13 @@ use crate::output::{HeadKind, LongRow};
 use crate::tasks::{KvEvalSet, KvExample};
 
 use super::RunOptions;
-use super::aggregate::RowCtx;
 use super::exec::{ExecStats, Executor, Group, GroupResult};
 use super::experiment::{Experiment, Method, Selection};
 use super::patching::Fill;
 use super::progress::Progress;
 use super::prompts::{PromptMeta, group_examples};
 use super::report::Figures;
+use super::rows::RowCtx;
 use super::setup::{self, ModelRef, TaskSetup};
 use super::store::Store;
 

@@ -18,12 +18,11 @@
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::normalized_logit_diff;
+use crate::analysis::{Clusters, accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::output::{HeadKind, Headline, LongRow};
 
-use super::super::aggregate::{
-    Clusters, accuracy_clusters, baseline_rows, per_phase, specialization_rows,
-};
+use super::super::rows::{baseline_rows, specialization_rows};
 use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
 use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap, sym_range};

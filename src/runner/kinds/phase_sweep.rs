@@ -9,11 +9,12 @@
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::{DEFAULT_LEVEL, phase_gap};
+use crate::analysis::{accuracy_clusters, phase_clusters};
 use crate::error::{Error, Result};
 use crate::output::{PhaseAccuracyRow, phase_accuracy_table, write_parquet_copy};
 use crate::tasks::Protocol;
 
-use super::super::aggregate::{accuracy_clusters, baseline_rows, phase_clusters};
+use super::super::rows::{baseline_rows};
 use super::super::experiment::{Experiment};
 use super::super::exec::Group;
 use super::super::report::{Figures, accuracy_figure, baseline_headlines};
