@@ -5,7 +5,6 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::dev;
 use common::runner::*;
 use phaselens::output::{
     HeadKind, LONG_COLUMNS, LongRow, PHASE_ACCURACY_COLUMNS, Table, read_long_rows,

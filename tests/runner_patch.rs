@@ -3,7 +3,6 @@
 
 mod common;
 
-use common::dev;
 use common::runner::*;
 use phaselens::hooks::{Action, HookPoint, Site};
 use phaselens::output::{

@@ -106,29 +106,6 @@ impl<'de> Deserialize<'de> for Selection {
     }
 }
 
-/// How a head is ablated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Method {
-    /// Set to zero.
-    Zero,
-    /// The mean over the prompts of the same phase group (per position).
-    Mean,
-    /// The activation of another prompt of the same phase group.
-    Resample,
-}
-
-impl Method {
-    /// Name used in metric suffixes.
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Zero => "zero",
-            Method::Mean => "mean",
-            Method::Resample => "resample",
-        }
-    }
-}
-
 /// Which compressor gate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -607,6 +584,12 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("line 6") && err.contains("deltas"), "{err}");
+        let err = parse(
+            "[experiment]\nkind = \"ablate-heads\"\n[model]\norganism = \"x\"\n[ablate]\nmethods = [\"zero\", \"source\"]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 6") && err.contains("source"), "{err}");
     }
 
     #[test]

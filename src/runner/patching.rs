@@ -39,7 +39,7 @@ use burn::tensor::{Bool, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
+use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, PosCounts, Scope, Site};
 use crate::model::{LanguageModel, PrefixState, Suffix};
 
 /// Which query positions an edit touches, per prompt.
@@ -70,8 +70,11 @@ impl Positions {
     }
 }
 
-/// What a [`Edit::Replace`] puts in place of the activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// What a [`Edit::Replace`] puts in place of the activation: the one fill of every
+/// kind (`methods = ["zero", "mean", "resample"]` of ablate-heads, `method` and
+/// `layer_output_fill` of knockout; patch-heads patches from the source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Fill {
     /// The same activation in the prompt's partner ([`Prompts::source`]): activation
     /// patching (clean into corrupted = denoising, the reverse = noising).
@@ -82,6 +85,18 @@ pub enum Fill {
     Mean,
     /// The activation of the next prompt of the same group (cyclically): resampling.
     Resample,
+}
+
+impl Fill {
+    /// The name in experiment files and metric suffixes (`rel_change_pct_zero`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Fill::Source => "source",
+            Fill::Zero => "zero",
+            Fill::Mean => "mean",
+            Fill::Resample => "resample",
+        }
+    }
 }
 
 /// One intervention.
@@ -437,11 +452,10 @@ fn act_at<'c>(cache: &'c ActivationCache, point: &HookPoint) -> Result<&'c Act> 
     })
 }
 
+/// Token-position scopes apply to sites whose position axis counts tokens (the
+/// `sites!` table's fact), not to compressed entries.
 fn positions_allowed(point: &HookPoint) -> bool {
-    !matches!(
-        point.site,
-        Site::KeyGate | Site::ValueGate | Site::CompressedK | Site::CompressedV
-    )
+    point.site.info().pos_counts == PosCounts::Tokens
 }
 
 /// Mean over `members` (batch rows) of `act`, keeping a batch axis of 1.

@@ -10,13 +10,13 @@ use crate::error::Result;
 use crate::output::{HeadKind, LongRow};
 
 use super::super::rows::{baseline_rows, specialization_rows};
-use super::super::experiment::{Experiment, Method, Selection};
+use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
 use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking, spec_index_heatmap, sym_range};
-use super::super::patching::{Cell, Edit, Positions};
+use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::clean_prompts;
 use super::super::setup;
-use super::{Ctx, Kind, KindOutput, empty_list, base_obs, fill_of, head_cells};
+use super::{Ctx, Kind, KindOutput, empty_list, base_obs, no_source, head_cells};
 
 /// Clusters of `(correct_ablated, correct_clean)` for cell `ci` over all groups.
 pub(super) fn change_clusters(
@@ -65,7 +65,7 @@ pub struct AblateHeads {
     pub kv_heads: Selection,
     pub head_kinds: Vec<HeadKind>,
     /// Default zero, mean, resample.
-    pub methods: Vec<Method>,
+    pub methods: Vec<Fill>,
     pub positions: Positions,
 }
 
@@ -76,7 +76,7 @@ impl Default for AblateHeads {
             heads: Selection::All,
             kv_heads: Selection::All,
             head_kinds: both_kinds(),
-            methods: vec![Method::Zero, Method::Mean, Method::Resample],
+            methods: vec![Fill::Zero, Fill::Mean, Fill::Resample],
             positions: Positions::All,
         }
     }
@@ -98,7 +98,8 @@ impl Kind for AblateHeads {
 
     fn check(&self, exp: &Experiment) -> Result<()> {
         empty_list(exp, "ablate", "head_kinds", self.head_kinds.is_empty())?;
-        empty_list(exp, "ablate", "methods", self.methods.is_empty())
+        empty_list(exp, "ablate", "methods", self.methods.is_empty())?;
+        no_source(exp, "ablate", "methods", &self.methods)
     }
 
     fn run(&self, ctx: &mut Ctx) -> Result<KindOutput> {
@@ -136,7 +137,7 @@ fn run(cfg: &AblateHeads, ctx: &mut Ctx) -> Result<KindOutput> {
                         point: h.point(),
                         heads: Some(h.query_heads.clone()),
                         positions: cfg.positions.clone(),
-                        fill: fill_of(m),
+                        fill: m,
                     },
                     prompts: all.clone(),
                 });

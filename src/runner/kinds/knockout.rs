@@ -17,14 +17,14 @@ use crate::hooks::{HookPoint, Site};
 use crate::output::{HeadKind, Headline, HeatmapSpec, LongRow, heatmap};
 
 use super::super::rows::{baseline_rows, specialization_rows};
-use super::super::experiment::{Experiment, Method, Selection};
+use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
 use super::super::report::{Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap};
-use super::super::patching::{Cell, Edit, Positions};
+use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::clean_prompts;
 use super::super::setup;
 use super::ablate::{acc, change_clusters, rel};
-use super::{Ctx, Kind, KindOutput, base_obs, fill_of, head_cells};
+use super::{Ctx, Kind, KindOutput, base_obs, no_source, head_cells};
 
 /// `[knockout]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -33,7 +33,7 @@ pub struct Knockout {
     pub layers: Selection,
     pub kv_heads: Selection,
     /// How a KV head is removed. Default zero.
-    pub method: Method,
+    pub method: Fill,
     /// Positions of the KV-head knockout. Default all.
     pub positions: Positions,
     /// Also replace each whole layer's attention output over the final band.
@@ -41,7 +41,7 @@ pub struct Knockout {
     /// Final query positions of the layer-output replacement. Default 8.
     pub band: usize,
     /// What replaces the layer output: mean (per phase group, default) or zero.
-    pub layer_output_fill: Method,
+    pub layer_output_fill: Fill,
 }
 
 impl Default for Knockout {
@@ -49,11 +49,11 @@ impl Default for Knockout {
         Knockout {
             layers: Selection::All,
             kv_heads: Selection::All,
-            method: Method::Zero,
+            method: Fill::Zero,
             positions: Positions::All,
             layer_output: true,
             band: 8,
-            layer_output_fill: Method::Mean,
+            layer_output_fill: Fill::Mean,
         }
     }
 }
@@ -73,6 +73,8 @@ impl Kind for Knockout {
     }
 
     fn check(&self, exp: &Experiment) -> Result<()> {
+        no_source(exp, "knockout", "method", &[self.method])?;
+        no_source(exp, "knockout", "layer_output_fill", &[self.layer_output_fill])?;
         if self.layer_output && self.band == 0 {
             return Err(exp.err("knockout", "band", "must be at least 1"));
         }
@@ -123,7 +125,7 @@ fn run(cfg: &Knockout, ctx: &mut Ctx) -> Result<KindOutput> {
                     point: h.point(),
                     heads: Some(h.query_heads.clone()),
                     positions: cfg.positions.clone(),
-                    fill: fill_of(cfg.method),
+                    fill: cfg.method,
                 },
                 prompts: all.clone(),
             })
@@ -135,7 +137,7 @@ fn run(cfg: &Knockout, ctx: &mut Ctx) -> Result<KindOutput> {
                         point: HookPoint::block(l, Site::AttnOut),
                         heads: None,
                         positions: Positions::Final(cfg.band),
-                        fill: fill_of(cfg.layer_output_fill),
+                        fill: cfg.layer_output_fill,
                     },
                     prompts: all.clone(),
                 });

@@ -22,7 +22,7 @@ use crate::tasks::{KvEvalSet, KvExample};
 
 use super::RunOptions;
 use super::exec::{ExecStats, Executor, Group, GroupResult};
-use super::experiment::{Experiment, Method, Selection};
+use super::experiment::{Experiment, Selection};
 use super::patching::Fill;
 use super::progress::Progress;
 use super::prompts::{PromptMeta, group_examples};
@@ -317,12 +317,17 @@ pub fn head_cells(
     Ok(out)
 }
 
-/// The fill of an ablation method.
-pub fn fill_of(m: Method) -> Fill {
-    match m {
-        Method::Zero => Fill::Zero,
-        Method::Mean => Fill::Mean,
-        Method::Resample => Fill::Resample,
+/// An error naming `[section] key` when a fill needs a partner prompt (`source`), which
+/// only patch-heads' paired prompts have.
+pub fn no_source(exp: &Experiment, section: &str, key: &str, fills: &[Fill]) -> Result<()> {
+    if fills.contains(&Fill::Source) {
+        Err(exp.err(
+            section,
+            key,
+            "\"source\" needs paired prompts (patch-heads); use \"zero\", \"mean\" or \"resample\"",
+        ))
+    } else {
+        Ok(())
     }
 }
 
