@@ -126,6 +126,48 @@ fn settings_for_hash(exp: &Experiment) -> serde_json::Value {
     serde_json::to_value(&f).expect("experiment settings serialise")
 }
 
+/// `--device`, else `[model] device`, else the CPU.
+fn device_of(exp: &Experiment, opts: &RunOptions) -> Result<DeviceSpec> {
+    Ok(match (&opts.device, &exp.file.model.device) {
+        (Some(d), _) => d.clone(),
+        (None, Some(s)) => s
+            .parse::<DeviceSpec>()
+            .map_err(|e| exp.err("model", "device", e))?,
+        (None, None) => DeviceSpec::Cpu,
+    })
+}
+
+/// Add one model's notes (tagged with the model when there are several), counters and
+/// rows (appended to the table of the same name) to the run's.
+fn merge_model_output(
+    notes: &mut Vec<String>,
+    stats: &mut ExecStats,
+    tables: &mut Vec<(String, Vec<LongRow>)>,
+    tag: Option<&str>,
+    ctx: &kinds::Ctx,
+    out: kinds::KindOutput,
+) {
+    for n in &ctx.notes {
+        let tagged = match tag {
+            Some(m) => format!("{m}: {n}"),
+            None => n.clone(),
+        };
+        if !notes.contains(&tagged) {
+            notes.push(tagged);
+        }
+    }
+    stats.cells_computed += ctx.stats.cells_computed;
+    stats.cells_resumed += ctx.stats.cells_resumed;
+    stats.forwards += ctx.stats.forwards;
+    stats.seconds += ctx.stats.seconds;
+    for (t, rows) in out.tables {
+        match tables.iter_mut().find(|(n, _)| *n == t) {
+            Some((_, acc)) => acc.extend(rows),
+            None => tables.push((t, rows)),
+        }
+    }
+}
+
 /// Run the experiment at `path`.
 pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let t0 = Instant::now();
@@ -136,13 +178,7 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     for n in &notes {
         eprintln!("note: {n}");
     }
-    let device_spec = match (&opts.device, &exp.file.model.device) {
-        (Some(d), _) => d.clone(),
-        (None, Some(s)) => s
-            .parse::<DeviceSpec>()
-            .map_err(|e| exp.err("model", "device", e))?,
-        (None, None) => DeviceSpec::Cpu,
-    };
+    let device_spec = device_of(&exp, opts)?;
     let device = device_spec.device()?;
     let data_dir = opts.data_root.join(&name);
     let report_dir = opts.reports_root.join(&name);
@@ -182,26 +218,8 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
             max_rows: exp.max_rows(&device_spec),
         };
         let out = kind.run(&mut ctx)?;
-        for n in &ctx.notes {
-            let tagged = if models.len() > 1 {
-                format!("{}: {n}", mref.name)
-            } else {
-                n.clone()
-            };
-            if !notes.contains(&tagged) {
-                notes.push(tagged);
-            }
-        }
-        stats.cells_computed += ctx.stats.cells_computed;
-        stats.cells_resumed += ctx.stats.cells_resumed;
-        stats.forwards += ctx.stats.forwards;
-        stats.seconds += ctx.stats.seconds;
-        for (t, rows) in out.tables {
-            match tables.iter_mut().find(|(n, _)| *n == t) {
-                Some((_, acc)) => acc.extend(rows),
-                None => tables.push((t, rows)),
-            }
-        }
+        let tag = (models.len() > 1).then_some(mref.name.as_str());
+        merge_model_output(&mut notes, &mut stats, &mut tables, tag, &ctx, out);
     }
     let mut written = Vec::new();
     for (t, rows) in &tables {
