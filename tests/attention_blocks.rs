@@ -13,8 +13,8 @@ use phaselens::model::kvc::{GateMode, KvcConfig, KvcModel};
 use phaselens::model::weights::{RandomInit, Vb};
 use phaselens::model::{LanguageModel, Suffix, deepseek_v4};
 
-mod tensor_common;
-use tensor_common::*;
+mod common;
+use common::*;
 
 fn dev() -> Device {
     Device::flex()

@@ -8,9 +8,7 @@ use clap::{Args, Subcommand};
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::{Action, HookPoint, HookSpec, Scope, Site};
-use phaselens::model::kvc::{
-    AttentionKind, CompressionConfig, GateMode, KvcConfig, KvcModel, RopeMode,
-};
+use phaselens::model::kvc::{KvcConfig, KvcModel};
 use phaselens::model::weights::{RandomInit, Vb};
 
 /// Benchmarks. Numbers are wall-clock on this machine; compare ratios, not absolutes.
@@ -214,7 +212,6 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
 /// The synthetic kvc model of `bench forward` (W = S = 8, a 16-token tail, random init).
 fn synthetic_kvc(b: &ForwardBench, device: &burn::tensor::Device) -> Result<KvcModel> {
     let cfg = KvcConfig {
-        model_type: "phaselens-kvc".into(),
         vocab_size: 256,
         d_model: b.d_model,
         n_layers: b.layers,
@@ -222,25 +219,10 @@ fn synthetic_kvc(b: &ForwardBench, device: &burn::tensor::Device) -> Result<KvcM
         n_kv_heads: b.kv_heads,
         d_head: None,
         d_ff: 4 * b.d_model,
-        norm_eps: 1e-6,
-        rope: RopeMode::All,
-        rope_dims: None,
-        rope_theta: 10000.0,
-        qk_norm: true,
-        tied_kv: false,
-        sink: true,
-        tie_embeddings: false,
-        key_shift: false,
-        attention: AttentionKind::Compressed,
-        compression: Some(CompressionConfig {
-            window: 8,
-            stride: 8,
-            local_tail: 16,
-            gate: GateMode::Scalar,
-            gate_bias: true,
-        }),
         init_std: 0.02,
-    };
+        ..KvcConfig::tiny()
+    }
+    .with_compression(8, 8, 16);
     Ok(KvcModel::new(
         &cfg,
         &Vb::new(&RandomInit { seed: 0 }, device),
