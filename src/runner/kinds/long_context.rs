@@ -390,7 +390,7 @@ fn pooled<'c>(cells: impl Iterator<Item = &'c Cell>) -> f64 {
 /// Per model and protocol: accuracy by phase x length (over depths), the NIAH picture
 /// by phase (depth x phase rows, length columns) and a table of the headline numbers
 /// per length.
-fn draw(cfg: &LongContext, f: &mut Figures) -> Result<()> {
+fn draw(_cfg: &LongContext, f: &mut Figures) -> Result<()> {
     let Some(data_dir) = f.data.tables.first().and_then(|p| p.parent()) else {
         return Ok(());
     };
@@ -411,165 +411,190 @@ fn draw(cfg: &LongContext, f: &mut Figures) -> Result<()> {
             if mine.is_empty() {
                 continue;
             }
-            draw_protocol(cfg, f, &m, proto, &mine)?;
+            draw_protocol(f, &m, proto, &mine)?;
         }
     }
     Ok(())
 }
 
-fn draw_protocol(
-    _cfg: &LongContext,
-    f: &mut Figures,
-    m: &str,
-    proto: &str,
-    cells: &[&Cell],
-) -> Result<()> {
-    let mut lengths: Vec<u64> = cells.iter().map(|c| c.length).collect();
-    lengths.sort_unstable();
-    lengths.dedup();
-    let mut phases: Vec<u64> = cells.iter().map(|c| c.phase).collect();
-    phases.sort_unstable();
-    phases.dedup();
-    let mut depths: Vec<f64> = cells.iter().map(|c| c.depth).collect();
-    depths.sort_by(f64::total_cmp);
-    depths.dedup();
-    let suffix = if proto == "prefix" {
-        "_prefix"
-    } else {
-        "_in_sequence"
-    };
-    // Headline numbers per length, from the long rows (cluster-bootstrap CIs).
-    let d = f.data;
-    let fmt_ci = |metric: String| {
-        d.scalar(m, &metric)
-            .map(|r| match (r.ci_lo, r.ci_hi) {
-                (Some(lo), Some(hi)) => format!("{:.1} [{:.1}, {:.1}]", r.value, lo, hi),
-                _ => format!("{:.1}", r.value),
-            })
-            .unwrap_or_else(|| "-".into())
-    };
-    let mut table = Vec::new();
-    for &l in &lengths {
-        let at = |x: &str| format!("{x}{suffix}_len{l}");
-        let pct = |metric: String| {
+/// The cells of one model and protocol, with their sorted axes.
+struct Grid<'c> {
+    m: &'c str,
+    proto: &'c str,
+    cells: &'c [&'c Cell],
+    lengths: Vec<u64>,
+    phases: Vec<u64>,
+    depths: Vec<f64>,
+}
+
+impl<'c> Grid<'c> {
+    fn new(m: &'c str, proto: &'c str, cells: &'c [&'c Cell]) -> Self {
+        let sorted = |mut v: Vec<u64>| {
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let mut depths: Vec<f64> = cells.iter().map(|c| c.depth).collect();
+        depths.sort_by(f64::total_cmp);
+        depths.dedup();
+        Grid {
+            m,
+            proto,
+            cells,
+            lengths: sorted(cells.iter().map(|c| c.length).collect()),
+            phases: sorted(cells.iter().map(|c| c.phase).collect()),
+            depths,
+        }
+    }
+
+    /// Pooled accuracy (%) of the cells at `length` that pass `keep`.
+    fn acc(&self, length: u64, keep: impl Fn(&Cell) -> bool) -> f64 {
+        pooled(
+            self.cells
+                .iter()
+                .copied()
+                .filter(|c| c.length == length && keep(c)),
+        )
+    }
+
+    /// The report table: per length, accuracy and phase gap with their cluster-bootstrap
+    /// CIs (long rows), best and worst phase, and accuracy by depth.
+    fn headline_table(&self, f: &mut Figures) {
+        let (d, m) = (f.data, self.m);
+        let suffix = if self.proto == "prefix" {
+            "_prefix"
+        } else {
+            "_in_sequence"
+        };
+        let cell = |metric: String, scale: f64| {
             d.scalar(m, &metric)
                 .map(|r| match (r.ci_lo, r.ci_hi) {
-                    (Some(lo), Some(hi)) => {
-                        format!("{:.1} [{:.1}, {:.1}]", 100.0 * r.value, 100.0 * lo, 100.0 * hi)
-                    }
-                    _ => format!("{:.1}", 100.0 * r.value),
+                    (Some(lo), Some(hi)) => format!(
+                        "{:.1} [{:.1}, {:.1}]",
+                        scale * r.value,
+                        scale * lo,
+                        scale * hi
+                    ),
+                    _ => format!("{}", scale * r.value),
                 })
                 .unwrap_or_else(|| "-".into())
         };
-        let phase = |metric: String| {
-            d.scalar(m, &metric)
-                .map(|r| format!("{}", r.value))
-                .unwrap_or_else(|| "-".into())
-        };
-        let by_depth: Vec<String> = depths
+        let rows = self
+            .lengths
             .iter()
-            .map(|&dp| {
-                format!(
-                    "{:.1}",
-                    pooled(cells.iter().copied().filter(|c| c.length == l && c.depth == dp))
-                )
+            .map(|&l| {
+                let at = |x: &str| format!("{x}{suffix}_len{l}");
+                let by_depth: Vec<String> = self
+                    .depths
+                    .iter()
+                    .map(|&dp| format!("{:.1}", self.acc(l, |c| c.depth == dp)))
+                    .collect();
+                vec![
+                    l.to_string(),
+                    cell(at("mean_accuracy"), 100.0),
+                    cell(at("phase_gap_pp"), 1.0),
+                    cell(at("best_phase"), 1.0),
+                    cell(at("worst_phase"), 1.0),
+                    by_depth.join(" / "),
+                ]
             })
             .collect();
-        table.push(vec![
-            l.to_string(),
-            pct(at("mean_accuracy")),
-            fmt_ci(at("phase_gap_pp")),
-            phase(at("best_phase")),
-            phase(at("worst_phase")),
-            by_depth.join(" / "),
-        ]);
+        let depth_list: Vec<String> = self.depths.iter().map(|d| format!("{d}")).collect();
+        f.report.table(
+            format!(
+                "{} padding: accuracy (%) and phase gap (pp) by prompt length, 95% \
+                 cluster-bootstrap CIs over logical examples; last column: accuracy at needle \
+                 depths {}",
+                self.proto,
+                depth_list.join(" / ")
+            ),
+            [
+                "length",
+                "accuracy %",
+                "phase gap pp",
+                "best phase",
+                "worst phase",
+                "by depth %",
+            ]
+            .map(String::from)
+            .to_vec(),
+            rows,
+        );
     }
-    let depth_list: Vec<String> = depths.iter().map(|d| format!("{d}")).collect();
-    f.report.table(
-        format!(
-            "{proto} padding: accuracy (%) and phase gap (pp) by prompt length, 95% \
-             cluster-bootstrap CIs over logical examples; last column: accuracy at needle \
-             depths {}",
-            depth_list.join(" / ")
-        ),
-        vec![
-            "length".into(),
-            "accuracy %".into(),
-            "phase gap pp".into(),
-            "best phase".into(),
-            "worst phase".into(),
-            "by depth %".into(),
-        ],
-        table,
-    );
-    let cols: Vec<String> = lengths.iter().map(|l| l.to_string()).collect();
-    let tag = proto.replace('-', "_");
-    // Phase x length, over depths.
-    let matrix: Vec<Vec<f64>> = phases
+
+    /// A 0-100 % heatmap of `rows` (label, keep) x lengths.
+    fn heatmap(
+        &self,
+        f: &mut Figures,
+        name: &str,
+        what: &str,
+        y_label: &str,
+        rows: Vec<(String, Box<dyn Fn(&Cell) -> bool + '_>)>,
+    ) -> Result<()> {
+        let (m, proto) = (self.m, self.proto);
+        let n_rows = rows.len() as u32;
+        let (labels, keeps): (Vec<String>, Vec<_>) = rows.into_iter().unzip();
+        let matrix = keeps
+            .iter()
+            .map(|keep| self.lengths.iter().map(|&l| self.acc(l, keep)).collect())
+            .collect();
+        let spec = HeatmapSpec {
+            matrix,
+            row_labels: labels,
+            col_labels: self.lengths.iter().map(|l| l.to_string()).collect(),
+            title: format!("{m}, {proto} padding: {what}"),
+            x_label: "prompt length (tokens)".into(),
+            y_label: y_label.into(),
+            colorbar_label: "top-1 accuracy (%)".into(),
+            diverging: false,
+            range: Some((0.0, 100.0)),
+            annotate: true,
+            size: Some((
+                360 + 110 * self.lengths.len() as u32,
+                200 + 32 * n_rows.max(4),
+            )),
+        };
+        let tag = proto.replace('-', "_");
+        let fig = heatmap(f.dir.join(format!("long_context_{name}_{m}_{tag}")), &spec)?;
+        f.push(
+            &format!("{m}, {proto} padding: top-1 accuracy (%) by {what}"),
+            fig,
+        );
+        Ok(())
+    }
+}
+
+fn draw_protocol(f: &mut Figures, m: &str, proto: &str, cells: &[&Cell]) -> Result<()> {
+    let g = Grid::new(m, proto, cells);
+    g.headline_table(f);
+    let by_phase = g
+        .phases
         .iter()
         .map(|&r| {
-            lengths
-                .iter()
-                .map(|&l| pooled(cells.iter().copied().filter(|c| c.length == l && c.phase == r)))
-                .collect()
+            let keep: Box<dyn Fn(&Cell) -> bool> = Box::new(move |c: &Cell| c.phase == r);
+            (format!("phase {r}"), keep)
         })
         .collect();
-    let spec = HeatmapSpec {
-        matrix,
-        row_labels: phases.iter().map(|r| format!("phase {r}")).collect(),
-        col_labels: cols.clone(),
-        title: format!("{m}, {proto} padding: accuracy by phase and length"),
-        x_label: "prompt length (tokens)".into(),
-        y_label: "phase of the needle key".into(),
-        colorbar_label: "top-1 accuracy (%)".into(),
-        diverging: false,
-        range: Some((0.0, 100.0)),
-        annotate: true,
-        size: Some((300 + 110 * lengths.len() as u32, 200 + 40 * phases.len() as u32)),
-    };
-    let fig = heatmap(f.dir.join(format!("long_context_phase_{m}_{tag}")), &spec)?;
-    f.push(
-        &format!("{m}, {proto} padding: top-1 accuracy (%) by phase x prompt length, pooled over needle depths"),
-        fig,
-    );
-    // The NIAH picture by phase: rows depth x phase, columns length.
-    let mut rows = Vec::new();
-    let mut labels = Vec::new();
-    for &dp in &depths {
-        for &r in &phases {
-            labels.push(format!("depth {dp}, phase {r}"));
-            rows.push(
-                lengths
-                    .iter()
-                    .map(|&l| {
-                        pooled(cells.iter().copied().filter(|c| {
-                            c.length == l && c.phase == r && c.depth == dp
-                        }))
-                    })
-                    .collect(),
-            );
+    g.heatmap(
+        f,
+        "phase",
+        "phase x prompt length, pooled over needle depths",
+        "phase of the needle key",
+        by_phase,
+    )?;
+    let mut niah = Vec::new();
+    for &dp in &g.depths {
+        for &r in &g.phases {
+            let keep: Box<dyn Fn(&Cell) -> bool> =
+                Box::new(move |c: &Cell| c.phase == r && c.depth == dp);
+            niah.push((format!("depth {dp}, phase {r}"), keep));
         }
     }
-    let spec = HeatmapSpec {
-        matrix: rows,
-        row_labels: labels,
-        col_labels: cols,
-        title: format!("{m}, {proto} padding: needle in a haystack, by depth and phase"),
-        x_label: "prompt length (tokens)".into(),
-        y_label: "needle depth, phase".into(),
-        colorbar_label: "top-1 accuracy (%)".into(),
-        diverging: false,
-        range: Some((0.0, 100.0)),
-        annotate: true,
-        size: Some((
-            360 + 110 * lengths.len() as u32,
-            200 + 30 * (depths.len() * phases.len()) as u32,
-        )),
-    };
-    let fig = heatmap(f.dir.join(format!("long_context_niah_{m}_{tag}")), &spec)?;
-    f.push(
-        &format!("{m}, {proto} padding: top-1 accuracy (%) by needle depth x phase (rows) and prompt length (columns)"),
-        fig,
-    );
-    Ok(())
+    g.heatmap(
+        f,
+        "niah",
+        "needle depth x phase (rows) and prompt length (columns): the needle-in-a-haystack picture by phase",
+        "needle depth, phase",
+        niah,
+    )
 }
