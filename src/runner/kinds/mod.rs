@@ -359,4 +359,5 @@ kinds! {
     gate_profiles::GateProfiles,
     gate_cycling::GateCycling,
     attribution_patching::AttributionPatching,
+    path_patching::PathPatching,
 }
