@@ -10,12 +10,14 @@
 //! | [`specialization`](mod@specialization) | phase-specialization index of a head and a ranking of the most specialized heads |
 //! | [`effects`] | normalised logit difference for patching; relative change (%) for ablations |
 //! | [`gates`] | gate-profile statistics g(r), exp(H(E\[a\])), E\[exp(H(a))\] |
+//! | [`agreement`] | Spearman rank correlation and top-k recall of an estimate against a reference (attribution vs exact patching) |
 //!
 //! Conventions: a *phase* is an index `r` in `0..P`; accuracies are fractions in
 //! `[0, 1]` and gaps are reported in percentage points (pp, `100 x` a difference of
 //! fractions). Undefined values (for example the accuracy of a phase without
 //! observations) are `f64::NAN` inside vectors and `None` for scalars.
 
+pub mod agreement;
 pub mod bootstrap;
 pub mod clusters;
 pub mod effects;
@@ -24,6 +26,7 @@ pub mod intervals;
 pub mod profile;
 pub mod specialization;
 
+pub use agreement::{average_ranks, spearman, topk_recall};
 pub use bootstrap::{
     BootstrapCi, DEFAULT_LEVEL, DEFAULT_REPS, PhaseCluster, PhaseGap, bootstrap_ci,
     bootstrap_ci_vec, bootstrap_replicates, percentile, phase_accuracy, phase_accuracy_ci,

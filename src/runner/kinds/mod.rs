@@ -364,4 +364,6 @@ kinds! {
     gate_profiles::GateProfiles,
     gate_cycling::GateCycling,
     long_context::LongContext,
+    attribution_patching::AttributionPatching,
+    path_patching::PathPatching,
 }
