@@ -8,6 +8,7 @@ pub mod analysis;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod grid;
 pub mod hooks;
 pub mod model;
 pub mod output;
