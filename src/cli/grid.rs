@@ -8,6 +8,7 @@ use clap::{Args, Subcommand};
 use phaselens::device::DeviceSpec;
 use phaselens::grid::slurm::{self, Resources};
 use phaselens::grid::{self, Grid, GridOptions};
+use phaselens::runner::ProgressMode;
 
 /// Train and phase-sweep a grid of controlled designs (locally or as a Slurm job
 /// array), then merge every sweep into one table, figures and a report.
@@ -75,7 +76,7 @@ pub struct CommonArgs {
     /// Root of the figures and reports (<root>/grids/<grid>/).
     #[arg(long, default_value = "reports")]
     pub reports_dir: PathBuf,
-    /// No progress bars (plain lines only).
+    /// Plain progress lines instead of bars (the default when stderr is not a terminal).
     #[arg(long)]
     pub plain: bool,
 }
@@ -86,7 +87,11 @@ impl CommonArgs {
             data_root: self.data_dir.clone(),
             reports_root: self.reports_dir.clone(),
             device: self.device.clone(),
-            progress: !self.plain,
+            progress: if self.plain {
+                ProgressMode::Plain
+            } else {
+                ProgressMode::Auto
+            },
             fresh,
         }
     }

@@ -482,7 +482,7 @@ fn with_keys(grid: &Grid, mut df: DataFrame) -> Result<DataFrame> {
 /// Merge, draw and report (see the module docs). Returns what was written.
 pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
     let data = opts.data_dir(grid);
-    let bar = if opts.progress {
+    let bar = if opts.progress == crate::runner::ProgressMode::Auto {
         indicatif::ProgressBar::new(grid.designs.len() as u64)
     } else {
         indicatif::ProgressBar::hidden()

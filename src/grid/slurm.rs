@@ -2,7 +2,8 @@
 //! `phaselens grid task GRID --index $SLURM_ARRAY_TASK_ID`), and a merge job that
 //! depends on it (`--dependency=afterany`, so it merges whatever finished). Slurm does
 //! all the distribution; phaselens only writes the job scripts, records the job ids in
-//! `<grid dir>/slurm/jobs.json`, reads `squeue` / `sacct` for `status`, and on
+//! `<grid dir>/slurm/jobs.json`, reads `squeue`, `scontrol show job` and `sacct` for
+//! `status`, and on
 //! `--resume` resubmits the designs that are neither finished nor queued.
 
 use std::collections::BTreeMap;
@@ -375,38 +376,63 @@ fn squeue(ids: &[String]) -> Vec<JobState> {
     parse_rows(&String::from_utf8_lossy(&out.stdout), "squeue")
 }
 
-/// Finished (and running) jobs among `ids` from accounting, or when accounting is
-/// off, from the job-completion log (`sacct --completion`).
+/// Recent jobs among `ids` as slurmctld still holds them (`scontrol -o show job`, for
+/// `MinJobAge` seconds after they end), one entry per array task (`123_4`).
+fn scontrol(ids: &[String]) -> Vec<JobState> {
+    let mut out = Vec::new();
+    for id in ids {
+        let Ok(o) = Command::new("scontrol")
+            .args(["-o", "show", "job", id])
+            .output()
+        else {
+            return out;
+        };
+        for line in String::from_utf8_lossy(&o.stdout).lines() {
+            out.extend(parse_scontrol(line));
+        }
+    }
+    out
+}
+
+fn parse_scontrol(line: &str) -> Option<JobState> {
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|t| t.strip_prefix(k)?.strip_prefix('='))
+            .map(str::to_string)
+    };
+    let id = match (field("ArrayJobId"), field("ArrayTaskId")) {
+        (Some(a), Some(t)) if t.chars().all(|c| c.is_ascii_digit()) => format!("{a}_{t}"),
+        (Some(a), Some(t)) => format!("{a}_[{t}]"),
+        _ => field("JobId")?,
+    };
+    Some(JobState {
+        id,
+        state: field("JobState")?,
+        elapsed: field("RunTime").unwrap_or_default(),
+        source: "scontrol",
+    })
+}
+
+/// Jobs among `ids` from Slurm's accounting (`sacct`), if the cluster keeps it.
 fn sacct(ids: &[String]) -> (Vec<JobState>, Option<String>) {
     if ids.is_empty() {
         return (Vec::new(), None);
     }
-    let run = |completion: bool| {
-        let mut c = Command::new("sacct");
-        if completion {
-            c.arg("--completion");
-        }
-        c.args(["-n", "-P", "-X", "-o", "JobID,State,Elapsed", "-j"])
-            .arg(ids.join(","))
-            .output()
-    };
-    let mut note = None;
-    for completion in [false, true] {
-        match run(completion) {
-            Ok(o) if o.status.success() => {
-                return (
-                    parse_rows(&String::from_utf8_lossy(&o.stdout), "sacct"),
-                    note,
-                );
-            }
-            Ok(o) => note = Some(String::from_utf8_lossy(&o.stderr).trim().to_string()),
-            Err(e) => {
-                note = Some(format!("sacct: {e}"));
-                break;
-            }
-        }
+    match Command::new("sacct")
+        .args(["-n", "-P", "-X", "-o", "JobID,State,Elapsed", "-j"])
+        .arg(ids.join(","))
+        .output()
+    {
+        Ok(o) if o.status.success() => (
+            parse_rows(&String::from_utf8_lossy(&o.stdout), "sacct"),
+            None,
+        ),
+        Ok(o) => (
+            Vec::new(),
+            Some(String::from_utf8_lossy(&o.stderr).trim().to_string()),
+        ),
+        Err(e) => (Vec::new(), Some(format!("sacct: {e}"))),
     }
-    (Vec::new(), note)
 }
 
 fn parse_rows(text: &str, source: &'static str) -> Vec<JobState> {
@@ -541,12 +567,14 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
         ids.push(s.merge_job.clone());
     }
     let queue = squeue(&ids);
+    let recent = scontrol(&ids);
     let (acct, note) = sacct(&ids);
     let state_of = |id: &str| -> Option<String> {
         queue
             .iter()
+            .chain(&recent)
+            .chain(&acct)
             .find(|j| j.id == id)
-            .or_else(|| acct.iter().find(|j| j.id == id))
             .map(|j| {
                 if j.elapsed.is_empty() {
                     j.state.clone()
@@ -601,8 +629,10 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
         })
         .collect();
     let mut notes = Vec::new();
-    if let Some(n) = note.filter(|_| acct.is_empty() && !subs.is_empty()) {
-        notes.push(format!("sacct gave nothing: {n}"));
+    if let Some(n) = note.filter(|_| recent.is_empty() && !subs.is_empty()) {
+        notes.push(format!(
+            "no accounting ({n}): jobs older than slurmctld's MinJobAge show as (no record)"
+        ));
     }
     if !failed.is_empty() {
         notes.push(format!(
@@ -633,6 +663,21 @@ mod tests {
         );
         assert_eq!(rows[1].state, "CANCELLED");
         assert_eq!(rows[0].elapsed, "00:00:09");
+        let j = parse_scontrol("JobId=3 ArrayJobId=1 ArrayTaskId=1 JobName=t UserId=root(0) JobState=CANCELLED Reason=None RunTime=00:00:02").unwrap();
+        assert_eq!(
+            (j.id.as_str(), j.state.as_str(), j.elapsed.as_str()),
+            ("1_1", "CANCELLED", "00:00:02")
+        );
+        let j =
+            parse_scontrol("JobId=7 JobName=m JobState=PENDING Reason=Dependency RunTime=00:00:00")
+                .unwrap();
+        assert_eq!(j.id, "7");
+        assert_eq!(
+            parse_scontrol("JobId=9 ArrayJobId=9 ArrayTaskId=2-4 JobState=PENDING")
+                .unwrap()
+                .id,
+            "9_[2-4]"
+        );
     }
 
     #[test]

@@ -42,6 +42,9 @@ struct GridSection {
     name: Option<String>,
     #[serde(default)]
     description: String,
+    /// The paper's numbers the designs compare with (free text for the report).
+    #[serde(default)]
+    paper: String,
     /// The base recipe, relative to the grid file.
     base: PathBuf,
     /// Folder of the designs (recipes, models, checkpoints), relative to the grid file.
@@ -165,6 +168,8 @@ pub struct Grid {
     pub path: PathBuf,
     pub name: String,
     pub description: String,
+    /// `[grid] paper`: what the paper reports, for the report.
+    pub paper: String,
     /// The base recipe file.
     pub base: PathBuf,
     /// Folder of the designs' recipes, models and checkpoints.
@@ -365,6 +370,7 @@ impl Grid {
             path: path.to_path_buf(),
             name,
             description: raw.grid.description,
+            paper: raw.grid.paper,
             base,
             dir,
             designs,

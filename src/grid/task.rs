@@ -26,8 +26,9 @@ pub struct GridOptions {
     pub reports_root: PathBuf,
     /// Device of training and sweeps.
     pub device: DeviceSpec,
-    /// Progress bars.
-    pub progress: bool,
+    /// Progress: bars on a terminal (`Auto`), one line per checkpoint / chunk
+    /// (`Plain`, logs and Slurm), or nothing (`Hidden`).
+    pub progress: ProgressMode,
     /// Ignore checkpoints and finished sweeps (retrain and re-evaluate).
     pub fresh: bool,
 }
@@ -38,7 +39,7 @@ impl Default for GridOptions {
             data_root: PathBuf::from("notebooks-data"),
             reports_root: PathBuf::from("reports"),
             device: DeviceSpec::Cpu,
-            progress: true,
+            progress: ProgressMode::Auto,
             fresh: false,
         }
     }
@@ -272,7 +273,7 @@ pub fn run_design(grid: &Grid, d: &Design, opts: &GridOptions) -> Result<DesignR
         let topts = TrainOptions {
             fresh: opts.fresh,
             max_steps: None,
-            progress: opts.progress,
+            progress: opts.progress != ProgressMode::Hidden,
         };
         let s = train(&recipe, &file, &device, &topts)
             .map_err(|e| Error::Other(format!("design `{}`: training: {e}", d.name)))?;
@@ -305,11 +306,7 @@ pub fn run_design(grid: &Grid, d: &Design, opts: &GridOptions) -> Result<DesignR
             reports_root: data.join("reports"),
             fresh: opts.fresh,
             device: Some(opts.device.clone()),
-            progress: if opts.progress {
-                ProgressMode::Auto
-            } else {
-                ProgressMode::Hidden
-            },
+            progress: opts.progress,
             figures: false,
         };
         run_experiment(&exp_path, &ropts)
