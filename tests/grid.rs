@@ -123,7 +123,7 @@ fn local_grid_trains_sweeps_merges_and_resumes() {
         "paper = \"The paper: none for this grid.\"\n\
          [axes]\nseed = [0, 1]\n\
          [[design]]\nname = \"a\"\npaper = \"n/a\"\n\
-         [[design]]\nname = \"b\"\nset = {{ kv_heads = 2 }}\nnote = \"two KV heads\"\n{EVAL}"
+         [[design]]\nname = \"b\"\nset = {{ kv_heads = 2, steps = 12, period = 4 }}\nnote = \"two KV heads\"\n{EVAL}"
     ));
     let d = dir.path();
     let out = run_grid(d, &[]);
@@ -165,6 +165,8 @@ fn local_grid_trains_sweeps_merges_and_resumes() {
         "query_slot",
         "seed",
         "kv_heads",
+        "steps",
+        "period",
     ] {
         assert!(t.column_names().contains(&c), "{c}: {:?}", t.column_names());
     }

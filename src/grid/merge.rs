@@ -8,7 +8,9 @@
 //!   sets, read from the design's recipe).
 //! - `grid_summary.arrow` (+ `.parquet`): one row per design x sweep x protocol: mean
 //!   accuracy and phase gap with their cluster-bootstrap CIs (from the sweep's
-//!   `summary.json`), worst and best phase, training steps and final batch accuracy.
+//!   `summary.json`), worst and best phase, the phase period, training steps and
+//!   final batch accuracy (`phase_period`, `train_steps`, `final_batch_accuracy`, so
+//!   that no table column has the name of a key alias such as `period` or `steps`).
 //!
 //! Resumable: each design's part is cached in `<data>/<design>/part*.arrow` with the
 //! sizes and modification times of its inputs, and rebuilt only when those change.
@@ -262,7 +264,7 @@ fn build_part(
                 "protocol".into(),
                 srows.iter().map(|r| r.3.clone()).collect::<Vec<_>>(),
             ),
-            Column::new("period".into(), vec![period; n]),
+            Column::new("phase_period".into(), vec![period; n]),
             Column::new(
                 "n_logical".into(),
                 srows
@@ -300,7 +302,7 @@ fn build_part(
                 "worst_accuracy".into(),
                 srows.iter().map(|r| r.5).collect::<Vec<_>>(),
             ),
-            Column::new("steps".into(), vec![record.map(|r| r.steps); n]),
+            Column::new("train_steps".into(), vec![record.map(|r| r.steps); n]),
             Column::new(
                 "final_batch_accuracy".into(),
                 vec![record.and_then(|r| r.final_batch_accuracy); n],
@@ -631,10 +633,10 @@ fn summary_rows(df: &DataFrame) -> Result<Vec<SummaryRow>> {
     let (nb, slot, period, best, worst, steps) = (
         i("n_bindings")?,
         i("query_slot")?,
-        i("period")?,
+        i("phase_period")?,
         i("best_phase")?,
         i("worst_phase")?,
-        i("steps")?,
+        i("train_steps")?,
     );
     let (mean, mlo, mhi, gap, glo, ghi, wacc) = (
         f("mean_accuracy")?,
