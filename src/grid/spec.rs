@@ -94,9 +94,12 @@ pub struct EvalConfig {
     pub n_logical: usize,
     /// Protocols of the headline sweep. Default both.
     pub protocols: Vec<Protocol>,
-    /// Query slots: the final query is the k-th query of its prompt (the k - 1 before
-    /// it are teacher-forced). Default 1, 4, 8, 16. Slot 1 is the headline sweep.
-    pub slots: Vec<usize>,
+    /// Query slots: the final query is the k-th query of its prompt; the k - 1 before
+    /// it (teacher-forced) ask distinct other bindings, whatever the design's
+    /// `query_sampling`, so a model that eliminates already-asked bindings would gain.
+    /// Default 1, 4, 8, 16 (those up to the design's bindings). Slot 1 is the headline
+    /// sweep.
+    pub slots: Option<Vec<usize>>,
     /// Binding counts of a single final query. Default 8, 16, 24, 32 (the design's own
     /// count is the headline sweep).
     pub bindings: Vec<usize>,
@@ -110,12 +113,25 @@ pub struct EvalConfig {
     pub seed: Option<u64>,
 }
 
+impl EvalConfig {
+    /// The query slots of a design with `n_bindings` bindings.
+    pub fn slots_for(&self, n_bindings: usize) -> Vec<usize> {
+        match &self.slots {
+            Some(s) => s.clone(),
+            None => [1, 4, 8, 16]
+                .into_iter()
+                .filter(|&k| k <= n_bindings)
+                .collect(),
+        }
+    }
+}
+
 impl Default for EvalConfig {
     fn default() -> Self {
         EvalConfig {
             n_logical: 256,
             protocols: Protocol::ALL.to_vec(),
-            slots: vec![1, 4, 8, 16],
+            slots: None,
             bindings: vec![8, 16, 24, 32],
             detail_n_logical: 128,
             detail_protocol: Protocol::PrefixPadding,
@@ -354,6 +370,7 @@ impl Grid {
                     }
                 };
                 check_period(&file)
+                    .and_then(|()| check_slots(&file, &raw.eval))
                     .map_err(|m| bad(span, format!("design `{}`: {m}", design.name)))?;
                 designs.push(design);
             }
@@ -515,6 +532,17 @@ fn check_period(file: &OrganismFile) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// Slot sweeps ask distinct bindings before the target: at most N queries.
+fn check_slots(file: &OrganismFile, e: &EvalConfig) -> std::result::Result<(), String> {
+    let n = file.task.train.prompt.n_bindings;
+    match e.slots.iter().flatten().find(|&&k| k > n) {
+        Some(k) => Err(format!(
+            "[eval] slots: slot {k} needs {k} distinct bindings, the design has {n}"
+        )),
+        None => Ok(()),
+    }
+}
+
 fn check_eval(e: &EvalConfig) -> std::result::Result<(), String> {
     if e.n_logical == 0 || e.detail_n_logical == 0 {
         return Err("n_logical and detail_n_logical must be at least 1".into());
@@ -522,7 +550,7 @@ fn check_eval(e: &EvalConfig) -> std::result::Result<(), String> {
     if e.protocols.is_empty() {
         return Err("protocols: give at least one".into());
     }
-    if e.slots.contains(&0) || e.bindings.contains(&0) {
+    if e.slots.iter().flatten().any(|&k| k == 0) || e.bindings.contains(&0) {
         return Err("slots and bindings must be at least 1".into());
     }
     Ok(())

@@ -12,7 +12,7 @@ use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
 use crate::output::write_bytes_atomic;
 use crate::runner::{ProgressMode, RunOptions, run_experiment};
-use crate::tasks::{KvPromptConfig, Protocol};
+use crate::tasks::{KvPromptConfig, Protocol, QuerySampling};
 use crate::train::{OrganismFile, TrainOptions, config_hash, train};
 
 use super::spec::{Design, Grid};
@@ -68,7 +68,8 @@ impl GridOptions {
 pub enum EvalKind {
     /// The paper's single final query (the headline), every protocol.
     Final,
-    /// The final query at slot k (k - 1 queries before it).
+    /// The final query at slot k (k - 1 queries before it, asking distinct other
+    /// bindings).
     Slot,
     /// A single final query with N bindings.
     Bindings,
@@ -110,7 +111,7 @@ pub fn eval_specs(grid: &Grid, file: &OrganismFile) -> Vec<EvalSpec> {
         protocols: e.protocols.clone(),
         n_logical: e.n_logical,
     }];
-    for &k in e.slots.iter().filter(|&&k| k != 1) {
+    for k in e.slots_for(n).into_iter().filter(|&k| k != 1) {
         out.push(EvalSpec {
             name: format!("slot-{k}"),
             kind: EvalKind::Slot,
@@ -135,11 +136,16 @@ pub fn eval_specs(grid: &Grid, file: &OrganismFile) -> Vec<EvalSpec> {
 
 /// The `phase-sweep` experiment TOML of one sweep (it lives in `<design>/eval/`).
 pub fn experiment_text(grid: &Grid, d: &Design, file: &OrganismFile, s: &EvalSpec) -> String {
-    let prompt = KvPromptConfig {
+    let mut prompt = KvPromptConfig {
         n_bindings: s.n_bindings,
         n_queries: s.n_queries,
         ..file.task.train.prompt.clone()
     };
+    if s.kind == EvalKind::Slot {
+        // The k - 1 queries before the target ask distinct bindings: the strongest
+        // cue a model that eliminates already-asked bindings could use.
+        prompt.query_sampling = QuerySampling::Distinct;
+    }
     let mut exp = toml::Table::new();
     let mut section = toml::Table::new();
     section.insert("name".into(), s.name.clone().into());
