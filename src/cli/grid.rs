@@ -1,6 +1,6 @@
 //! `phaselens grid`: train and phase-sweep a matrix of designs, locally or on Slurm.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
@@ -157,7 +157,7 @@ pub enum GridCommand {
     },
 }
 
-fn load(path: &PathBuf) -> Result<Grid> {
+fn load(path: &Path) -> Result<Grid> {
     Grid::load(path).with_context(|| format!("loading grid {}", path.display()))
 }
 

@@ -54,6 +54,11 @@ struct GridSection {
 }
 
 type KeyMap = BTreeMap<Spanned<String>, Spanned<toml::Value>>;
+/// An explicit design (or none: the base alone) and its keys in file order.
+type Named<'a> = (
+    Option<&'a RawDesign>,
+    Vec<(&'a Spanned<String>, &'a Spanned<toml::Value>)>,
+);
 
 /// `[[design]]`
 #[derive(Debug, Clone, Deserialize)]
@@ -264,10 +269,7 @@ impl Grid {
         }
 
         // Explicit designs (or the base alone), crossed with the axes.
-        let named: Vec<(
-            Option<&RawDesign>,
-            Vec<(&Spanned<String>, &Spanned<toml::Value>)>,
-        )> = if raw.design.is_empty() {
+        let named: Vec<Named> = if raw.design.is_empty() {
             vec![(None, Vec::new())]
         } else {
             raw.design
