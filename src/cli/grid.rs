@@ -131,7 +131,7 @@ pub enum GridCommand {
         #[command(flatten)]
         common: CommonArgs,
     },
-    /// The Slurm jobs of the grid (squeue / sacct) and each design's progress.
+    /// The Slurm jobs of the grid (squeue / scontrol / sacct) and each design's progress.
     Status {
         grid: PathBuf,
         #[command(flatten)]
