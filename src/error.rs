@@ -1,7 +1,13 @@
-//! The library's error type. Every variant names what the user has to fix: the file,
-//! the tensor, the config field or the hook point.
+//! The library's one error type. Every variant names what the user has to fix: the file,
+//! the tensor, the config field or the hook point. The errors of the sub-modules
+//! (tables, figures, reports, statistics, task generators) convert into it with `?`
+//! and keep their source chain; [`ResultExt::context`] adds what was being done.
 
 use std::path::PathBuf;
+
+use crate::analysis::AnalysisError;
+use crate::output::{FigureError, ReportError, TableError};
+use crate::tasks::TaskError;
 
 /// Errors raised by phaselens' library code.
 #[derive(Debug, thiserror::Error)]
@@ -38,7 +44,32 @@ pub enum Error {
     /// A device was requested that this build cannot provide.
     #[error("device `{device}`: {message}")]
     Device { device: String, message: String },
-    /// Anything else, with context.
+    /// A tensor could not be read back from the device.
+    #[error("reading a tensor back from the device: {0}")]
+    Readback(#[from] burn::tensor::TensorReadError),
+    /// A table could not be built, written or read.
+    #[error(transparent)]
+    Table(#[from] TableError),
+    /// A figure could not be drawn.
+    #[error(transparent)]
+    Figure(#[from] FigureError),
+    /// A report could not be written.
+    #[error(transparent)]
+    Report(#[from] ReportError),
+    /// A statistic got invalid input.
+    #[error(transparent)]
+    Analysis(#[from] AnalysisError),
+    /// A task (prompt) generator got an impossible config.
+    #[error(transparent)]
+    Task(#[from] TaskError),
+    /// An error with what was being done when it happened.
+    #[error("{context}: {source}")]
+    Context {
+        context: String,
+        #[source]
+        source: Box<Error>,
+    },
+    /// A violated invariant or a condition without an underlying error, in words.
     #[error("{0}")]
     Other(String),
 }
@@ -78,5 +109,46 @@ impl Error {
             point: point.into(),
             message: message.into(),
         }
+    }
+
+    /// Wrap `self` with what was being done (`"loading model organisms/x"`).
+    pub fn context(self, context: impl Into<String>) -> Self {
+        Error::Context {
+            context: context.into(),
+            source: Box::new(self),
+        }
+    }
+}
+
+/// `.context(...)` on any result whose error converts into [`Error`]; the original
+/// error stays the source.
+pub trait ResultExt<T> {
+    /// Wrap the error with `context()`, computed only on failure.
+    fn context_with<C: Into<String>>(self, context: impl FnOnce() -> C) -> Result<T>;
+}
+
+impl<T, E: Into<Error>> ResultExt<T> for std::result::Result<T, E> {
+    fn context_with<C: Into<String>>(self, context: impl FnOnce() -> C) -> Result<T> {
+        self.map_err(|e| e.into().context(context()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn sub_errors_convert_and_keep_their_source() {
+        let task = TaskError::config("n_bindings", "must be at least 1");
+        let msg = task.to_string();
+        let e: Error = Err::<(), _>(task).context_with(|| "[task]").unwrap_err();
+        assert_eq!(e.to_string(), format!("[task]: {msg}"));
+        let src = e.source().expect("the context keeps its source");
+        assert_eq!(src.to_string(), msg);
+        assert!(
+            matches!(&e, Error::Context { source, .. } if matches!(**source, Error::Task(_))),
+            "{e:?}"
+        );
     }
 }

@@ -5,7 +5,6 @@
 //! tables -> figures/report.
 
 pub mod analysis;
-pub mod config;
 pub mod device;
 pub mod error;
 pub mod grid;
@@ -14,6 +13,7 @@ pub mod model;
 pub mod output;
 pub mod runner;
 pub mod tasks;
+pub mod toml_file;
 pub mod train;
 
 pub use error::{Error, Result};

@@ -7,9 +7,7 @@ use std::process::Command;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use phaselens::hooks::HookSpec;
-use phaselens::model::kvc::{
-    AttentionKind, CompressionConfig, GateMode, KvcConfig, KvcModel, RopeMode,
-};
+use phaselens::model::kvc::{KvcConfig, KvcModel, RopeMode};
 use phaselens::model::safetensors_io::{
     OwnedTensor, SafetensorsReader, TensorValues, write_safetensors,
 };
@@ -18,33 +16,19 @@ use phaselens::model::{load_kvc, load_model, save_kvc};
 
 fn config() -> KvcConfig {
     KvcConfig {
-        model_type: "phaselens-kvc".into(),
         vocab_size: 29,
         d_model: 16,
-        n_layers: 2,
         n_heads: 2,
         n_kv_heads: 1,
         d_head: None,
         d_ff: 24,
-        norm_eps: 1e-6,
         rope: RopeMode::Partial,
         rope_dims: Some(4),
-        rope_theta: 10000.0,
-        qk_norm: true,
-        tied_kv: false,
-        sink: true,
-        tie_embeddings: false,
         key_shift: true,
-        attention: AttentionKind::Compressed,
-        compression: Some(CompressionConfig {
-            window: 4,
-            stride: 4,
-            local_tail: 2,
-            gate: GateMode::Scalar,
-            gate_bias: true,
-        }),
         init_std: 0.1,
+        ..KvcConfig::tiny()
     }
+    .with_compression(4, 4, 2)
 }
 
 fn saved(dir: &Path) -> KvcModel {

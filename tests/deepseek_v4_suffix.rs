@@ -11,8 +11,8 @@ use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
 use phaselens::model::safetensors_io::SafetensorsReader;
 use phaselens::model::{LanguageModel, Suffix};
 
-mod tensor_common;
-use tensor_common::*;
+mod common;
+use common::*;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -9,8 +9,8 @@ use phaselens::model::kvc::{
 };
 use phaselens::model::weights::{RandomInit, Vb};
 
-mod tensor_common;
-use tensor_common::*;
+mod common;
+use common::*;
 
 fn dev() -> Device {
     Device::flex()

@@ -1,17 +1,17 @@
 //! End-to-end tests of ablate-heads, knockout, gate-profiles, gate-cycling and
 //! phase-sweep on tiny random organisms, and the redraw of figures from tables.
 
-mod runner_common;
+mod common;
 
 use std::collections::BTreeMap;
 
+use common::runner::*;
 use phaselens::output::{
     HeadKind, LONG_COLUMNS, LongRow, PHASE_ACCURACY_COLUMNS, Table, read_long_rows,
     read_phase_accuracy_rows, validate_columns,
 };
-use phaselens::runner::figures::draw_all;
+use phaselens::runner::report::draw_all;
 use phaselens::runner::run_experiment;
-use runner_common::*;
 
 fn rows(path: &std::path::Path) -> Vec<LongRow> {
     let t = Table::read_arrow(path).unwrap();
@@ -348,10 +348,11 @@ fn shipped_experiments_parse() {
         let p = e.path();
         if p.extension().is_some_and(|x| x == "toml") {
             let exp = phaselens::runner::Experiment::load(&p).unwrap_or_else(|e| panic!("{e}"));
-            kinds.push(exp.kind());
+            kinds.push(exp.kind().name());
         }
     }
-    for k in phaselens::runner::Kind::ALL {
+    for k in phaselens::runner::KindConfig::all() {
+        let k = k.kind().name();
         assert!(kinds.contains(&k), "no shipped experiment of kind {k}");
     }
 }

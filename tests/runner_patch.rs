@@ -1,8 +1,9 @@
 //! patch-heads end to end, the batched routine against the one-forward-per-cell
 //! loop, exactness, resume, and the checks before compute.
 
-mod runner_common;
+mod common;
 
+use common::runner::*;
 use phaselens::hooks::{Action, HookPoint, Site};
 use phaselens::output::{
     LONG_COLUMNS, META_EXPERIMENT_TOML, META_VERSION, Table, read_long_rows, validate_columns,
@@ -16,7 +17,6 @@ use phaselens::runner::run_experiment;
 use phaselens::tasks::{
     KvEvalConfig, KvPromptConfig, Period, Protocol, TokenSpace, generate_eval_set,
 };
-use runner_common::*;
 
 const PATCH: &str = r#"
 [experiment]

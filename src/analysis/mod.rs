@@ -17,6 +17,7 @@
 //! observations) are `f64::NAN` inside vectors and `None` for scalars.
 
 pub mod bootstrap;
+pub mod clusters;
 pub mod effects;
 pub mod gates;
 pub mod intervals;
@@ -28,10 +29,14 @@ pub use bootstrap::{
     bootstrap_ci_vec, bootstrap_replicates, percentile, phase_accuracy, phase_accuracy_ci,
     phase_gap,
 };
+pub use clusters::{Clusters, Est, Obs, accuracy_clusters, per_phase, phase_clusters};
 pub use effects::{MIN_LOGIT_DIFF_DENOM, normalized_logit_diff, relative_change_pct};
 pub use gates::{GATE_SUM_TOLERANCE, GateStats, exp_entropy, gate_stats};
 pub use intervals::{Z95, wilson};
-pub use profile::{ProfileCluster, ProfileFit, mae, profile_fit, r_squared};
+pub use profile::{
+    ProfileCluster, ProfileFit, concatenated_mae, concatenated_profiles, concatenated_r2, mae,
+    pooled_mae, profile_fit, r_squared,
+};
 pub use specialization::{RankedHead, Specialization, rank_specialized, specialization};
 
 /// Errors of the statistics functions. Each names the offending input.

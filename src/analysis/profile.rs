@@ -111,6 +111,45 @@ fn pooled(s: &[&ProfileCluster]) -> (Vec<f64>, Vec<f64>) {
         .unzip()
 }
 
+/// MAE between the pooled profiles of a resample, `NaN` where undefined: the MAE
+/// statistic of [`profile_fit`], for a bootstrap when R^2 is undefined (a constant
+/// observed profile).
+pub fn pooled_mae(s: &[&ProfileCluster]) -> f64 {
+    let (a, b) = pooled(s);
+    mae(&a, &b).unwrap_or(f64::NAN)
+}
+
+/// Several interventions at once: each example holds one [`ProfileCluster`] per
+/// intervention (the same count for every example). The pooled profiles of every
+/// intervention, concatenated (phases defined in both only).
+pub fn concatenated_profiles(s: &[&Vec<ProfileCluster>]) -> (Vec<f64>, Vec<f64>) {
+    let mut pred = Vec::new();
+    let mut obs = Vec::new();
+    for i in 0..s.first().map_or(0, |e| e.len()) {
+        let pr = phase_accuracy(s.iter().map(|e| &e[i].predicted));
+        let ob = phase_accuracy(s.iter().map(|e| &e[i].observed));
+        for (a, b) in pr.into_iter().zip(ob) {
+            if a.is_finite() && b.is_finite() {
+                pred.push(a);
+                obs.push(b);
+            }
+        }
+    }
+    (pred, obs)
+}
+
+/// R^2 of [`concatenated_profiles`], `NaN` where undefined.
+pub fn concatenated_r2(s: &[&Vec<ProfileCluster>]) -> f64 {
+    let (a, b) = concatenated_profiles(s);
+    r_squared(&a, &b).unwrap_or(f64::NAN)
+}
+
+/// MAE of [`concatenated_profiles`], `NaN` where undefined.
+pub fn concatenated_mae(s: &[&Vec<ProfileCluster>]) -> f64 {
+    let (a, b) = concatenated_profiles(s);
+    mae(&a, &b).unwrap_or(f64::NAN)
+}
+
 /// R^2 and MAE between the pooled predicted and observed profiles, with cluster
 /// bootstrap percentile intervals (examples are clusters; predicted and observed
 /// outcomes of an example are resampled together). Phases missing from either

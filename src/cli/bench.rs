@@ -8,9 +8,7 @@ use clap::{Args, Subcommand};
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::{Action, HookPoint, HookSpec, Scope, Site};
-use phaselens::model::kvc::{
-    AttentionKind, CompressionConfig, GateMode, KvcConfig, KvcModel, RopeMode,
-};
+use phaselens::model::kvc::{KvcConfig, KvcModel};
 use phaselens::model::weights::{RandomInit, Vb};
 
 /// Benchmarks. Numbers are wall-clock on this machine; compare ratios, not absolutes.
@@ -23,8 +21,15 @@ pub struct BenchArgs {
 #[derive(Subcommand, Debug)]
 pub enum BenchWhat {
     /// Forward tokens/s of a kvc model: no hooks, captures, one intervention; plus the
-    /// cost of an empty HookSpec's dispatch.
-    #[command(after_help = "Example:\n  phaselens bench forward --tokens 1024 --reps 5")]
+    /// cost of an empty HookSpec's dispatch. With `--model DIR` (any checkpoint) or
+    /// several `--tokens`: tokens/s and peak RSS per sequence length.
+    #[command(
+        after_help = "Examples:\n  phaselens bench forward --tokens 1024 --reps 5\n  \
+        phaselens bench forward --model experiments/organisms/kvc-w8s8 --tokens 1024,4096,16384,65536 --reps 1\n\n\
+        The length sweep prints seconds per forward, tokens/s, the process's peak resident set\n\
+        (reset before each length) and, for scale, the f32 weights and one layer's K/V state at\n\
+        that length; --json writes the same numbers."
+    )]
     Forward(ForwardBench),
     /// Cells/s of the runner's batched patching vs one forward per cell.
     Patching(super::run::PatchingBench),
@@ -40,8 +45,16 @@ pub struct ForwardBench {
     pub heads: usize,
     #[arg(long, default_value_t = 2)]
     pub kv_heads: usize,
-    #[arg(long, default_value_t = 1024)]
-    pub tokens: usize,
+    /// Sequence length(s); several (comma-separated) sweep them.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1024])]
+    pub tokens: Vec<usize>,
+    /// Any model directory (kvc or DeepSeek-V4) instead of the synthetic kvc model;
+    /// measures the length sweep.
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    /// Write the length sweep as JSON.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// Timed repetitions per variant (after one warm-up).
@@ -64,40 +77,19 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn forward(b: ForwardBench) -> Result<()> {
+    if b.model.is_some() || b.tokens.len() > 1 {
+        return length_sweep(b);
+    }
+    if b.reps == 0 {
+        anyhow::bail!("--reps must be at least 1");
+    }
     let device = b.device.device()?;
-    let cfg = KvcConfig {
-        model_type: "phaselens-kvc".into(),
-        vocab_size: 256,
-        d_model: b.d_model,
-        n_layers: b.layers,
-        n_heads: b.heads,
-        n_kv_heads: b.kv_heads,
-        d_head: None,
-        d_ff: 4 * b.d_model,
-        norm_eps: 1e-6,
-        rope: RopeMode::All,
-        rope_dims: None,
-        rope_theta: 10000.0,
-        qk_norm: true,
-        tied_kv: false,
-        sink: true,
-        tie_embeddings: false,
-        key_shift: false,
-        attention: AttentionKind::Compressed,
-        compression: Some(CompressionConfig {
-            window: 8,
-            stride: 8,
-            local_tail: 16,
-            gate: GateMode::Scalar,
-            gate_bias: true,
-        }),
-        init_std: 0.02,
-    };
-    let model = KvcModel::new(&cfg, &Vb::new(&RandomInit { seed: 0 }, &device))?;
-    let ids: Vec<i64> = (0..b.batch * b.tokens)
+    let tokens_len = b.tokens[0];
+    let model = synthetic_kvc(&b, &device)?;
+    let ids: Vec<i64> = (0..b.batch * tokens_len)
         .map(|i| (i * 31 % 251) as i64)
         .collect();
-    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b.batch, b.tokens]), &device);
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b.batch, tokens_len]), &device);
     let variants: Vec<(&str, HookSpec)> = vec![
         ("no hooks (empty HookSpec)", HookSpec::new()),
         (
@@ -117,7 +109,7 @@ fn forward(b: ForwardBench) -> Result<()> {
     ];
     println!(
         "kvc forward: {} layers, d_model {}, {} heads / {} KV heads, W=S=8, batch {} x {} tokens, {} reps (median)",
-        b.layers, b.d_model, b.heads, b.kv_heads, b.batch, b.tokens, b.reps
+        b.layers, b.d_model, b.heads, b.kv_heads, b.batch, tokens_len, b.reps
     );
     // Warm up, then time the variants round-robin so that load changes on a shared
     // machine hit every variant alike.
@@ -138,7 +130,7 @@ fn forward(b: ForwardBench) -> Result<()> {
     for ((name, _), t) in variants.iter().zip(&medians) {
         println!(
             "  {name:<52} {:>9.0} tokens/s   {:>7.1} ms   x{:.3} vs no hooks",
-            (b.batch * b.tokens) as f64 / t,
+            (b.batch * tokens_len) as f64 / t,
             t * 1e3,
             t / base
         );
@@ -163,4 +155,76 @@ fn forward(b: ForwardBench) -> Result<()> {
         100.0 * per_forward / base
     );
     Ok(())
+}
+
+/// `bench forward --model DIR --tokens ...`: tokens/s and peak RSS per length.
+fn length_sweep(b: ForwardBench) -> Result<()> {
+    use anyhow::Context;
+    use phaselens::model::bench::forward_sweep;
+    let device = b.device.device()?;
+    let model: Box<dyn phaselens::model::LanguageModel> = match &b.model {
+        Some(dir) => phaselens::model::load_model(dir, &device)
+            .with_context(|| format!("loading {}", dir.display()))?,
+        None => Box::new(synthetic_kvc(&b, &device)?),
+    };
+    let name = b
+        .model
+        .as_ref()
+        .map_or("synthetic kvc".to_string(), |d| d.display().to_string());
+    let mib = |x: u64| x as f64 / (1 << 20) as f64;
+    let info = model.info();
+    println!(
+        "{name}: {} ({} layers, d_model {}), batch {}, {} rep(s) per length (median), device {:?}",
+        info.arch,
+        info.layers.len(),
+        info.d_model,
+        b.batch,
+        b.reps,
+        b.device
+    );
+    println!(
+        "| tokens | s / forward | tokens/s | peak RSS MiB | RSS before MiB | weights MiB | one layer K/V MiB | logits MiB |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let points = forward_sweep(model.as_ref(), &b.tokens, b.batch, b.reps, |p| {
+        println!(
+            "| {} | {:.3} | {:.0} | {} | {} | {:.1} | {:.1} | {:.1} |",
+            p.tokens,
+            p.seconds,
+            p.tokens_per_second,
+            p.peak_rss_bytes
+                .map_or("n/a".into(), |x| format!("{:.0}", mib(x))),
+            p.base_rss_bytes
+                .map_or("n/a".into(), |x| format!("{:.0}", mib(x))),
+            mib(p.weights_bytes),
+            mib(p.kv_layer_bytes),
+            mib(p.logits_bytes),
+        );
+    })?;
+    if let Some(path) = &b.json {
+        let text = serde_json::to_string_pretty(&points)?;
+        phaselens::output::atomic::write_bytes_atomic(path, format!("{text}\n").as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The synthetic kvc model of `bench forward` (W = S = 8, a 16-token tail, random init).
+fn synthetic_kvc(b: &ForwardBench, device: &burn::tensor::Device) -> Result<KvcModel> {
+    let cfg = KvcConfig {
+        vocab_size: 256,
+        d_model: b.d_model,
+        n_layers: b.layers,
+        n_heads: b.heads,
+        n_kv_heads: b.kv_heads,
+        d_head: None,
+        d_ff: 4 * b.d_model,
+        init_std: 0.02,
+        ..KvcConfig::tiny()
+    }
+    .with_compression(8, 8, 16);
+    Ok(KvcModel::new(
+        &cfg,
+        &Vb::new(&RandomInit { seed: 0 }, device),
+    )?)
 }

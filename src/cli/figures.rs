@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use phaselens::runner::figures::draw_all;
+use phaselens::runner::report::draw_all;
 
 /// Redraw every figure and report from the tables under notebooks-data/ (no model runs).
 #[derive(Args, Debug)]

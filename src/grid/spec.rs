@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use toml::Spanned;
 
-use crate::config::{line_of, parse_toml};
+use crate::toml_file::{line_of, parse_toml};
 use crate::error::{Error, Result};
 use crate::model::kvc::AttentionKind;
 use crate::tasks::Protocol;

@@ -16,5 +16,5 @@ pub mod point;
 pub mod spec;
 
 pub use cache::{Act, ActivationCache};
-pub use point::{HeadKind, HookPoint, PointPattern, Site, SiteInfo};
+pub use point::{HeadKind, HookPoint, PointPattern, PosCounts, Site, SiteInfo};
 pub use spec::{Action, HookRun, HookSpec, Intervention, Scope};

@@ -9,14 +9,35 @@ use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
-/// Which kind of head a head axis indexes.
+/// Which kind of head: the head axis of a hook site, a cell of an experiment
+/// (`head_kinds = ["query", "kv"]`) and the `head_kind` column of a table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HeadKind {
-    /// A query head (0..n_heads).
+    /// A query head (0..n_heads); stored as `"query"`.
     Query,
     /// A key/value head (0..n_kv_heads); query head h reads KV head h / (n_heads / n_kv_heads).
+    /// Stored as `"kv"`.
     Kv,
+}
+
+impl HeadKind {
+    /// The name in TOML files and tables.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Query => "query",
+            Self::Kv => "kv",
+        }
+    }
+
+    /// Parses [`HeadKind::as_str`].
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "query" => Some(Self::Query),
+            "kv" => Some(Self::Kv),
+            _ => None,
+        }
+    }
 }
 
 /// A site in the forward pass. `doc` gives the shape; the axes say which dimension a
@@ -54,6 +75,15 @@ pub enum Site {
     HcHeadPre,
 }
 
+/// What a site's position axis counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PosCounts {
+    /// Token (or query) positions.
+    Tokens,
+    /// Compressed cache entries (one per window).
+    Entries,
+}
+
 /// Static description of a site.
 #[derive(Debug, Clone, Copy)]
 pub struct SiteInfo {
@@ -65,14 +95,17 @@ pub struct SiteInfo {
     pub shape: &'static str,
     /// What it is.
     pub doc: &'static str,
-    /// Axis indexed by a position scope (token position, or compressed entry).
+    /// Axis indexed by a position scope.
     pub pos_axis: Option<usize>,
+    /// What the position axis counts: token positions, or compressed entries (whose
+    /// index is not a token position, so token-position scopes do not apply).
+    pub pos_counts: PosCounts,
     /// Axis indexed by a head scope, and which heads it counts.
     pub head_axis: Option<(usize, HeadKind)>,
 }
 
 macro_rules! sites {
-    ($( $v:ident => ($suffix:expr, $layered:expr, $shape:expr, $pos:expr, $head:expr, $doc:expr) ),* $(,)?) => {
+    ($( $v:ident => ($suffix:expr, $layered:expr, $shape:expr, $pos:expr, $counts:ident, $head:expr, $doc:expr) ),* $(,)?) => {
         impl Site {
             /// Every site, in forward order.
             pub const ALL: &'static [Site] = &[$(Site::$v),*];
@@ -86,6 +119,7 @@ macro_rules! sites {
                         shape: $shape,
                         doc: $doc,
                         pos_axis: $pos,
+                        pos_counts: PosCounts::$counts,
                         head_axis: $head,
                     },)*
                 }
@@ -97,63 +131,63 @@ macro_rules! sites {
 use HeadKind::{Kv, Query};
 
 sites! {
-    Embed => ("hook_embed", false, "[batch, pos, d_model]", Some(1), None,
+    Embed => ("hook_embed", false, "[batch, pos, d_model]", Some(1), Tokens, None,
         "token embeddings"),
-    ResidPre => ("hook_resid_pre", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), None,
+    ResidPre => ("hook_resid_pre", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), Tokens, None,
         "residual stream entering the block"),
-    ResidMid => ("hook_resid_mid", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), None,
+    ResidMid => ("hook_resid_mid", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), Tokens, None,
         "residual stream after attention, before the MLP"),
-    ResidPost => ("hook_resid_post", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), None,
+    ResidPost => ("hook_resid_post", true, "[batch, pos, d_model] (DeepSeek-V4: [batch, pos, hc_mult, d_model])", Some(1), Tokens, None,
         "residual stream leaving the block"),
-    AttnQ => ("attn.hook_q", true, "[batch, pos, head, d_head]", Some(1), Some((2, Query)),
+    AttnQ => ("attn.hook_q", true, "[batch, pos, head, d_head]", Some(1), Tokens, Some((2, Query)),
         "queries, after Q-norm, before RoPE"),
-    AttnK => ("attn.hook_k", true, "[batch, pos, kv_head, d_head]", Some(1), Some((2, Kv)),
+    AttnK => ("attn.hook_k", true, "[batch, pos, kv_head, d_head]", Some(1), Tokens, Some((2, Kv)),
         "raw per-token keys, after K-norm, before RoPE and before compression"),
-    AttnV => ("attn.hook_v", true, "[batch, pos, kv_head, d_head]", Some(1), Some((2, Kv)),
+    AttnV => ("attn.hook_v", true, "[batch, pos, kv_head, d_head]", Some(1), Tokens, Some((2, Kv)),
         "raw per-token values, before compression"),
-    AttnZ => ("attn.hook_z", true, "[batch, pos, head, d_head]", Some(1), Some((2, Query)),
+    AttnZ => ("attn.hook_z", true, "[batch, pos, head, d_head]", Some(1), Tokens, Some((2, Query)),
         "per-head attention output (pattern x values), before the output projection (DeepSeek-V4: after the inverse RoPE of its rope slice)"),
-    AttnPattern => ("attn.hook_pattern", true, "[batch, head, query_pos, key_slot]", Some(2), Some((1, Query)),
+    AttnPattern => ("attn.hook_pattern", true, "[batch, head, query_pos, key_slot]", Some(2), Tokens, Some((1, Query)),
         "attention probabilities; key slots = [compressed entries..., raw tokens..., sink (if any)]"),
-    AttnResult => ("attn.hook_result", true, "[batch, pos, head, d_model]", Some(1), Some((2, Query)),
+    AttnResult => ("attn.hook_result", true, "[batch, pos, head, d_model]", Some(1), Tokens, Some((2, Query)),
         "per-head contribution to the attention output (computed only when requested)"),
-    AttnOut => ("hook_attn_out", true, "[batch, pos, d_model]", Some(1), None,
+    AttnOut => ("hook_attn_out", true, "[batch, pos, d_model]", Some(1), Tokens, None,
         "attention sublayer output (DeepSeek-V4: before the mHC expansion into the streams)"),
-    MlpOut => ("hook_mlp_out", true, "[batch, pos, d_model]", Some(1), None,
+    MlpOut => ("hook_mlp_out", true, "[batch, pos, d_model]", Some(1), Tokens, None,
         "MLP (or MoE: routed + shared experts) sublayer output"),
-    FinalNorm => ("hook_final_norm", false, "[batch, pos, d_model]", Some(1), None,
+    FinalNorm => ("hook_final_norm", false, "[batch, pos, d_model]", Some(1), Tokens, None,
         "final normalised residual fed to the LM head"),
-    KeyGate => ("attn.compressor.hook_key_gate", true, "[batch, entry, offset, kv_head] (vector gates: [batch, entry, offset, kv_head, d_head])", Some(1), Some((3, Kv)),
+    KeyGate => ("attn.compressor.hook_key_gate", true, "[batch, entry, offset, kv_head] (vector gates: [batch, entry, offset, kv_head, d_head])", Some(1), Entries, Some((3, Kv)),
         "compressor pooling weights for keys: softmax over the offsets of each window (DeepSeek-V4: vector gates shared by K and V; CSA offsets 0..m = previous window's A half, m..2m = own window's B half)"),
-    ValueGate => ("attn.compressor.hook_value_gate", true, "[batch, entry, offset, kv_head] (vector gates: [batch, entry, offset, kv_head, d_head])", Some(1), Some((3, Kv)),
+    ValueGate => ("attn.compressor.hook_value_gate", true, "[batch, entry, offset, kv_head] (vector gates: [batch, entry, offset, kv_head, d_head])", Some(1), Entries, Some((3, Kv)),
         "compressor pooling weights for values (DeepSeek-V4: the same gates as hook_key_gate unless one of them is changed)"),
-    CompressedK => ("attn.compressor.hook_compressed_k", true, "[batch, entry, kv_head, d_head]", Some(1), Some((2, Kv)),
+    CompressedK => ("attn.compressor.hook_compressed_k", true, "[batch, entry, kv_head, d_head]", Some(1), Entries, Some((2, Kv)),
         "pooled (compressed) keys, before RoPE (DeepSeek-V4: after the compressor's kv_norm)"),
-    CompressedV => ("attn.compressor.hook_compressed_v", true, "[batch, entry, kv_head, d_head]", Some(1), Some((2, Kv)),
+    CompressedV => ("attn.compressor.hook_compressed_v", true, "[batch, entry, kv_head, d_head]", Some(1), Entries, Some((2, Kv)),
         "pooled (compressed) values (DeepSeek-V4: after kv_norm, before RoPE; K = V)"),
-    IndexerScores => ("attn.indexer.hook_scores", true, "[batch, query_pos, entry]", Some(1), None,
+    IndexerScores => ("attn.indexer.hook_scores", true, "[batch, query_pos, entry]", Some(1), Tokens, None,
         "lightning-indexer scores of each compressed entry, before causal masking (DeepSeek-V4 CSA)"),
-    IndexerTopk => ("attn.indexer.hook_topk", true, "[batch, query_pos, k]", Some(1), None,
+    IndexerTopk => ("attn.indexer.hook_topk", true, "[batch, query_pos, k]", Some(1), Tokens, None,
         "indices of the entries the indexer kept, in ascending order (as f32; -1 = none; capture only); top-k rule: among equal scores the lower index wins"),
-    HcPre => ("attn_hc.hook_pre", true, "[batch, pos, hc_mult]", Some(1), None,
+    HcPre => ("attn_hc.hook_pre", true, "[batch, pos, hc_mult]", Some(1), Tokens, None,
         "mHC collapse weights of the attention sublayer (DeepSeek-V4): input = sum_n pre[n] * stream n"),
-    HcPost => ("attn_hc.hook_post", true, "[batch, pos, hc_mult]", Some(1), None,
+    HcPost => ("attn_hc.hook_post", true, "[batch, pos, hc_mult]", Some(1), Tokens, None,
         "mHC expand weights of the attention sublayer: stream k gets post[k] * output"),
-    HcComb => ("attn_hc.hook_comb", true, "[batch, pos, hc_mult, hc_mult]", Some(1), None,
+    HcComb => ("attn_hc.hook_comb", true, "[batch, pos, hc_mult, hc_mult]", Some(1), Tokens, None,
         "mHC Sinkhorn-normalised stream mixing of the attention sublayer, [from j, to k]: stream k += sum_j comb[j, k] * stream j"),
-    MlpHcPre => ("mlp_hc.hook_pre", true, "[batch, pos, hc_mult]", Some(1), None,
+    MlpHcPre => ("mlp_hc.hook_pre", true, "[batch, pos, hc_mult]", Some(1), Tokens, None,
         "mHC collapse weights of the MoE sublayer (DeepSeek-V4)"),
-    MlpHcPost => ("mlp_hc.hook_post", true, "[batch, pos, hc_mult]", Some(1), None,
+    MlpHcPost => ("mlp_hc.hook_post", true, "[batch, pos, hc_mult]", Some(1), Tokens, None,
         "mHC expand weights of the MoE sublayer"),
-    MlpHcComb => ("mlp_hc.hook_comb", true, "[batch, pos, hc_mult, hc_mult]", Some(1), None,
+    MlpHcComb => ("mlp_hc.hook_comb", true, "[batch, pos, hc_mult, hc_mult]", Some(1), Tokens, None,
         "mHC stream mixing of the MoE sublayer, [from j, to k]"),
-    RouterScores => ("mlp.hook_router_scores", true, "[batch, pos, n_experts]", Some(1), None,
+    RouterScores => ("mlp.hook_router_scores", true, "[batch, pos, n_experts]", Some(1), Tokens, None,
         "MoE router scores after the scoring function, before the score-correction bias (DeepSeek-V4)"),
-    RouterWeights => ("mlp.hook_router_weights", true, "[batch, pos, top_k]", Some(1), None,
+    RouterWeights => ("mlp.hook_router_weights", true, "[batch, pos, top_k]", Some(1), Tokens, None,
         "weights of the chosen experts (normalised, times routed_scaling_factor), aligned with hook_router_topk"),
-    RouterTopk => ("mlp.hook_router_topk", true, "[batch, pos, top_k]", Some(1), None,
+    RouterTopk => ("mlp.hook_router_topk", true, "[batch, pos, top_k]", Some(1), Tokens, None,
         "experts chosen per token (as f32; capture only): score top-k layers in ascending order, among equal scores the lower expert index wins; hash layers: the tid2eid row"),
-    HcHeadPre => ("hook_hc_head_pre", false, "[batch, pos, hc_mult]", Some(1), None,
+    HcHeadPre => ("hook_hc_head_pre", false, "[batch, pos, hc_mult]", Some(1), Tokens, None,
         "final hyper-head collapse weights before the last norm (DeepSeek-V4)"),
 }
 
@@ -164,7 +198,8 @@ pub fn markdown_table() -> String {
         "# Hook points\n\n\
          Generated by `phaselens hooks --markdown`. `{l}` is the block index. \\\n\
          *head axis* / *position axis*: the dimensions that an intervention `Scope`'s \\\n\
-         `heads` / `positions` restrict (`q` = query heads, `kv` = KV heads).\n\n\
+         `heads` / `positions` restrict (`q` = query heads, `kv` = KV heads; a position \\\n\
+         axis marked `entries` counts compressed entries, not tokens).\n\n\
          | name | shape | head axis | position axis | meaning |\n|---|---|---|---|---|\n",
     );
     for site in Site::ALL {
@@ -179,7 +214,11 @@ pub fn markdown_table() -> String {
             Some((a, HeadKind::Kv)) => format!("{a} (kv)"),
             None => "-".into(),
         };
-        let pos = i.pos_axis.map_or("-".to_string(), |a| a.to_string());
+        let pos = match (i.pos_axis, i.pos_counts) {
+            (None, _) => "-".to_string(),
+            (Some(a), PosCounts::Tokens) => a.to_string(),
+            (Some(a), PosCounts::Entries) => format!("{a} (entries)"),
+        };
         out.push_str(&format!(
             "| `{name}` | `{}` | {head} | {pos} | {} |\n",
             i.shape, i.doc

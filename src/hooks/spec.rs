@@ -2,7 +2,8 @@
 //!
 //! A [`HookSpec`] is built once and passed to `forward`; the model calls
 //! [`HookRun::apply`] at every hook point. An empty spec returns the tensor untouched
-//! without formatting a name or allocating (see `benches/forward.rs`).
+//! without formatting a name or allocating (`phaselens bench forward` measures that
+//! dispatch per hook point, `src/cli/bench.rs`).
 
 use std::sync::Arc;
 
@@ -234,7 +235,7 @@ fn broadcast_to<const D: usize>(
 ) -> Result<Tensor<D>> {
     let t = src
         .get::<D>()
-        .map_err(|e| Error::hook(point.to_string(), e.to_string()))?;
+        .map_err(|e| e.context(format!("hook `{point}`")))?;
     let sd = t.dims();
     if sd == dims {
         return Ok(t);

@@ -122,10 +122,35 @@ impl SwiGlu {
         })
     }
 
+    /// `[..., d_model]` -> `[..., d_model]`, over chunks of at most [`ROW_CHUNK`] rows
+    /// (the `d_ff`-wide intermediates then scale with the chunk, not the sequence).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        self.down
-            .forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+        let dims = x.dims();
+        let d = dims[D - 1];
+        let rows: usize = dims[..D - 1].iter().product();
+        let flat = row_chunks(x.reshape([rows, d]), |x| {
+            self.down
+                .forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+        });
+        flat.reshape(dims)
     }
+}
+
+/// Rows per chunk of position-wise work on long inputs.
+pub const ROW_CHUNK: usize = 8192;
+
+/// `f` applied to `x: [rows, d]` in chunks of at most [`ROW_CHUNK`] rows, concatenated
+/// (one call when it fits). For row-wise `f` only: the result equals `f(x)`.
+pub fn row_chunks(x: Tensor<2>, f: impl Fn(Tensor<2>) -> Tensor<2>) -> Tensor<2> {
+    let rows = x.dims()[0];
+    if rows <= ROW_CHUNK {
+        return f(x);
+    }
+    let parts: Vec<Tensor<2>> = (0..rows)
+        .step_by(ROW_CHUNK)
+        .map(|r0| f(x.clone().slice_dim(0, r0..(r0 + ROW_CHUNK).min(rows))))
+        .collect();
+    Tensor::cat(parts, 0)
 }
 
 /// How rotary dims are paired.
@@ -242,40 +267,14 @@ pub fn apply_rope_range(
 /// Softmax over the last axis restricted to `mask` (true = visible). Rows with nothing
 /// visible give all zeros instead of NaN.
 pub fn masked_softmax<const D: usize>(scores: Tensor<D>, mask: Tensor<D, Bool>) -> Tensor<D> {
-    let masked = scores.mask_fill(mask.clone().bool_not(), -1.0e30);
+    // Hidden slots become exp(-1e30 - max) = 0 exactly wherever a row sees anything;
+    // rows that see nothing are zeroed by their (one-column) row mask.
+    let seen = mask.clone().any_dim(D - 1).float();
+    let masked = scores.mask_fill(mask.bool_not(), -1.0e30);
     let max = masked.clone().max_dim(D - 1).detach();
-    let e = (masked - max).exp() * mask.float();
+    let e = (masked - max).exp() * seen;
     let denom = e.clone().sum_dim(D - 1).clamp_min(1e-30);
     e / denom
-}
-
-/// A `[rows, cols]` boolean mask from a host predicate.
-pub fn mask_from_fn(
-    rows: usize,
-    cols: usize,
-    device: &Device,
-    f: impl Fn(usize, usize) -> bool,
-) -> Tensor<2, Bool> {
-    let mut v = Vec::with_capacity(rows * cols);
-    for r in 0..rows {
-        for c in 0..cols {
-            v.push(f(r, c));
-        }
-    }
-    Tensor::from_data(TensorData::new(v, [rows, cols]), device)
-}
-
-/// A `[b, len, cols]` mask for the queries at `positions` (`b` rows of `len`,
-/// row-major) from a host predicate on (position, column).
-pub fn query_mask(
-    positions: &[usize],
-    b: usize,
-    cols: usize,
-    device: &Device,
-    f: impl Fn(usize, usize) -> bool,
-) -> Tensor<3, Bool> {
-    let n = positions.len();
-    mask_from_fn(n, cols, device, |i, c| f(positions[i], c)).reshape([b, n / b, cols])
 }
 
 /// An index tensor from host values.

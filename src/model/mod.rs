@@ -1,7 +1,10 @@
 //! Models. Every architecture speaks the same interface: `forward(tokens, &HookSpec)
 //! -> (logits, cache)`, plus `forward_from(layer, resid)` for batched interventions.
 
+pub mod attention;
+pub mod bench;
 pub mod deepseek_v4;
+pub mod kv_state;
 pub mod kvc;
 pub mod layers;
 pub mod safetensors_io;
@@ -16,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, ActivationCache, HookSpec};
 
+pub use kv_state::{PrefixState, Queries, Suffix};
 pub use kvc::{KvcConfig, KvcModel};
 
 /// What a forward pass returns.
@@ -94,145 +98,6 @@ impl ModelInfo {
     }
 }
 
-/// What a base forward leaves behind so that later forwards of the same prompts can
-/// recompute only their last positions ([`LanguageModel::forward_suffix`]): the
-/// per-layer, per-token state the attention of later positions reads (for kvc: keys,
-/// values and compressor gate logits). Its content is the model's own.
-pub struct PrefixState {
-    rows: usize,
-    len: usize,
-    inner: Box<dyn std::any::Any + Send + Sync>,
-}
-
-impl std::fmt::Debug for PrefixState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "PrefixState {{ rows: {}, len: {} }}",
-            self.rows, self.len
-        )
-    }
-}
-
-impl PrefixState {
-    /// Wrap a model's state of `rows` prompts of `len` tokens.
-    pub fn new<T: std::any::Any + Send + Sync>(rows: usize, len: usize, inner: T) -> Self {
-        PrefixState {
-            rows,
-            len,
-            inner: Box::new(inner),
-        }
-    }
-
-    /// Number of prompts.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Tokens per prompt.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the state holds no prompt.
-    pub fn is_empty(&self) -> bool {
-        self.rows == 0
-    }
-
-    /// The model's own content.
-    pub fn inner<T: std::any::Any>(&self) -> Option<&T> {
-        self.inner.downcast_ref::<T>()
-    }
-
-    /// The content for a suffix forward: an error unless it is a `T` (made by an
-    /// `arch` model) and `suffix` fits the state's prompts ([`Suffix::check`]).
-    pub fn for_suffix<T: std::any::Any>(&self, suffix: &Suffix, arch: &str) -> Result<&T> {
-        let inner = self.inner::<T>().ok_or_else(|| {
-            Error::Input(format!("the prefix state was not made by a {arch} model"))
-        })?;
-        suffix.check(self.rows, self.len)?;
-        Ok(inner)
-    }
-}
-
-/// Which positions a [`LanguageModel::forward_suffix`] recomputes: batch row `r` is
-/// prompt `rows[r]` of the [`PrefixState`], at positions `from[r] .. from[r] + len`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Suffix {
-    pub rows: Vec<usize>,
-    pub from: Vec<usize>,
-    pub len: usize,
-}
-
-impl Suffix {
-    /// The recomputed positions, row-major `[rows * len]`.
-    pub fn positions(&self) -> Vec<usize> {
-        self.from.iter().flat_map(|&f| f..f + self.len).collect()
-    }
-
-    /// `[rows * total]`: for every (row, position) of the full sequence, its index in
-    /// `cat([state rows * total, recomputed rows * len])`: the recomputed value where the
-    /// row recomputes that position, the state's elsewhere ([`merge_positions`]).
-    pub fn merge_index(&self, total: usize) -> Vec<usize> {
-        let (b, l) = (self.rows.len(), self.len);
-        let mut merge = Vec::with_capacity(b * total);
-        for (r, &f) in self.from.iter().enumerate() {
-            merge.extend((0..total).map(|p| {
-                if p >= f && p < f + l {
-                    b * total + r * l + (p - f)
-                } else {
-                    r * total + p
-                }
-            }));
-        }
-        merge
-    }
-
-    /// Check the suffix against a state of `rows` prompts of `total` tokens.
-    pub fn check(&self, rows: usize, total: usize) -> Result<()> {
-        if self.rows.len() != self.from.len() || self.rows.is_empty() || self.len == 0 {
-            return Err(Error::Input(format!(
-                "suffix: {} rows, {} start positions, length {}",
-                self.rows.len(),
-                self.from.len(),
-                self.len
-            )));
-        }
-        for (&r, &f) in self.rows.iter().zip(&self.from) {
-            if r >= rows {
-                return Err(Error::Input(format!(
-                    "suffix row {r} out of range 0..{rows}"
-                )));
-            }
-            if f + self.len > total {
-                return Err(Error::Input(format!(
-                    "suffix positions {f}..{} run past the prompt length {total}",
-                    f + self.len
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `base: [b, total, ...]` with each row's recomputed positions taken from `new: [b,
-/// len, ...]`, through a [`Suffix::merge_index`] tensor.
-pub fn merge_positions<const D: usize>(
-    base: Tensor<D>,
-    new: Tensor<D>,
-    index: &Tensor<1, Int>,
-) -> Tensor<D> {
-    let dims = base.dims();
-    let (b, t, l) = (dims[0], dims[1], new.dims()[1]);
-    let per: usize = dims[2..].iter().product();
-    Tensor::cat(
-        vec![base.reshape([b * t, per]), new.reshape([b * l, per])],
-        0,
-    )
-    .select(0, index.clone())
-    .reshape(dims)
-}
-
 /// The interface every model implements.
 pub trait LanguageModel: Send + Sync {
     /// Static description.
@@ -287,6 +152,28 @@ pub trait LanguageModel: Send + Sync {
             self.info().arch
         )))
     }
+}
+
+/// Check that every id of `tokens` lies in `0..vocab` (reads the ids back to the host).
+pub fn check_token_ids(tokens: &Tensor<2, Int>, vocab: usize) -> Result<Vec<i64>> {
+    let [_, t] = tokens.dims();
+    let ids: Vec<i64> = tokens
+        .to_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .map_err(|e| Error::Input(format!("token ids: {e:?}")))?;
+    if let Some((i, bad)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, x)| **x < 0 || **x as usize >= vocab)
+    {
+        return Err(Error::Input(format!(
+            "row {}, position {}: token id {bad} is out of the vocabulary 0..{vocab}",
+            i / t,
+            i % t
+        )));
+    }
+    Ok(ids)
 }
 
 /// Read a model directory's `config.json` as JSON, with file-named errors.

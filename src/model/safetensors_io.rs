@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -406,29 +406,11 @@ pub fn write_safetensors(
     write_atomic(path, &bytes)
 }
 
-/// Write bytes to `path` atomically: a temp file beside it, fsync, rename.
+/// Write bytes to `path` atomically through [`crate::output::atomic`] (unique temp
+/// name beside it, fsync, rename, fsync of the directory): what checkpoints and model
+/// directories are written with, so a killed writer leaves the old file or the new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let result = (|| {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
-    }
-    Ok(())
+    crate::output::write_bytes_atomic(path, bytes).map_err(|e| Error::io(path, e))
 }
 
 #[cfg(test)]
@@ -445,6 +427,27 @@ mod tests {
         assert_eq!(f8_e4m3_to_f32(0x01), 2f32.powi(-9)); // smallest subnormal
         assert_eq!(f8_e8m0_to_f32(127), 1.0);
         assert_eq!(f8_e8m0_to_f32(130), 8.0);
+    }
+
+    #[test]
+    fn write_atomic_replaces_and_leaves_no_temp_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("sub").join("x.bin");
+        write_atomic(&p, b"old").unwrap();
+        write_atomic(&p, b"new").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"new");
+        let names: Vec<_> = std::fs::read_dir(p.parent().unwrap())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("x.bin")]);
+        // A target that cannot be replaced (a directory) fails naming it, and no temp is left.
+        let d = dir.path().join("d");
+        std::fs::create_dir_all(d.join("inner")).unwrap();
+        let e = write_atomic(&d, b"x").unwrap_err().to_string();
+        assert!(e.contains(&*d.to_string_lossy()), "{e}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 
     #[test]

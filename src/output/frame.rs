@@ -1,5 +1,5 @@
-//! Polars views of the Arrow tables: load a `.arrow` as a DataFrame, write a
-//! Parquet copy next to it, and merge shards written by separate workers.
+//! Polars views of the Arrow tables: load a `.arrow` as a DataFrame and write a
+//! Parquet copy next to it.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -76,26 +76,6 @@ pub fn write_parquet_copy(arrow_path: impl AsRef<Path>) -> Result<PathBuf> {
     Ok(out)
 }
 
-/// Merges shard tables (same column names and types, in the same order) into one
-/// Arrow file at `out` by vertical concatenation in the given order, atomically.
-/// The merged table keeps the first shard's name and metadata. Returns it.
-///
-/// # Errors
-/// [`TableError::NoShards`], [`TableError::SchemaMismatch`] naming the offending
-/// shard, or read/write errors naming the file.
-pub fn merge_shards<P: AsRef<Path>>(shards: &[P], out: impl AsRef<Path>) -> Result<Table> {
-    let out = out.as_ref();
-    let (first, rest) = shards
-        .split_first()
-        .ok_or_else(|| TableError::NoShards(out.to_path_buf()))?;
-    let mut merged = Table::read_arrow(first)?;
-    for shard in rest {
-        merged.append(Table::read_arrow(shard)?)?;
-    }
-    merged.write_arrow(out)?;
-    Table::read_arrow(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,45 +126,5 @@ mod tests {
             })
             .count();
         assert_eq!(leftovers, 0);
-    }
-
-    #[test]
-    fn merges_shards_in_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let a = dir.path().join("a.arrow");
-        let b = dir.path().join("b.arrow");
-        shard("a", vec![1.0, 2.0]).write_arrow(&a).unwrap();
-        shard("b", vec![3.0]).write_arrow(&b).unwrap();
-        let out = dir.path().join("merged.arrow");
-        let merged = merge_shards(&[&a, &b], &out).unwrap();
-        assert_eq!(merged.num_rows(), 3);
-        assert_eq!(
-            merged.float64("value").unwrap(),
-            &[Some(1.0), Some(2.0), Some(3.0)]
-        );
-        assert_eq!(merged.metadata()["phaselens.experiment_toml"], "k = 1");
-        assert_eq!(read_dataframe(&out).unwrap().height(), 3);
-    }
-
-    #[test]
-    fn merge_rejects_different_schema() {
-        let dir = tempfile::tempdir().unwrap();
-        let a = dir.path().join("a.arrow");
-        let b = dir.path().join("b.arrow");
-        shard("a", vec![1.0]).write_arrow(&a).unwrap();
-        Table::new("long")
-            .with_column("model", vec!["x"])
-            .unwrap()
-            .write_arrow(&b)
-            .unwrap();
-        let out = dir.path().join("merged.arrow");
-        let err = merge_shards(&[&a, &b], &out).unwrap_err();
-        assert!(matches!(err, TableError::SchemaMismatch { .. }));
-        assert!(err.to_string().contains("b.arrow"), "{err}");
-        assert!(!out.exists());
-        assert!(matches!(
-            merge_shards::<PathBuf>(&[], &out),
-            Err(TableError::NoShards(_))
-        ));
     }
 }

@@ -26,7 +26,7 @@ pub use figure::{
     LinePlotSpec, LossCurveSpec, ScatterSeries, ScatterSpec, bar_profile, check_fonts, heatmap,
     line_with_bands, loss_curve, render, scatter_predicted_vs_observed,
 };
-pub use frame::{merge_shards, parquet_path, read_dataframe, write_parquet_copy};
+pub use frame::{parquet_path, read_dataframe, write_parquet_copy};
 pub use report::{
     Headline, Report, ReportError, ReportFiles, phase_gap_headlines, ranked_heads_rows,
 };
@@ -38,17 +38,3 @@ pub use table::{
     Column, ColumnData, ColumnType, META_EXPERIMENT_TOML, META_SCHEMA, META_TABLE, META_VERSION,
     Table, TableError,
 };
-
-/// Any error of this module.
-#[derive(Debug, thiserror::Error)]
-pub enum OutputError {
-    /// A table error.
-    #[error(transparent)]
-    Table(#[from] TableError),
-    /// A figure error.
-    #[error(transparent)]
-    Figure(#[from] FigureError),
-    /// A report error.
-    #[error(transparent)]
-    Report(#[from] ReportError),
-}

@@ -41,33 +41,8 @@ pub const PHASE_ACCURACY_COLUMNS: &[(&str, ColumnType)] = &[
     ("wilson_hi", ColumnType::Float64),
 ];
 
-/// Which kind of head a row is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum HeadKind {
-    /// A query (attention) head; stored as `"query"`.
-    Query,
-    /// A KV head (shared by a group of query heads); stored as `"kv"`.
-    Kv,
-}
-
-impl HeadKind {
-    /// The stored string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Query => "query",
-            Self::Kv => "kv",
-        }
-    }
-
-    /// Parses the stored string.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "query" => Some(Self::Query),
-            "kv" => Some(Self::Kv),
-            _ => None,
-        }
-    }
-}
+/// Which kind of head a row is about (`head_kind`: `"query"` or `"kv"`).
+pub use crate::hooks::HeadKind;
 
 /// One row of the long format.
 #[derive(Debug, Clone, PartialEq)]

@@ -147,9 +147,6 @@ pub enum TableError {
         /// The difference.
         reason: String,
     },
-    /// Nothing to merge.
-    #[error("no shards to merge into {0}")]
-    NoShards(PathBuf),
 }
 
 /// Result alias of table functions.

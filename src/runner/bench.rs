@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, Site};
 use crate::model::{LanguageModel, load_model};
 
-use super::config::Experiment;
+use super::experiment::Experiment;
+use super::kinds::KindConfig;
+use super::kinds::patch_heads::PatchHeads;
 use super::patching::{
     Cell, ChunkPath, Edit, Fill, Outcome, Positions, Prompts, base_run, captures_for, plan_chunks,
     plan_suffix, run_cell_naive, run_chunk_with,
@@ -234,8 +236,12 @@ pub fn bench_experiment(
         0
     };
     let (prompts, _) = paired_prompts(&ex, &task.space, assign, task.prompt.key_len, task.seed)?;
-    let cfg = exp.file.patch.clone().unwrap_or_default();
-    let positions = positions.unwrap_or(cfg.positions);
+    // The experiment's `[patch] positions` when it is a patch-heads file.
+    let own = match &exp.file.kind {
+        KindConfig::PatchHeads(p) => p.positions.clone(),
+        _ => PatchHeads::default().positions,
+    };
+    let positions = positions.unwrap_or(own);
     let mut cells = Vec::new();
     for receivers in [(n..2 * n).collect::<Vec<_>>(), (0..n).collect()] {
         for l in 0..info.n_layers() {

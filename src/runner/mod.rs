@@ -3,31 +3,31 @@
 //! ```text
 //! experiment TOML --config--> settings --setup--> model + prompts (+ checks)
 //!   --kinds/<kind>--> cells --patching (one batched routine) + exec (resume, progress)-->
-//!   outcomes --aggregate (analysis)--> long rows --output--> tables
-//!   --figures--> figures + report            (`phaselens figures` redraws from tables)
+//!   outcomes --analysis + rows--> long rows --output--> tables
+//!   --report + the kind's figures--> figures + report   (`phaselens figures` redraws from tables)
 //! ```
 //!
 //! | file | role |
 //! |---|---|
-//! | [`config`] | the experiment TOML (every key documented in docs/experiments.md) |
+//! | [`experiment`] | the experiment TOML (every key documented in docs/experiments.md) |
 //! | [`setup`] | organism / model directory, token space, prompt format, period; checks against the model |
 //! | [`prompts`] | phase-group prompt batches, clean/corrupted pairs |
 //! | [`patching`] | THE batched intervention routine (and its one-forward-per-cell reference) |
 //! | [`exec`], [`store`], [`progress`] | chunks with resume (atomic shard tables), progress with ETA |
-//! | [`aggregate`] | outcomes -> rows with cluster-bootstrap CIs (through [`crate::analysis`]) |
-//! | [`kinds`] | one small file per experiment kind |
-//! | [`figures`] | figures and report from the tables alone |
+//! | [`rows`] | statistics (from [`crate::analysis`]) -> long-format rows |
+//! | [`kinds`] | one file per experiment kind ([`Kind`]: settings, cells, rows, figures, report section) |
+//! | [`report`] | the report frame and figure helpers, from the tables alone |
 //! | [`bench`] | batched vs one-forward-per-cell throughput |
 
-pub mod aggregate;
 pub mod bench;
-pub mod config;
 pub mod exec;
-pub mod figures;
+pub mod experiment;
 pub mod kinds;
 pub mod patching;
 pub mod progress;
 pub mod prompts;
+pub mod report;
+pub mod rows;
 pub mod setup;
 pub mod store;
 
@@ -35,12 +35,13 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::device::DeviceSpec;
-use crate::error::{Error, Result};
+use crate::error::{Result, ResultExt};
 use crate::model::load_model;
 use crate::output::{LongRow, long_table, write_parquet_copy};
 
-pub use config::{Experiment, Kind};
 pub use exec::ExecStats;
+pub use experiment::Experiment;
+pub use kinds::{Kind, KindConfig};
 pub use progress::ProgressMode;
 
 /// Where outputs go and how the run behaves.
@@ -76,7 +77,8 @@ impl Default for RunOptions {
 #[derive(Debug, Clone)]
 pub struct RunSummary {
     pub name: String,
-    pub kind: Kind,
+    /// The kind's name.
+    pub kind: &'static str,
     pub models: Vec<String>,
     /// `<data_root>/<experiment>`.
     pub data_dir: PathBuf,
@@ -109,9 +111,8 @@ pub fn write_long_table(
         .with_provenance(&exp.text)
         .with_metadata(META_KIND, exp.kind().name())
         .with_metadata(META_NOTES, notes.join("\n"));
-    t.write_arrow(&path)
-        .map_err(|e| Error::Other(e.to_string()))?;
-    write_parquet_copy(&path).map_err(|e| Error::Other(e.to_string()))?;
+    t.write_arrow(&path)?;
+    write_parquet_copy(&path)?;
     Ok(path)
 }
 
@@ -125,6 +126,48 @@ fn settings_for_hash(exp: &Experiment) -> serde_json::Value {
     serde_json::to_value(&f).expect("experiment settings serialise")
 }
 
+/// `--device`, else `[model] device`, else the CPU.
+fn device_of(exp: &Experiment, opts: &RunOptions) -> Result<DeviceSpec> {
+    Ok(match (&opts.device, &exp.file.model.device) {
+        (Some(d), _) => d.clone(),
+        (None, Some(s)) => s
+            .parse::<DeviceSpec>()
+            .map_err(|e| exp.err("model", "device", e))?,
+        (None, None) => DeviceSpec::Cpu,
+    })
+}
+
+/// Add one model's notes (tagged with the model when there are several), counters and
+/// rows (appended to the table of the same name) to the run's.
+fn merge_model_output(
+    notes: &mut Vec<String>,
+    stats: &mut ExecStats,
+    tables: &mut Vec<(String, Vec<LongRow>)>,
+    tag: Option<&str>,
+    ctx: &kinds::Ctx,
+    out: kinds::KindOutput,
+) {
+    for n in &ctx.notes {
+        let tagged = match tag {
+            Some(m) => format!("{m}: {n}"),
+            None => n.clone(),
+        };
+        if !notes.contains(&tagged) {
+            notes.push(tagged);
+        }
+    }
+    stats.cells_computed += ctx.stats.cells_computed;
+    stats.cells_resumed += ctx.stats.cells_resumed;
+    stats.forwards += ctx.stats.forwards;
+    stats.seconds += ctx.stats.seconds;
+    for (t, rows) in out.tables {
+        match tables.iter_mut().find(|(n, _)| *n == t) {
+            Some((_, acc)) => acc.extend(rows),
+            None => tables.push((t, rows)),
+        }
+    }
+}
+
 /// Run the experiment at `path`.
 pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let t0 = Instant::now();
@@ -135,13 +178,7 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     for n in &notes {
         eprintln!("note: {n}");
     }
-    let device_spec = match (&opts.device, &exp.file.model.device) {
-        (Some(d), _) => d.clone(),
-        (None, Some(s)) => s
-            .parse::<DeviceSpec>()
-            .map_err(|e| exp.err("model", "device", e))?,
-        (None, None) => DeviceSpec::Cpu,
-    };
+    let device_spec = device_of(&exp, opts)?;
     let device = device_spec.device()?;
     let data_dir = opts.data_root.join(&name);
     let report_dir = opts.reports_root.join(&name);
@@ -158,17 +195,18 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let mut stats = ExecStats::default();
     for mref in &models {
         let model = load_model(&mref.dir, &device)
-            .map_err(|e| Error::Other(format!("loading model {}: {e}", mref.dir.display())))?;
+            .context_with(|| format!("loading model {}", mref.dir.display()))?;
         let info = model.info();
         let task = setup::TaskSetup::resolve(&exp, mref, &info)?;
         let mut ctx = kinds::Ctx {
             exp: &exp,
+            data_dir: &data_dir,
             opts,
             store: &store,
             model: model.as_ref(),
             info,
             mref,
-            rows: aggregate::RowCtx {
+            rows: rows::RowCtx {
                 experiment: name.clone(),
                 model: mref.name.clone(),
                 kind: kind.name().to_string(),
@@ -179,47 +217,22 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
             device: device.clone(),
             max_rows: exp.max_rows(&device_spec),
         };
-        let out = match kind {
-            Kind::PhaseSweep => kinds::phase_sweep::run(&mut ctx, &data_dir)?,
-            Kind::PatchHeads => kinds::patch_heads::run(&mut ctx)?,
-            Kind::AblateHeads => kinds::ablate::run(&mut ctx)?,
-            Kind::Knockout => kinds::knockout::run(&mut ctx)?,
-            Kind::GateProfiles => kinds::gate_profiles::run(&mut ctx)?,
-            Kind::GateCycling => kinds::gate_cycling::run(&mut ctx)?,
-        };
-        for n in &ctx.notes {
-            let tagged = if models.len() > 1 {
-                format!("{}: {n}", mref.name)
-            } else {
-                n.clone()
-            };
-            if !notes.contains(&tagged) {
-                notes.push(tagged);
-            }
-        }
-        stats.cells_computed += ctx.stats.cells_computed;
-        stats.cells_resumed += ctx.stats.cells_resumed;
-        stats.forwards += ctx.stats.forwards;
-        stats.seconds += ctx.stats.seconds;
-        for (t, rows) in out.tables {
-            match tables.iter_mut().find(|(n, _)| *n == t) {
-                Some((_, acc)) => acc.extend(rows),
-                None => tables.push((t, rows)),
-            }
-        }
+        let out = kind.run(&mut ctx)?;
+        let tag = (models.len() > 1).then_some(mref.name.as_str());
+        merge_model_output(&mut notes, &mut stats, &mut tables, tag, &ctx, out);
     }
     let mut written = Vec::new();
     for (t, rows) in &tables {
         written.push(write_long_table(&data_dir, t, rows, &exp, &notes)?);
     }
     let figures = if opts.figures {
-        figures::draw_experiment(&data_dir, &report_dir)?
+        report::draw_experiment(&data_dir, &report_dir)?
     } else {
         Vec::new()
     };
     Ok(RunSummary {
         name,
-        kind,
+        kind: kind.name(),
         models: models.iter().map(|m| m.name.clone()).collect(),
         data_dir,
         report_dir,

@@ -39,7 +39,7 @@ use burn::tensor::{Bool, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
+use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, PosCounts, Scope, Site};
 use crate::model::{LanguageModel, PrefixState, Suffix};
 
 /// Which query positions an edit touches, per prompt.
@@ -70,8 +70,11 @@ impl Positions {
     }
 }
 
-/// What a [`Edit::Replace`] puts in place of the activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// What a [`Edit::Replace`] puts in place of the activation: the one fill of every
+/// kind (`methods = ["zero", "mean", "resample"]` of ablate-heads, `method` and
+/// `layer_output_fill` of knockout; patch-heads patches from the source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Fill {
     /// The same activation in the prompt's partner ([`Prompts::source`]): activation
     /// patching (clean into corrupted = denoising, the reverse = noising).
@@ -82,6 +85,18 @@ pub enum Fill {
     Mean,
     /// The activation of the next prompt of the same group (cyclically): resampling.
     Resample,
+}
+
+impl Fill {
+    /// The name in experiment files and metric suffixes (`rel_change_pct_zero`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Fill::Source => "source",
+            Fill::Zero => "zero",
+            Fill::Mean => "mean",
+            Fill::Resample => "resample",
+        }
+    }
 }
 
 /// One intervention.
@@ -268,10 +283,6 @@ pub fn captures_for(cells: &[Cell]) -> Result<Vec<HookPoint>> {
     Ok(pts.into_iter().collect())
 }
 
-fn read_err(e: impl std::fmt::Display) -> Error {
-    Error::Other(format!("reading a tensor back from the device: {e}"))
-}
-
 /// Read the outcomes of `targets[i]` from row `i` of `logits: [rows, pos, vocab]`.
 pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
     let [r, t, v] = logits.dims();
@@ -300,16 +311,9 @@ pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
     let k = flat.len();
     let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
     let rows = logits.reshape([r * t, v]).select(0, idx);
-    let top = rows
-        .clone()
-        .argmax(1)
-        .try_into_vec_as::<i64>()
-        .map_err(read_err)?;
+    let top = rows.clone().argmax(1).try_into_vec_as::<i64>()?;
     let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [k, 2]), &device);
-    let vals = rows
-        .gather(1, pairs)
-        .try_into_vec_as::<f32>()
-        .map_err(read_err)?;
+    let vals = rows.gather(1, pairs).try_into_vec_as::<f32>()?;
     let mut out = Vec::with_capacity(r);
     let mut j = 0;
     for tg in targets {
@@ -448,11 +452,10 @@ fn act_at<'c>(cache: &'c ActivationCache, point: &HookPoint) -> Result<&'c Act> 
     })
 }
 
+/// Token-position scopes apply to sites whose position axis counts tokens (the
+/// `sites!` table's fact), not to compressed entries.
 fn positions_allowed(point: &HookPoint) -> bool {
-    !matches!(
-        point.site,
-        Site::KeyGate | Site::ValueGate | Site::CompressedK | Site::CompressedV
-    )
+    point.site.info().pos_counts == PosCounts::Tokens
 }
 
 /// Mean over `members` (batch rows) of `act`, keeping a batch axis of 1.
@@ -658,14 +661,6 @@ fn per_token_site(site: Site) -> bool {
     )
 }
 
-/// The positions a chunk (rows in cell order) must recompute, if it can run as a
-/// suffix forward ([`run_chunk`]): every edit
-/// replaces a per-token activation at given positions (not "all") of the start layer.
-/// Row `r` then needs positions from its first edited or read position to its last
-/// read one (edits after the last read position cannot reach the logits read). The
-/// suffix length is the longest of those spans; shorter rows start earlier (their extra
-/// positions are recomputed unchanged). `None` when an edit does not qualify or the
-/// suffix would cover more than half of the prompt (no gain).
 /// Whether a cell's edit can run as a suffix forward: it replaces a per-token
 /// activation at given positions (not "all").
 fn suffix_edit(cell: &Cell) -> bool {
@@ -676,6 +671,14 @@ fn suffix_edit(cell: &Cell) -> bool {
     )
 }
 
+/// The positions a chunk (rows in cell order) must recompute, if it can run as a
+/// suffix forward ([`run_chunk`]): every edit
+/// replaces a per-token activation at given positions (not "all") of the start layer.
+/// Row `r` then needs positions from its first edited or read position to its last
+/// read one (edits after the last read position cannot reach the logits read). The
+/// suffix length is the longest of those spans; shorter rows start earlier (their extra
+/// positions are recomputed unchanged). `None` when an edit does not qualify or the
+/// suffix would cover more than half of the prompt (no gain).
 pub fn plan_suffix(prompts: &Prompts, cells: &[Cell], chunk: &[usize]) -> Option<Suffix> {
     let row_prompt: Vec<usize> = chunk
         .iter()

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{Result, ResultExt};
 use crate::model::{LayerKind, ModelInfo};
 use crate::tasks::{
     KvEvalConfig, KvEvalSet, KvPromptConfig, Period, Protocol, TokenSpace, TokenSpaceConfig,
@@ -11,7 +11,7 @@ use crate::tasks::{
 };
 use crate::train::OrganismFile;
 
-use super::config::{Experiment, Kind, Selection};
+use super::experiment::{Experiment, Selection};
 
 /// A model the experiment runs on.
 #[derive(Debug, Clone)]
@@ -89,9 +89,7 @@ pub fn resolve_models(exp: &Experiment) -> Result<(Vec<ModelRef>, Vec<String>)> 
     } else {
         vec![organism_path(&base, spec)]
     };
-    let skip = exp.kind() == Kind::PhaseSweep
-        && exp.file.sweep.as_ref().is_none_or(|s| s.skip_untrained)
-        && spec.contains('*');
+    let skip = exp.kind().skips_untrained() && spec.contains('*');
     let mut out = Vec::new();
     for recipe in recipes {
         if !recipe.exists() {
@@ -252,7 +250,7 @@ impl TaskSetup {
             n_logical: self.n_generated,
             seed: self.seed,
         };
-        generate_eval_set(&self.space, &cfg).map_err(|e| Error::Other(format!("[task]: {e}")))
+        generate_eval_set(&self.space, &cfg).context_with(|| "[task]")
     }
 }
 

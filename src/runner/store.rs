@@ -26,10 +26,6 @@ pub struct Store {
     hash: String,
 }
 
-fn table_err(e: impl std::fmt::Display) -> Error {
-    Error::Other(e.to_string())
-}
-
 /// A short hash identifying what a run computes: the experiment settings (the
 /// parsed file, so comments and formatting do not matter; the description and the
 /// bootstrap settings are left out because shards hold raw outcomes), every model's
@@ -115,13 +111,13 @@ impl Store {
         if !path.exists() {
             return Ok(None);
         }
-        let t = Table::read_arrow(&path).map_err(table_err)?;
+        let t = Table::read_arrow(&path)?;
         if t.metadata().get(META_RUN_HASH) != Some(&self.hash) {
             return Ok(None);
         }
-        let cell = t.int64("cell").map_err(table_err)?;
-        let correct = t.boolean("correct").map_err(table_err)?;
-        let ld = t.float64("ld").map_err(table_err)?;
+        let cell = t.int64("cell")?;
+        let correct = t.boolean("correct")?;
+        let ld = t.float64("ld")?;
         let mut out: Vec<Vec<Outcome>> = expected.iter().map(|&n| Vec::with_capacity(n)).collect();
         for i in 0..t.num_rows() {
             let c = cell[i].unwrap_or(-1);
@@ -158,9 +154,8 @@ impl Store {
             .with_column("cell", ColumnData::from(cell))
             .and_then(|t| t.with_column("prompt", ColumnData::from(prompt)))
             .and_then(|t| t.with_column("correct", ColumnData::from(correct)))
-            .and_then(|t| t.with_column("ld", ColumnData::from(ld)))
-            .map_err(table_err)?;
-        t.write_arrow(self.path(key)).map_err(table_err)
+            .and_then(|t| t.with_column("ld", ColumnData::from(ld)))?;
+        Ok(t.write_arrow(self.path(key))?)
     }
 
     /// Number of shard files present.

@@ -406,18 +406,18 @@ impl KvEvalSet {
     }
 }
 
-struct Content {
-    keys: Vec<Vec<u32>>,
-    values: Vec<Vec<u32>>,
+pub(crate) struct Content {
+    pub(crate) keys: Vec<Vec<u32>>,
+    pub(crate) values: Vec<Vec<u32>>,
     /// Binding indices in query order.
-    query_order: Vec<usize>,
+    pub(crate) query_order: Vec<usize>,
 }
 
-struct Pads {
-    lead: usize,
+pub(crate) struct Pads {
+    pub(crate) lead: usize,
     /// `gaps[i]` pads before binding `i`; `gaps[N]` pads after the last binding.
-    gaps: Vec<usize>,
-    tail: usize,
+    pub(crate) gaps: Vec<usize>,
+    pub(crate) tail: usize,
 }
 
 pub(crate) fn rng_for(seed: u64, stream: u64) -> ChaCha8Rng {
@@ -466,7 +466,7 @@ pub(crate) fn sample_tuples(
     }
 }
 
-fn sample_content(
+pub(crate) fn sample_content(
     rng: &mut ChaCha8Rng,
     space: &TokenSpace,
     cfg: &KvPromptConfig,
@@ -520,7 +520,7 @@ fn sample_content(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn render(
+pub(crate) fn render(
     space: &TokenSpace,
     cfg: &KvPromptConfig,
     content: &Content,

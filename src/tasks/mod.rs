@@ -9,6 +9,8 @@
 //! - KV retrieval (the paper's needle-in-a-haystack): [`generate_eval_set`] builds
 //!   phase-matched evaluation sets under both [`Protocol`]s, [`KvTrainSampler`]
 //!   draws training batches with random prefix padding.
+//! - Long-context retrieval: [`HaystackConfig`] spreads the bindings through a long
+//!   haystack with the needle at a chosen depth, at every phase.
 //! - Filler-length probe (the paper's code-completion flip):
 //!   [`binding_filler_probe`] (any token space) and [`text_filler_probe`]
 //!   (a text template with a `{filler}` placeholder, HF tokenizers).
@@ -24,6 +26,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 mod filler;
+mod haystack;
 mod kv;
 mod vocab;
 
@@ -34,6 +37,7 @@ pub use filler::{
     BindingProbeConfig, FillerPosition, FillerProbeItem, FillerStyle, LengthRange, TextProbeConfig,
     binding_filler_probe, text_filler_probe,
 };
+pub use haystack::{HaystackConfig, HaystackExample, HaystackFiller, MAX_HAYSTACK_LEN};
 pub use kv::{
     Binding, Curriculum, IGNORE_INDEX, KvEvalConfig, KvEvalSet, KvExample, KvPromptConfig, KvQuery,
     KvTrainConfig, KvTrainSampler, QueryMarker, QuerySampling, TrainBatch, generate_eval_set,

@@ -22,7 +22,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ResultExt};
 use crate::hooks::HookSpec;
 use crate::model::deepseek_v4::DeepseekV4Model;
 use crate::model::deepseek_v4::V4Checkpoint;
@@ -188,9 +188,9 @@ fn train_model<M: Module + LanguageModel>(
         .task
         .vocab
         .build()
-        .map_err(|e| Error::Other(format!("{}: [task.vocab]: {e}", path.display())))?;
+        .context_with(|| format!("{}: [task.vocab]", path.display()))?;
     let sampler = KvTrainSampler::new(&space, file.task.train.clone())
-        .map_err(|e| Error::Other(format!("{}: [task.train]: {e}", path.display())))?;
+        .context_with(|| format!("{}: [task.train]", path.display()))?;
     if space.vocab_size() > file.model.vocab_size() {
         return Err(Error::Config {
             path: path.to_path_buf(),

@@ -17,11 +17,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::parse_toml;
 use crate::error::{Error, Result};
 use crate::model::KvcConfig;
 use crate::model::deepseek_v4::DeepseekV4Config;
 use crate::tasks::{KvTrainConfig, TokenSpaceConfig};
+use crate::toml_file::parse_toml;
 
 /// `[organism]`
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -7,18 +7,24 @@
 //!
 //! Key slots, as in `hook_pattern`: `[compressed entries (n) ; raw tokens (t) ; sink]`.
 //! Raw token j is visible to query t iff `t - W < j <= t`; compressed entry w iff its
-//! window has closed, `w < (t + 1) / rate`, and (CSA) the indexer selected it.
+//! window has closed, `w < (t + 1) / rate`, and (CSA) the indexer selected it. The
+//! attention itself is the shared blocked core ([`crate::model::attention`]); per-token
+//! state (keys, compressor and indexer projections) goes through
+//! [`crate::model::kv_state::TokenFlow`], so plain, recording and suffix forwards are
+//! one code path.
 
 use burn::module::{Module, Param};
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 
-use super::compressor::{Compressor, Pooler};
-use super::config::AttnType;
-use super::indexer::CsaGeometry;
+use super::compressor::Compressor;
+use super::config::{AttnType, DeepseekV4Config};
+use super::indexer::{IndexSelector, Indexer};
 use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
-use crate::model::layers::{Linear, RmsNorm, RopeTables, masked_softmax, rms_normalize};
+use crate::model::attention::{Entries, EntrySelector, Keys, Raw, attend};
+use crate::model::kv_state::{Queries, TokenFlow};
+use crate::model::layers::{Linear, RmsNorm, RopeTables, rms_normalize};
 
 /// One attention layer (`self_attn`).
 #[derive(Module, Debug)]
@@ -47,116 +53,64 @@ pub struct Attention {
     pub eps: f64,
 }
 
-/// Per-forward tables and masks shared by all layers.
-pub struct Geometry {
-    /// Main rotary at positions `0..t` (sliding layers).
+/// What every layer of one forward shares: RoPE tables (main and compress rotary) at the
+/// computed positions (per-token keys are rotated at their own position before they join
+/// the state), the sliding window, and per compression rate the number of entries and
+/// the tables at their window starts.
+pub struct Tables {
     pub main: RopeTables,
-    /// Compress rotary at positions `0..t` (CSA / HCA layers, indexer queries).
     pub compress: RopeTables,
-    /// `[t, t]` sliding-window visibility.
-    pub window: Tensor<2, Bool>,
-    /// HCA: entries, `[t, n]` visibility, tables at the window starts.
-    pub hca: Option<(usize, Tensor<2, Bool>, RopeTables)>,
-    /// CSA geometry (indexer and compressor).
-    pub csa: Option<CsaGeometry>,
+    pub window: usize,
+    /// HCA: `(entries, tables at w * rate)`.
+    pub hca: Option<(usize, RopeTables)>,
+    /// CSA: `(entries, tables at w * rate)`.
+    pub csa: Option<(usize, RopeTables)>,
 }
 
-/// Per-layer, per-token state of a base forward that later positions' attention reads
-/// (rows = prompts, every position): the rotated keys and values, and the per-token
-/// projections of the compressor and of the indexer's pooler ([`Pooler::project`]).
-#[derive(Debug, Clone)]
-pub struct LayerState {
-    pub k: Tensor<3>,
-    pub v: Tensor<3>,
-    pub comp: Option<(Tensor<3>, Tensor<3>)>,
-    pub index: Option<(Tensor<3>, Tensor<3>)>,
-}
-
-impl LayerState {
-    /// Rows `idx` of every tensor.
-    pub fn select_rows(&self, idx: &Tensor<1, Int>) -> LayerState {
-        let sel = |t: &Tensor<3>| t.clone().select(0, idx.clone());
-        let pair = |p: &Option<(Tensor<3>, Tensor<3>)>| p.as_ref().map(|(a, b)| (sel(a), sel(b)));
-        LayerState {
-            k: sel(&self.k),
-            v: sel(&self.v),
-            comp: pair(&self.comp),
-            index: pair(&self.index),
+impl Tables {
+    /// For a forward computing `queries` of a `c` model.
+    pub fn new(c: &DeepseekV4Config, queries: &Queries, device: &Device) -> Self {
+        let total = queries.total();
+        let pos = queries.positions();
+        let starts = |kind: AttnType, rate: usize| {
+            c.layer_types.contains(&kind).then(|| {
+                let n = total / rate;
+                let p: Vec<usize> = (0..n).map(|i| i * rate).collect();
+                (n, rope::tables(&c.rope_compress, &p, device))
+            })
+        };
+        Tables {
+            main: rope::tables(&c.rope_main, &pos, device),
+            compress: rope::tables(&c.rope_compress, &pos, device),
+            window: c.sliding_window,
+            hca: starts(AttnType::Hca, c.hca_rate),
+            csa: starts(AttnType::Csa, c.csa_rate),
         }
     }
 }
 
-/// Queries at per-row positions (`len` of them per row) over the base run's state for
-/// every other position (see `DeepseekV4Model::forward_suffix`).
-pub struct SuffixFrame {
-    /// `[b * t]`: index into `cat([state rows * t, new rows * len])` that puts each
-    /// row's recomputed positions in place of the base run's.
-    pub merge: Tensor<1, Int>,
-    /// Main and compress RoPE tables at the query positions, row-major `[b * len]`.
-    pub main: RopeTables,
-    pub compress: RopeTables,
-    /// `[b, len, t]` sliding-window visibility.
-    pub window: Tensor<3, Bool>,
-    /// HCA `[b, len, n]` visibility.
-    pub hca: Option<Tensor<3, Bool>>,
-    /// CSA closed entries per query `[b, len, 1]` and `[b, len, n]`.
-    pub csa: Option<(Tensor<3, Int>, Tensor<3, Bool>)>,
-    /// Per layer (rows selected); `None` before the start layer.
-    pub layers: Vec<Option<LayerState>>,
-}
-
-impl SuffixFrame {
-    /// `base: [b, t, c]` with each row's recomputed positions taken from `new: [b, len, c]`.
-    pub fn merge(&self, base: Tensor<3>, new: Tensor<3>) -> Tensor<3> {
-        crate::model::merge_positions(base, new, &self.merge)
-    }
-}
-
-/// How a forward treats the per-token state.
-pub enum Mode<'a> {
-    /// A plain forward.
-    Plain,
-    /// A full forward that keeps every layer's [`LayerState`].
-    Record(&'a mut Vec<LayerState>),
-    /// Only some positions are recomputed.
-    Suffix(&'a SuffixFrame),
-}
-
 impl Attention {
-    /// `x: [b, t, d_model]` (after `input_layernorm`) -> `[b, t, d_model]`. In
-    /// [`Mode::Suffix`], `t` is the number of recomputed positions per row.
+    /// `x: [b, t, d_model]` (after `input_layernorm`) at the positions `flow` computes
+    /// -> `[b, t, d_model]`.
     pub fn forward(
         &self,
         layer: usize,
         x: Tensor<3>,
-        geo: &Geometry,
-        mode: &mut Mode,
+        tables: &Tables,
+        flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
         let [b, t, _] = x.dims();
         let (nh, dh) = (self.n_heads, self.head_dim);
-        let device = x.device();
-        let (tables, compress_tables) = match mode {
-            Mode::Suffix(f) => (
-                match self.kind {
-                    AttnType::Sliding => &f.main,
-                    _ => &f.compress,
-                },
-                &f.compress,
-            ),
-            _ => (
-                match self.kind {
-                    AttnType::Sliding => &geo.main,
-                    _ => &geo.compress,
-                },
-                &geo.compress,
-            ),
+        let q_tables = match self.kind {
+            AttnType::Sliding => &tables.main,
+            _ => &tables.compress,
         };
         let q_res = self.q_a_norm.forward(self.q_a_proj.forward(x.clone()));
         let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, nh, dh]);
         let q = rms_normalize(q, self.eps);
         let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
-        let q = rope::rotate(q, tables, false);
+        let q = rope::rotate(q, q_tables, false);
         let kv = self
             .kv_norm
             .forward(self.kv_proj.forward(x.clone()))
@@ -165,158 +119,128 @@ impl Attention {
             HookPoint::block(layer, Site::AttnK),
             HookPoint::block(layer, Site::AttnV),
         );
+        // Keys are rotated at their own positions, before they join the state.
         let (k, v) = if hooks.touches(&kp) || hooks.touches(&vp) {
             let k = hooks.apply(kp, kv.clone())?;
             let v = hooks.apply(vp, kv)?;
             (
-                rope::rotate(k, tables, false).reshape([b, t, dh]),
-                rope::rotate(v, tables, false).reshape([b, t, dh]),
+                rope::rotate(k, q_tables, false),
+                rope::rotate(v, q_tables, false),
             )
         } else {
-            let kv = rope::rotate(kv, tables, false).reshape([b, t, dh]);
+            let kv = rope::rotate(kv, q_tables, false);
             (kv.clone(), kv)
         };
-        // Per-token projections of the compressor and the indexer's pooler.
-        let project = |p: &Pooler| -> Option<(Tensor<3>, Tensor<3>)> {
-            matches!(mode, Mode::Record(_) | Mode::Suffix(_)).then(|| p.project(&x))
+        let k = flow.full(layer, "k", k)?;
+        let v = flow.full(layer, "v", v)?;
+        let entries = self.entries(layer, &x, tables, flow, hooks)?;
+        let mut selector = match (&entries, &self.compressor) {
+            (
+                Some(_),
+                Some(Compressor {
+                    indexer: Some(idx), ..
+                }),
+            ) => Some(self.selector(idx, layer, &x, &q_res, tables, flow)?),
+            _ => None,
         };
-        let comp_proj = self.compressor.as_ref().and_then(|c| project(&c.pooler));
-        let index_proj = self
-            .compressor
-            .as_ref()
-            .and_then(|c| c.indexer.as_ref())
-            .and_then(|i| project(&i.pooler));
-        let (k, v, comp_proj, index_proj) = match mode {
-            Mode::Plain => (k, v, None, None),
-            Mode::Record(out) => {
-                out.push(LayerState {
-                    k: k.clone(),
-                    v: v.clone(),
-                    comp: comp_proj.clone(),
-                    index: index_proj.clone(),
-                });
-                (k, v, comp_proj, index_proj)
-            }
-            Mode::Suffix(f) => {
-                let base = f.layers[layer]
-                    .as_ref()
-                    .expect("the suffix frame holds every layer from the start");
-                let pair = |base: &Option<(Tensor<3>, Tensor<3>)>,
-                            new: Option<(Tensor<3>, Tensor<3>)>| {
-                    match (base, new) {
-                        (Some((b0, b1)), Some((n0, n1))) => {
-                            Some((f.merge(b0.clone(), n0), f.merge(b1.clone(), n1)))
-                        }
-                        _ => None,
-                    }
-                };
-                (
-                    f.merge(base.k.clone(), k),
-                    f.merge(base.v.clone(), v),
-                    pair(&base.comp, comp_proj),
-                    pair(&base.index, index_proj),
-                )
-            }
+        let scores_hooked = hooks.touches(&HookPoint::block(layer, Site::IndexerScores));
+        let keys = Keys {
+            entries,
+            selector: selector.as_mut().map(|s| s as &mut dyn EntrySelector),
+            raw: Some(Raw {
+                k,
+                v,
+                window: Some(tables.window),
+            }),
+            sink: Some(self.sinks.val()),
         };
-        let nt = k.dims()[1]; // every position of the sequence
-
-        // Compressed entries and their visibility [b, t, n].
-        let mut keys = Vec::with_capacity(2);
-        let mut values = Vec::with_capacity(2);
-        let mut masks: Vec<Tensor<3, Bool>> = Vec::with_capacity(2);
-        if let Some(comp) = &self.compressor {
-            let (starts, visible) = match (self.kind, &*mode) {
-                (AttnType::Hca, Mode::Suffix(f)) => match (&geo.hca, &f.hca) {
-                    (Some((n, _, starts)), Some(vis)) if *n > 0 => {
-                        (Some(starts), Some(vis.clone()))
-                    }
-                    _ => (None, None),
-                },
-                (AttnType::Hca, _) => match &geo.hca {
-                    Some((n, vis, starts)) if *n > 0 => (
-                        Some(starts),
-                        Some(vis.clone().reshape([1, t, *n]).expand([b, t, *n])),
-                    ),
-                    _ => (None, None),
-                },
-                (AttnType::Csa, _) => match &geo.csa {
-                    Some(g) if g.n_entries > 0 => {
-                        let idx = comp.indexer.as_ref().expect("CSA layers have an indexer");
-                        let windows = match &index_proj {
-                            Some(p) => idx.pooler.windows_from(p.clone()),
-                            None => idx.pooler.windows(&x),
-                        }
-                        .expect("entries exist");
-                        let (closed, closed_mask) = match &*mode {
-                            Mode::Suffix(f) => f.csa.clone().expect("CSA suffix geometry"),
-                            _ => (g.closed.clone(), g.closed_mask.clone()),
-                        };
-                        let sel = idx.select_with(
-                            layer,
-                            windows,
-                            &x,
-                            &q_res,
-                            compress_tables,
-                            &g.starts,
-                            &closed,
-                            &closed_mask,
-                            hooks,
-                        )?;
-                        (Some(&g.starts), Some(sel))
-                    }
-                    _ => (None, None),
-                },
-                (AttnType::Sliding, _) => (None, None),
-            };
-            if let (Some(starts), Some(visible)) = (starts, visible) {
-                let windows = match comp_proj {
-                    Some(p) => comp.pooler.windows_from(p),
-                    None => comp.pooler.windows(&x),
-                };
-                if let Some(c) = comp.forward_windows(layer, windows, starts, hooks)? {
-                    let n = c.keys.dims()[1];
-                    keys.push(c.keys.reshape([b, n, dh]));
-                    values.push(c.values.reshape([b, n, dh]));
-                    masks.push(visible);
-                }
-            }
+        let pattern = HookPoint::block(layer, Site::AttnPattern);
+        let scale = 1.0 / (dh as f64).sqrt();
+        let z = attend(
+            q,
+            flow.queries(),
+            keys,
+            scale,
+            pattern,
+            scores_hooked,
+            hooks,
+        )?;
+        if let Some(s) = selector {
+            s.finish(hooks);
         }
-        keys.push(k);
-        values.push(v);
-        masks.push(match &*mode {
-            Mode::Suffix(f) => f.window.clone(),
-            _ => geo.window.clone().reshape([1, t, nt]).expand([b, t, nt]),
-        });
-        let keys = Tensor::cat(keys, 1); // [b, nk, dh]
-        let values = Tensor::cat(values, 1);
-        let nk = keys.dims()[1];
-        let mask = Tensor::cat(masks, 2)
-            .reshape([b, 1, t, nk])
-            .expand([b, nh, t, nk]);
-
-        // One K = V head for all query heads: [b, nh * t, dh] x [b, dh, nk].
-        let qh = q.swap_dims(1, 2).reshape([b, nh * t, dh]);
-        let scores =
-            qh.matmul(keys.swap_dims(1, 2)).reshape([b, nh, t, nk]) * (1.0 / (dh as f64).sqrt());
-        let sink = self
-            .sinks
-            .val()
-            .reshape([1, nh, 1, 1])
-            .expand([b, nh, t, 1]);
-        let all = Tensor::cat(vec![scores, sink], 3);
-        let ones = Tensor::<4, Bool>::from_data(TensorData::new(vec![true], [1, 1, 1, 1]), &device)
-            .expand([b, nh, t, 1]);
-        let p = masked_softmax(all, Tensor::cat(vec![mask, ones], 3));
-        let p = hooks.apply(HookPoint::block(layer, Site::AttnPattern), p)?;
-        let z = p
-            .slice_dim(3, 0..nk)
-            .reshape([b, nh * t, nk])
-            .matmul(values)
-            .reshape([b, nh, t, dh])
-            .swap_dims(1, 2); // [b, t, nh, dh]
-        let z = rope::rotate(z, tables, true);
+        let z = rope::rotate(z, q_tables, true);
         let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
+        self.output(layer, z, hooks)
+    }
 
+    /// The compressed entries of a CSA / HCA layer (pooled from the per-token
+    /// projections of every position), or `None` (sliding layer, no closed window).
+    fn entries(
+        &self,
+        layer: usize,
+        x: &Tensor<3>,
+        tables: &Tables,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Option<Entries>> {
+        let (Some(comp), Some((n, starts))) = (
+            &self.compressor,
+            match self.kind {
+                AttnType::Hca => &tables.hca,
+                AttnType::Csa => &tables.csa,
+                AttnType::Sliding => &None,
+            },
+        ) else {
+            return Ok(None);
+        };
+        if *n == 0 {
+            return Ok(None);
+        }
+        let (kv, gate) = comp.pooler.project(x);
+        let kv = flow.full(layer, "comp_kv", kv)?;
+        let gate = flow.full(layer, "comp_gate", gate)?;
+        let windows = comp.pooler.windows_from((kv, gate));
+        let Some(c) = comp.forward_windows(layer, windows, starts, hooks)? else {
+            return Ok(None);
+        };
+        let rate = comp.pooler.rate;
+        Ok(Some(Entries {
+            k: c.keys,
+            v: c.values,
+            stride: rate,
+            close: rate - 1,
+        }))
+    }
+
+    /// The lightning indexer's selector over the pooled index keys of every position.
+    fn selector(
+        &self,
+        idx: &Indexer,
+        layer: usize,
+        x: &Tensor<3>,
+        q_res: &Tensor<3>,
+        tables: &Tables,
+        flow: &mut TokenFlow,
+    ) -> Result<IndexSelector> {
+        let (kv, gate) = idx.pooler.project(x);
+        let kv = flow.full(layer, "index_kv", kv)?;
+        let gate = flow.full(layer, "index_gate", gate)?;
+        let starts = &tables.csa.as_ref().expect("CSA tables").1;
+        idx.selector(
+            layer,
+            (kv, gate),
+            x,
+            q_res,
+            &tables.compress,
+            starts,
+            flow.queries(),
+        )
+    }
+
+    /// `z: [b, t, nh, dh]` -> the output `[b, t, d_model]`, through `hook_result`
+    /// (per-head contributions) when it is captured or intervened on.
+    fn output(&self, layer: usize, z: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
+        let [b, t, _, _] = z.dims();
         let result_point = HookPoint::block(layer, Site::AttnResult);
         if hooks.touches(&result_point) {
             let r = self.per_head(z.clone());

@@ -204,117 +204,10 @@ impl DeepseekV4Config {
         let n = r.num_hidden_layers.unwrap_or(43);
         let head_dim = r.head_dim.unwrap_or(512);
 
-        // compress rates: dict, then legacy scalar overrides.
-        let mut csa_rate = 4usize;
-        let mut hca_rate = 128usize;
-        if let Some(m) = &r.compress_rates {
-            for (k, v) in m {
-                let v = v.as_u64().ok_or_else(|| {
-                    Error::field(format!("compress_rates.{k}"), "must be a positive integer")
-                })? as usize;
-                match AttnType::parse(k) {
-                    Some(AttnType::Csa) => csa_rate = v,
-                    Some(AttnType::Hca) => hca_rate = v,
-                    _ => {
-                        return Err(Error::field(
-                            "compress_rates",
-                            format!(
-                                "unknown key \"{k}\" (allowed: \"compressed_sparse_attention\", \"heavily_compressed_attention\")"
-                            ),
-                        ));
-                    }
-                }
-            }
-        }
-        if let Some(v) = r.compress_rate_csa {
-            csa_rate = v;
-        }
-        if let Some(v) = r.compress_rate_hca {
-            hca_rate = v;
-        }
+        let (csa_rate, hca_rate) = compress_rates(r)?;
 
-        // layer types: explicit > legacy compress_ratios > V4-Pro default; truncated to n.
-        let mut layer_types: Vec<AttnType> = if let Some(lt) = &r.layer_types {
-            lt.iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    AttnType::parse(s).ok_or_else(|| {
-                        Error::field(
-                            format!("layer_types[{i}]"),
-                            format!(
-                                "\"{s}\" is not one of \"sliding_attention\", \"compressed_sparse_attention\", \"heavily_compressed_attention\""
-                            ),
-                        )
-                    })
-                })
-                .collect::<Result<_>>()?
-        } else if let Some(cr) = &r.compress_ratios {
-            cr.iter()
-                .enumerate()
-                .map(|(i, &v)| match v {
-                    0 => Ok(AttnType::Sliding),
-                    4 => Ok(AttnType::Csa),
-                    128 => Ok(AttnType::Hca),
-                    _ => Err(Error::field(
-                        format!("compress_ratios[{i}]"),
-                        format!("{v} is not one of 0 (sliding), 4 (CSA), 128 (HCA)"),
-                    )),
-                })
-                .collect::<Result<_>>()?
-        } else {
-            let mut v = vec![AttnType::Hca; n.min(2)];
-            v.extend((0..n.saturating_sub(2)).map(|i| {
-                if i % 2 == 1 {
-                    AttnType::Csa
-                } else {
-                    AttnType::Hca
-                }
-            }));
-            v
-        };
-        layer_types.truncate(n);
-        if layer_types.len() != n {
-            return Err(Error::field(
-                if r.layer_types.is_some() {
-                    "layer_types"
-                } else {
-                    "compress_ratios"
-                },
-                format!(
-                    "has {} entries but num_hidden_layers is {n}",
-                    layer_types.len()
-                ),
-            ));
-        }
-
-        let mut mlp_layer_types: Vec<MlpType> = if let Some(mt) = &r.mlp_layer_types {
-            mt.iter()
-                .enumerate()
-                .map(|(i, s)| match s.as_str() {
-                    "hash_moe" => Ok(MlpType::HashMoe),
-                    "moe" => Ok(MlpType::Moe),
-                    _ => Err(Error::field(
-                        format!("mlp_layer_types[{i}]"),
-                        format!("\"{s}\" is not one of \"hash_moe\", \"moe\""),
-                    )),
-                })
-                .collect::<Result<_>>()?
-        } else {
-            let h = r.num_hash_layers.unwrap_or(3).min(n);
-            let mut v = vec![MlpType::HashMoe; h];
-            v.extend(std::iter::repeat_n(MlpType::Moe, n - h));
-            v
-        };
-        mlp_layer_types.truncate(n);
-        if mlp_layer_types.len() != n {
-            return Err(Error::field(
-                "mlp_layer_types",
-                format!(
-                    "has {} entries but num_hidden_layers is {n}",
-                    mlp_layer_types.len()
-                ),
-            ));
-        }
+        let layer_types = layer_types(r, n)?;
+        let mlp_layer_types = mlp_layer_types(r, n)?;
 
         let partial = match (r.partial_rotary_factor, r.qk_rope_head_dim) {
             (Some(p), _) => p,
@@ -327,63 +220,9 @@ impl DeepseekV4Config {
         let (rope_main, rope_compress) =
             resolve_rope(r, head_dim, partial, rope_theta, compress_theta, max_pos)?;
 
-        let scoring_func = match r.scoring_func.as_deref().unwrap_or("sqrtsoftplus") {
-            "sqrtsoftplus" => ScoringFunc::Sqrtsoftplus,
-            "softmax" => ScoringFunc::Softmax,
-            "sigmoid" => ScoringFunc::Sigmoid,
-            other => {
-                return Err(Error::field(
-                    "scoring_func",
-                    format!("\"{other}\" is not one of \"sqrtsoftplus\", \"softmax\", \"sigmoid\""),
-                ));
-            }
-        };
-        if let Some(act) = &r.hidden_act
-            && act != "silu"
-            && act != "swish"
-        {
-            return Err(Error::field(
-                "hidden_act",
-                format!("only \"silu\" is supported, got \"{act}\""),
-            ));
-        }
-        if r.attention_bias == Some(true) {
-            return Err(Error::field(
-                "attention_bias",
-                "DeepSeek-V4 attention has no biases (transformers ignores the flag); set it to false",
-            ));
-        }
-        if let Some(kv) = r.num_key_value_heads
-            && kv != 1
-        {
-            return Err(Error::field(
-                "num_key_value_heads",
-                format!("DeepSeek-V4 has one shared K=V head, got {kv}"),
-            ));
-        }
-        let fp8_block = match r
-            .quantization_config
-            .as_ref()
-            .and_then(|q| q.get("weight_block_size"))
-        {
-            None | Some(Value::Null) => [128, 128],
-            Some(v) => {
-                let a: Option<Vec<usize>> = v.as_array().map(|a| {
-                    a.iter()
-                        .filter_map(|x| x.as_u64().map(|x| x as usize))
-                        .collect()
-                });
-                match a.as_deref() {
-                    Some([a, b]) if *a > 0 && *b > 0 => [*a, *b],
-                    _ => {
-                        return Err(Error::field(
-                            "quantization_config.weight_block_size",
-                            format!("must be two positive integers, got {v}"),
-                        ));
-                    }
-                }
-            }
-        };
+        let scoring_func = scoring_func(r)?;
+        check_unsupported(r)?;
+        let fp8_block = fp8_block(r)?;
 
         let c = DeepseekV4Config {
             vocab_size: r.vocab_size.unwrap_or(129280),
@@ -699,6 +538,202 @@ fn rope_spec(
             format!("\"{other}\" is not supported (supported: \"default\", \"yarn\")"),
         )),
     }
+}
+
+/// `compress_rates` (a dict), then the legacy scalar overrides: (CSA rate, HCA rate).
+fn compress_rates(r: &RawConfig) -> Result<(usize, usize)> {
+    let mut csa_rate = 4usize;
+    let mut hca_rate = 128usize;
+    if let Some(m) = &r.compress_rates {
+        for (k, v) in m {
+            let v = v.as_u64().ok_or_else(|| {
+                Error::field(format!("compress_rates.{k}"), "must be a positive integer")
+            })? as usize;
+            match AttnType::parse(k) {
+                Some(AttnType::Csa) => csa_rate = v,
+                Some(AttnType::Hca) => hca_rate = v,
+                _ => {
+                    return Err(Error::field(
+                        "compress_rates",
+                        format!(
+                            "unknown key \"{k}\" (allowed: \"compressed_sparse_attention\", \"heavily_compressed_attention\")"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(v) = r.compress_rate_csa {
+        csa_rate = v;
+    }
+    if let Some(v) = r.compress_rate_hca {
+        hca_rate = v;
+    }
+    Ok((csa_rate, hca_rate))
+}
+
+/// Layer types: explicit `layer_types` > legacy `compress_ratios` > the V4-Pro default;
+/// truncated to `n` layers.
+fn layer_types(r: &RawConfig, n: usize) -> Result<Vec<AttnType>> {
+    let mut layer_types: Vec<AttnType> = if let Some(lt) = &r.layer_types {
+        lt.iter()
+            .enumerate()
+            .map(|(i, s)| {
+                AttnType::parse(s).ok_or_else(|| {
+                    Error::field(
+                        format!("layer_types[{i}]"),
+                        format!(
+                            "\"{s}\" is not one of \"sliding_attention\", \"compressed_sparse_attention\", \"heavily_compressed_attention\""
+                        ),
+                    )
+                })
+            })
+            .collect::<Result<_>>()?
+    } else if let Some(cr) = &r.compress_ratios {
+        cr.iter()
+            .enumerate()
+            .map(|(i, &v)| match v {
+                0 => Ok(AttnType::Sliding),
+                4 => Ok(AttnType::Csa),
+                128 => Ok(AttnType::Hca),
+                _ => Err(Error::field(
+                    format!("compress_ratios[{i}]"),
+                    format!("{v} is not one of 0 (sliding), 4 (CSA), 128 (HCA)"),
+                )),
+            })
+            .collect::<Result<_>>()?
+    } else {
+        let mut v = vec![AttnType::Hca; n.min(2)];
+        v.extend((0..n.saturating_sub(2)).map(|i| {
+            if i % 2 == 1 {
+                AttnType::Csa
+            } else {
+                AttnType::Hca
+            }
+        }));
+        v
+    };
+    layer_types.truncate(n);
+    if layer_types.len() != n {
+        return Err(Error::field(
+            if r.layer_types.is_some() {
+                "layer_types"
+            } else {
+                "compress_ratios"
+            },
+            format!(
+                "has {} entries but num_hidden_layers is {n}",
+                layer_types.len()
+            ),
+        ));
+    }
+    Ok(layer_types)
+}
+
+/// MLP types: explicit `mlp_layer_types`, else `num_hash_layers` hash-routed layers
+/// then routed ones; truncated to `n` layers.
+fn mlp_layer_types(r: &RawConfig, n: usize) -> Result<Vec<MlpType>> {
+    let mut mlp_layer_types: Vec<MlpType> = if let Some(mt) = &r.mlp_layer_types {
+        mt.iter()
+            .enumerate()
+            .map(|(i, s)| match s.as_str() {
+                "hash_moe" => Ok(MlpType::HashMoe),
+                "moe" => Ok(MlpType::Moe),
+                _ => Err(Error::field(
+                    format!("mlp_layer_types[{i}]"),
+                    format!("\"{s}\" is not one of \"hash_moe\", \"moe\""),
+                )),
+            })
+            .collect::<Result<_>>()?
+    } else {
+        let h = r.num_hash_layers.unwrap_or(3).min(n);
+        let mut v = vec![MlpType::HashMoe; h];
+        v.extend(std::iter::repeat_n(MlpType::Moe, n - h));
+        v
+    };
+    mlp_layer_types.truncate(n);
+    if mlp_layer_types.len() != n {
+        return Err(Error::field(
+            "mlp_layer_types",
+            format!(
+                "has {} entries but num_hidden_layers is {n}",
+                mlp_layer_types.len()
+            ),
+        ));
+    }
+    Ok(mlp_layer_types)
+}
+
+/// The router's `scoring_func`.
+fn scoring_func(r: &RawConfig) -> Result<ScoringFunc> {
+    Ok(match r.scoring_func.as_deref().unwrap_or("sqrtsoftplus") {
+        "sqrtsoftplus" => ScoringFunc::Sqrtsoftplus,
+        "softmax" => ScoringFunc::Softmax,
+        "sigmoid" => ScoringFunc::Sigmoid,
+        other => {
+            return Err(Error::field(
+                "scoring_func",
+                format!("\"{other}\" is not one of \"sqrtsoftplus\", \"softmax\", \"sigmoid\""),
+            ));
+        }
+    })
+}
+
+/// Settings transformers accepts that DeepSeek-V4 does not use: rejected with the field.
+fn check_unsupported(r: &RawConfig) -> Result<()> {
+    if let Some(act) = &r.hidden_act
+        && act != "silu"
+        && act != "swish"
+    {
+        return Err(Error::field(
+            "hidden_act",
+            format!("only \"silu\" is supported, got \"{act}\""),
+        ));
+    }
+    if r.attention_bias == Some(true) {
+        return Err(Error::field(
+            "attention_bias",
+            "DeepSeek-V4 attention has no biases (transformers ignores the flag); set it to false",
+        ));
+    }
+    if let Some(kv) = r.num_key_value_heads
+        && kv != 1
+    {
+        return Err(Error::field(
+            "num_key_value_heads",
+            format!("DeepSeek-V4 has one shared K=V head, got {kv}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `quantization_config.weight_block_size` (default 128 x 128).
+fn fp8_block(r: &RawConfig) -> Result<[usize; 2]> {
+    Ok(
+        match r
+            .quantization_config
+            .as_ref()
+            .and_then(|q| q.get("weight_block_size"))
+        {
+            None | Some(Value::Null) => [128, 128],
+            Some(v) => {
+                let a: Option<Vec<usize>> = v.as_array().map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_u64().map(|x| x as usize))
+                        .collect()
+                });
+                match a.as_deref() {
+                    Some([a, b]) if *a > 0 && *b > 0 => [*a, *b],
+                    _ => {
+                        return Err(Error::field(
+                            "quantization_config.weight_block_size",
+                            format!("must be two positive integers, got {v}"),
+                        ));
+                    }
+                }
+            }
+        },
+    )
 }
 
 #[cfg(test)]

@@ -8,13 +8,15 @@
 
 use burn::module::Module;
 use burn::tensor::activation::relu;
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Tensor};
 
 use super::compressor::Pooler;
 use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
-use crate::model::layers::{Linear, RopeTables};
+use crate::model::attention::EntrySelector;
+use crate::model::kv_state::Queries;
+use crate::model::layers::{Linear, RopeTables, int_tensor};
 use crate::model::topk::{selected_indices, topk_mask};
 use crate::model::weights::Vb;
 
@@ -40,18 +42,6 @@ pub struct Indexer {
     pub head_dim: usize,
     #[module(skip)]
     pub topk: usize,
-}
-
-/// Geometry shared by the CSA layers of one forward pass.
-pub struct CsaGeometry {
-    /// Number of closed entries of the whole sequence.
-    pub n_entries: usize,
-    /// `[1, t, 1]`: `(t + 1) / m`, the number of closed entries query t may see.
-    pub closed: Tensor<3, Int>,
-    /// `[1, t, n]`: entry s closed for query t.
-    pub closed_mask: Tensor<3, Bool>,
-    /// RoPE tables at the window starts.
-    pub starts: RopeTables,
 }
 
 impl Indexer {
@@ -88,95 +78,136 @@ impl Indexer {
         })
     }
 
-    /// The entries each query keeps: `[b, t, n]` (true = selected; always closed).
-    /// `x` is the attention input, `q_res` the normalised low-rank query, `tokens` the
-    /// compress RoPE tables at positions `0..t`.
-    pub fn select(
-        &self,
-        layer: usize,
-        x: &Tensor<3>,
-        q_res: &Tensor<3>,
-        tokens: &RopeTables,
-        geo: &CsaGeometry,
-        hooks: &mut HookRun,
-    ) -> Result<Tensor<3, Bool>> {
-        let windows = self
-            .pooler
-            .windows(x)
-            .expect("the caller checked that entries exist");
-        self.select_with(
-            layer,
-            windows,
-            x,
-            q_res,
-            tokens,
-            &geo.starts,
-            &geo.closed,
-            &geo.closed_mask,
-            hooks,
-        )
-    }
-
-    /// [`Indexer::select`] from the indexer pooler's windows of the whole sequence, for
-    /// queries `x, q_res: [b, lq, *]` at the positions of the `tokens` tables
-    /// ([`rope::rotate`]), with `closed: [1 or b, lq, 1]` (closed entries per query)
-    /// and `closed_mask: [1 or b, lq, n]`.
+    /// The selector of one forward: index keys pooled from the per-token projections
+    /// `(kv, gate)` of every position (`[b, total, *]`, [`Pooler::project`]) and rotated
+    /// at the window starts `starts`; queries from `x, q_res: [b, lq, *]` at the computed
+    /// positions (`tokens`: compress RoPE tables there).
     #[allow(clippy::too_many_arguments)]
-    pub fn select_with(
+    pub fn selector(
         &self,
         layer: usize,
-        (w, values): (Tensor<4>, Tensor<4>),
+        projections: (Tensor<3>, Tensor<3>),
         x: &Tensor<3>,
         q_res: &Tensor<3>,
         tokens: &RopeTables,
         starts: &RopeTables,
-        _closed: &Tensor<3, Int>,
-        closed_mask: &Tensor<3, Bool>,
-        hooks: &mut HookRun,
-    ) -> Result<Tensor<3, Bool>> {
+        queries: &Queries,
+    ) -> Result<IndexSelector> {
         let [b, t, _] = x.dims();
         let (hi, di) = (self.n_heads, self.head_dim);
+        let (w, values) = self
+            .pooler
+            .windows_from(projections)
+            .expect("the caller checked that entries exist");
         let n = w.dims()[1];
         let keys = self.pooler.pool(w, values).reshape([b, n, 1, di]);
         let keys = rope::rotate(keys, starts, false).reshape([b, n, di]);
         let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, hi, di]);
-        let q = rope::rotate(q, tokens, false).reshape([b, t * hi, di]);
-        let dots = relu(q.matmul(keys.swap_dims(1, 2))) * (1.0 / (di as f64).sqrt());
+        let q = rope::rotate(q, tokens, false);
         let weights = self.scorer.weights_proj.forward(x.clone()) * (1.0 / (hi as f64).sqrt());
-        let scores = (dots.reshape([b, t, hi, n]) * weights.reshape([b, t, hi, 1]))
-            .sum_dim(2)
-            .reshape([b, t, n]);
-        let scores = hooks.apply(HookPoint::block(layer, Site::IndexerScores), scores)?;
-
-        // The top-k rule of every model: among equal scores the lower index wins.
-        let k = self.topk.min(n);
-        let closed = closed_mask.clone().expand([b, t, n]);
-        let masked = scores.mask_fill(closed.clone().bool_not(), f32::NEG_INFINITY);
-        let selected = topk_mask(masked, k).bool_and(closed);
-        hooks.record(HookPoint::block(layer, Site::IndexerTopk), || {
-            let (idx, valid) = selected_indices(selected.clone(), k);
-            idx.float().mask_fill(valid.bool_not(), -1.0)
-        });
-        Ok(selected)
+        Ok(IndexSelector {
+            layer,
+            topk: self.topk.min(n),
+            rate: self.pooler.rate,
+            q,
+            weights,
+            keys,
+            first: (0..b).map(|r| queries.first(r)).collect(),
+            picked: Vec::new(),
+        })
     }
 }
 
-impl CsaGeometry {
-    /// For a sequence of `t` tokens at rate `m`.
-    pub fn new(t: usize, m: usize, starts: RopeTables, device: &burn::tensor::Device) -> Self {
-        let n = t / m;
-        let closed: Vec<i64> = (0..t).map(|q| ((q + 1) / m) as i64).collect();
-        let mut mask = Vec::with_capacity(t * n);
-        for q in 0..t {
-            for s in 0..n {
-                mask.push(s < (q + 1) / m);
+/// The lightning indexer of one CSA layer in one forward, as the attention core's
+/// [`EntrySelector`]: `score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) /
+/// sqrt(index_head_dim)` over the closed entries, and the top `index_topk` of them
+/// ([`crate::model::topk`]).
+pub struct IndexSelector {
+    layer: usize,
+    topk: usize,
+    rate: usize,
+    /// `[b, lq, hi, di]`, rotated.
+    q: Tensor<4>,
+    /// `[b, lq, hi]`, scaled by `1 / sqrt(hi)`.
+    weights: Tensor<3>,
+    /// `[b, n, di]`, rotated.
+    keys: Tensor<3>,
+    /// First computed position of each row.
+    first: Vec<usize>,
+    /// Kept indices per block (for `hook_topk`): `[b, bq, topk]`, -1 = none.
+    picked: Vec<Tensor<3>>,
+}
+
+impl IndexSelector {
+    /// Record `hook_topk` (the kept entries of every query) if it is captured.
+    pub fn finish(self, hooks: &mut HookRun) {
+        let point = HookPoint::block(self.layer, Site::IndexerTopk);
+        let picked = self.picked;
+        hooks.record(point, || {
+            if picked.len() == 1 {
+                picked.into_iter().next().expect("one block")
+            } else {
+                Tensor::cat(picked, 1)
             }
+        });
+    }
+}
+
+impl EntrySelector for IndexSelector {
+    fn k(&self) -> usize {
+        self.topk
+    }
+
+    fn cost_per_entry(&self) -> usize {
+        self.q.dims()[2]
+    }
+
+    fn select(
+        &mut self,
+        i0: usize,
+        i1: usize,
+        n_vis: usize,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<3, Bool>> {
+        let [b, _, hi, di] = self.q.dims();
+        let bq = i1 - i0;
+        let q = self
+            .q
+            .clone()
+            .slice_dim(1, i0..i1)
+            .reshape([b, bq * hi, di]);
+        let keys = self.keys.clone().slice_dim(1, 0..n_vis);
+        let dots = relu(q.matmul(keys.swap_dims(1, 2))) * (1.0 / (di as f64).sqrt());
+        let w = self.weights.clone().slice_dim(1, i0..i1);
+        let scores = (dots.reshape([b, bq, hi, n_vis]) * w.reshape([b, bq, hi, 1]))
+            .sum_dim(2)
+            .reshape([b, bq, n_vis]);
+        let scores = hooks.apply(HookPoint::block(self.layer, Site::IndexerScores), scores)?;
+        // Entry s is closed for the query at position p iff (s + 1) * rate <= p + 1.
+        let device = scores.device();
+        let pos: Vec<usize> = self.first.iter().flat_map(|&f| f + i0..f + i1).collect();
+        let closes: Vec<usize> = (0..n_vis).map(|s| (s + 1) * self.rate - 1).collect();
+        let shape = [b, bq, n_vis];
+        let closed = int_tensor(&closes, &device)
+            .reshape([1, 1, n_vis])
+            .expand(shape)
+            .lower_equal(int_tensor(&pos, &device).reshape([b, bq, 1]).expand(shape));
+        // The top-k rule of every model: among equal scores the lower index wins.
+        let k = self.topk.min(n_vis);
+        let masked = scores.mask_fill(closed.clone().bool_not(), f32::NEG_INFINITY);
+        let selected = topk_mask(masked, k).bool_and(closed);
+        if hooks
+            .spec()
+            .captures_point(&HookPoint::block(self.layer, Site::IndexerTopk))
+        {
+            let (idx, valid) = selected_indices(selected.clone(), k);
+            let mut kept = idx.float().mask_fill(valid.bool_not(), -1.0);
+            if k < self.topk {
+                let pad = Tensor::<3>::full([b, bq, self.topk - k], -1.0, &device);
+                kept = Tensor::cat(vec![kept, pad], 2);
+            }
+            self.picked.push(kept);
         }
-        CsaGeometry {
-            n_entries: n,
-            closed: Tensor::from_data(TensorData::new(closed, [1, t, 1]), device),
-            closed_mask: Tensor::from_data(TensorData::new(mask, [1, t, n]), device),
-            starts,
-        }
+        Ok(selected)
     }
 }

@@ -5,20 +5,20 @@
 //! `[batch, pos, hc_mult, d_model]`; `forward_from` starts from it.
 
 use burn::module::Module;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor};
 
-use super::attention::{Attention, Geometry, LayerState, Mode, SuffixFrame};
+use super::attention::{Attention, Tables};
 use super::compressor::{Compressor, Pooler};
 use super::config::{AttnType, DeepseekV4Config, MODEL_TYPE};
-use super::indexer::{CsaGeometry, Indexer};
+use super::indexer::Indexer;
 use super::mhc::{self, HyperConnection, HyperHead, Sublayer};
 use super::moe::{Moe, MoeDims};
-use super::rope;
 use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
-use crate::model::layers::{Embedding, Linear, RmsNorm, mask_from_fn, query_mask};
+use crate::model::kv_state::{PrefixState, Queries, Suffix, TokenFlow};
+use crate::model::layers::{Embedding, Linear, RmsNorm};
 use crate::model::weights::{Init, Vb};
-use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo, PrefixState, Suffix};
+use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo};
 
 /// One decoder layer (`model.layers.{l}`).
 #[derive(Module, Debug)]
@@ -208,32 +208,16 @@ impl DeepseekV4Model {
         if b == 0 || t == 0 {
             return Err(Error::Input(format!("empty token batch [{b}, {t}]")));
         }
-        let ids: Vec<i64> = tokens
-            .to_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .map_err(|e| Error::Input(format!("token ids: {e:?}")))?;
-        let v = self.config.vocab_size;
-        if let Some((i, bad)) = ids
-            .iter()
-            .enumerate()
-            .find(|(_, x)| **x < 0 || **x as usize >= v)
-        {
-            return Err(Error::Input(format!(
-                "row {}, position {}: token id {bad} is out of the vocabulary 0..{v}",
-                i / t,
-                i % t
-            )));
-        }
-        Ok(ids)
+        crate::model::check_token_ids(tokens, self.config.vocab_size)
     }
 
     /// Full forward pass: `[batch, pos]` ids -> logits `[batch, pos, vocab]` and captures.
     pub fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
         let ids = self.token_ids(&tokens)?;
+        let [b, t] = tokens.dims();
         let mut hooks = spec.run();
         let x = self.streams(tokens, &mut hooks)?;
-        self.run_layers(x, 0, &ids, &mut Mode::Plain, &mut hooks)
+        self.run_layers(x, 0, &ids, &mut TokenFlow::plain(b, t), &mut hooks)
     }
 
     /// Embed `[b, t]` ids and copy them into the `hc_mult` streams `[b, t, hc, d]`.
@@ -245,8 +229,8 @@ impl DeepseekV4Model {
         Ok(e.reshape([b, t, 1, h]).expand([b, t, n, h]))
     }
 
-    /// [`DeepseekV4Model::forward`], also keeping every layer's per-token state for
-    /// [`DeepseekV4Model::forward_suffix`].
+    /// [`DeepseekV4Model::forward`], also keeping every layer's per-token state (and the
+    /// token ids, for hash routing) for [`DeepseekV4Model::forward_suffix`].
     pub fn forward_with_state(
         &self,
         tokens: Tensor<2, Int>,
@@ -256,9 +240,9 @@ impl DeepseekV4Model {
         let [b, t] = tokens.dims();
         let mut hooks = spec.run();
         let x = self.streams(tokens, &mut hooks)?;
-        let mut layers = Vec::with_capacity(self.model.layers.len());
-        let out = self.run_layers(x, 0, &ids, &mut Mode::Record(&mut layers), &mut hooks)?;
-        Ok((out, PrefixState::new(b, t, V4State { layers, ids })))
+        let mut state = PrefixState::new(MODEL_TYPE, b, t);
+        let out = self.run_layers(x, 0, &ids, &mut TokenFlow::record(&mut state), &mut hooks)?;
+        Ok((out, state.with_ids(ids)))
     }
 
     /// Run layers `start..` over only the positions `suffix` names (see
@@ -272,72 +256,36 @@ impl DeepseekV4Model {
         resid: Tensor<4>,
         spec: &HookSpec,
     ) -> Result<ForwardOutput> {
-        let st = state.for_suffix::<V4State>(suffix, "DeepSeek-V4")?;
+        let device = resid.device();
         let n_layers = self.model.layers.len();
-        if start >= n_layers || st.layers.len() != n_layers {
-            return Err(Error::Input(format!(
-                "suffix forward from layer {start}: the model has {n_layers} layers, the state {}",
-                st.layers.len()
-            )));
-        }
-        let total = state.len();
+        let mut flow = TokenFlow::suffix(state, suffix, MODEL_TYPE, start, n_layers, &device)?;
         let c = &self.config;
-        let (b, l) = (suffix.rows.len(), suffix.len);
-        let want = [b, l, c.hc_mult, c.hidden_size];
+        let want = [suffix.rows.len(), suffix.len, c.hc_mult, c.hidden_size];
         if resid.dims() != want {
             return Err(Error::Input(format!(
                 "suffix residual streams of shape {:?}, expected {want:?}",
                 resid.dims()
             )));
         }
-        let device = resid.device();
-        let geo = self.geometry(total, &device);
-        let merge = suffix.merge_index(total);
-        let qpos = suffix.positions();
+        let total = state.len();
+        let all = state.ids();
+        if all.len() != state.rows() * total {
+            return Err(Error::Input(
+                "the prefix state holds no token ids (hash routing needs them)".into(),
+            ));
+        }
         let ids: Vec<i64> = suffix
             .rows
             .iter()
             .zip(&suffix.from)
-            .flat_map(|(&row, &f)| st.ids[row * total + f..row * total + f + l].iter().copied())
+            .flat_map(|(&row, &f)| {
+                all[row * total + f..row * total + f + suffix.len]
+                    .iter()
+                    .copied()
+            })
             .collect();
-        let w = c.sliding_window;
-        let window = query_mask(&qpos, b, total, &device, |q, k| k <= q && k + w > q);
-        let hca = geo.hca.as_ref().map(|(n, _, _)| {
-            let m = c.hca_rate;
-            query_mask(&qpos, b, *n, &device, |q, e| e < (q + 1) / m)
-        });
-        let csa = geo.csa.as_ref().map(|g| {
-            let m = c.csa_rate;
-            let closed: Vec<i64> = qpos.iter().map(|&q| ((q + 1) / m) as i64).collect();
-            (
-                Tensor::<3, Int>::from_data(TensorData::new(closed, [b, l, 1]), &device),
-                query_mask(&qpos, b, g.n_entries, &device, |q, s| s < (q + 1) / m),
-            )
-        });
-        let idx = crate::model::layers::int_tensor(&suffix.rows, &device);
-        let frame = SuffixFrame {
-            merge: crate::model::layers::int_tensor(&merge, &device),
-            main: rope::tables(&c.rope_main, &qpos, &device),
-            compress: rope::tables(&c.rope_compress, &qpos, &device),
-            window,
-            hca,
-            csa,
-            layers: st
-                .layers
-                .iter()
-                .enumerate()
-                .map(|(i, s)| (i >= start).then(|| s.select_rows(&idx)))
-                .collect(),
-        };
         let mut hooks = spec.run();
-        self.run_layers_over(
-            resid,
-            start,
-            &ids,
-            &geo,
-            &mut Mode::Suffix(&frame),
-            &mut hooks,
-        )
+        self.run_layers(resid, start, &ids, &mut flow, &mut hooks)
     }
 
     /// Forward from layer `start` given the streams entering it
@@ -366,67 +314,31 @@ impl DeepseekV4Model {
             )));
         }
         let mut hooks = spec.run();
-        self.run_layers(resid, start, &ids, &mut Mode::Plain, &mut hooks)
+        self.run_layers(resid, start, &ids, &mut TokenFlow::plain(b, t), &mut hooks)
     }
 
-    /// The per-forward geometry for `t` tokens.
-    pub fn geometry(&self, t: usize, device: &Device) -> Geometry {
-        let c = &self.config;
-        let pos: Vec<usize> = (0..t).collect();
-        let w = c.sliding_window;
-        let starts = |rate: usize| {
-            let p: Vec<usize> = (0..t / rate).map(|i| i * rate).collect();
-            rope::tables(&c.rope_compress, &p, device)
-        };
-        let hca = c.layer_types.contains(&AttnType::Hca).then(|| {
-            let m = c.hca_rate;
-            let n = t / m;
-            let vis = mask_from_fn(t, n, device, |q, e| e < (q + 1) / m);
-            (n, vis, starts(m))
-        });
-        let csa = c
-            .layer_types
-            .contains(&AttnType::Csa)
-            .then(|| CsaGeometry::new(t, c.csa_rate, starts(c.csa_rate), device));
-        Geometry {
-            main: rope::tables(&c.rope_main, &pos, device),
-            compress: rope::tables(&c.rope_compress, &pos, device),
-            window: mask_from_fn(t, t, device, |q, k| k <= q && k + w > q),
-            hca,
-            csa,
-        }
+    /// The per-forward tables of a plain forward over `t` tokens.
+    pub fn tables(&self, t: usize, device: &Device) -> Tables {
+        Tables::new(&self.config, &Queries::All { rows: 1, len: t }, device)
     }
 
     fn run_layers(
         &self,
-        x: Tensor<4>,
-        start: usize,
-        ids: &[i64],
-        mode: &mut Mode,
-        hooks: &mut HookRun,
-    ) -> Result<ForwardOutput> {
-        let [_, t, _, _] = x.dims();
-        let geo = self.geometry(t, &x.device());
-        self.run_layers_over(x, start, ids, &geo, mode, hooks)
-    }
-
-    fn run_layers_over(
-        &self,
         mut x: Tensor<4>,
         start: usize,
         ids: &[i64],
-        geo: &Geometry,
-        mode: &mut Mode,
+        flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<ForwardOutput> {
+        let tables = Tables::new(&self.config, flow.queries(), &x.device());
         for (l, layer) in self.model.layers.iter().enumerate().skip(start) {
             x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
             let hc = layer.attn_hc.forward(l, Sublayer::Attention, &x, hooks)?;
             let a = layer.self_attn.forward(
                 l,
                 layer.input_layernorm.forward(hc.collapsed.clone()),
-                geo,
-                mode,
+                &tables,
+                flow,
                 hooks,
             )?;
             let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
@@ -504,12 +416,4 @@ impl crate::model::LanguageModel for DeepseekV4Model {
     ) -> Result<ForwardOutput> {
         DeepseekV4Model::forward_suffix(self, start, state, suffix, resid.get::<4>()?, spec)
     }
-}
-
-/// The [`PrefixState`] of DeepSeek-V4 models: one [`LayerState`] per layer and the
-/// token ids (hash routing), row-major.
-#[derive(Debug)]
-struct V4State {
-    layers: Vec<LayerState>,
-    ids: Vec<i64>,
 }

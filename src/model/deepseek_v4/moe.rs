@@ -15,7 +15,7 @@ use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 use super::config::{MlpType, ScoringFunc};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
-use crate::model::layers::{Linear, int_tensor};
+use crate::model::layers::{Linear, int_tensor, row_chunks};
 use crate::model::topk::topk_indices;
 use crate::model::weights::{Init, Vb};
 
@@ -230,24 +230,25 @@ impl Moe {
             }
             let ti = int_tensor(toks, &device);
             let rows = flat.clone().select(0, ti.clone());
-            let gu = rows.matmul(
-                gate_up
-                    .clone()
-                    .slice_dim(0, ex..ex + 1)
-                    .reshape([2 * d_ff, h])
-                    .transpose(),
-            );
-            let act = clamped_swiglu(
-                gu.clone().slice_dim(1, 0..d_ff),
-                gu.slice_dim(1, d_ff..2 * d_ff),
-                self.limit,
-            );
-            let out = act.matmul(
-                down.clone()
-                    .slice_dim(0, ex..ex + 1)
-                    .reshape([h, d_ff])
-                    .transpose(),
-            );
+            let w_gu = gate_up
+                .clone()
+                .slice_dim(0, ex..ex + 1)
+                .reshape([2 * d_ff, h])
+                .transpose();
+            let w_down = down
+                .clone()
+                .slice_dim(0, ex..ex + 1)
+                .reshape([h, d_ff])
+                .transpose();
+            let out = row_chunks(rows, |rows| {
+                let gu = rows.matmul(w_gu.clone());
+                let act = clamped_swiglu(
+                    gu.clone().slice_dim(1, 0..d_ff),
+                    gu.slice_dim(1, d_ff..2 * d_ff),
+                    self.limit,
+                );
+                act.matmul(w_down.clone())
+            });
             let wsel = weights
                 .clone()
                 .select(0, int_tensor(slots, &device))
@@ -255,11 +256,13 @@ impl Moe {
             routed = routed.select_assign(0, ti, out * wsel, IndexingUpdateOp::Add);
         }
         let s = &self.shared_experts;
-        let shared = s.down_proj.forward(clamped_swiglu(
-            s.gate_proj.forward(flat.clone()),
-            s.up_proj.forward(flat),
-            self.limit,
-        ));
+        let shared = row_chunks(flat, |x| {
+            s.down_proj.forward(clamped_swiglu(
+                s.gate_proj.forward(x.clone()),
+                s.up_proj.forward(x),
+                self.limit,
+            ))
+        });
         Ok((routed + shared).reshape([b, t, h]))
     }
 }

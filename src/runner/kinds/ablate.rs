@@ -2,19 +2,21 @@
 //! measure the relative change of top-1 accuracy per phase,
 //! `100 * (acc_ablated - acc_clean) / acc_clean`.
 
-use crate::analysis::relative_change_pct;
-use crate::error::Result;
-use crate::output::LongRow;
+use serde::{Deserialize, Serialize};
 
-use super::super::aggregate::{
-    Clusters, accuracy_clusters, baseline_rows, per_phase, specialization_rows,
-};
-use super::super::config::AblateConfig;
+use crate::analysis::relative_change_pct;
+use crate::analysis::{Clusters, accuracy_clusters, per_phase};
+use crate::error::Result;
+use crate::output::{HeadKind, LongRow};
+
+use super::super::rows::{baseline_rows, specialization_rows};
+use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
-use super::super::patching::{Cell, Edit};
+use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking, spec_index_heatmap, sym_range};
+use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::clean_prompts;
 use super::super::setup;
-use super::{Ctx, KindOutput, base_obs, fill_of, head_cells};
+use super::{Ctx, Kind, KindOutput, empty_list, base_obs, no_source, head_cells};
 
 /// Clusters of `(correct_ablated, correct_clean)` for cell `ci` over all groups.
 pub(super) fn change_clusters(
@@ -50,8 +52,66 @@ pub(super) fn acc(s: &[f64; 2], n: u64) -> f64 {
     s[0] / n as f64
 }
 
-pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
-    let cfg: AblateConfig = ctx.exp.file.ablate.clone().unwrap_or_default();
+fn both_kinds() -> Vec<HeadKind> {
+    vec![HeadKind::Query, HeadKind::Kv]
+}
+
+/// `[ablate]` (ablate-heads).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AblateHeads {
+    pub layers: Selection,
+    pub heads: Selection,
+    pub kv_heads: Selection,
+    pub head_kinds: Vec<HeadKind>,
+    /// Default zero, mean, resample.
+    pub methods: Vec<Fill>,
+    pub positions: Positions,
+}
+
+impl Default for AblateHeads {
+    fn default() -> Self {
+        AblateHeads {
+            layers: Selection::All,
+            heads: Selection::All,
+            kv_heads: Selection::All,
+            head_kinds: both_kinds(),
+            methods: vec![Fill::Zero, Fill::Mean, Fill::Resample],
+            positions: Positions::All,
+        }
+    }
+}
+
+
+impl Kind for AblateHeads {
+    fn name(&self) -> &'static str {
+        "ablate-heads"
+    }
+
+    fn section(&self) -> &'static str {
+        "ablate"
+    }
+
+    fn default_n_logical(&self) -> usize {
+        64
+    }
+
+    fn check(&self, exp: &Experiment) -> Result<()> {
+        empty_list(exp, "ablate", "head_kinds", self.head_kinds.is_empty())?;
+        empty_list(exp, "ablate", "methods", self.methods.is_empty())?;
+        no_source(exp, "ablate", "methods", &self.methods)
+    }
+
+    fn run(&self, ctx: &mut Ctx) -> Result<KindOutput> {
+        run(self, ctx)
+    }
+
+    fn figures(&self, f: &mut Figures) -> Result<()> {
+        draw(self, f)
+    }
+}
+
+fn run(cfg: &AblateHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "ablate", &cfg.layers, &ctx.info, false)?;
     let heads = head_cells(
         ctx,
@@ -77,7 +137,7 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
                         point: h.point(),
                         heads: Some(h.query_heads.clone()),
                         positions: cfg.positions.clone(),
-                        fill: fill_of(m),
+                        fill: m,
                     },
                     prompts: all.clone(),
                 });
@@ -132,4 +192,95 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
     Ok(KindOutput {
         tables: vec![("heads".into(), rows)],
     })
+}
+
+/// This kind's figures and report section, from its tables alone.
+fn draw(cfg: &AblateHeads, f: &mut Figures) -> Result<()> {
+    let (d, m, phases, dir) = (f.data, f.model.as_str(), &f.phases[..], f.dir);
+    let (report, files) = (&mut f.report, &mut f.files);
+    let methods = cfg.methods.clone();
+    report.section("Head ablations");
+    report.paragraph(
+        "Relative change of top-1 accuracy, 100 x (ablated - clean) / clean, per source phase, when one \
+         head's hook_z is replaced by zero, by its per-phase-group mean, or by its value on another prompt \
+         of the same group (resample). KV-head rows ablate every query head that reads the KV head.",
+    );
+    for (i, meth) in methods.iter().enumerate() {
+        let metric = format!("rel_change_pct_{}", meth.name());
+        if !d.has(m, &metric) {
+            continue;
+        }
+        if let Some(f) = head_phase_map(
+            &dir.join(format!("{metric}_map")),
+            d,
+            m,
+            &metric,
+            phases,
+            format!(
+                "{m}: {} ablation, relative change per head x phase",
+                meth.name()
+            ),
+            "relative change of accuracy (%)",
+        )? {
+            push(
+                files,
+                report,
+                &format!(
+                    "{} ablation: relative change (%) per head x phase",
+                    meth.name()
+                ),
+                f,
+            );
+        }
+        if i == 0 {
+            let cells = cell_map(d, m, &metric, HeadKind::Query);
+            let (layers, heads) = head_axes(d, m, &metric, HeadKind::Query);
+            let range = sym_range(cells.values().copied());
+            if !layers.is_empty() {
+                for &p in phases {
+                    let f = layer_head_heatmap(
+                        &dir.join(format!("{metric}_phase{p}")),
+                        &cells,
+                        &layers,
+                        &heads,
+                        Some(p),
+                        format!("{m}: {} ablation, phase {p}", meth.name()),
+                        "relative change of accuracy (%)",
+                        range,
+                        "H",
+                        true,
+                    )?;
+                    push(
+                        files,
+                        report,
+                        &format!("{} ablation per layer x query head, phase {p}", meth.name()),
+                        f,
+                    );
+                }
+            }
+        }
+    }
+    if let Some(first) = methods.first() {
+        let metric = format!("rel_change_pct_{}", first.name());
+        report.section("Phase specialization");
+        report.paragraph(format!(
+            "Specialization index S = 1 - (exp(H) - 1) / (P - 1) of each head's accuracy drop profile \
+             (minus the relative change under {} ablation).",
+            first.name()
+        ));
+        if let Some(f) = spec_index_heatmap(
+            &dir.join("specialization_index"),
+            d,
+            m,
+            format!("{m}: specialization index per head"),
+        )? {
+            push(files, report, "Specialization index per layer x head", f);
+        }
+        ranked_table(
+            report,
+            "Most phase-specialized heads",
+            &ranking(d, m, &metric, phases, |v| -v),
+        );
+    }
+    Ok(())
 }

@@ -5,29 +5,96 @@
 //! `predicted(r) = acc(r - delta)`. R^2 and MAE per delta and pooled over deltas,
 //! with cluster-bootstrap intervals ([`crate::analysis::profile_fit`]).
 
+use std::collections::{BTreeMap};
+use serde::{Deserialize, Serialize};
+
 use crate::analysis::{
-    DEFAULT_LEVEL, ProfileCluster, bootstrap_ci, mae, phase_accuracy, profile_fit, r_squared,
+    DEFAULT_LEVEL, ProfileCluster, bootstrap_ci, concatenated_mae, concatenated_r2, pooled_mae,
+    profile_fit,
 };
+use crate::analysis::{Est, accuracy_clusters, per_phase, phase_clusters};
 use crate::error::Result;
 use crate::hooks::{Action, HookPoint, Site};
 use crate::model::LayerKind;
-use crate::output::LongRow;
+use crate::output::{Headline, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed};
 
-use super::super::aggregate::{Est, accuracy_clusters, baseline_rows, per_phase, phase_clusters};
-use super::super::config::{CyclingConfig, GateKind};
+use super::super::rows::{baseline_rows};
+use super::super::experiment::{Experiment, GateKind, Selection};
 use super::super::exec::Group;
+use super::super::report::{Figures, accuracy_figure, ci_text, push};
 use super::super::patching::{Cell, Edit};
 use super::super::prompts::clean_prompts;
 use super::super::setup;
-use super::{Ctx, KindOutput, base_obs};
+use super::{Ctx, Kind, KindOutput, base_obs};
 
 /// Metric suffix of a shift: `_d+1`, `_d-2`.
 pub fn delta_suffix(d: i64) -> String {
     format!("_d{d:+}")
 }
 
-pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
-    let cfg: CyclingConfig = ctx.exp.file.cycling.clone().unwrap_or_default();
+/// `[cycling]` (gate-cycling).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GateCycling {
+    /// Compressed layers whose gates are rolled (all together). Default all.
+    pub layers: Selection,
+    /// Shifts in offsets. Default -3, -2, -1, 1, 2, 3.
+    pub deltas: Vec<i64>,
+    /// Which gates are rolled. Default both.
+    pub gates: Vec<GateKind>,
+}
+
+impl Default for GateCycling {
+    fn default() -> Self {
+        GateCycling {
+            layers: Selection::All,
+            deltas: vec![-3, -2, -1, 1, 2, 3],
+            gates: vec![GateKind::Key, GateKind::Value],
+        }
+    }
+}
+
+
+impl Kind for GateCycling {
+    fn name(&self) -> &'static str {
+        "gate-cycling"
+    }
+
+    fn section(&self) -> &'static str {
+        "cycling"
+    }
+
+    fn default_n_logical(&self) -> usize {
+        128
+    }
+
+    fn check(&self, exp: &Experiment) -> Result<()> {
+        if self.deltas.is_empty() {
+            return Err(exp.err("cycling", "deltas", "give at least one shift"));
+        }
+        if self.deltas.contains(&0) {
+            return Err(exp.err(
+                "cycling",
+                "deltas",
+                "0 is the baseline; list non-zero shifts",
+            ));
+        }
+        if self.gates.is_empty() {
+            return Err(exp.err("cycling", "gates", "give \"key\", \"value\" or both"));
+        }
+        Ok(())
+    }
+
+    fn run(&self, ctx: &mut Ctx) -> Result<KindOutput> {
+        run(self, ctx)
+    }
+
+    fn figures(&self, f: &mut Figures) -> Result<()> {
+        draw(self, f)
+    }
+}
+
+fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "cycling", &cfg.layers, &ctx.info, true)?;
     let p = ctx.p();
     for &l in &layers {
@@ -147,17 +214,7 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
                 let w = format!("delta {d:+}: R^2 undefined ({e}); MAE only");
                 eprintln!("warning: {w}");
                 ctx.notes.push(w);
-                let f = |s: &[&ProfileCluster]| {
-                    let pr = phase_accuracy(s.iter().map(|c| &c.predicted));
-                    let ob = phase_accuracy(s.iter().map(|c| &c.observed));
-                    let (a, b): (Vec<f64>, Vec<f64>) = pr
-                        .into_iter()
-                        .zip(ob)
-                        .filter(|(a, b)| a.is_finite() && b.is_finite())
-                        .unzip();
-                    mae(&a, &b).unwrap_or(f64::NAN)
-                };
-                if let Ok(ci) = bootstrap_ci(&clusters, f, reps, seed, DEFAULT_LEVEL) {
+                if let Ok(ci) = bootstrap_ci(&clusters, pooled_mae, reps, seed, DEFAULT_LEVEL) {
                     rows.push(rc.row(
                         format!("cycling_mae{sfx}"),
                         Est {
@@ -171,33 +228,11 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
         }
     }
     // Pooled over deltas: the concatenated predicted and observed profiles.
-    let pooled = |s: &[&Vec<ProfileCluster>]| -> (Vec<f64>, Vec<f64>) {
-        let mut pred = Vec::new();
-        let mut obs = Vec::new();
-        for di in 0..cfg.deltas.len() {
-            let pr = phase_accuracy(s.iter().map(|e| &e[di].predicted));
-            let ob = phase_accuracy(s.iter().map(|e| &e[di].observed));
-            for (a, b) in pr.into_iter().zip(ob) {
-                if a.is_finite() && b.is_finite() {
-                    pred.push(a);
-                    obs.push(b);
-                }
-            }
-        }
-        (pred, obs)
-    };
     let n = per_example.len() as u64;
-    let r2 = |s: &[&Vec<ProfileCluster>]| {
-        let (a, b) = pooled(s);
-        r_squared(&a, &b).unwrap_or(f64::NAN)
-    };
-    let ma = |s: &[&Vec<ProfileCluster>]| {
-        let (a, b) = pooled(s);
-        mae(&a, &b).unwrap_or(f64::NAN)
-    };
+    type Stat = fn(&[&Vec<ProfileCluster>]) -> f64;
     for (m, f) in [
-        ("cycling_r2", &r2 as &dyn Fn(&[&Vec<ProfileCluster>]) -> f64),
-        ("cycling_mae", &ma),
+        ("cycling_r2", concatenated_r2 as Stat),
+        ("cycling_mae", concatenated_mae as Stat),
     ] {
         if let Ok(ci) = bootstrap_ci(&per_example, f, reps, seed, DEFAULT_LEVEL) {
             rows.push(rc.row(
@@ -213,4 +248,122 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
     Ok(KindOutput {
         tables: vec![("cycling".into(), rows)],
     })
+}
+
+/// This kind's figures and report section, from its tables alone.
+fn draw(cfg: &GateCycling, f: &mut Figures) -> Result<()> {
+    let (d, m, phases, dir) = (f.data, f.model.as_str(), &f.phases[..], f.dir);
+    let (report, files) = (&mut f.report, &mut f.files);
+    let deltas = cfg.deltas.clone();
+    report.section("Gate cycling");
+    report.paragraph(
+        "The learned gates of the selected layers are rolled by delta offsets. Prediction: the baseline \
+         accuracy profile shifted by delta, predicted(r) = acc(r - delta). R^2 (of the prediction itself, \
+         no fitted slope) and MAE with 95% cluster-bootstrap intervals. R^2 divides by the spread of \
+         the observed profile: when shifted gates flatten the profile (e.g. the model fails at every \
+         phase) it is undefined or hugely negative, and MAE is the number to read.",
+    );
+    let fmt_ci = |r: &LongRow| ci_text(r, |v| format!("{v:.3}"));
+    for (metric, label) in [
+        ("cycling_r2", "R^2 (all shifts)"),
+        ("cycling_mae", "MAE (all shifts)"),
+    ] {
+        if let Some(r) = d.scalar(m, metric) {
+            report.headline(Headline::new(label, format!("{:.3}", r.value)).with_detail(fmt_ci(r)));
+        }
+    }
+    let mut rows_tbl = Vec::new();
+    let mut series = Vec::new();
+    let mut lines = vec![("baseline".to_string(), "accuracy".to_string())];
+    for &dl in &deltas {
+        let sfx = delta_suffix(dl);
+        let pred: BTreeMap<u32, f64> = d
+            .find(m, &format!("cycling_predicted{sfx}"))
+            .filter_map(|r| Some((r.phase?, r.value)))
+            .collect();
+        let obs: BTreeMap<u32, f64> = d
+            .find(m, &format!("cycling_observed{sfx}"))
+            .filter_map(|r| Some((r.phase?, r.value)))
+            .collect();
+        if obs.is_empty() {
+            continue;
+        }
+        series.push(ScatterSeries {
+            name: format!("delta {dl:+}"),
+            predicted: phases
+                .iter()
+                .map(|p| pred.get(p).copied().unwrap_or(f64::NAN))
+                .collect(),
+            observed: phases
+                .iter()
+                .map(|p| obs.get(p).copied().unwrap_or(f64::NAN))
+                .collect(),
+        });
+        lines.push((
+            format!("observed, delta {dl:+}"),
+            format!("cycling_observed{sfx}"),
+        ));
+        let r2 = d.scalar(m, &format!("cycling_r2{sfx}"));
+        let mae = d.scalar(m, &format!("cycling_mae{sfx}"));
+        rows_tbl.push(vec![
+            format!("{dl:+}"),
+            r2.map_or("n/a".into(), |r| format!("{:.3}", r.value)),
+            r2.map_or(String::new(), fmt_ci),
+            mae.map_or("n/a".into(), |r| format!("{:.3}", r.value)),
+            mae.map_or(String::new(), fmt_ci),
+        ]);
+    }
+    if !rows_tbl.is_empty() {
+        report.table(
+            "Agreement per shift",
+            ["delta", "R^2", "R^2 CI", "MAE", "MAE CI"]
+                .map(String::from)
+                .to_vec(),
+            rows_tbl,
+        );
+    }
+    if !series.is_empty() {
+        let r2_text = match (d.scalar(m, "cycling_r2"), d.scalar(m, "cycling_mae")) {
+            (Some(a), Some(b)) => {
+                let ci = |r: &LongRow| match (r.ci_lo, r.ci_hi) {
+                    (Some(lo), Some(hi)) => format!(" [{lo:.3}, {hi:.3}]"),
+                    _ => String::new(),
+                };
+                Some(format!(
+                    "R² = {:.3}{}, MAE = {:.3}{}",
+                    a.value,
+                    ci(a),
+                    b.value,
+                    ci(b)
+                ))
+            }
+            _ => None,
+        };
+        let spec = ScatterSpec {
+            series,
+            title: format!("{m}: gate cycling"),
+            x_label: "predicted accuracy (baseline shifted by delta)".into(),
+            y_label: "observed accuracy with rolled gates".into(),
+            r2_text,
+            size: None,
+        };
+        let f = scatter_predicted_vs_observed(dir.join("cycling_scatter"), &spec)?;
+        push(
+            files,
+            report,
+            "Predicted vs observed per-phase accuracy, one point per phase and shift",
+            f,
+        );
+    }
+    let series: Vec<(&str, String)> = lines.iter().map(|(a, b)| (a.as_str(), b.clone())).collect();
+    if let Some(f) = accuracy_figure(
+        &dir.join("cycling_profiles"),
+        d,
+        m,
+        &series,
+        &format!("{m}: accuracy by phase with rolled gates"),
+    )? {
+        push(files, report, "Accuracy profiles with rolled gates", f);
+    }
+    Ok(())
 }

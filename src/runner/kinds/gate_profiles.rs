@@ -11,22 +11,27 @@
 //! trajectories over training. Gate weights are captured, never intervened on, so
 //! this kind runs no cells and is cheap; it does not keep shards.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
+
 use crate::analysis::gate_stats;
-use crate::error::{Error, Result};
+use crate::analysis::{Est, accuracy_clusters};
+use crate::error::{Error, Result, ResultExt};
 use crate::hooks::{HookPoint, Site};
 use crate::model::{LanguageModel, load_model};
-use crate::output::{HeadKind, LongRow};
+use crate::output::{BandSeries, BarProfileSpec, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow, bar_profile, heatmap, line_with_bands};
 use crate::tasks::KvEvalSet;
 
-use super::super::aggregate::{Est, RowCtx, accuracy_clusters, baseline_rows};
-use super::super::config::{GateKind, GatesConfig};
+use super::super::rows::{RowCtx, baseline_rows};
+use super::super::experiment::{GateKind, Selection};
 use super::super::patching::base_run_with;
 use super::super::progress::Progress;
 use super::super::prompts::clean_prompts;
 use super::super::setup;
-use super::{Ctx, KindOutput};
+use super::super::report::{Figures, push};
+use super::{Ctx, Kind, KindOutput};
 
 const GATES: [(GateKind, Site); 2] = [
     (GateKind::Key, Site::KeyGate),
@@ -117,8 +122,8 @@ fn profile(
         if a.is_empty() {
             continue;
         }
-        let st = gate_stats(&a, w)
-            .map_err(|e| Error::Other(format!("layer {l} {name} gate, KV head {kv}: {e}")))?;
+        let st =
+            gate_stats(&a, w).context_with(|| format!("layer {l} {name} gate, KV head {kv}"))?;
         let n = st.num_windows as u64;
         let at = |r: LongRow| r.at_head(l as u32, kv as u32, HeadKind::Kv);
         for (o, g) in st.g.iter().enumerate() {
@@ -151,8 +156,41 @@ fn profile(
     Ok((rows, obs))
 }
 
-pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
-    let cfg: GatesConfig = ctx.exp.file.gates.clone().unwrap_or_default();
+/// `[gates]` (gate-profiles).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GateProfiles {
+    /// Compressed layers. Default all compressed layers.
+    pub layers: Selection,
+    /// A training run's checkpoint folder (`step-*` subfolders), relative to this
+    /// file: the statistics are also computed at every checkpoint.
+    pub checkpoints: Option<PathBuf>,
+}
+
+
+impl Kind for GateProfiles {
+    fn name(&self) -> &'static str {
+        "gate-profiles"
+    }
+
+    fn section(&self) -> &'static str {
+        "gates"
+    }
+
+    fn default_n_logical(&self) -> usize {
+        32
+    }
+
+    fn run(&self, ctx: &mut Ctx) -> Result<KindOutput> {
+        run(self, ctx)
+    }
+
+    fn figures(&self, f: &mut Figures) -> Result<()> {
+        draw(self, f)
+    }
+}
+
+fn run(cfg: &GateProfiles, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "gates", &cfg.layers, &ctx.info, true)?;
     let set = ctx.eval_set()?;
     let checkpoints = match &cfg.checkpoints {
@@ -211,4 +249,165 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
     Ok(KindOutput {
         tables: vec![("gates".into(), rows)],
     })
+}
+
+/// This kind's figures and report section, from its tables alone.
+fn draw(_cfg: &GateProfiles, f: &mut Figures) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.as_str(), f.dir);
+    let (report, files) = (&mut f.report, &mut f.files);
+    report.section("Gate profiles");
+    report.paragraph(
+        "g(r) = W x E[a][r], the mean gate weight at offset r relative to the uniform share (1 = uniform); \
+         exp(H(E[a])) = offsets the mean gate uses; E[exp(H(a))] = offsets a single window uses.",
+    );
+    // Gate rows: (layer, kv, gate) -> g per offset.
+    let mut profiles: BTreeMap<(u32, u32, &str), BTreeMap<u32, f64>> = BTreeMap::new();
+    for g in ["key", "value"] {
+        for r in d.find(m, &format!("{g}_gate_g")) {
+            if let (Some(l), Some(h), Some(o)) = (r.layer, r.head, r.phase) {
+                profiles.entry((l, h, g)).or_default().insert(o, r.value);
+            }
+        }
+    }
+    if profiles.is_empty() {
+        return Ok(());
+    }
+    let w = profiles.values().map(|p| p.len()).max().unwrap_or(0) as u32;
+    if let Some(((l, h, g), prof)) = profiles.iter().max_by(|a, b| {
+        let ma = a.1.values().copied().fold(0.0, f64::max);
+        let mb = b.1.values().copied().fold(0.0, f64::max);
+        ma.total_cmp(&mb)
+    }) {
+        let (o, v) = prof
+            .iter()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(o, v)| (*o, *v))
+            .unwrap_or((0, f64::NAN));
+        report.headline(
+            Headline::new(
+                "Most peaked gate",
+                format!("layer {l}, KV head {h}, {g} gate"),
+            )
+            .with_detail(format!("g({o}) = {v:.2} (1 = uniform)")),
+        );
+    }
+    let spec = HeatmapSpec {
+        matrix: profiles
+            .values()
+            .map(|p| {
+                (0..w)
+                    .map(|o| p.get(&o).copied().unwrap_or(f64::NAN))
+                    .collect()
+            })
+            .collect(),
+        row_labels: profiles
+            .keys()
+            .map(|(l, h, g)| format!("L{l} KV{h} {g}"))
+            .collect(),
+        col_labels: (0..w).map(|o| o.to_string()).collect(),
+        title: format!("{m}: gate profile g(r) per layer, KV head and gate"),
+        x_label: "offset r in the window".into(),
+        y_label: "layer, KV head, gate".into(),
+        colorbar_label: "g(r) (1 = uniform share)".into(),
+        diverging: false,
+        range: None,
+        annotate: true,
+        size: None,
+    };
+    let f = heatmap(dir.join("gate_g"), &spec)?;
+    push(files, report, "Gate profiles g(r)", f);
+    for ((l, h, g), prof) in profiles.iter().take(8) {
+        let spec = BarProfileSpec {
+            labels: (0..w).map(|o| o.to_string()).collect(),
+            values: (0..w)
+                .map(|o| prof.get(&o).copied().unwrap_or(f64::NAN))
+                .collect(),
+            title: format!("{m}: layer {l}, KV head {h}, {g} gate"),
+            x_label: "offset r in the window".into(),
+            y_label: "g(r)".into(),
+            reference: Some(1.0),
+            reference_label: Some("uniform share".into()),
+            size: None,
+        };
+        let f = bar_profile(dir.join(format!("gate_profile_L{l}_KV{h}_{g}")), &spec)?;
+        push(
+            files,
+            report,
+            &format!("g(r), layer {l}, KV head {h}, {g} gate"),
+            f,
+        );
+    }
+    // Effective numbers of offsets.
+    let metrics = [
+        ("key_gate_exp_entropy_of_mean", "key exp(H(E[a]))"),
+        ("key_gate_mean_exp_entropy", "key E[exp(H(a))]"),
+        ("value_gate_exp_entropy_of_mean", "value exp(H(E[a]))"),
+        ("value_gate_mean_exp_entropy", "value E[exp(H(a))]"),
+    ];
+    let keys: BTreeSet<(u32, u32)> = profiles.keys().map(|(l, h, _)| (*l, *h)).collect();
+    let val = |metric: &str, model: &str, l: u32, h: u32| {
+        d.find(model, metric)
+            .find(|r| r.layer == Some(l) && r.head == Some(h) && r.phase.is_none())
+            .map_or(f64::NAN, |r| r.value)
+    };
+    let spec = HeatmapSpec {
+        matrix: keys
+            .iter()
+            .map(|&(l, h)| metrics.iter().map(|(mt, _)| val(mt, m, l, h)).collect())
+            .collect(),
+        row_labels: keys.iter().map(|(l, h)| format!("L{l} KV{h}")).collect(),
+        col_labels: metrics.iter().map(|(_, n)| n.to_string()).collect(),
+        title: format!("{m}: effective number of offsets"),
+        x_label: "statistic".into(),
+        y_label: "layer, KV head".into(),
+        colorbar_label: format!("effective offsets (1..{w})"),
+        diverging: false,
+        range: Some((1.0, f64::from(w.max(2)))),
+        annotate: true,
+        size: None,
+    };
+    let f = heatmap(dir.join("gate_entropy"), &spec)?;
+    push(files, report, "Effective number of offsets per gate", f);
+    // Trajectories over checkpoints.
+    let mut steps: Vec<(u64, String)> = d
+        .rows
+        .iter()
+        .filter_map(|r| {
+            let (base, step) = r.model.split_once('@')?;
+            (base == m).then(|| step.parse::<u64>().ok().map(|s| (s, r.model.clone())))?
+        })
+        .collect();
+    steps.sort();
+    steps.dedup();
+    if !steps.is_empty() {
+        let mut series = Vec::new();
+        for &(l, h) in keys.iter().take(8) {
+            for g in ["key", "value"] {
+                let metric = format!("{g}_gate_exp_entropy_of_mean");
+                let x: Vec<f64> = steps.iter().map(|(s, _)| *s as f64).collect();
+                let y: Vec<f64> = steps
+                    .iter()
+                    .map(|(_, model)| val(&metric, model, l, h))
+                    .collect();
+                series.push(BandSeries {
+                    name: format!("L{l} KV{h} {g}"),
+                    lo: y.clone(),
+                    hi: y.clone(),
+                    x,
+                    y,
+                });
+            }
+        }
+        let spec = LinePlotSpec {
+            series,
+            title: format!("{m}: exp(H(E[a])) over training"),
+            x_label: "training step".into(),
+            y_label: "effective offsets of the mean gate".into(),
+            y_range: Some((1.0, f64::from(w.max(2)))),
+            size: None,
+        };
+        let f = line_with_bands(dir.join("gate_trajectory"), &spec)?;
+        push(files, report, "Gate sharpness over training checkpoints", f);
+    }
+    Ok(())
 }

@@ -8,27 +8,95 @@
 //!   position) by its per-phase-group mean (default) or zero; relative change per
 //!   layer x phase.
 
+use std::collections::{BTreeSet};
+use serde::{Deserialize, Serialize};
+
+use crate::analysis::{accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::hooks::{HookPoint, Site};
-use crate::output::LongRow;
+use crate::output::{HeadKind, Headline, HeatmapSpec, LongRow, heatmap};
 
-use super::super::aggregate::{accuracy_clusters, baseline_rows, per_phase, specialization_rows};
-use super::super::config::{HeadKindSel, KnockoutConfig, Selection};
+use super::super::rows::{baseline_rows, specialization_rows};
+use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
-use super::super::patching::{Cell, Edit, Positions};
+use super::super::report::{Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap};
+use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::clean_prompts;
 use super::super::setup;
 use super::ablate::{acc, change_clusters, rel};
-use super::{Ctx, KindOutput, base_obs, fill_of, head_cells};
+use super::{Ctx, Kind, KindOutput, base_obs, no_source, head_cells};
 
-pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
-    let cfg: KnockoutConfig = ctx.exp.file.knockout.clone().unwrap_or_default();
+/// `[knockout]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Knockout {
+    pub layers: Selection,
+    pub kv_heads: Selection,
+    /// How a KV head is removed. Default zero.
+    pub method: Fill,
+    /// Positions of the KV-head knockout. Default all.
+    pub positions: Positions,
+    /// Also replace each whole layer's attention output over the final band.
+    pub layer_output: bool,
+    /// Final query positions of the layer-output replacement. Default 8.
+    pub band: usize,
+    /// What replaces the layer output: mean (per phase group, default) or zero.
+    pub layer_output_fill: Fill,
+}
+
+impl Default for Knockout {
+    fn default() -> Self {
+        Knockout {
+            layers: Selection::All,
+            kv_heads: Selection::All,
+            method: Fill::Zero,
+            positions: Positions::All,
+            layer_output: true,
+            band: 8,
+            layer_output_fill: Fill::Mean,
+        }
+    }
+}
+
+
+impl Kind for Knockout {
+    fn name(&self) -> &'static str {
+        "knockout"
+    }
+
+    fn section(&self) -> &'static str {
+        "knockout"
+    }
+
+    fn default_n_logical(&self) -> usize {
+        64
+    }
+
+    fn check(&self, exp: &Experiment) -> Result<()> {
+        no_source(exp, "knockout", "method", &[self.method])?;
+        no_source(exp, "knockout", "layer_output_fill", &[self.layer_output_fill])?;
+        if self.layer_output && self.band == 0 {
+            return Err(exp.err("knockout", "band", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    fn run(&self, ctx: &mut Ctx) -> Result<KindOutput> {
+        run(self, ctx)
+    }
+
+    fn figures(&self, f: &mut Figures) -> Result<()> {
+        draw(self, f)
+    }
+}
+
+fn run(cfg: &Knockout, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "knockout", &cfg.layers, &ctx.info, false)?;
     let heads = head_cells(
         ctx,
         "knockout",
         &layers,
-        &[HeadKindSel::Kv],
+        &[HeadKind::Kv],
         &Selection::All,
         &cfg.kv_heads,
     )?;
@@ -57,7 +125,7 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
                     point: h.point(),
                     heads: Some(h.query_heads.clone()),
                     positions: cfg.positions.clone(),
-                    fill: fill_of(cfg.method),
+                    fill: cfg.method,
                 },
                 prompts: all.clone(),
             })
@@ -69,7 +137,7 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
                         point: HookPoint::block(l, Site::AttnOut),
                         heads: None,
                         positions: Positions::Final(cfg.band),
-                        fill: fill_of(cfg.layer_output_fill),
+                        fill: cfg.layer_output_fill,
                     },
                     prompts: all.clone(),
                 });
@@ -123,4 +191,106 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
     Ok(KindOutput {
         tables: vec![("heads".into(), rows)],
     })
+}
+
+/// This kind's figures and report section, from its tables alone.
+fn draw(_cfg: &Knockout, f: &mut Figures) -> Result<()> {
+    let (d, m, phases, dir) = (f.data, f.model.as_str(), &f.phases[..], f.dir);
+    let (report, files) = (&mut f.report, &mut f.files);
+    report.section("KV-head knockout");
+    report.paragraph(
+        "Relative change of top-1 accuracy, 100 x (knockout - clean) / clean, when one KV head of one \
+         layer is removed (every query head reading it), per source phase.",
+    );
+    if let Some((k, v)) = cell_map(d, m, "rel_change_pct", HeadKind::Kv)
+        .iter()
+        .filter(|((_, _, p), v)| p.is_none() && v.is_finite())
+        .min_by(|a, b| a.1.total_cmp(b.1))
+    {
+        report.headline(
+            Headline::new(
+                "Most damaging KV-head knockout (all phases)",
+                format!("L{}.KV{}", k.0, k.1),
+            )
+            .with_detail(format!("{v:.1}% relative change")),
+        );
+    }
+    if let Some(f) = layer_kv_phase_map(
+        &dir.join("knockout_kv"),
+        d,
+        m,
+        "rel_change_pct",
+        phases,
+        format!("{m}: KV-head knockout, relative change per layer x KV head x phase"),
+        "relative change of accuracy (%)",
+    )? {
+        push(
+            files,
+            report,
+            "KV-head knockout (the paper's Figure 3 layout)",
+            f,
+        );
+    }
+    let rows: Vec<&LongRow> = d
+        .find(m, "layer_out_rel_change_pct")
+        .filter(|r| r.head.is_none() && r.layer.is_some())
+        .collect();
+    if !rows.is_empty() {
+        let layers: BTreeSet<u32> = rows.iter().filter_map(|r| r.layer).collect();
+        let layers: Vec<u32> = layers.into_iter().collect();
+        let matrix = layers
+            .iter()
+            .map(|&l| {
+                phases
+                    .iter()
+                    .map(|&p| {
+                        rows.iter()
+                            .find(|r| r.layer == Some(l) && r.phase == Some(p))
+                            .map_or(f64::NAN, |r| r.value)
+                    })
+                    .collect()
+            })
+            .collect();
+        let spec = HeatmapSpec {
+            matrix,
+            row_labels: layers.iter().map(|l| format!("L{l}")).collect(),
+            col_labels: phases.iter().map(|p| p.to_string()).collect(),
+            title: format!("{m}: attention-output replacement over the final positions"),
+            x_label: "source phase (t_K mod P)".into(),
+            y_label: "layer".into(),
+            colorbar_label: "relative change of accuracy (%)".into(),
+            diverging: true,
+            range: None,
+            annotate: true,
+            size: None,
+        };
+        report.section("Layer-output replacement");
+        let f = heatmap(dir.join("layer_output"), &spec)?;
+        push(
+            files,
+            report,
+            "Whole-layer attention-output replacement over a band of final query positions",
+            f,
+        );
+    }
+    report.section("Phase specialization");
+    if let Some(f) = spec_index_heatmap(
+        &dir.join("specialization_index"),
+        d,
+        m,
+        format!("{m}: specialization index per KV head"),
+    )? {
+        push(
+            files,
+            report,
+            "Specialization index of the knockout damage per layer x KV head",
+            f,
+        );
+    }
+    ranked_table(
+        report,
+        "Most phase-specialized KV heads",
+        &ranking(d, m, "rel_change_pct", phases, |v| -v),
+    );
+    Ok(())
 }

@@ -1,13 +1,18 @@
-//! One small file per experiment kind: which cells to sweep, and how their outcomes
-//! become rows. Everything else (the batched routine, resume, progress, statistics,
-//! tables, figures) is shared.
+//! The experiment kinds. A kind is one file here: its settings type (the TOML section
+//! it reads), which cells to sweep, how their outcomes become rows (and so its metric
+//! names), its checks, its figures and its report section, all through [`Kind`].
+//! Everything else (the batched routine, resume, progress, statistics, tables, the
+//! report frame) is shared.
+//!
+//! Adding a kind: write `kinds/<name>.rs` with a settings type that implements
+//! `Default`, `Serialize`, `Deserialize` and [`Kind`], and add one line to the
+//! [`kinds!`] list at the bottom of this file.
 
-pub mod ablate;
-pub mod gate_cycling;
-pub mod gate_profiles;
-pub mod knockout;
-pub mod patch_heads;
-pub mod phase_sweep;
+use std::fmt;
+
+use serde::de::MapAccess;
+use serde::ser::SerializeMap;
+use serde::{Serialize, Serializer};
 
 use crate::error::Result;
 use crate::hooks::{HookPoint, Site};
@@ -16,14 +21,144 @@ use crate::output::{HeadKind, LongRow};
 use crate::tasks::{KvEvalSet, KvExample};
 
 use super::RunOptions;
-use super::aggregate::RowCtx;
-use super::config::{Experiment, HeadKindSel, Method};
 use super::exec::{ExecStats, Executor, Group, GroupResult};
+use super::experiment::{Experiment, Selection};
 use super::patching::Fill;
 use super::progress::Progress;
 use super::prompts::{PromptMeta, group_examples};
+use super::report::Figures;
+use super::rows::RowCtx;
 use super::setup::{self, ModelRef, TaskSetup};
 use super::store::Store;
+
+/// An experiment kind, implemented by its settings type (the kind's TOML section).
+pub trait Kind: fmt::Debug + Send + Sync {
+    /// The name in `[experiment] kind` and in the tables' `kind` column.
+    fn name(&self) -> &'static str;
+    /// The TOML section holding the settings (`[patch]` for patch-heads).
+    fn section(&self) -> &'static str;
+    /// Default logical examples per phase group (sized for 2 CPU cores, see
+    /// docs/experiments.md).
+    fn default_n_logical(&self) -> usize;
+    /// Whether `[model] organism` may be a glob that selects several models.
+    fn accepts_model_glob(&self) -> bool {
+        false
+    }
+    /// Whether organisms of a glob without a trained model are skipped (with a note).
+    fn skips_untrained(&self) -> bool {
+        false
+    }
+    /// Check the settings (and their interplay with the shared sections); errors name
+    /// the line and key through [`Experiment::err`].
+    fn check(&self, _exp: &Experiment) -> Result<()> {
+        Ok(())
+    }
+    /// Sweep the cells on one model and turn their outcomes into named long tables.
+    fn run(&self, ctx: &mut Ctx) -> Result<KindOutput>;
+    /// The series of the `accuracy_by_phase` figure: (legend, metric).
+    fn accuracy_series(&self) -> Vec<(&'static str, String)> {
+        vec![("clean", "accuracy".to_string())]
+    }
+    /// This kind's figures and report section, from its tables alone.
+    fn figures(&self, f: &mut Figures) -> Result<()>;
+    /// The report body between the summary paragraph and "Reading the tables":
+    /// by default the headline numbers, `accuracy_by_phase` and [`Kind::figures`].
+    fn report(&self, f: &mut Figures) -> Result<()> {
+        f.headlines_and_accuracy(&self.accuracy_series())?;
+        self.figures(f)
+    }
+}
+
+/// Declares the kinds: one `module::SettingsType,` line each. Generates the modules and
+/// [`KindConfig`], the settings of whichever kind a file names.
+macro_rules! kinds {
+    ($($module:ident :: $settings:ident),* $(,)?) => {
+        $(pub mod $module;)*
+
+        /// The settings of one experiment kind (from its section, or its defaults).
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum KindConfig {
+            $($settings($module::$settings),)*
+        }
+
+        impl KindConfig {
+            /// Every kind with its default settings, in registration order.
+            pub fn all() -> Vec<KindConfig> {
+                vec![$(KindConfig::$settings(Default::default()),)*]
+            }
+
+            /// The kind's behaviour.
+            pub fn kind(&self) -> &dyn Kind {
+                match self {
+                    $(KindConfig::$settings(c) => c,)*
+                }
+            }
+
+            /// Read the value of section `section` with the settings type of the kind
+            /// that owns it (the caller has checked that one does).
+            pub(crate) fn read_section<'de, A: MapAccess<'de>>(
+                section: &str,
+                map: &mut A,
+            ) -> std::result::Result<KindConfig, A::Error> {
+                $(
+                    if section == $module::$settings::default().section() {
+                        return map.next_value().map(KindConfig::$settings);
+                    }
+                )*
+                Err(serde::de::Error::custom(format!("no kind reads [{section}]")))
+            }
+        }
+
+        impl Serialize for KindConfig {
+            /// As the kind's section: `{ "patch": { ... } }`.
+            fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                let mut m = s.serialize_map(Some(1))?;
+                match self {
+                    $(KindConfig::$settings(c) => m.serialize_entry(c.section(), c)?,)*
+                }
+                m.end()
+            }
+        }
+    };
+}
+
+impl KindConfig {
+    /// The default settings of the kind named `name`.
+    pub fn named(name: &str) -> Option<KindConfig> {
+        KindConfig::all()
+            .into_iter()
+            .find(|k| k.kind().name() == name)
+    }
+
+    /// Every kind's name.
+    pub fn names() -> &'static [&'static str] {
+        static NAMES: std::sync::LazyLock<Vec<&'static str>> = std::sync::LazyLock::new(|| {
+            KindConfig::all().iter().map(|k| k.kind().name()).collect()
+        });
+        &NAMES
+    }
+
+    /// Every kind's section.
+    pub fn sections() -> &'static [&'static str] {
+        static SECTIONS: std::sync::LazyLock<Vec<&'static str>> = std::sync::LazyLock::new(|| {
+            KindConfig::all()
+                .iter()
+                .map(|k| k.kind().section())
+                .collect()
+        });
+        &SECTIONS
+    }
+
+    /// Every top-level section an experiment file may hold.
+    pub fn all_sections() -> &'static [&'static str] {
+        static ALL: std::sync::LazyLock<Vec<&'static str>> = std::sync::LazyLock::new(|| {
+            let mut v = vec!["experiment", "model", "task"];
+            v.extend(KindConfig::sections());
+            v
+        });
+        &ALL
+    }
+}
 
 /// What a kind hands back: named long tables (rows) and notes for the report.
 #[derive(Debug, Default)]
@@ -34,6 +169,8 @@ pub struct KindOutput {
 /// Everything a kind needs for one model.
 pub struct Ctx<'a> {
     pub exp: &'a Experiment,
+    /// `<data_root>/<experiment>` (kinds that write more than long tables write there).
+    pub data_dir: &'a std::path::Path,
     pub opts: &'a RunOptions,
     pub store: &'a Store,
     pub model: &'a dyn LanguageModel,
@@ -140,17 +277,17 @@ pub fn head_cells(
     ctx: &Ctx,
     section: &str,
     layers: &[usize],
-    kinds: &[HeadKindSel],
-    heads: &super::config::Selection,
-    kv_heads: &super::config::Selection,
+    kinds: &[HeadKind],
+    heads: &Selection,
+    kv_heads: &Selection,
 ) -> Result<Vec<HeadCell>> {
     let mut out = Vec::new();
-    let q = if kinds.contains(&HeadKindSel::Query) {
+    let q = if kinds.contains(&HeadKind::Query) {
         setup::heads(ctx.exp, section, "heads", heads, &ctx.info, layers, false)?
     } else {
         Vec::new()
     };
-    let kv = if kinds.contains(&HeadKindSel::Kv) {
+    let kv = if kinds.contains(&HeadKind::Kv) {
         setup::heads(
             ctx.exp, section, "kv_heads", kv_heads, &ctx.info, layers, true,
         )?
@@ -180,12 +317,26 @@ pub fn head_cells(
     Ok(out)
 }
 
-/// The fill of an ablation method.
-pub fn fill_of(m: Method) -> Fill {
-    match m {
-        Method::Zero => Fill::Zero,
-        Method::Mean => Fill::Mean,
-        Method::Resample => Fill::Resample,
+/// An error naming `[section] key` when a fill needs a partner prompt (`source`), which
+/// only patch-heads' paired prompts have.
+pub fn no_source(exp: &Experiment, section: &str, key: &str, fills: &[Fill]) -> Result<()> {
+    if fills.contains(&Fill::Source) {
+        Err(exp.err(
+            section,
+            key,
+            "\"source\" needs paired prompts (patch-heads); use \"zero\", \"mean\" or \"resample\"",
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// An error naming `[section] key` when a list that must not be empty is.
+pub fn empty_list(exp: &Experiment, section: &str, key: &str, empty: bool) -> Result<()> {
+    if empty {
+        Err(exp.err(section, key, "the list is empty"))
+    } else {
+        Ok(())
     }
 }
 
@@ -198,4 +349,13 @@ pub fn base_obs<'m>(
         .zip(&res.base)
         .filter(|(m, _)| !m.corrupted)
         .map(|(m, o)| (m.logical, m.phase, o.correct))
+}
+
+kinds! {
+    phase_sweep::PhaseSweep,
+    patch_heads::PatchHeads,
+    ablate::AblateHeads,
+    knockout::Knockout,
+    gate_profiles::GateProfiles,
+    gate_cycling::GateCycling,
 }

@@ -15,22 +15,116 @@
 //! per-prompt ratios, which explode when one prompt's clean and corrupted LDs are
 //! close); 0 = the corrupted behaviour, 1 = the clean behaviour.
 
-use crate::analysis::normalized_logit_diff;
-use crate::error::Result;
-use crate::output::LongRow;
+use serde::{Deserialize, Serialize};
 
-use super::super::aggregate::{
-    Clusters, accuracy_clusters, baseline_rows, per_phase, specialization_rows,
-};
-use super::super::config::{Direction, PatchConfig};
+use crate::analysis::normalized_logit_diff;
+use crate::analysis::{Clusters, accuracy_clusters, per_phase};
+use crate::error::Result;
+use crate::output::{HeadKind, Headline, LongRow};
+
+use super::super::rows::{baseline_rows, specialization_rows};
+use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
-use super::super::patching::{Cell, Edit, Fill};
+use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap, sym_range};
+use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::paired_prompts;
 use super::super::setup;
-use super::{Ctx, KindOutput, base_obs, head_cells};
+use super::{Ctx, Kind, KindOutput, empty_list, base_obs, head_cells};
 
-pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
-    let cfg: PatchConfig = ctx.exp.file.patch.clone().unwrap_or_default();
+fn both_kinds() -> Vec<HeadKind> {
+    vec![HeadKind::Query, HeadKind::Kv]
+}
+
+/// Direction of activation patching.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    /// Clean activation into the corrupted run (does the component suffice?).
+    Denoise,
+    /// Corrupted activation into the clean run (is the component necessary?).
+    Noise,
+}
+
+impl Direction {
+    /// The metric name of the direction's normalised logit difference.
+    pub fn metric(self) -> &'static str {
+        match self {
+            Direction::Denoise => "nld_denoise",
+            Direction::Noise => "nld_noise",
+        }
+    }
+}
+
+/// `[patch]` (patch-heads).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PatchHeads {
+    /// Layers to sweep. Default all.
+    pub layers: Selection,
+    /// Query heads (for `query` cells). Default all.
+    pub heads: Selection,
+    /// KV heads (for `kv` cells). Default all.
+    pub kv_heads: Selection,
+    /// Which cells. Default both.
+    pub head_kinds: Vec<HeadKind>,
+    /// Default both.
+    pub directions: Vec<Direction>,
+    /// Query positions patched. Default all.
+    pub positions: Positions,
+}
+
+impl Default for PatchHeads {
+    fn default() -> Self {
+        PatchHeads {
+            layers: Selection::All,
+            heads: Selection::All,
+            kv_heads: Selection::All,
+            head_kinds: both_kinds(),
+            directions: vec![Direction::Denoise, Direction::Noise],
+            positions: Positions::All,
+        }
+    }
+}
+
+
+impl Kind for PatchHeads {
+    fn name(&self) -> &'static str {
+        "patch-heads"
+    }
+
+    fn section(&self) -> &'static str {
+        "patch"
+    }
+
+    fn default_n_logical(&self) -> usize {
+        64
+    }
+
+    fn check(&self, exp: &Experiment) -> Result<()> {
+        empty_list(exp, "patch", "head_kinds", self.head_kinds.is_empty())?;
+        empty_list(exp, "patch", "directions", self.directions.is_empty())
+    }
+
+    fn accuracy_series(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("clean", "accuracy".to_string()),
+            (
+                "corrupted (answer = the replaced value)",
+                "accuracy_corrupted".to_string(),
+            ),
+        ]
+    }
+
+    fn run(&self, ctx: &mut Ctx) -> Result<KindOutput> {
+        run(self, ctx)
+    }
+
+    fn figures(&self, f: &mut Figures) -> Result<()> {
+        draw(self, f)
+    }
+}
+
+fn run(cfg: &PatchHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "patch", &cfg.layers, &ctx.info, false)?;
     let heads = head_cells(
         ctx,
@@ -177,4 +271,149 @@ pub fn run(ctx: &mut Ctx) -> Result<KindOutput> {
     Ok(KindOutput {
         tables: vec![("heads".into(), rows)],
     })
+}
+
+/// This kind's figures and report section, from its tables alone.
+fn draw(cfg: &PatchHeads, f: &mut Figures) -> Result<()> {
+    let (d, m, phases, dir) = (f.data, f.model.as_str(), &f.phases[..], f.dir);
+    let (report, files) = (&mut f.report, &mut f.files);
+    let directions = cfg.directions.clone();
+    report.section("Activation patching of hook_z");
+    report.paragraph(
+        "Normalised logit difference NLD = (LD_patched - LD_corrupted) / (LD_clean - LD_corrupted), \
+         LD = logit(clean answer) - logit(corrupted answer) at the read position, summed over the \
+         prompts of each source phase. Denoising patches the clean activation into the corrupted run \
+         (1 = the head alone restores the clean answer); noising patches the corrupted activation \
+         into the clean run (0 = the head alone destroys it). KV-head cells patch every query head \
+         that reads the KV head.",
+    );
+    for (di, d_) in directions.iter().enumerate() {
+        let metric = d_.metric();
+        if !d.has(m, metric) {
+            continue;
+        }
+        let cells = cell_map(d, m, metric, HeadKind::Query);
+        let (layers, heads) = head_axes(d, m, metric, HeadKind::Query);
+        if let Some((best, v)) = cells
+            .iter()
+            .filter(|((_, _, p), v)| p.is_none() && v.is_finite())
+            .max_by(|a, b| a.1.total_cmp(b.1))
+        {
+            report.headline(
+                Headline::new(
+                    format!("Strongest query head ({metric}, all phases)"),
+                    format!("L{}.H{}", best.0, best.1),
+                )
+                .with_detail(format!("NLD {v:.3}")),
+            );
+        }
+        if !layers.is_empty() {
+            let range = sym_range(cells.values().copied());
+            for &p in phases {
+                let f = layer_head_heatmap(
+                    &dir.join(format!("{metric}_phase{p}")),
+                    &cells,
+                    &layers,
+                    &heads,
+                    Some(p),
+                    format!("{m}: {metric}, source phase {p}"),
+                    "normalised logit difference",
+                    range,
+                    "H",
+                    true,
+                )?;
+                if di == 0 {
+                    push(
+                        files,
+                        report,
+                        &format!("{metric} per layer x query head, source phase {p}"),
+                        f,
+                    );
+                } else {
+                    // Written, not embedded: the report stays readable.
+                    files.push(f.png);
+                    files.push(f.svg);
+                }
+            }
+            let f = layer_head_heatmap(
+                &dir.join(format!("{metric}_all_phases")),
+                &cells,
+                &layers,
+                &heads,
+                None,
+                format!("{m}: {metric}, all phases pooled"),
+                "normalised logit difference",
+                range,
+                "H",
+                true,
+            )?;
+            push(
+                files,
+                report,
+                &format!("{metric} per layer x query head, all phases"),
+                f,
+            );
+        }
+        if let Some(f) = layer_kv_phase_map(
+            &dir.join(format!("{metric}_kv")),
+            d,
+            m,
+            metric,
+            phases,
+            format!("{m}: {metric} per layer x KV head x source phase"),
+            "normalised logit difference",
+        )? {
+            push(
+                files,
+                report,
+                &format!("{metric} per layer x KV head x source phase"),
+                f,
+            );
+        }
+    }
+    if let Some(second) = directions.get(1) {
+        report.paragraph(format!(
+            "Per-phase heatmaps of {} are in this folder as {}_phase<r>.png / .svg.",
+            second.metric(),
+            second.metric()
+        ));
+    }
+    if let Some(first) = directions.first()
+        && d.has(m, first.metric())
+    {
+        report.section("Phase specialization");
+        report.paragraph(format!(
+            "Specialization index of a head: S = 1 - (exp(H) - 1) / (P - 1) of its normalised positive \
+             effect profile over phases (effect = {}); S = 1: all of the effect on one phase, S = 0: spread evenly.",
+            match first {
+                Direction::Denoise => "the denoising NLD",
+                Direction::Noise => "1 - the noising NLD",
+            }
+        ));
+        if let Some(f) = head_phase_map(
+            &dir.join("specialization_map"),
+            d,
+            m,
+            first.metric(),
+            phases,
+            format!("{m}: {} per head x source phase", first.metric()),
+            "normalised logit difference",
+        )? {
+            push(files, report, "Head x phase specialization map", f);
+        }
+        if let Some(f) = spec_index_heatmap(
+            &dir.join("specialization_index"),
+            d,
+            m,
+            format!("{m}: specialization index per head"),
+        )? {
+            push(files, report, "Specialization index per layer x head", f);
+        }
+        let ranked = match first {
+            Direction::Denoise => ranking(d, m, first.metric(), phases, |v| v),
+            Direction::Noise => ranking(d, m, first.metric(), phases, |v| 1.0 - v),
+        };
+        ranked_table(report, "Most phase-specialized heads", &ranked);
+    }
+    Ok(())
 }

@@ -6,16 +6,20 @@
 //! CI), and long rows `accuracy_<protocol>`, `phase_gap_pp_<protocol>`, ... for the
 //! experiment's `phase_sweep` table.
 
+use serde::{Deserialize, Serialize};
+
 use crate::analysis::{DEFAULT_LEVEL, phase_gap};
+use crate::analysis::{accuracy_clusters, phase_clusters};
 use crate::error::{Error, Result};
 use crate::output::{PhaseAccuracyRow, phase_accuracy_table, write_parquet_copy};
 use crate::tasks::Protocol;
 
-use super::super::aggregate::{accuracy_clusters, baseline_rows, phase_clusters};
-use super::super::config::SweepConfig;
+use super::super::rows::{baseline_rows};
+use super::super::experiment::{Experiment};
 use super::super::exec::Group;
+use super::super::report::{Figures, accuracy_figure, baseline_headlines};
 use super::super::prompts::clean_prompts;
-use super::{Ctx, KindOutput};
+use super::{Ctx, Kind, KindOutput};
 
 /// Short protocol name of the `phase_accuracy` table (`prefix`, `in-sequence`).
 pub fn protocol_label(p: Protocol) -> &'static str {
@@ -33,8 +37,76 @@ pub fn protocol_suffix(p: Protocol) -> &'static str {
     }
 }
 
-pub fn run(ctx: &mut Ctx, data_dir: &std::path::Path) -> Result<KindOutput> {
-    let cfg: SweepConfig = ctx.exp.file.sweep.clone().unwrap_or_default();
+/// `[sweep]` (phase-sweep).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PhaseSweep {
+    /// Protocols to evaluate. Default both.
+    pub protocols: Vec<Protocol>,
+    /// Skip organisms whose model directory does not exist yet (with a note).
+    pub skip_untrained: bool,
+}
+
+impl Default for PhaseSweep {
+    fn default() -> Self {
+        PhaseSweep {
+            protocols: Protocol::ALL.to_vec(),
+            skip_untrained: true,
+        }
+    }
+}
+
+
+impl Kind for PhaseSweep {
+    fn name(&self) -> &'static str {
+        "phase-sweep"
+    }
+
+    fn section(&self) -> &'static str {
+        "sweep"
+    }
+
+    fn default_n_logical(&self) -> usize {
+        256
+    }
+
+    fn accepts_model_glob(&self) -> bool {
+        true
+    }
+
+    fn skips_untrained(&self) -> bool {
+        self.skip_untrained
+    }
+
+    fn check(&self, exp: &Experiment) -> Result<()> {
+        if exp.file.task.protocol.is_some() {
+            return Err(exp.err(
+                "task",
+                "protocol",
+                "phase-sweep evaluates [sweep] protocols (default both); remove this key",
+            ));
+        }
+        if self.protocols.is_empty() {
+            return Err(exp.err("sweep", "protocols", "give at least one protocol"));
+        }
+        Ok(())
+    }
+
+    fn run(&self, ctx: &mut Ctx) -> Result<KindOutput> {
+        run(self, ctx)
+    }
+
+    fn figures(&self, f: &mut Figures) -> Result<()> {
+        draw(self, f)
+    }
+
+    /// One section per model: its headlines and its accuracy figure (both protocols).
+    fn report(&self, f: &mut Figures) -> Result<()> {
+        self.figures(f)
+    }
+}
+
+fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
     let p = ctx.p();
     let mut sets = Vec::new();
     let mut groups = Vec::new();
@@ -115,12 +187,11 @@ pub fn run(ctx: &mut Ctx, data_dir: &std::path::Path) -> Result<KindOutput> {
         }
         per_protocol.insert(proto.name().to_string(), s);
     }
-    let dir = data_dir.join(&ctx.mref.name);
+    let dir = ctx.data_dir.join(&ctx.mref.name);
     let t = phase_accuracy_table("phase_accuracy", &table_rows).with_provenance(&ctx.exp.text);
     let path = dir.join("phase_accuracy.arrow");
-    t.write_arrow(&path)
-        .map_err(|e| Error::Other(e.to_string()))?;
-    write_parquet_copy(&path).map_err(|e| Error::Other(e.to_string()))?;
+    t.write_arrow(&path)?;
+    write_parquet_copy(&path)?;
     let first = first.unwrap_or_default();
     let summary = serde_json::json!({
         "model": ctx.mref.name,
@@ -145,4 +216,36 @@ pub fn run(ctx: &mut Ctx, data_dir: &std::path::Path) -> Result<KindOutput> {
     Ok(KindOutput {
         tables: vec![("phase_sweep".into(), rows)],
     })
+}
+
+/// Per model: headline numbers and `accuracy_<model>` for each protocol present.
+fn draw(_cfg: &PhaseSweep, f: &mut Figures) -> Result<()> {
+    let d = f.data;
+    for m in f.models.clone() {
+        f.report.section(format!("Model `{m}`"));
+        let mut series = Vec::new();
+        for (sfx, label) in [
+            ("_prefix", "prefix padding"),
+            ("_in_sequence", "in-sequence padding"),
+        ] {
+            if d.has(&m, &format!("accuracy{sfx}")) {
+                f.report
+                    .headlines(baseline_headlines(d, &m, sfx, &format!("{label}: ")));
+                series.push((label, format!("accuracy{sfx}")));
+            }
+        }
+        if let Some(fig) = accuracy_figure(
+            &f.dir.join(format!("accuracy_{m}")),
+            d,
+            &m,
+            &series,
+            &format!("{m}: top-1 accuracy by phase group"),
+        )? {
+            f.push(
+                &format!("{m}: accuracy by phase group, 95% cluster-bootstrap bands"),
+                fig,
+            );
+        }
+    }
+    Ok(())
 }

@@ -1,7 +1,16 @@
-//! Shared by the model tests: reading tensors back and comparing logits.
+//! Shared by the integration tests: the CPU device, reading tensors back, comparing
+//! logits ([`mod@self`]), and tiny organisms and experiment files for the runner tests
+//! ([`runner`]). Tiny model configs come from `KvcConfig::tiny()`.
 #![allow(dead_code)]
 
-use burn::tensor::Tensor;
+pub mod runner;
+
+use burn::tensor::{Device, Tensor};
+
+/// The device every test runs on.
+pub fn dev() -> Device {
+    Device::flex()
+}
 
 /// All values of a tensor, row-major, as `f32`.
 pub fn vals<const D: usize>(t: Tensor<D>) -> Vec<f32> {

@@ -2,7 +2,7 @@
 //!
 //! ```toml
 //! [experiment]
-//! kind = "patch-heads"            # phase-sweep | patch-heads | ablate-heads | knockout | gate-profiles | gate-cycling
+//! kind = "patch-heads"            # one of the kinds registered in runner/kinds/mod.rs
 //! [model]
 //! organism = "organisms/kvc-w8s8" # or path = "/models/DeepSeek-V4-Pro"
 //! [task]                          # defaults: the organism's token space, prompt format and period
@@ -11,9 +11,12 @@
 //! positions = "all"
 //! ```
 //!
-//! Unknown keys and wrong types are errors naming the file, line and key
-//! ([`crate::config::load_toml`]); semantic errors found later (a layer out of range,
-//! a period that does not fit the model) name the key too, via [`ExperimentFile::err`].
+//! `[experiment] kind` selects the kind, and the kind's own section (`[patch]` for
+//! patch-heads, ...) holds its settings: the file is tagged by `kind`, the settings
+//! type belongs to the kind's file under `runner/kinds/` ([`KindConfig`]). Unknown keys
+//! and wrong types are errors naming the file, line and key
+//! ([`crate::toml_file::parse_toml`]); semantic errors found later (a layer out of range,
+//! a period that does not fit the model) name the key too, via [`Experiment::err`].
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -24,83 +27,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::error::{Error, Result};
 use crate::tasks::{KvPromptConfig, Protocol, TokenSpaceConfig};
 
-use super::patching::Positions;
-
-/// What an experiment does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Kind {
-    /// Accuracy by phase group (both protocols), per model.
-    PhaseSweep,
-    /// Activation patching of hook_z per layer x head x source phase.
-    PatchHeads,
-    /// Zero / mean / resample ablation of one head at a time.
-    AblateHeads,
-    /// KV-head knockout (the paper's Figure 3) and whole-layer attention-output replacement.
-    Knockout,
-    /// Compressor gate statistics per layer x KV head (optionally over checkpoints).
-    GateProfiles,
-    /// Shift the learned gates by delta offsets; predicted vs observed accuracy profiles.
-    GateCycling,
-}
-
-impl Kind {
-    /// Every kind.
-    pub const ALL: [Kind; 6] = [
-        Kind::PhaseSweep,
-        Kind::PatchHeads,
-        Kind::AblateHeads,
-        Kind::Knockout,
-        Kind::GateProfiles,
-        Kind::GateCycling,
-    ];
-
-    /// The name used in TOML files and in the tables' `kind` column.
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::PhaseSweep => "phase-sweep",
-            Kind::PatchHeads => "patch-heads",
-            Kind::AblateHeads => "ablate-heads",
-            Kind::Knockout => "knockout",
-            Kind::GateProfiles => "gate-profiles",
-            Kind::GateCycling => "gate-cycling",
-        }
-    }
-
-    /// Parse a `kind` column value.
-    pub fn parse(s: &str) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| k.name() == s)
-    }
-
-    /// The TOML section holding this kind's settings.
-    pub fn section(self) -> &'static str {
-        match self {
-            Kind::PhaseSweep => "sweep",
-            Kind::PatchHeads => "patch",
-            Kind::AblateHeads => "ablate",
-            Kind::Knockout => "knockout",
-            Kind::GateProfiles => "gates",
-            Kind::GateCycling => "cycling",
-        }
-    }
-
-    /// Default logical examples per phase group (sized for 2 CPU cores, see
-    /// docs/experiments.md).
-    pub fn default_n_logical(self) -> usize {
-        match self {
-            Kind::PhaseSweep => 256,
-            Kind::PatchHeads | Kind::AblateHeads | Kind::Knockout => 64,
-            Kind::GateProfiles => 32,
-            Kind::GateCycling => 128,
-        }
-    }
-}
-
-impl fmt::Display for Kind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use super::kinds::{Kind, KindConfig};
 
 /// A selection of indices: `"all"` or an explicit list such as `[0, 2, 3]`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -179,59 +106,6 @@ impl<'de> Deserialize<'de> for Selection {
     }
 }
 
-/// Query heads, KV heads, or both.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HeadKindSel {
-    /// One cell per query head.
-    Query,
-    /// One cell per KV head: every query head that reads it (see docs/experiments.md).
-    Kv,
-}
-
-/// Direction of activation patching.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Direction {
-    /// Clean activation into the corrupted run (does the component suffice?).
-    Denoise,
-    /// Corrupted activation into the clean run (is the component necessary?).
-    Noise,
-}
-
-impl Direction {
-    /// The metric name of the direction's normalised logit difference.
-    pub fn metric(self) -> &'static str {
-        match self {
-            Direction::Denoise => "nld_denoise",
-            Direction::Noise => "nld_noise",
-        }
-    }
-}
-
-/// How a head is ablated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Method {
-    /// Set to zero.
-    Zero,
-    /// The mean over the prompts of the same phase group (per position).
-    Mean,
-    /// The activation of another prompt of the same phase group.
-    Resample,
-}
-
-impl Method {
-    /// Name used in metric suffixes.
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Zero => "zero",
-            Method::Mean => "mean",
-            Method::Resample => "resample",
-        }
-    }
-}
-
 /// Which compressor gate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -267,8 +141,9 @@ pub struct ExperimentSection {
     /// Output folder name under `notebooks-data/` and `reports/`; default: the file stem.
     #[serde(default)]
     pub name: Option<String>,
-    /// What to run.
-    pub kind: Kind,
+    /// What to run: the name of a registered kind (`patch-heads`, ...).
+    #[serde(deserialize_with = "kind_name")]
+    pub kind: String,
     /// Free text for the report.
     #[serde(default)]
     pub description: String,
@@ -335,171 +210,94 @@ pub struct TaskSection {
     pub allow_period_mismatch: bool,
 }
 
-/// `[sweep]` (phase-sweep).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SweepConfig {
-    /// Protocols to evaluate. Default both.
-    pub protocols: Vec<Protocol>,
-    /// Skip organisms whose model directory does not exist yet (with a note).
-    pub skip_untrained: bool,
-}
-
-impl Default for SweepConfig {
-    fn default() -> Self {
-        SweepConfig {
-            protocols: Protocol::ALL.to_vec(),
-            skip_untrained: true,
-        }
-    }
-}
-
-fn both_kinds() -> Vec<HeadKindSel> {
-    vec![HeadKindSel::Query, HeadKindSel::Kv]
-}
-
-/// `[patch]` (patch-heads).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PatchConfig {
-    /// Layers to sweep. Default all.
-    pub layers: Selection,
-    /// Query heads (for `query` cells). Default all.
-    pub heads: Selection,
-    /// KV heads (for `kv` cells). Default all.
-    pub kv_heads: Selection,
-    /// Which cells. Default both.
-    pub head_kinds: Vec<HeadKindSel>,
-    /// Default both.
-    pub directions: Vec<Direction>,
-    /// Query positions patched. Default all.
-    pub positions: Positions,
-}
-
-impl Default for PatchConfig {
-    fn default() -> Self {
-        PatchConfig {
-            layers: Selection::All,
-            heads: Selection::All,
-            kv_heads: Selection::All,
-            head_kinds: both_kinds(),
-            directions: vec![Direction::Denoise, Direction::Noise],
-            positions: Positions::All,
-        }
-    }
-}
-
-/// `[ablate]` (ablate-heads).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AblateConfig {
-    pub layers: Selection,
-    pub heads: Selection,
-    pub kv_heads: Selection,
-    pub head_kinds: Vec<HeadKindSel>,
-    /// Default zero, mean, resample.
-    pub methods: Vec<Method>,
-    pub positions: Positions,
-}
-
-impl Default for AblateConfig {
-    fn default() -> Self {
-        AblateConfig {
-            layers: Selection::All,
-            heads: Selection::All,
-            kv_heads: Selection::All,
-            head_kinds: both_kinds(),
-            methods: vec![Method::Zero, Method::Mean, Method::Resample],
-            positions: Positions::All,
-        }
-    }
-}
-
-/// `[knockout]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct KnockoutConfig {
-    pub layers: Selection,
-    pub kv_heads: Selection,
-    /// How a KV head is removed. Default zero.
-    pub method: Method,
-    /// Positions of the KV-head knockout. Default all.
-    pub positions: Positions,
-    /// Also replace each whole layer's attention output over the final band.
-    pub layer_output: bool,
-    /// Final query positions of the layer-output replacement. Default 8.
-    pub band: usize,
-    /// What replaces the layer output: mean (per phase group, default) or zero.
-    pub layer_output_fill: Method,
-}
-
-impl Default for KnockoutConfig {
-    fn default() -> Self {
-        KnockoutConfig {
-            layers: Selection::All,
-            kv_heads: Selection::All,
-            method: Method::Zero,
-            positions: Positions::All,
-            layer_output: true,
-            band: 8,
-            layer_output_fill: Method::Mean,
-        }
-    }
-}
-
-/// `[gates]` (gate-profiles).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct GatesConfig {
-    /// Compressed layers. Default all compressed layers.
-    pub layers: Selection,
-    /// A training run's checkpoint folder (`step-*` subfolders), relative to this
-    /// file: the statistics are also computed at every checkpoint.
-    pub checkpoints: Option<PathBuf>,
-}
-
-/// `[cycling]` (gate-cycling).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct CyclingConfig {
-    /// Compressed layers whose gates are rolled (all together). Default all.
-    pub layers: Selection,
-    /// Shifts in offsets. Default -3, -2, -1, 1, 2, 3.
-    pub deltas: Vec<i64>,
-    /// Which gates are rolled. Default both.
-    pub gates: Vec<GateKind>,
-}
-
-impl Default for CyclingConfig {
-    fn default() -> Self {
-        CyclingConfig {
-            layers: Selection::All,
-            deltas: vec![-3, -2, -1, 1, 2, 3],
-            gates: vec![GateKind::Key, GateKind::Value],
-        }
-    }
-}
-
-/// A whole experiment file.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A whole experiment file: the shared sections and the kind's settings.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ExperimentFile {
     pub experiment: ExperimentSection,
     pub model: ModelSection,
-    #[serde(default)]
     pub task: TaskSection,
-    #[serde(default)]
-    pub sweep: Option<SweepConfig>,
-    #[serde(default)]
-    pub patch: Option<PatchConfig>,
-    #[serde(default)]
-    pub ablate: Option<AblateConfig>,
-    #[serde(default)]
-    pub knockout: Option<KnockoutConfig>,
-    #[serde(default)]
-    pub gates: Option<GatesConfig>,
-    #[serde(default)]
-    pub cycling: Option<CyclingConfig>,
+    /// The settings of `[experiment] kind`: its section (`[patch]`, ...) or its defaults.
+    #[serde(flatten)]
+    pub kind: KindConfig,
+}
+
+/// `[experiment] kind`: a registered kind's name.
+fn kind_name<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<String, D::Error> {
+    let s = String::deserialize(d)?;
+    if KindConfig::named(&s).is_none() {
+        return Err(de::Error::unknown_variant(&s, KindConfig::names()));
+    }
+    Ok(s)
+}
+
+/// The file as written: the shared sections and whichever kind sections appear, in
+/// order. Each kind section is read by its kind's settings type (so an unknown key
+/// inside it is reported at its own line); which one belongs to the kind is checked in
+/// [`Experiment::parse`].
+struct RawFile {
+    experiment: ExperimentSection,
+    model: ModelSection,
+    task: TaskSection,
+    sections: Vec<(String, KindConfig)>,
+}
+
+/// A top-level table name: a shared section or a registered kind's section.
+struct SectionName;
+
+impl<'de> de::DeserializeSeed<'de> for SectionName {
+    type Value = String;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<String, D::Error> {
+        let s = String::deserialize(d)?;
+        let shared = ["experiment", "model", "task"];
+        if shared.contains(&s.as_str()) || KindConfig::sections().contains(&s.as_str()) {
+            Ok(s)
+        } else {
+            Err(de::Error::unknown_field(&s, KindConfig::all_sections()))
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for RawFile {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawFile;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(
+                    "an experiment file ([experiment], [model], [task], the kind's section)",
+                )
+            }
+            fn visit_map<A: de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<RawFile, A::Error> {
+                let (mut experiment, mut model, mut task) = (None, None, None);
+                let mut sections = Vec::new();
+                while let Some(key) = map.next_key_seed(SectionName)? {
+                    let dup = match key.as_str() {
+                        "experiment" => experiment.replace(map.next_value()?).is_some(),
+                        "model" => model.replace(map.next_value()?).is_some(),
+                        "task" => task.replace(map.next_value()?).is_some(),
+                        section => {
+                            let c = KindConfig::read_section(section, &mut map)?;
+                            sections.push((key.clone(), c));
+                            false
+                        }
+                    };
+                    if dup {
+                        return Err(de::Error::custom(format!("duplicate section [{key}]")));
+                    }
+                }
+                Ok(RawFile {
+                    experiment: experiment.ok_or_else(|| de::Error::missing_field("experiment"))?,
+                    model: model.ok_or_else(|| de::Error::missing_field("model"))?,
+                    task: task.unwrap_or_default(),
+                    sections,
+                })
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
 /// A loaded experiment: the parsed file, its text and where it lives.
@@ -537,12 +335,43 @@ impl Experiment {
 
     /// Parse `text` as the contents of `path`.
     pub fn parse(path: &Path, text: String) -> Result<Self> {
-        let file: ExperimentFile = crate::config::parse_toml(path, &text)?;
+        let raw: RawFile = crate::toml_file::parse_toml(path, &text)?;
+        let name = raw.experiment.kind.clone();
+        let mut own = None;
+        let mut wrong = None;
+        for (section, c) in raw.sections {
+            if c.kind().name() == name {
+                own = Some(c);
+            } else if wrong.is_none() {
+                wrong = Some(section);
+            }
+        }
+        let kind = match own.or_else(|| KindConfig::named(&name)) {
+            Some(k) => k,
+            None => unreachable!("[experiment] kind is checked while parsing"),
+        };
         let exp = Experiment {
-            file,
+            file: ExperimentFile {
+                experiment: raw.experiment,
+                model: raw.model,
+                task: raw.task,
+                kind,
+            },
             text,
             path: path.to_path_buf(),
         };
+        if let Some(section) = wrong {
+            let k = exp.kind();
+            return Err(exp.err(
+                &section,
+                "",
+                format!(
+                    "this section is not used by kind \"{}\" (its section is [{}])",
+                    k.name(),
+                    k.section()
+                ),
+            ));
+        }
         exp.check_sections()?;
         Ok(exp)
     }
@@ -557,9 +386,9 @@ impl Experiment {
         })
     }
 
-    /// The kind.
-    pub fn kind(&self) -> Kind {
-        self.file.experiment.kind
+    /// The kind (its settings and behaviour).
+    pub fn kind(&self) -> &dyn Kind {
+        self.file.kind.kind()
     }
 
     /// The folder relative paths in the file are resolved against.
@@ -587,30 +416,9 @@ impl Experiment {
         }
     }
 
-    /// Only the kind's own section may appear; experiment-wide numbers must be sane.
+    /// Experiment-wide numbers must be sane; then the kind checks its own settings.
     fn check_sections(&self) -> Result<()> {
         let f = &self.file;
-        let kind = f.experiment.kind;
-        let present = [
-            ("sweep", f.sweep.is_some()),
-            ("patch", f.patch.is_some()),
-            ("ablate", f.ablate.is_some()),
-            ("knockout", f.knockout.is_some()),
-            ("gates", f.gates.is_some()),
-            ("cycling", f.cycling.is_some()),
-        ];
-        for (section, here) in present {
-            if here && section != kind.section() {
-                return Err(self.err(
-                    section,
-                    "",
-                    format!(
-                        "this section is not used by kind \"{kind}\" (its section is [{}])",
-                        kind.section()
-                    ),
-                ));
-            }
-        }
         if f.experiment.bootstrap_reps == 0 {
             return Err(self.err("experiment", "bootstrap_reps", "must be at least 1"));
         }
@@ -636,7 +444,7 @@ impl Experiment {
         }
         if let Some(o) = &f.model.organism
             && o.contains('*')
-            && kind != Kind::PhaseSweep
+            && !self.kind().accepts_model_glob()
         {
             return Err(self.err(
                 "model",
@@ -650,55 +458,7 @@ impl Experiment {
         if f.task.period == Some(0) {
             return Err(self.err("task", "period", "must be at least 1"));
         }
-        if kind == Kind::PhaseSweep && f.task.protocol.is_some() {
-            return Err(self.err(
-                "task",
-                "protocol",
-                "phase-sweep evaluates [sweep] protocols (default both); remove this key",
-            ));
-        }
-        if let Some(c) = &f.cycling {
-            if c.deltas.is_empty() {
-                return Err(self.err("cycling", "deltas", "give at least one shift"));
-            }
-            if c.deltas.contains(&0) {
-                return Err(self.err(
-                    "cycling",
-                    "deltas",
-                    "0 is the baseline; list non-zero shifts",
-                ));
-            }
-            if c.gates.is_empty() {
-                return Err(self.err("cycling", "gates", "give \"key\", \"value\" or both"));
-            }
-        }
-        if let Some(s) = &f.sweep
-            && s.protocols.is_empty()
-        {
-            return Err(self.err("sweep", "protocols", "give at least one protocol"));
-        }
-        let empty_list = |section: &str, key: &str, empty: bool| {
-            if empty {
-                Err(self.err(section, key, "the list is empty"))
-            } else {
-                Ok(())
-            }
-        };
-        if let Some(p) = &f.patch {
-            empty_list("patch", "head_kinds", p.head_kinds.is_empty())?;
-            empty_list("patch", "directions", p.directions.is_empty())?;
-        }
-        if let Some(a) = &f.ablate {
-            empty_list("ablate", "head_kinds", a.head_kinds.is_empty())?;
-            empty_list("ablate", "methods", a.methods.is_empty())?;
-        }
-        if let Some(k) = &f.knockout
-            && k.layer_output
-            && k.band == 0
-        {
-            return Err(self.err("knockout", "band", "must be at least 1"));
-        }
-        Ok(())
+        self.kind().check(self)
     }
 }
 
@@ -747,9 +507,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(e.name(), "t");
-        assert_eq!(e.kind(), Kind::PatchHeads);
+        assert_eq!(e.kind().name(), "patch-heads");
         assert_eq!(e.file.experiment.bootstrap_reps, 2000);
-        assert!(e.file.patch.is_none());
+        assert_eq!(
+            e.file.kind,
+            KindConfig::PatchHeads(crate::runner::kinds::patch_heads::PatchHeads::default())
+        );
     }
 
     #[test]
@@ -781,10 +544,12 @@ mod tests {
             "[experiment]\nkind = \"patch-heads\"\n[model]\norganism = \"x\"\n[patch]\nlayers = [1, 3]\nheads = \"all\"\npositions = { final = 4 }\n",
         )
         .unwrap();
-        let p = e.file.patch.unwrap();
+        let KindConfig::PatchHeads(p) = e.file.kind else {
+            panic!("{:?}", e.file.kind)
+        };
         assert_eq!(p.layers, Selection::Only(vec![1, 3]));
         assert_eq!(p.heads, Selection::All);
-        assert_eq!(p.positions, Positions::Final(4));
+        assert_eq!(p.positions, crate::runner::patching::Positions::Final(4));
         assert!(Selection::Only(vec![5]).resolve(4, "layers").is_err());
         let err = parse(
             "[experiment]\nkind = \"patch-heads\"\n[model]\norganism = \"x\"\n[patch]\nlayers = \"some\"\n",
@@ -792,6 +557,39 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("line 6"), "{err}");
+    }
+
+    #[test]
+    fn unknown_kind_and_unknown_section_name_their_line() {
+        let err = parse("[experiment]\nkind = \"patch-headz\"\n[model]\norganism = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("line 2") && err.contains("patch-headz") && err.contains("knockout"),
+            "{err}"
+        );
+        let err = parse(
+            "[experiment]\nkind = \"knockout\"\n[model]\norganism = \"x\"\n[knockoutt]\nband = 2\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 5") && err.contains("knockoutt"), "{err}");
+    }
+
+    #[test]
+    fn kind_checks_its_own_settings() {
+        let err = parse(
+            "[experiment]\nkind = \"gate-cycling\"\n[model]\norganism = \"x\"\n[cycling]\ndeltas = [0, 1]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 6") && err.contains("deltas"), "{err}");
+        let err = parse(
+            "[experiment]\nkind = \"ablate-heads\"\n[model]\norganism = \"x\"\n[ablate]\nmethods = [\"zero\", \"source\"]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 6") && err.contains("source"), "{err}");
     }
 
     #[test]

@@ -1,52 +1,27 @@
 //! Shared by the runner tests: tiny random kvc organisms saved to a temp dir, tiny
 //! experiment TOMLs, options that keep outputs inside the temp dir.
-#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
 use burn::module::Param;
-use burn::tensor::{Device, Tensor, TensorData};
-use phaselens::model::kvc::{
-    AttentionKind, CompressionConfig, GateMode, KvcConfig, KvcModel, RopeMode,
-};
+use burn::tensor::{Tensor, TensorData};
+use phaselens::model::kvc::{KvcConfig, KvcModel};
 use phaselens::model::save_kvc;
 use phaselens::model::weights::{RandomInit, Vb};
 use phaselens::runner::{ProgressMode, RunOptions};
 
-pub fn dev() -> Device {
-    Device::flex()
-}
+use super::dev;
 
-/// A tiny chunk-compressed config (vocab 128 = the synthetic token space).
+/// A tiny chunk-compressed config (vocab 128 = the synthetic token space, raw tail 2).
 pub fn tiny(layers: usize, heads: usize, kv: usize, window: usize, stride: usize) -> KvcConfig {
     KvcConfig {
-        model_type: "phaselens-kvc".into(),
         vocab_size: 128,
-        d_model: 32,
         n_layers: layers,
         n_heads: heads,
         n_kv_heads: kv,
-        d_head: Some(8),
-        d_ff: 48,
-        norm_eps: 1e-6,
-        rope: RopeMode::All,
-        rope_dims: None,
-        rope_theta: 10000.0,
-        qk_norm: true,
-        tied_kv: false,
-        sink: true,
-        tie_embeddings: false,
-        key_shift: false,
-        attention: AttentionKind::Compressed,
-        compression: Some(CompressionConfig {
-            window,
-            stride,
-            local_tail: 2,
-            gate: GateMode::Scalar,
-            gate_bias: true,
-        }),
-        init_std: 0.3,
+        ..KvcConfig::tiny()
     }
+    .with_compression(window, stride, 2)
 }
 
 /// A random model whose gate biases are random too (so every gate offset matters).

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Reference for `phaselens bench forward --model DIR --tokens ...`: the same forward in
+transformers (eager attention, f32, CPU), for DeepSeek-V4 checkpoints, at the same
+lengths and with the same token ids, reporting seconds per forward, tokens/s and the
+process's peak resident set. Each length runs in a fresh subprocess so that its peak is
+its own.
+
+Pinned: torch 2.9.0, transformers 5.24.0 (tests/fixtures/deepseek_v4/requirements.txt).
+
+    python scripts/bench/forward_ref.py --model experiments/organisms/v4pro-mini \
+        --tokens 1024,4096,16384 --threads 2 [--reps 1] [--max-gib 16]
+
+A length whose forward would need more memory than --max-gib (eager attention builds
+[T, T] masks and scores per layer) is reported as skipped, not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def one(model_dir: str, t: int, batch: int, reps: int, threads: int) -> dict:
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.set_num_threads(threads)
+    model = DeepseekV4ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.eval()
+    vocab = model.config.vocab_size
+    # The same ids as phaselens' model::bench::forward_sweep.
+    ids = torch.tensor(
+        [[((r * t + i) * 2654435761) % vocab for i in range(t)] for r in range(batch)]
+    )
+    times = []
+    with torch.no_grad():
+        if reps > 1:
+            model(ids)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = model(ids).logits
+            _ = out.numpy()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    s = times[len(times) // 2]
+    return {
+        "tokens": t,
+        "batch": batch,
+        "seconds": s,
+        "tokens_per_second": batch * t / s,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", default="1024,4096")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-gib", type=float, default=16.0)
+    ap.add_argument("--json")
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one is not None:
+        print(json.dumps(one(a.model, a.one, a.batch, a.reps, a.threads)))
+        return
+    with open(os.path.join(a.model, "config.json")) as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    print(f"transformers eager reference: {a.model}, batch {a.batch}, {a.threads} threads")
+    print("| tokens | s / forward | tokens/s | peak RSS MiB |")
+    print("|---:|---:|---:|---:|")
+    rows = []
+    for t in [int(x) for x in a.tokens.split(",")]:
+        # Eager attention holds [batch, heads, T, T + entries] scores + mask (f32) at once.
+        need = 3 * a.batch * heads * t * t * 4 / 2**30
+        if need > a.max_gib:
+            print(f"| {t} | skipped: eager attention needs ~{need:.0f} GiB | | |")
+            rows.append({"tokens": t, "skipped_gib": need})
+            continue
+        r = subprocess.run(
+            [sys.executable, __file__, "--model", a.model, "--one", str(t), "--batch",
+             str(a.batch), "--reps", str(a.reps), "--threads", str(a.threads)],
+            capture_output=True, text=True,
+        )
+        if r.returncode != 0:
+            print(f"| {t} | failed: {r.stderr.strip().splitlines()[-1:]} | | |")
+            rows.append({"tokens": t, "error": r.stderr[-2000:]})
+            continue
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(f"| {t} | {row['seconds']:.3f} | {row['tokens_per_second']:.0f} | "
+              f"{row['peak_rss_bytes'] / 2**20:.0f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

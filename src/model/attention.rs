@@ -1,0 +1,547 @@
+//! The attention core every model shares: for each query, ONE joint softmax over
+//! `[compressed entries ; raw tokens ; sink]`, computed over blocks of queries so that
+//! memory grows with the keys a query can see, never as `T x T`:
+//! - raw tokens are a band per block (sliding window / local tail: `block + window`
+//!   keys; full causal attention: the keys up to the block's last query);
+//! - compressed entries are the ones closed by the block's last query, or (CSA) a
+//!   gather of the `k` entries each query's selector kept;
+//! - the sink is one more logit per head.
+//!
+//! When the `hook_pattern` of the layer is captured or intervened on, the layer runs
+//! as ONE block over every query with the full key layout of that hook point
+//! (`[entries (all n) ; raw tokens (all T) ; sink]`, invisible slots 0): the pattern is
+//! `[T, n + T]` by definition. Both paths compute the same function (tests compare them).
+//!
+//! GQA without copies: query head `h` reads KV head `h / (n_heads / n_kv_heads)`, so the
+//! queries are viewed as `[b, kv_heads, group * block, d_head]` against
+//! `[b, kv_heads, d_head, keys]`.
+
+use burn::tensor::{Bool, Device, Int, Tensor};
+
+use super::kv_state::Queries;
+use super::layers::{int_tensor, masked_softmax};
+use super::topk::selected_indices;
+use crate::error::Result;
+use crate::hooks::{HookPoint, HookRun};
+
+/// Raw per-token keys and values over every position of the prompts.
+pub struct Raw {
+    /// `[b, total, kv_heads, d_head]`, rotated.
+    pub k: Tensor<4>,
+    /// `[b, total, kv_heads, d_head]`.
+    pub v: Tensor<4>,
+    /// Query `q` sees raw token `j` iff `q - window < j <= q`; `None`: every `j <= q`.
+    pub window: Option<usize>,
+}
+
+/// Compressed entries.
+pub struct Entries {
+    /// `[b, n, kv_heads, d_head]`, rotated.
+    pub k: Tensor<4>,
+    /// `[b, n, kv_heads, d_head]`.
+    pub v: Tensor<4>,
+    /// Entry `i` becomes visible to the query at position `i * stride + close`.
+    pub stride: usize,
+    pub close: usize,
+}
+
+impl Entries {
+    /// Entries visible to a query at position `q`.
+    fn visible_at(&self, q: usize) -> usize {
+        let n = self.k.dims()[1];
+        if q < self.close {
+            0
+        } else {
+            ((q - self.close) / self.stride + 1).min(n)
+        }
+    }
+}
+
+/// Which closed entries each query keeps (DeepSeek-V4's lightning indexer).
+pub trait EntrySelector {
+    /// The most entries a query keeps.
+    fn k(&self) -> usize;
+    /// Score elements the selector builds per (query, candidate entry) (the indexer: one
+    /// per index head), for sizing blocks.
+    fn cost_per_entry(&self) -> usize;
+    /// For the queries at indices `i0..i1` of every row (positions
+    /// `queries.first(r) + i`): `[b, i1 - i0, n_vis]`, true for the kept entries
+    /// (only closed ones) among entries `0..n_vis`.
+    /// `hooks` is the forward's hook run (e.g. for the selector's own hook points).
+    fn select(
+        &mut self,
+        i0: usize,
+        i1: usize,
+        n_vis: usize,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<3, Bool>>;
+}
+
+/// What one layer's queries attend to.
+pub struct Keys<'s> {
+    pub entries: Option<Entries>,
+    /// With a selector, each query reads only its selected entries.
+    pub selector: Option<&'s mut dyn EntrySelector>,
+    pub raw: Option<Raw>,
+    /// Per-head sink logits `[n_heads]`.
+    pub sink: Option<Tensor<1>>,
+}
+
+/// Score tensor elements per block (`b * heads * block * keys`): 4 MiB of f32 (smaller
+/// blocks measured faster here, and the softmax intermediates scale with it).
+pub const BLOCK_BUDGET: usize = 1 << 20;
+
+thread_local! {
+    static BUDGET: std::cell::Cell<usize> = const { std::cell::Cell::new(BLOCK_BUDGET) };
+    static LARGEST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Run `f` with another per-block budget (score elements) on this thread: tests use a
+/// tiny budget to force many blocks, benches a larger one.
+pub fn with_block_budget<T>(budget: usize, f: impl FnOnce() -> T) -> T {
+    let old = BUDGET.with(|b| b.replace(budget.max(1)));
+    let out = f();
+    BUDGET.with(|b| b.set(old));
+    out
+}
+
+/// The largest score tensor (elements) the blocked path built on this thread since the
+/// last call; resets it. The dense path (a hooked `hook_pattern`) is not counted.
+pub fn take_largest_block() -> usize {
+    LARGEST.with(|l| l.replace(0))
+}
+
+/// `q: [b, lq, n_heads, d_head]` (rotated) at the positions `queries` names -> `z: [b, lq,
+/// n_heads, d_head]`. `pattern` is the layer's `hook_pattern` point; the layer runs as
+/// one dense block when that point is hooked or `force_dense` (another hook of the layer
+/// needs every query over every key, e.g. the indexer's scores).
+pub fn attend(
+    q: Tensor<4>,
+    queries: &Queries,
+    mut keys: Keys,
+    scale: f64,
+    pattern: HookPoint,
+    force_dense: bool,
+    hooks: &mut HookRun,
+) -> Result<Tensor<4>> {
+    let [b, lq, nh, dh] = q.dims();
+    let kvh = keys
+        .raw
+        .as_ref()
+        .map(|r| r.k.dims()[2])
+        .or(keys.entries.as_ref().map(|e| e.k.dims()[2]))
+        .unwrap_or(1);
+    let g = Geometry {
+        b,
+        nh,
+        kvh,
+        dh,
+        scale,
+        queries,
+        device: q.device(),
+    };
+    if force_dense || hooks.touches(&pattern) {
+        return g.dense(q, &mut keys, pattern, hooks);
+    }
+    let block = g.block_size(&keys);
+    let mut parts = Vec::with_capacity(lq.div_ceil(block));
+    let mut i0 = 0;
+    while i0 < lq {
+        let i1 = (i0 + block).min(lq);
+        parts.push(g.block(q.clone().slice_dim(1, i0..i1), i0, i1, &mut keys, hooks)?);
+        i0 = i1;
+    }
+    Ok(if parts.len() == 1 {
+        parts.pop().expect("one block")
+    } else {
+        Tensor::cat(parts, 1)
+    })
+}
+
+struct Geometry<'q> {
+    b: usize,
+    nh: usize,
+    kvh: usize,
+    dh: usize,
+    scale: f64,
+    queries: &'q Queries,
+    device: Device,
+}
+
+/// One group of key slots of a block: scores `[b, nh, bq, n]`, visibility, and how to
+/// turn probabilities into output.
+struct Part {
+    scores: Tensor<4>,
+    mask: Tensor<4, Bool>,
+    values: PartValues,
+}
+
+enum PartValues {
+    /// `[b, n, kvh, dh]`, the same keys for every query of the block.
+    Shared(Tensor<4>),
+    /// `[b, bq, n, kvh, dh]`, per-query keys (gathered entries).
+    PerQuery(Tensor<5>),
+    /// The sink: no value.
+    Sink,
+}
+
+impl Geometry<'_> {
+    fn group(&self) -> usize {
+        self.nh / self.kvh
+    }
+
+    /// Query rows per block so that one block's scores stay within [`BLOCK_BUDGET`].
+    fn block_size(&self, keys: &Keys) -> usize {
+        let lq = self.queries.len();
+        let total = self.queries.total();
+        let n = keys.entries.as_ref().map_or(0, |e| e.k.dims()[1]);
+        // Attention score columns per query head, and the selector's scores per query.
+        let (entries, selecting) = match &keys.selector {
+            Some(s) if n > 0 => (s.k(), s.cost_per_entry() * n),
+            _ => (n, 0),
+        };
+        let raw = |bq: usize| match &keys.raw {
+            Some(Raw {
+                window: Some(w), ..
+            }) => (bq + w).min(total),
+            Some(_) => total,
+            None => 0,
+        };
+        let budget = BUDGET.with(|b| b.get());
+        let mut bq = lq.max(1);
+        let cost = |bq: usize| self.b * bq * (self.nh * (entries + raw(bq) + 1) + selecting);
+        while bq > 1 && cost(bq) > budget {
+            bq = bq.div_ceil(2);
+        }
+        bq
+    }
+
+    /// Positions of queries `i0..i1`: `[1 or b, bq, 1]`.
+    fn query_pos(&self, i0: usize, i1: usize, device: &Device) -> Tensor<3, Int> {
+        let bq = i1 - i0;
+        if self.queries.shared() {
+            let f = self.queries.first(0);
+            int_tensor(&(f + i0..f + i1).collect::<Vec<_>>(), device).reshape([1, bq, 1])
+        } else {
+            let pos: Vec<usize> = (0..self.b)
+                .flat_map(|r| {
+                    let f = self.queries.first(r);
+                    f + i0..f + i1
+                })
+                .collect();
+            int_tensor(&pos, device).reshape([self.b, bq, 1])
+        }
+    }
+
+    /// `[b, n, kvh, dh]` keys shared by the block's queries -> scores `[b, nh, bq, n]`.
+    fn shared_scores(&self, q: &Tensor<4>, k: Tensor<4>) -> Tensor<4> {
+        let [b, bq, _, _] = q.dims();
+        let n = k.dims()[1];
+        let (kvh, g, dh) = (self.kvh, self.group(), self.dh);
+        let qh = q.clone().swap_dims(1, 2).reshape([b, kvh, g * bq, dh]);
+        let kt = k.swap_dims(1, 2).swap_dims(2, 3); // [b, kvh, dh, n]
+        qh.matmul(kt).reshape([b, self.nh, bq, n]) * self.scale
+    }
+
+    /// `[b, bq, n, kvh, dh]` per-query keys -> scores `[b, nh, bq, n]`.
+    fn per_query_scores(&self, q: &Tensor<4>, k: Tensor<5>) -> Tensor<4> {
+        let [b, bq, n, kvh, dh] = k.dims();
+        let g = self.group();
+        let qh = q.clone().reshape([b * bq, kvh, g, dh]);
+        let kt = k
+            .reshape([b * bq, n, kvh, dh])
+            .swap_dims(1, 2)
+            .swap_dims(2, 3); // [b*bq, kvh, dh, n]
+        qh.matmul(kt).reshape([b, bq, self.nh, n]).swap_dims(1, 2) * self.scale
+    }
+
+    /// Probabilities `p: [b, nh, bq, n]` times the part's values -> `[b, bq, nh, dh]`.
+    fn read(&self, p: Tensor<4>, values: PartValues) -> Option<Tensor<4>> {
+        let [b, _, bq, n] = p.dims();
+        let (kvh, g, dh) = (self.kvh, self.group(), self.dh);
+        match values {
+            PartValues::Sink => None,
+            PartValues::Shared(v) => Some(
+                p.reshape([b, kvh, g * bq, n])
+                    .matmul(v.swap_dims(1, 2)) // [b, kvh, n, dh]
+                    .reshape([b, self.nh, bq, dh])
+                    .swap_dims(1, 2),
+            ),
+            PartValues::PerQuery(v) => Some(
+                p.swap_dims(1, 2)
+                    .reshape([b * bq, kvh, g, n])
+                    .matmul(v.reshape([b * bq, n, kvh, dh]).swap_dims(1, 2))
+                    .reshape([b, bq, self.nh, dh]),
+            ),
+        }
+    }
+
+    /// The sink column.
+    fn sink(&self, sink: &Tensor<1>, bq: usize) -> Part {
+        let (b, nh) = (self.b, self.nh);
+        let scores = sink.clone().reshape([1, nh, 1, 1]).expand([b, nh, bq, 1]);
+        let mask = Tensor::<4, Int>::ones([b, nh, bq, 1], &self.device).equal_elem(1);
+        Part {
+            scores,
+            mask,
+            values: PartValues::Sink,
+        }
+    }
+
+    /// Raw keys `lo..hi` for queries `i0..i1` (shared positions: a slice), or a band
+    /// per row (`len` keys from each row's own start, gathered), with the mask.
+    fn raw(&self, q: &Tensor<4>, raw: &Raw, i0: usize, i1: usize, dense: bool) -> Part {
+        let device = q.device();
+        let total = self.queries.total();
+        let qpos = self.query_pos(i0, i1, &device);
+        let bq = i1 - i0;
+        let (k, v, kpos) = if dense || raw.window.is_none() || self.queries.shared() {
+            let last = (0..self.b)
+                .map(|r| self.queries.first(r) + i1 - 1)
+                .max()
+                .unwrap_or(0);
+            let hi = if dense { total } else { last + 1 };
+            let lo = match raw.window {
+                Some(w) if !dense && self.queries.shared() => {
+                    (self.queries.first(0) + i0 + 1).saturating_sub(w)
+                }
+                _ => 0,
+            };
+            let kpos = int_tensor(&(lo..hi).collect::<Vec<_>>(), &device).reshape([1, 1, hi - lo]);
+            (
+                raw.k.clone().slice_dim(1, lo..hi),
+                raw.v.clone().slice_dim(1, lo..hi),
+                kpos,
+            )
+        } else {
+            // Rows at different positions, banded keys: gather each row's own band.
+            let w = raw.window.expect("banded");
+            let len = bq + w - 1;
+            let mut idx = Vec::with_capacity(self.b * len);
+            let mut pos = Vec::with_capacity(self.b * len);
+            for r in 0..self.b {
+                let start = (self.queries.first(r) + i0) as i64 - (w as i64 - 1);
+                for j in 0..len as i64 {
+                    let p = start + j;
+                    pos.push(p);
+                    idx.push(r * total + p.clamp(0, total as i64 - 1) as usize);
+                }
+            }
+            let idx = int_tensor(&idx, &device);
+            let [_, _, kvh, dh] = raw.k.dims();
+            let gather = |x: &Tensor<4>| {
+                x.clone()
+                    .reshape([self.b * total, kvh * dh])
+                    .select(0, idx.clone())
+                    .reshape([self.b, len, kvh, dh])
+            };
+            let kpos = Tensor::<1, Int>::from_data(
+                burn::tensor::TensorData::new(pos, [self.b * len]),
+                &device,
+            )
+            .reshape([self.b, 1, len]);
+            (gather(&raw.k), gather(&raw.v), kpos)
+        };
+        let n = k.dims()[1];
+        let shape = [self.b, bq, n];
+        let qe = qpos.expand(shape);
+        let ke = kpos.expand(shape);
+        let mut mask = ke
+            .clone()
+            .lower_equal(qe.clone())
+            .bool_and(ke.clone().greater_equal_elem(0));
+        if let Some(w) = raw.window {
+            mask = mask.bool_and(ke.add_scalar(w as i64).greater(qe));
+        }
+        Part {
+            scores: self.shared_scores(q, k),
+            mask: self.head_mask(mask),
+            values: PartValues::Shared(v),
+        }
+    }
+
+    /// `[b, bq, n]` -> `[b, nh, bq, n]`.
+    fn head_mask(&self, m: Tensor<3, Bool>) -> Tensor<4, Bool> {
+        let [b, bq, n] = m.dims();
+        m.reshape([b, 1, bq, n]).expand([b, self.nh, bq, n])
+    }
+
+    /// Entries for queries `i0..i1`: those closed by the last query (all `n` when dense),
+    /// masked by closedness, and by the selector's choice when there is one (dense: as a
+    /// mask; blocked: the `k` kept entries of each query, gathered).
+    #[allow(clippy::too_many_arguments)]
+    fn entries(
+        &self,
+        q: &Tensor<4>,
+        e: &Entries,
+        selector: Option<&mut dyn EntrySelector>,
+        i0: usize,
+        i1: usize,
+        dense: bool,
+        hooks: &mut HookRun,
+    ) -> Result<Option<Part>> {
+        let device = q.device();
+        let n_all = e.k.dims()[1];
+        let last = (0..self.b)
+            .map(|r| self.queries.first(r) + i1 - 1)
+            .max()
+            .unwrap_or(0);
+        let n = if dense { n_all } else { e.visible_at(last) };
+        if n == 0 {
+            return Ok(None);
+        }
+        let bq = i1 - i0;
+        let shape = [self.b, bq, n];
+        let closes: Vec<usize> = (0..n).map(|i| i * e.stride + e.close).collect();
+        let closed = int_tensor(&closes, &device)
+            .reshape([1, 1, n])
+            .expand(shape)
+            .lower_equal(self.query_pos(i0, i1, &device).expand(shape));
+        let k = e.k.clone().slice_dim(1, 0..n);
+        let v = e.v.clone().slice_dim(1, 0..n);
+        let Some(sel) = selector else {
+            return Ok(Some(Part {
+                scores: self.shared_scores(q, k),
+                mask: self.head_mask(closed),
+                values: PartValues::Shared(v),
+            }));
+        };
+        let kept = sel.select(i0, i1, n, hooks)?.bool_and(closed);
+        if dense {
+            return Ok(Some(Part {
+                scores: self.shared_scores(q, k),
+                mask: self.head_mask(kept),
+                values: PartValues::Shared(v),
+            }));
+        }
+        let kk = sel.k().min(n);
+        let (idx, valid) = selected_indices(kept, kk);
+        let [_, _, kvh, dh] = k.dims();
+        let rows = Tensor::<1, Int>::arange(0..self.b as i64, &device)
+            .mul_scalar(n as i64)
+            .reshape([self.b, 1, 1])
+            .expand([self.b, bq, kk]);
+        let flat = (idx + rows).reshape([self.b * bq * kk]);
+        let gather = |x: Tensor<4>| {
+            x.reshape([self.b * n, kvh * dh])
+                .select(0, flat.clone())
+                .reshape([self.b, bq, kk, kvh, dh])
+        };
+        let (kg, vg) = (gather(k), gather(v));
+        Ok(Some(Part {
+            scores: self.per_query_scores(q, kg),
+            mask: self.head_mask(valid),
+            values: PartValues::PerQuery(vg),
+        }))
+    }
+
+    /// One block of queries `i0..i1` (`q: [b, bq, nh, dh]`) -> `[b, bq, nh, dh]`.
+    fn block(
+        &self,
+        q: Tensor<4>,
+        i0: usize,
+        i1: usize,
+        keys: &mut Keys,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<4>> {
+        let parts = self.parts(&q, i0, i1, keys, false, hooks)?;
+        let elements: usize = parts.iter().map(|p| p.scores.shape().num_elements()).sum();
+        LARGEST.with(|l| l.set(l.get().max(elements)));
+        let (p, values) = softmax_parts(parts);
+        Ok(self.combine(p, values, i1 - i0))
+    }
+
+    /// The block's key parts, in slot order: entries, raw tokens, sink.
+    fn parts(
+        &self,
+        q: &Tensor<4>,
+        i0: usize,
+        i1: usize,
+        keys: &mut Keys,
+        dense: bool,
+        hooks: &mut HookRun,
+    ) -> Result<Vec<Part>> {
+        let mut parts = Vec::with_capacity(3);
+        if let Some(e) = &keys.entries {
+            let sel = keys
+                .selector
+                .as_mut()
+                .map(|s| &mut **s as &mut dyn EntrySelector);
+            if let Some(p) = self.entries(q, e, sel, i0, i1, dense, hooks)? {
+                parts.push(p);
+            }
+        }
+        if let Some(raw) = &keys.raw {
+            parts.push(self.raw(q, raw, i0, i1, dense));
+        }
+        if let Some(s) = &keys.sink {
+            parts.push(self.sink(s, i1 - i0));
+        }
+        Ok(parts)
+    }
+
+    /// Per-part probabilities -> `[b, bq, nh, dh]`.
+    fn combine(&self, p: Vec<Tensor<4>>, values: Vec<PartValues>, bq: usize) -> Tensor<4> {
+        let mut z: Option<Tensor<4>> = None;
+        for (pi, vi) in p.into_iter().zip(values) {
+            if let Some(r) = self.read(pi, vi) {
+                z = Some(match z {
+                    Some(acc) => acc + r,
+                    None => r,
+                });
+            }
+        }
+        z.unwrap_or_else(|| Tensor::zeros([self.b, bq, self.nh, self.dh], &self.device))
+    }
+
+    /// Every query in one block over the full key layout, through the pattern hook.
+    fn dense(
+        &self,
+        q: Tensor<4>,
+        keys: &mut Keys,
+        pattern: HookPoint,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<4>> {
+        let lq = self.queries.len();
+        let parts = self.parts(&q, 0, lq, keys, true, hooks)?;
+        let widths: Vec<usize> = parts.iter().map(|p| p.scores.dims()[3]).collect();
+        let (p, values) = softmax_parts(parts);
+        let p = if p.is_empty() {
+            Tensor::<4>::zeros([self.b, self.nh, lq, 0], &self.device)
+        } else {
+            Tensor::cat(p, 3)
+        };
+        let p = hooks.apply(pattern, p)?;
+        let mut split = Vec::with_capacity(widths.len());
+        let mut at = 0;
+        for w in widths {
+            split.push(p.clone().slice_dim(3, at..at + w));
+            at += w;
+        }
+        Ok(self.combine(split, values, lq))
+    }
+}
+
+/// One masked softmax over the concatenated parts; the probabilities split back per part.
+fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
+    if parts.is_empty() {
+        return (Vec::new(), Vec::new());
+    }
+    let widths: Vec<usize> = parts.iter().map(|p| p.scores.dims()[3]).collect();
+    let mut scores = Vec::with_capacity(parts.len());
+    let mut masks = Vec::with_capacity(parts.len());
+    let mut values = Vec::with_capacity(parts.len());
+    for p in parts {
+        scores.push(p.scores);
+        masks.push(p.mask);
+        values.push(p.values);
+    }
+    let p = masked_softmax(Tensor::cat(scores, 3), Tensor::cat(masks, 3));
+    let mut out = Vec::with_capacity(widths.len());
+    let mut at = 0;
+    for w in widths {
+        out.push(p.clone().slice_dim(3, at..at + w));
+        at += w;
+    }
+    (out, values)
+}

@@ -1,0 +1,134 @@
+//! Forward cost against sequence length for any model: tokens/s and the process's peak
+//! resident memory, next to what the model needs at least (its weights and one layer's
+//! per-token K/V state). `phaselens bench forward --model DIR --tokens 1024,4096,...`.
+
+use std::time::Instant;
+
+use burn::tensor::{Int, Tensor, TensorData};
+use serde::Serialize;
+
+use super::{LanguageModel, LayerKind};
+use crate::error::{Error, Result};
+use crate::hooks::HookSpec;
+
+/// One measured length.
+#[derive(Debug, Clone, Serialize)]
+pub struct LengthPoint {
+    pub tokens: usize,
+    pub batch: usize,
+    /// Median wall time of one forward (logits read back to the host).
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    /// Peak resident set during the timed forwards (bytes), when the OS reports it.
+    pub peak_rss_bytes: Option<u64>,
+    /// Resident set before the forwards (weights, code, allocator pools).
+    pub base_rss_bytes: Option<u64>,
+    /// f32 weights.
+    pub weights_bytes: u64,
+    /// One layer's per-token keys and values at this length (f32): raw K and V of every
+    /// KV head plus the compressed entries (kvc: `T/S` per KV head; DeepSeek-V4: one
+    /// shared K = V head, its CSA/HCA entries).
+    pub kv_layer_bytes: u64,
+    /// Logits returned by the forward, `batch x tokens x vocab` f32.
+    pub logits_bytes: u64,
+}
+
+/// `(VmRSS, VmHWM)` of this process in bytes (Linux), if available.
+pub fn rss() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// Reset the peak resident set to the current one (Linux `clear_refs` 5); false where
+/// the kernel does not allow it.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// One layer's K/V state in bytes at `t` tokens (the largest layer).
+pub fn kv_layer_bytes(model: &dyn LanguageModel, t: usize) -> u64 {
+    let info = model.info();
+    let dh = info.d_head as u64;
+    let t = t as u64;
+    info.layers
+        .iter()
+        .map(|l| {
+            let kvh = l.n_kv_heads as u64;
+            // DeepSeek-V4: one shared head is both K and V.
+            let kv = if info.arch == super::deepseek_v4::MODEL_TYPE {
+                1
+            } else {
+                2
+            };
+            let entries = match l.kind {
+                LayerKind::Compressed { stride, .. } => t / stride as u64,
+                _ => 0,
+            };
+            (t + entries) * kvh * dh * kv * 4
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Time `reps` forwards (after one warm-up when `reps > 1`) of `batch` rows of `t`
+/// deterministic pseudo-random tokens, for every `t` of `lengths`.
+pub fn forward_sweep(
+    model: &dyn LanguageModel,
+    lengths: &[usize],
+    batch: usize,
+    reps: usize,
+    mut progress: impl FnMut(&LengthPoint),
+) -> Result<Vec<LengthPoint>> {
+    if reps == 0 || batch == 0 || lengths.is_empty() || lengths.contains(&0) {
+        return Err(Error::Input(format!(
+            "bench forward: reps ({reps}), batch ({batch}) and every length ({lengths:?}) must \
+             be at least 1"
+        )));
+    }
+    let info = model.info();
+    let device = model.device();
+    let weights_bytes = model.n_params().unwrap_or(0) as u64 * 4;
+    let mut out = Vec::with_capacity(lengths.len());
+    for &t in lengths {
+        let ids: Vec<i64> = (0..batch * t)
+            .map(|i| ((i as u64).wrapping_mul(2_654_435_761) % info.vocab_size as u64) as i64)
+            .collect();
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [batch, t]), &device);
+        let run = |tokens: Tensor<2, Int>| -> Result<f64> {
+            let t0 = Instant::now();
+            let logits = model.forward(tokens, &HookSpec::new())?.logits;
+            let _ = logits.into_data();
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        if reps > 1 {
+            run(tokens.clone())?;
+        }
+        let base = rss().map(|r| r.0);
+        let reset = reset_peak_rss();
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            times.push(run(tokens.clone())?);
+        }
+        times.sort_by(f64::total_cmp);
+        let seconds = times[times.len() / 2];
+        let point = LengthPoint {
+            tokens: t,
+            batch,
+            seconds,
+            tokens_per_second: (batch * t) as f64 / seconds,
+            peak_rss_bytes: if reset { rss().map(|r| r.1) } else { None },
+            base_rss_bytes: base,
+            weights_bytes,
+            kv_layer_bytes: kv_layer_bytes(model, t) * batch as u64,
+            logits_bytes: (batch * t * info.vocab_size * 4) as u64,
+        };
+        progress(&point);
+        out.push(point);
+    }
+    Ok(out)
+}

@@ -1,0 +1,433 @@
+//! Suffix forwards, in one place: an explicit per-token KV state, like a KV cache.
+//!
+//! A base forward over prompts of `T` tokens can record, per layer, the per-token tensors
+//! that later positions' attention reads (keys, values, compressor gate logits, indexer
+//! projections, ... : each model decides, by name). A later forward of the same prompts
+//! that recomputes only some positions of each row (a *suffix*: row `r` computes
+//! positions `from[r] .. from[r] + len`) reads every other position from that state.
+//! When nothing upstream of the recomputed positions differs from the base run, that is
+//! the same computation as a full forward, only cheaper: earlier positions are causally
+//! unaffected. The batched patching runner uses it to recompute only the patched and read
+//! positions of each prompt.
+//!
+//! Models see one small interface, [`TokenFlow`], in every kind of forward:
+//! - [`TokenFlow::full`]: "here are this layer's new per-token values of `name` at the
+//!   positions I compute; give me the tensor over every position" (plain forward: the
+//!   input itself; recording: the input, also kept; suffix: the base run's values with
+//!   the recomputed positions replaced);
+//! - [`TokenFlow::previous`]: the values at each computed position's predecessor (a
+//!   one-token shift, zeros before position 0);
+//! - [`TokenFlow::queries`]: which positions this forward computes.
+//!
+//! So a model feature that reads per-token state needs no mode of its own: it passes its
+//! tensor through `full` or `previous`, and recording and merging follow.
+
+use std::collections::BTreeMap;
+
+use burn::tensor::{Device, Int, Tensor};
+
+use super::layers::int_tensor;
+use crate::error::{Error, Result};
+use crate::hooks::Act;
+
+/// Which positions of the prompts a forward computes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Queries {
+    /// A plain forward: every position `0..len` of each of `rows` prompts.
+    All { rows: usize, len: usize },
+    /// A suffix forward: row `r` computes positions `from[r] .. from[r] + len` of prompts
+    /// of `total` tokens.
+    Rows {
+        from: Vec<usize>,
+        len: usize,
+        total: usize,
+    },
+}
+
+impl Queries {
+    /// Batch rows.
+    pub fn rows(&self) -> usize {
+        match self {
+            Queries::All { rows, .. } => *rows,
+            Queries::Rows { from, .. } => from.len(),
+        }
+    }
+
+    /// Computed positions per row.
+    pub fn len(&self) -> usize {
+        match self {
+            Queries::All { len, .. } | Queries::Rows { len, .. } => *len,
+        }
+    }
+
+    /// Whether no position is computed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Tokens per prompt: keys live at positions `0..total`.
+    pub fn total(&self) -> usize {
+        match self {
+            Queries::All { len, .. } => *len,
+            Queries::Rows { total, .. } => *total,
+        }
+    }
+
+    /// The first computed position of row `r`.
+    pub fn first(&self, r: usize) -> usize {
+        match self {
+            Queries::All { .. } => 0,
+            Queries::Rows { from, .. } => from[r],
+        }
+    }
+
+    /// Whether every row computes the same positions.
+    pub fn shared(&self) -> bool {
+        match self {
+            Queries::All { .. } => true,
+            Queries::Rows { from, .. } => from.windows(2).all(|w| w[0] == w[1]),
+        }
+    }
+
+    /// The computed positions: `[len]` when [`shared`](Self::shared), else row-major
+    /// `[rows * len]` (the two layouts RoPE tables accept).
+    pub fn positions(&self) -> Vec<usize> {
+        let len = self.len();
+        if self.shared() {
+            let f = if self.rows() > 0 { self.first(0) } else { 0 };
+            (f..f + len).collect()
+        } else {
+            (0..self.rows())
+                .flat_map(|r| {
+                    let f = self.first(r);
+                    f..f + len
+                })
+                .collect()
+        }
+    }
+}
+
+/// Which positions a suffix forward recomputes: batch row `r` is prompt `rows[r]` of
+/// the [`PrefixState`], at positions `from[r] .. from[r] + len`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Suffix {
+    pub rows: Vec<usize>,
+    pub from: Vec<usize>,
+    pub len: usize,
+}
+
+impl Suffix {
+    /// The recomputed positions, row-major `[rows * len]`.
+    pub fn positions(&self) -> Vec<usize> {
+        self.from.iter().flat_map(|&f| f..f + self.len).collect()
+    }
+
+    /// Check the suffix against a state of `rows` prompts of `total` tokens.
+    pub fn check(&self, rows: usize, total: usize) -> Result<()> {
+        if self.rows.len() != self.from.len() || self.rows.is_empty() || self.len == 0 {
+            return Err(Error::Input(format!(
+                "suffix: {} rows, {} start positions, length {}",
+                self.rows.len(),
+                self.from.len(),
+                self.len
+            )));
+        }
+        for (&r, &f) in self.rows.iter().zip(&self.from) {
+            if r >= rows {
+                return Err(Error::Input(format!(
+                    "suffix row {r} out of range 0..{rows}"
+                )));
+            }
+            if f.checked_add(self.len).is_none_or(|end| end > total) {
+                return Err(Error::Input(format!(
+                    "suffix positions {f}..{f}+{} run past the prompt length {total}",
+                    self.len
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a base forward leaves behind so that later forwards of the same prompts can
+/// recompute only some positions ([`super::LanguageModel::forward_suffix`]): per layer,
+/// the named per-token tensors `[rows, len, ...]` the model passed through
+/// [`TokenFlow::full`] / [`TokenFlow::previous`].
+#[derive(Debug, Clone)]
+pub struct PrefixState {
+    arch: &'static str,
+    rows: usize,
+    len: usize,
+    /// The prompts' token ids, row-major `[rows * len]` (for models whose layers read
+    /// them, e.g. hash routing); empty when not kept.
+    ids: Vec<i64>,
+    layers: Vec<BTreeMap<&'static str, Act>>,
+}
+
+impl PrefixState {
+    /// An empty state for `rows` prompts of `len` tokens of an `arch` model.
+    pub fn new(arch: &'static str, rows: usize, len: usize) -> Self {
+        PrefixState {
+            arch,
+            rows,
+            len,
+            ids: Vec::new(),
+            layers: Vec::new(),
+        }
+    }
+
+    /// Keep the prompts' token ids (row-major `[rows * len]`).
+    pub fn with_ids(mut self, ids: Vec<i64>) -> Self {
+        self.ids = ids;
+        self
+    }
+
+    /// The prompts' token ids, row-major (empty when not kept).
+    pub fn ids(&self) -> &[i64] {
+        &self.ids
+    }
+
+    /// Number of prompts.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Tokens per prompt.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the state holds no prompt.
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    /// The model type that recorded it.
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    /// Number of layers recorded.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn insert(&mut self, layer: usize, name: &'static str, act: Act) {
+        if self.layers.len() <= layer {
+            self.layers.resize_with(layer + 1, BTreeMap::new);
+        }
+        self.layers[layer].insert(name, act);
+    }
+
+    fn get(&self, layer: usize, name: &str) -> Result<&Act> {
+        self.layers
+            .get(layer)
+            .and_then(|m| m.get(name))
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "the prefix state holds no `{name}` for layer {layer} (was it recorded by \
+                     a forward_with_state of the same model?)"
+                ))
+            })
+    }
+}
+
+/// How a forward reads and writes per-token state (see the module docs).
+pub struct TokenFlow<'a> {
+    queries: Queries,
+    mode: Mode<'a>,
+}
+
+enum Mode<'a> {
+    Plain,
+    Record(&'a mut PrefixState),
+    Suffix {
+        state: &'a PrefixState,
+        /// `[rows * total]`: each (row, position)'s index in `cat([state rows * total,
+        /// recomputed rows * len])`.
+        merge: Tensor<1, Int>,
+        /// `[rows * len]`: each computed position's predecessor in `cat([state rows *
+        /// total, recomputed rows * len, one zero row])`.
+        prev: Tensor<1, Int>,
+    },
+}
+
+impl<'a> TokenFlow<'a> {
+    /// A plain forward of `rows` prompts of `len` tokens.
+    pub fn plain(rows: usize, len: usize) -> Self {
+        TokenFlow {
+            queries: Queries::All { rows, len },
+            mode: Mode::Plain,
+        }
+    }
+
+    /// A plain forward that records into `state` (made by [`PrefixState::new`] for the
+    /// same rows and length).
+    pub fn record(state: &'a mut PrefixState) -> Self {
+        TokenFlow {
+            queries: Queries::All {
+                rows: state.rows,
+                len: state.len,
+            },
+            mode: Mode::Record(state),
+        }
+    }
+
+    /// A suffix forward over `state` (checked: made by an `arch` model, `suffix` fits its
+    /// prompts, and it holds the layers from `start` on).
+    pub fn suffix(
+        state: &'a PrefixState,
+        suffix: &Suffix,
+        arch: &str,
+        start: usize,
+        n_layers: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        if state.arch != arch {
+            return Err(Error::Input(format!(
+                "the prefix state was made by a {} model, not a {arch} model",
+                state.arch
+            )));
+        }
+        suffix.check(state.rows, state.len)?;
+        if start >= n_layers || state.layers.len() != n_layers {
+            return Err(Error::Input(format!(
+                "suffix forward from block {start}: the model has {n_layers} blocks, the \
+                 state {}",
+                state.layers.len()
+            )));
+        }
+        let (total, len, b) = (state.len, suffix.len, suffix.rows.len());
+        let base = |r: usize, p: usize| suffix.rows[r] * total + p;
+        let new = |r: usize, i: usize| state.rows * total + r * len + i;
+        let mut merge = Vec::with_capacity(b * total);
+        let mut prev = Vec::with_capacity(b * len);
+        let zero = state.rows * total + b * len;
+        for (r, &f) in suffix.from.iter().enumerate() {
+            merge.extend((0..total).map(|p| {
+                if p >= f && p < f + len {
+                    new(r, p - f)
+                } else {
+                    base(r, p)
+                }
+            }));
+            prev.extend((0..len).map(|i| match (i, f) {
+                (0, 0) => zero,
+                (0, f) => base(r, f - 1),
+                (i, _) => new(r, i - 1),
+            }));
+        }
+        Ok(TokenFlow {
+            queries: Queries::Rows {
+                from: suffix.from.clone(),
+                len,
+                total,
+            },
+            mode: Mode::Suffix {
+                state,
+                merge: int_tensor(&merge, device),
+                prev: int_tensor(&prev, device),
+            },
+        })
+    }
+
+    /// The positions this forward computes.
+    pub fn queries(&self) -> &Queries {
+        &self.queries
+    }
+
+    /// `new: [rows, len, ...]` (this forward's values of `name` in `layer` at its
+    /// computed positions) -> `[rows, total, ...]` over every position.
+    pub fn full<const D: usize>(
+        &mut self,
+        layer: usize,
+        name: &'static str,
+        new: Tensor<D>,
+    ) -> Result<Tensor<D>> {
+        match &mut self.mode {
+            Mode::Plain => Ok(new),
+            Mode::Record(state) => {
+                state.insert(layer, name, Act::new(new.clone()));
+                Ok(new)
+            }
+            Mode::Suffix { state, merge, .. } => {
+                let mut dims = new.dims();
+                dims[0] = self.queries.rows();
+                dims[1] = self.queries.total();
+                let rows = Tensor::cat(
+                    vec![base_rows(state, layer, name, &new)?, flat_rows(new)],
+                    0,
+                );
+                Ok(rows.select(0, merge.clone()).reshape(dims))
+            }
+        }
+    }
+
+    /// `new: [rows, len, ...]` -> the values of `name` in `layer` at each computed
+    /// position's predecessor, `[rows, len, ...]` (zeros before position 0).
+    pub fn previous<const D: usize>(
+        &mut self,
+        layer: usize,
+        name: &'static str,
+        new: Tensor<D>,
+    ) -> Result<Tensor<D>> {
+        let dims = new.dims();
+        let per: usize = dims[2..].iter().product();
+        match &mut self.mode {
+            Mode::Plain | Mode::Record(_) => {
+                if let Mode::Record(state) = &mut self.mode {
+                    state.insert(layer, name, Act::new(new.clone()));
+                }
+                let mut first = dims;
+                first[1] = 1;
+                let zeros = Tensor::<D>::zeros(first, &new.device());
+                if dims[1] <= 1 {
+                    return Ok(zeros);
+                }
+                Ok(Tensor::cat(
+                    vec![zeros, new.slice_dim(1, 0..dims[1] - 1)],
+                    1,
+                ))
+            }
+            Mode::Suffix { state, prev, .. } => {
+                let device = new.device();
+                let rows = Tensor::cat(
+                    vec![
+                        base_rows(state, layer, name, &new)?,
+                        flat_rows(new),
+                        Tensor::zeros([1, per], &device),
+                    ],
+                    0,
+                );
+                Ok(rows.select(0, prev.clone()).reshape(dims))
+            }
+        }
+    }
+}
+
+/// `[rows, len, ...]` -> `[rows * len, per]`.
+fn flat_rows<const D: usize>(x: Tensor<D>) -> Tensor<2> {
+    let dims = x.dims();
+    let per: usize = dims[2..].iter().product();
+    x.reshape([dims[0] * dims[1], per])
+}
+
+/// The state's `name` of `layer` as `[state rows * total, per]`, checked against the
+/// per-position shape of `new`.
+fn base_rows<const D: usize>(
+    state: &PrefixState,
+    layer: usize,
+    name: &str,
+    new: &Tensor<D>,
+) -> Result<Tensor<2>> {
+    let base = state.get(layer, name)?;
+    let dims = new.dims();
+    if base.shape().len() != D || base.shape()[2..] != dims[2..] {
+        return Err(Error::Input(format!(
+            "the prefix state's `{name}` of layer {layer} has shape {:?}, the suffix's {dims:?}",
+            base.shape()
+        )));
+    }
+    let per: usize = dims[2..].iter().product();
+    base.reshaped(vec![state.rows * state.len, per])?.get::<2>()
+}

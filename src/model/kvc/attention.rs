@@ -1,0 +1,249 @@
+//! One kvc attention layer: projections, Q/K norm, the optional key shift, the
+//! compressor, RoPE, and the shared attention core ([`crate::model::attention`]) over
+//! `[compressed entries ; raw tail (or every token, full attention) ; sink]`.
+
+use burn::module::{Module, Param};
+use burn::tensor::{Device, Tensor};
+
+use super::compressor::{Compressor, Windows};
+use super::config::{AttentionKind, KvcConfig};
+use crate::error::Result;
+use crate::hooks::{HookPoint, HookRun, Site};
+use crate::model::attention::{Entries, Keys, Raw, attend};
+use crate::model::kv_state::{Queries, TokenFlow};
+use crate::model::layers::{Linear, RmsNorm, RopeLayout, RopeTables, apply_rope, rope_inv_freq};
+use crate::model::weights::{Init, Vb};
+
+/// One attention layer.
+#[derive(Module, Debug)]
+pub struct Attention {
+    pub w_q: Linear,
+    pub w_k: Linear,
+    /// Absent with `tied_kv`.
+    pub w_v: Option<Linear>,
+    pub w_o: Linear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    /// Per-head sink logits `[n_heads]`.
+    pub sink: Option<Param<Tensor<1>>>,
+    /// Key-shift mix `mu` `[d_model]` (`key_shift = true`).
+    pub key_shift: Option<Param<Tensor<1>>>,
+    pub compressor: Option<Compressor>,
+}
+
+/// What every layer of one forward shares: RoPE tables at the key positions, the
+/// computed (query) positions and the entry starts, and the compression windows.
+pub struct Tables {
+    keys: Option<RopeTables>,
+    queries: Option<RopeTables>,
+    entries: Option<RopeTables>,
+    windows: Option<Windows>,
+}
+
+impl Tables {
+    /// For a forward computing `queries` of a `c` model.
+    pub fn new(c: &KvcConfig, queries: &Queries, device: &Device) -> Self {
+        let rot = c.rot_dims();
+        let inv = rope_inv_freq(rot, c.rope_theta);
+        let total = queries.total();
+        let at = |pos: &[usize]| (rot > 0).then(|| RopeTables::new(pos, &inv, 1.0, device));
+        let keys = at(&(0..total).collect::<Vec<_>>());
+        let queries = match queries {
+            Queries::All { .. } => keys.clone(),
+            _ => at(&queries.positions()),
+        };
+        let windows = match (&c.compression, c.attention) {
+            (Some(cc), AttentionKind::Compressed) => Some(Windows::new(cc, total, device)),
+            _ => None,
+        };
+        let entries = match (&c.compression, &windows) {
+            (Some(cc), Some(w)) if w.n_entries > 0 => {
+                at(&(0..w.n_entries).map(|i| i * cc.stride).collect::<Vec<_>>())
+            }
+            _ => None,
+        };
+        Tables {
+            keys,
+            queries,
+            entries,
+            windows,
+        }
+    }
+}
+
+fn rope(x: Tensor<4>, t: &Option<RopeTables>) -> Tensor<4> {
+    match t {
+        Some(t) => apply_rope(x, t, RopeLayout::HalfSplit, false),
+        None => x,
+    }
+}
+
+impl Attention {
+    /// Build layer attention under `va` (`blocks.{l}.attn`).
+    pub fn new(va: &Vb, c: &KvcConfig, std: f64, out_std: f64) -> Result<Self> {
+        let (d, h, kvh, dh) = (c.d_model, c.n_heads, c.n_kv_heads, c.d_head());
+        let compressor = match (&c.compression, c.attention) {
+            (Some(cc), AttentionKind::Compressed) => {
+                Some(Compressor::new(&va.pp("compressor"), cc, d, kvh, dh, std)?)
+            }
+            _ => None,
+        };
+        let norm = |name: &str| {
+            c.qk_norm
+                .then(|| RmsNorm::new(&va.pp(name), dh, c.norm_eps))
+                .transpose()
+        };
+        Ok(Attention {
+            w_q: Linear::new(&va.pp("w_q"), d, h * dh, std)?,
+            w_k: Linear::new(&va.pp("w_k"), d, kvh * dh, std)?,
+            w_v: (!c.tied_kv)
+                .then(|| Linear::new(&va.pp("w_v"), d, kvh * dh, std))
+                .transpose()?,
+            w_o: Linear::new(&va.pp("w_o"), h * dh, d, out_std)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            sink: c
+                .sink
+                .then(|| va.param("sink", [h], Init::Zeros))
+                .transpose()?,
+            key_shift: c
+                .key_shift
+                .then(|| va.param("key_shift", [d], Init::Const(0.5)))
+                .transpose()?,
+            compressor,
+        })
+    }
+
+    /// `h: [b, lq, d]` at the positions `flow` computes -> `[b, lq, d]`.
+    pub fn forward(
+        &self,
+        layer: usize,
+        h: Tensor<3>,
+        tables: &Tables,
+        c: &KvcConfig,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<3>> {
+        let [b, lq, _] = h.dims();
+        let (nh, kvh, dh) = (c.n_heads, c.n_kv_heads, c.d_head());
+        let mut q = self.w_q.forward(h.clone()).reshape([b, lq, nh, dh]);
+        let key_input = match &self.key_shift {
+            Some(mix) => {
+                let prev = flow.previous(layer, "attn_in", h.clone())?;
+                let mu = mix.val().unsqueeze::<3>();
+                h.clone() * mu.clone() + prev * (mu.neg() + 1.0)
+            }
+            None => h.clone(),
+        };
+        let mut k = self.w_k.forward(key_input).reshape([b, lq, kvh, dh]);
+        let v = match &self.w_v {
+            Some(w_v) => w_v.forward(h.clone()).reshape([b, lq, kvh, dh]),
+            None => k.clone(),
+        };
+        if let Some(n) = &self.q_norm {
+            q = n.forward(q);
+        }
+        if let Some(n) = &self.k_norm {
+            k = n.forward(k);
+        }
+        let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
+        let k = hooks.apply(HookPoint::block(layer, Site::AttnK), k)?;
+        let v = hooks.apply(HookPoint::block(layer, Site::AttnV), v)?;
+        let k = flow.full(layer, "k", k)?;
+        let v = flow.full(layer, "v", v)?;
+        let entries = self.entries(layer, &h, &k, &v, tables, c, flow, hooks)?;
+        let raw = match (c.attention, &c.compression) {
+            (AttentionKind::Full, _) => Some(None),
+            (_, Some(cc)) if cc.local_tail > 0 => Some(Some(cc.local_tail)),
+            _ => None,
+        }
+        .map(|window| Raw {
+            k: rope(k, &tables.keys),
+            v,
+            window,
+        });
+        let keys = Keys {
+            entries,
+            selector: None,
+            raw,
+            sink: self.sink.as_ref().map(|s| s.val()),
+        };
+        let q = rope(q, &tables.queries);
+        let pattern = HookPoint::block(layer, Site::AttnPattern);
+        let scale = 1.0 / (dh as f64).sqrt();
+        let z = attend(q, flow.queries(), keys, scale, pattern, false, hooks)?;
+        let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
+        self.output(layer, z, hooks)
+    }
+
+    /// The compressed entries (pooled from the keys and values of every position), or
+    /// `None` when the layer does not compress or no window has closed.
+    #[allow(clippy::too_many_arguments)]
+    fn entries(
+        &self,
+        layer: usize,
+        h: &Tensor<3>,
+        k: &Tensor<4>,
+        v: &Tensor<4>,
+        tables: &Tables,
+        c: &KvcConfig,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Option<Entries>> {
+        let (Some(comp), Some(windows), Some(cc)) =
+            (&self.compressor, &tables.windows, &c.compression)
+        else {
+            return Ok(None);
+        };
+        if windows.n_entries == 0 {
+            return Ok(None);
+        }
+        let kvh = c.n_kv_heads;
+        let mut gates = [None, None];
+        for (value, name) in [(false, "key_gate"), (true, "value_gate")] {
+            if let Some(g) = comp.gate_logits(value, h, kvh) {
+                gates[value as usize] = Some(flow.full(layer, name, g)?);
+            }
+        }
+        let [key_gate, value_gate] = gates;
+        let ck = comp.pool(layer, false, key_gate, k.clone(), windows, hooks)?;
+        let ck = hooks.apply(HookPoint::block(layer, Site::CompressedK), ck)?;
+        let cv = comp.pool(layer, true, value_gate, v.clone(), windows, hooks)?;
+        let cv = hooks.apply(HookPoint::block(layer, Site::CompressedV), cv)?;
+        Ok(Some(Entries {
+            k: rope(ck, &tables.entries),
+            v: cv,
+            stride: cc.stride,
+            close: cc.window - 1,
+        }))
+    }
+
+    /// `z: [b, lq, nh, dh]` -> the attention output `[b, lq, d]`, through `hook_result`
+    /// (per-head contributions) when it is captured or intervened on.
+    fn output(&self, layer: usize, z: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
+        let [b, lq, nh, dh] = z.dims();
+        let result_point = HookPoint::block(layer, Site::AttnResult);
+        if hooks.touches(&result_point) {
+            // Per-head contributions [b, lq, nh, d_model]: W_O split by head.
+            let d = self.w_o.d_out();
+            let wo = self.w_o.weight.val().reshape([d, nh, dh]).swap_dims(0, 1); // [nh, d, dh]
+            let zh = z.clone().swap_dims(0, 2).reshape([nh, lq * b, dh]);
+            let r = zh.matmul(wo.swap_dims(1, 2)); // [nh, lq*b, d]
+            let r = r.reshape([nh, lq, b, d]).swap_dims(0, 2); // [b, lq, nh, d]
+            let intervened = hooks
+                .spec()
+                .interventions()
+                .iter()
+                .any(|i| i.target.matches_point(&result_point));
+            let r = hooks.apply(result_point, r)?;
+            if intervened {
+                let mut out = r.sum_dim(2).reshape([b, lq, d]);
+                if let Some(bias) = &self.w_o.bias {
+                    out = out + bias.val().unsqueeze::<3>();
+                }
+                return Ok(out);
+            }
+        }
+        Ok(self.w_o.forward(z.reshape([b, lq, nh * dh])))
+    }
+}

@@ -1,0 +1,315 @@
+//! The `config.json` of kvc models: geometry, operator and options, validated.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The `model_type` of kvc checkpoints' config.json.
+pub const MODEL_TYPE: &str = "phaselens-kvc";
+
+/// Attention variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionKind {
+    /// Chunk-compressed attention (see the module docs).
+    Compressed,
+    /// Plain causal attention over raw tokens (the baseline).
+    Full,
+}
+
+/// How the compressor weights the tokens of a window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateMode {
+    /// One learned weight per token and KV head.
+    Scalar,
+    /// One learned weight per token, KV head and channel.
+    Vector,
+    /// Plain mean over the window (no learned gates).
+    Uniform,
+}
+
+/// Which dims RoPE rotates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeMode {
+    /// Every dim of the head.
+    All,
+    /// The first `rope_dims` dims.
+    Partial,
+    /// No positional rotation.
+    None,
+}
+
+/// Compression geometry and operator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompressionConfig {
+    /// Window length W (tokens pooled into one entry).
+    pub window: usize,
+    /// Stride S (a new entry every S tokens); phase = position mod S.
+    pub stride: usize,
+    /// Raw tokens kept uncompressed at the end (0 = none).
+    #[serde(default)]
+    pub local_tail: usize,
+    /// Gate mode.
+    #[serde(default = "default_gate")]
+    pub gate: GateMode,
+    /// Learned per-offset gate bias (separate for key and value gates).
+    #[serde(default = "yes")]
+    pub gate_bias: bool,
+}
+
+fn default_gate() -> GateMode {
+    GateMode::Scalar
+}
+fn yes() -> bool {
+    true
+}
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn default_rope() -> RopeMode {
+    RopeMode::All
+}
+fn default_std() -> f64 {
+    0.02
+}
+
+/// The `config.json` of a kvc model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvcConfig {
+    /// Must be `"phaselens-kvc"`.
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    /// Head width; default `d_model / n_heads`.
+    #[serde(default)]
+    pub d_head: Option<usize>,
+    pub d_ff: usize,
+    #[serde(default = "default_eps")]
+    pub norm_eps: f64,
+    #[serde(default = "default_rope")]
+    pub rope: RopeMode,
+    /// Rotated dims when `rope = "partial"`.
+    #[serde(default)]
+    pub rope_dims: Option<usize>,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    /// RMS-normalise queries and keys per head (learned scale).
+    #[serde(default = "yes")]
+    pub qk_norm: bool,
+    /// Keys and values share one projection.
+    #[serde(default)]
+    pub tied_kv: bool,
+    /// Learned per-head attention sink.
+    #[serde(default)]
+    pub sink: bool,
+    /// LM head shares the embedding matrix.
+    #[serde(default)]
+    pub tie_embeddings: bool,
+    /// Keys read a learned per-channel mix of the attention input at `t` and `t - 1`
+    /// (`mu * h_t + (1 - mu) * h_{t-1}`, `mu` initialised to 0.5): a one-token shift
+    /// that lets a single layer match a key against the token before it. Shift
+    /// invariant, so it adds no phase structure. Default false (and not written then).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub key_shift: bool,
+    pub attention: AttentionKind,
+    /// Required when `attention = "compressed"`.
+    #[serde(default)]
+    pub compression: Option<CompressionConfig>,
+    /// Std of the random init.
+    #[serde(default = "default_std")]
+    pub init_std: f64,
+}
+
+impl KvcConfig {
+    /// Check every field; the error names the field and the allowed values.
+    pub fn validate(&self) -> Result<()> {
+        let pos = |name: &str, v: usize| {
+            if v == 0 {
+                Err(Error::field(name, "must be at least 1"))
+            } else {
+                Ok(())
+            }
+        };
+        if self.model_type != MODEL_TYPE {
+            return Err(Error::field(
+                "model_type",
+                format!("must be \"{MODEL_TYPE}\""),
+            ));
+        }
+        pos("vocab_size", self.vocab_size)?;
+        pos("d_model", self.d_model)?;
+        pos("n_layers", self.n_layers)?;
+        pos("n_heads", self.n_heads)?;
+        pos("n_kv_heads", self.n_kv_heads)?;
+        pos("d_ff", self.d_ff)?;
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(Error::field(
+                "n_kv_heads",
+                format!(
+                    "must divide n_heads ({}), got {}",
+                    self.n_heads, self.n_kv_heads
+                ),
+            ));
+        }
+        if self.d_head.is_none() && !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(Error::field(
+                "d_head",
+                "d_model is not divisible by n_heads; set d_head",
+            ));
+        }
+        let dh = self.d_head();
+        pos("d_head", dh)?;
+        match self.rope {
+            RopeMode::All if !dh.is_multiple_of(2) => {
+                return Err(Error::field(
+                    "rope",
+                    format!("\"all\" needs an even d_head, got {dh}"),
+                ));
+            }
+            RopeMode::Partial => {
+                let r = self
+                    .rope_dims
+                    .ok_or_else(|| Error::field("rope_dims", "required when rope = \"partial\""))?;
+                if r == 0 || r % 2 != 0 || r > dh {
+                    return Err(Error::field(
+                        "rope_dims",
+                        format!("must be even and in 2..={dh} (d_head), got {r}"),
+                    ));
+                }
+            }
+            _ => {}
+        }
+        if self.rope != RopeMode::Partial && self.rope_dims.is_some() {
+            return Err(Error::field(
+                "rope_dims",
+                "only allowed with rope = \"partial\"",
+            ));
+        }
+        // Written so that NaN is rejected too.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        if !(self.norm_eps > 0.0) {
+            return Err(Error::field("norm_eps", "must be > 0"));
+        }
+        match (self.attention, &self.compression) {
+            (AttentionKind::Compressed, None) => {
+                return Err(Error::field(
+                    "compression",
+                    "required when attention = \"compressed\" (window, stride, ...)",
+                ));
+            }
+            (AttentionKind::Full, Some(_)) => {
+                return Err(Error::field(
+                    "compression",
+                    "only allowed with attention = \"compressed\" (allowed attention values: \"compressed\", \"full\")",
+                ));
+            }
+            (AttentionKind::Compressed, Some(c)) => {
+                pos("compression.window", c.window)?;
+                pos("compression.stride", c.stride)?;
+                if c.window < c.stride {
+                    return Err(Error::field(
+                        "compression.window",
+                        format!("must be >= stride ({}), got {}", c.stride, c.window),
+                    ));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A tiny compressed model for tests, benches and examples: vocab 37, d_model 32,
+    /// 2 layers, 4 query heads over 2 KV heads of width 8, d_ff 48, W = S = 4 with no
+    /// tail, scalar gates with per-offset bias, Q/K norm, a sink, init std 0.3 (large
+    /// enough that attention is far from uniform). Change fields, or use
+    /// [`KvcConfig::with_compression`] / [`KvcConfig::full_attention`].
+    pub fn tiny() -> Self {
+        KvcConfig {
+            model_type: MODEL_TYPE.into(),
+            vocab_size: 37,
+            d_model: 32,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            d_head: Some(8),
+            d_ff: 48,
+            norm_eps: 1e-6,
+            rope: RopeMode::All,
+            rope_dims: None,
+            rope_theta: 10000.0,
+            qk_norm: true,
+            tied_kv: false,
+            sink: true,
+            tie_embeddings: false,
+            key_shift: false,
+            attention: AttentionKind::Compressed,
+            compression: Some(CompressionConfig {
+                window: 4,
+                stride: 4,
+                local_tail: 0,
+                gate: GateMode::Scalar,
+                gate_bias: true,
+            }),
+            init_std: 0.3,
+        }
+    }
+
+    /// The same model with compressed attention of window `window`, stride `stride` and
+    /// a raw tail of `local_tail` tokens (gate settings kept, scalar + bias by default).
+    pub fn with_compression(mut self, window: usize, stride: usize, local_tail: usize) -> Self {
+        let (gate, gate_bias) = self
+            .compression
+            .as_ref()
+            .map_or((GateMode::Scalar, true), |c| (c.gate, c.gate_bias));
+        self.attention = AttentionKind::Compressed;
+        self.compression = Some(CompressionConfig {
+            window,
+            stride,
+            local_tail,
+            gate,
+            gate_bias,
+        });
+        self
+    }
+
+    /// The same model with full causal attention (no compression).
+    pub fn full_attention(mut self) -> Self {
+        self.attention = AttentionKind::Full;
+        self.compression = None;
+        self
+    }
+
+    /// Head width.
+    pub fn d_head(&self) -> usize {
+        self.d_head.unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
+    /// Number of rotated dims.
+    pub fn rot_dims(&self) -> usize {
+        match self.rope {
+            RopeMode::All => self.d_head(),
+            RopeMode::Partial => self.rope_dims.unwrap_or(0),
+            RopeMode::None => 0,
+        }
+    }
+
+    /// Parse and validate config.json text.
+    pub fn from_json(text: &str) -> std::result::Result<Self, String> {
+        let c: KvcConfig = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        c.validate().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+}

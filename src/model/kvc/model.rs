@@ -1,0 +1,268 @@
+//! The kvc decoder: embedding -> pre-norm blocks (attention + SwiGLU MLP) -> final
+//! norm -> LM head, and its [`LanguageModel`] implementation.
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor};
+
+use super::attention::{Attention, Tables};
+use super::config::{AttentionKind, KvcConfig, MODEL_TYPE};
+use crate::error::{Error, Result};
+use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
+use crate::model::kv_state::{PrefixState, Suffix, TokenFlow};
+use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu};
+use crate::model::weights::Vb;
+use crate::model::{ForwardOutput, LanguageModel, LayerKind, LayerSpec, ModelInfo};
+
+/// One pre-norm block.
+#[derive(Module, Debug)]
+pub struct Block {
+    pub attn_norm: RmsNorm,
+    pub attn: Attention,
+    pub mlp_norm: RmsNorm,
+    pub mlp: SwiGlu,
+}
+
+/// A kvc model.
+#[derive(Module, Debug)]
+pub struct KvcModel {
+    pub embed: Embedding,
+    pub blocks: Vec<Block>,
+    pub final_norm: RmsNorm,
+    /// Absent with `tie_embeddings`.
+    pub lm_head: Option<Linear>,
+    #[module(skip)]
+    pub config: KvcConfig,
+}
+
+impl KvcModel {
+    /// Build from a weight source (checkpoint or random init).
+    pub fn new(config: &KvcConfig, vb: &Vb) -> Result<Self> {
+        config.validate()?;
+        let c = config;
+        let d = c.d_model;
+        let std = c.init_std;
+        let out_std = std / (2.0 * c.n_layers as f64).sqrt();
+        let mut blocks = Vec::with_capacity(c.n_layers);
+        for l in 0..c.n_layers {
+            let vb = vb.pp(format!("blocks.{l}"));
+            blocks.push(Block {
+                attn_norm: RmsNorm::new(&vb.pp("attn_norm"), d, c.norm_eps)?,
+                attn: Attention::new(&vb.pp("attn"), c, std, out_std)?,
+                mlp_norm: RmsNorm::new(&vb.pp("mlp_norm"), d, c.norm_eps)?,
+                mlp: SwiGlu::new(&vb.pp("mlp"), d, c.d_ff, std, out_std)?,
+            });
+        }
+        Ok(KvcModel {
+            embed: crate::model::layers::Embedding::new(&vb.pp("embed"), c.vocab_size, d, std)?,
+            blocks,
+            final_norm: RmsNorm::new(&vb.pp("final_norm"), d, c.norm_eps)?,
+            lm_head: (!c.tie_embeddings)
+                .then(|| Linear::new(&vb.pp("lm_head"), d, c.vocab_size, std))
+                .transpose()?,
+            config: config.clone(),
+        })
+    }
+
+    /// Static description for runners and checks.
+    pub fn info(&self) -> ModelInfo {
+        let c = &self.config;
+        let kind = match (&c.compression, c.attention) {
+            (Some(cc), AttentionKind::Compressed) => LayerKind::Compressed {
+                window: cc.window,
+                stride: cc.stride,
+                local_tail: cc.local_tail,
+            },
+            _ => LayerKind::Full,
+        };
+        ModelInfo {
+            arch: MODEL_TYPE.into(),
+            vocab_size: c.vocab_size,
+            d_model: c.d_model,
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            d_head: c.d_head(),
+            layers: (0..c.n_layers)
+                .map(|_| LayerSpec {
+                    kind: kind.clone(),
+                    n_heads: c.n_heads,
+                    n_kv_heads: c.n_kv_heads,
+                })
+                .collect(),
+        }
+    }
+
+    /// Full forward pass: `[batch, pos]` token ids -> logits `[batch, pos, vocab]` and
+    /// the activations the spec captures.
+    pub fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
+        let [rows, len] = self.check_tokens(&tokens)?;
+        self.embedded(tokens, spec, &mut TokenFlow::plain(rows, len))
+    }
+
+    /// [`KvcModel::forward`], also keeping every block's per-token keys, values and
+    /// gate logits for [`KvcModel::forward_suffix`].
+    pub fn forward_with_state(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+    ) -> Result<(ForwardOutput, PrefixState)> {
+        let [rows, len] = self.check_tokens(&tokens)?;
+        let mut state = PrefixState::new(MODEL_TYPE, rows, len);
+        let out = self.embedded(tokens, spec, &mut TokenFlow::record(&mut state))?;
+        Ok((out, state))
+    }
+
+    fn embedded(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+        flow: &mut TokenFlow,
+    ) -> Result<ForwardOutput> {
+        let mut hooks = spec.run();
+        let x = self.embed.forward(tokens);
+        let x = hooks.apply(HookPoint::global(Site::Embed), x)?;
+        self.run_blocks(x, 0, flow, &mut hooks)
+    }
+
+    /// Run blocks `start..` over only the positions `suffix` names (see
+    /// [`LanguageModel::forward_suffix`]); `resid: [rows, len, d_model]`.
+    pub fn forward_suffix(
+        &self,
+        start: usize,
+        state: &PrefixState,
+        suffix: &Suffix,
+        resid: Tensor<3>,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        let device = resid.device();
+        let mut flow =
+            TokenFlow::suffix(state, suffix, MODEL_TYPE, start, self.blocks.len(), &device)?;
+        let want = [suffix.rows.len(), suffix.len, self.config.d_model];
+        if resid.dims() != want {
+            return Err(Error::Input(format!(
+                "suffix residual of shape {:?}, expected {want:?}",
+                resid.dims()
+            )));
+        }
+        let mut hooks = spec.run();
+        self.run_blocks(resid, start, &mut flow, &mut hooks)
+    }
+
+    /// Forward from block `start`, given the residual stream entering it
+    /// (`blocks.{start}.hook_resid_pre`, `[batch, pos, d_model]`). Blocks before
+    /// `start` are not run: batched patching computes the shared prefix once.
+    pub fn forward_from(
+        &self,
+        start: usize,
+        resid: Tensor<3>,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        if start > self.blocks.len() {
+            return Err(Error::Input(format!(
+                "start layer {start} out of range 0..={}",
+                self.blocks.len()
+            )));
+        }
+        let [rows, len, d] = resid.dims();
+        if d != self.config.d_model || rows == 0 || len == 0 {
+            return Err(Error::Input(format!(
+                "residual of shape [{rows}, {len}, {d}], expected [batch, pos, {}]",
+                self.config.d_model
+            )));
+        }
+        let mut hooks = spec.run();
+        self.run_blocks(resid, start, &mut TokenFlow::plain(rows, len), &mut hooks)
+    }
+
+    /// `[rows, len]`, checked: not empty, every id inside the vocabulary.
+    fn check_tokens(&self, tokens: &Tensor<2, Int>) -> Result<[usize; 2]> {
+        let [b, t] = tokens.dims();
+        if b == 0 || t == 0 {
+            return Err(Error::Input(format!("empty token batch [{b}, {t}]")));
+        }
+        crate::model::check_token_ids(tokens, self.config.vocab_size)?;
+        Ok([b, t])
+    }
+
+    fn run_blocks(
+        &self,
+        mut x: Tensor<3>,
+        start: usize,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<ForwardOutput> {
+        let tables = Tables::new(&self.config, flow.queries(), &x.device());
+        for (l, block) in self.blocks.iter().enumerate().skip(start) {
+            x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
+            let h = block.attn_norm.forward(x.clone());
+            let a = block
+                .attn
+                .forward(l, h, &tables, &self.config, flow, hooks)?;
+            let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
+            x = x + a;
+            x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
+            let m = block.mlp.forward(block.mlp_norm.forward(x.clone()));
+            let m = hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
+            x = x + m;
+            x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
+        }
+        let x = self.final_norm.forward(x);
+        let x = hooks.apply(HookPoint::global(Site::FinalNorm), x)?;
+        let logits = match &self.lm_head {
+            Some(h) => h.forward(x),
+            None => {
+                let [b, t, d] = x.dims();
+                let w = self.embed.weight.val();
+                let v = w.dims()[0];
+                x.reshape([b * t, d])
+                    .matmul(w.transpose())
+                    .reshape([b, t, v])
+            }
+        };
+        Ok(ForwardOutput {
+            logits,
+            cache: hooks.finish(),
+        })
+    }
+}
+
+impl LanguageModel for KvcModel {
+    fn info(&self) -> ModelInfo {
+        KvcModel::info(self)
+    }
+    fn n_params(&self) -> Option<usize> {
+        Some(self.num_params())
+    }
+    fn device(&self) -> Device {
+        self.embed.weight.val().device()
+    }
+    fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
+        KvcModel::forward(self, tokens, spec)
+    }
+    fn forward_from(
+        &self,
+        _tokens: Tensor<2, Int>,
+        start: usize,
+        resid: &Act,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        KvcModel::forward_from(self, start, resid.get::<3>()?, spec)
+    }
+    fn forward_with_state(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+    ) -> Result<(ForwardOutput, Option<PrefixState>)> {
+        let (out, state) = KvcModel::forward_with_state(self, tokens, spec)?;
+        Ok((out, Some(state)))
+    }
+    fn forward_suffix(
+        &self,
+        start: usize,
+        state: &PrefixState,
+        suffix: &Suffix,
+        resid: &Act,
+        spec: &HookSpec,
+    ) -> Result<ForwardOutput> {
+        KvcModel::forward_suffix(self, start, state, suffix, resid.get::<3>()?, spec)
+    }
+}
