@@ -303,6 +303,87 @@ fn an_interrupted_design_resumes_from_its_checkpoint() {
     assert!(text(&o).contains("done"), "{}", text(&o));
 }
 
+/// The report table's row of `design`.
+fn row<'a>(md: &'a str, design: &str) -> &'a str {
+    md.lines()
+        .find(|l| l.starts_with(&format!("| {design} |")))
+        .unwrap_or_else(|| panic!("no row for {design}:\n{md}"))
+}
+
+#[test]
+fn a_partial_grid_merges_what_exists_and_lists_the_rest_as_not_trained() {
+    let (dir, _) = grid_dir(&format!(
+        "[[design]]\nname = \"one\"\n[[design]]\nname = \"two\"\nset = {{ seed = 1 }}\n\
+         [[design]]\nname = \"three\"\nset = {{ seed = 2 }}\n{EVAL}"
+    ));
+    let d = dir.path();
+    let report = d.join("reports/grids/grid/report.md");
+    // Nothing trained: no tables, but a report that lists every design.
+    let o = phaselens(d, &["grid", "merge", "grid.toml", "--plain"], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("merged 0 design(s)"), "{}", text(&o));
+    assert!(!d.join("notebooks-data/grids/grid/grid.arrow").exists());
+    let md = std::fs::read_to_string(&report).unwrap();
+    for n in ["one", "two", "three"] {
+        assert!(
+            row(&md, n).contains("| not trained (not started) |"),
+            "{n}:\n{md}"
+        );
+    }
+    // One design trained and swept, one killed at step 8 of 12, one not started.
+    run_grid(d, &["--designs", "one"]);
+    let o = phaselens(
+        d,
+        &["train", "grid/two/recipe.toml", "--max-steps", "8"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let o = phaselens(d, &["grid", "merge", "grid.toml", "--plain"], &[]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains(
+            "merged 1 design(s); not in the tables yet: 2 \
+             (two: not trained (step 8/12), three: not trained (not started))"
+        ),
+        "{out}"
+    );
+    let t = Table::read_arrow(d.join("notebooks-data/grids/grid/grid_summary.arrow")).unwrap();
+    assert!(
+        t.utf8("design")
+            .unwrap()
+            .iter()
+            .all(|n| n.as_deref() == Some("one"))
+    );
+    let rep = d.join("reports/grids/grid");
+    for f in [
+        "phase_gap.png",
+        "accuracy_by_phase.svg",
+        "accuracy_by_slot.png",
+    ] {
+        assert!(rep.join(f).exists(), "{f}");
+    }
+    let md = std::fs::read_to_string(&report).unwrap();
+    assert!(row(&md, "one").contains("| done |"), "{md}");
+    assert!(
+        row(&md, "two").contains("| not trained (step 8/12) |"),
+        "{md}"
+    );
+    assert!(
+        row(&md, "three").contains("| not trained (not started) |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("Not in the tables, figures or comparisons yet (2 of 3)"),
+        "{md}"
+    );
+    assert!(
+        md.contains("two: not trained (step 8/12); nothing measured yet."),
+        "{md}"
+    );
+    assert!(md.contains("one: "), "{md}");
+}
+
 #[test]
 fn slurm_without_slurm_is_a_clear_error() {
     let (dir, _) = grid_dir(&format!("[[design]]\nname = \"one\"\n{EVAL}"));

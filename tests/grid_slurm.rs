@@ -4,6 +4,10 @@
 //! and `--slurm --resume` resubmits only that design, which resumes from its
 //! checkpoint. Skipped (with a message) where Slurm is not installed or the test does
 //! not run as root; CI installs Slurm (scripts/setup-slurm.sh) and runs it.
+//!
+//! The order in which `grid status` reads Slurm (squeue, then sacct, then scontrol for
+//! what neither knows) is tested with stand-in tools on PATH, since the test cluster
+//! has no accounting database: that test runs everywhere.
 
 mod grid_common;
 
@@ -190,6 +194,8 @@ fn slurm_grid_runs_end_to_end_and_a_killed_task_resumes() {
         "{st}"
     );
     assert!(st.contains("--slurm --resume"), "{st}");
+    // This cluster keeps no accounting: sacct says so and scontrol fills in.
+    assert!(st.contains("no accounting"), "{st}");
     let line = st.lines().find(|l| l.contains(" long ")).unwrap();
     assert!(line.contains("step "), "{line}");
     // The merge after the array merged the three finished designs.
@@ -242,4 +248,213 @@ fn slurm_grid_runs_end_to_end_and_a_killed_task_resumes() {
     // Nothing left to resubmit.
     let o = phaselens(d, &["grid", "grid.toml", "--slurm", "--resume"], &env);
     assert!(text(&o).contains("nothing to submit"), "{}", text(&o));
+}
+
+/// Stand-ins for sbatch, squeue, sacct and scontrol (shell scripts first on PATH) that
+/// log their arguments and print what the test put in `<dir>/<tool>.out`
+/// (`scontrol-<job>.out` for `scontrol show job <job>`); sacct without its file
+/// answers like a cluster without accounting. Runs anywhere, no root needed.
+struct FakeSlurm {
+    dir: tempfile::TempDir,
+    path: String,
+}
+
+impl FakeSlurm {
+    fn new() -> FakeSlurm {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let scripts = [
+            (
+                "sbatch",
+                format!(
+                    "n=$(cat {d}/next 2>/dev/null || echo 100); echo $((n + 1)) > {d}/next; echo \"$n\""
+                ),
+            ),
+            ("squeue", format!("cat {d}/squeue.out 2>/dev/null; exit 0")),
+            (
+                "sacct",
+                format!(
+                    "[ -f {d}/sacct.out ] || {{ echo 'Slurm accounting storage is disabled' >&2; exit 1; }}; cat {d}/sacct.out"
+                ),
+            ),
+            (
+                "scontrol",
+                format!("f={d}/scontrol-\"${{@: -1}}\".out; [ -f \"$f\" ] && cat \"$f\"; exit 0"),
+            ),
+        ];
+        for (tool, body) in scripts {
+            let p = dir.path().join(tool);
+            std::fs::write(
+                &p,
+                format!("#!/bin/bash\necho \"{tool} $*\" >> {d}/calls.log\n{body}\n"),
+            )
+            .unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let path = format!("{d}:{}", std::env::var("PATH").unwrap_or_default());
+        FakeSlurm { dir, path }
+    }
+
+    fn set(&self, file: &str, body: Option<&str>) {
+        let p = self.dir.path().join(file);
+        match body {
+            Some(b) => std::fs::write(p, b).unwrap(),
+            None => {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+
+    /// The calls logged since the last `take_calls`.
+    fn take_calls(&self) -> String {
+        let p = self.dir.path().join("calls.log");
+        let s = std::fs::read_to_string(&p).unwrap_or_default();
+        let _ = std::fs::remove_file(p);
+        s
+    }
+}
+
+fn status_line<'a>(st: &'a str, design: &str) -> &'a str {
+    st.lines()
+        .find(|l| l.split_whitespace().nth(1) == Some(design))
+        .unwrap_or_else(|| panic!("no line for {design}:\n{st}"))
+}
+
+#[test]
+fn status_reads_squeue_then_sacct_then_scontrol_and_resume_resubmits_failed_tasks() {
+    let fake = FakeSlurm::new();
+    let (dir, _) = grid_dir(&format!(
+        "[[design]]\nname = \"a\"\n[[design]]\nname = \"b\"\n\
+         [[design]]\nname = \"c\"\n[[design]]\nname = \"d\"\n{EVAL}"
+    ));
+    let d = dir.path();
+    let env = [("PATH", fake.path.as_str())];
+    let o = phaselens(d, &["grid", "grid.toml", "--slurm"], &env);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("array job 100 (4 task(s): a, b, c, d) and merge job 101"),
+        "{}",
+        text(&o)
+    );
+    let calls = fake.take_calls();
+    assert!(
+        calls.contains("sbatch --parsable --array=0,1,2,3 "),
+        "{calls}"
+    );
+    assert!(
+        calls.contains("sbatch --parsable --dependency=afterany:100 "),
+        "{calls}"
+    );
+
+    // With accounting: squeue has the running and pending tasks, sacct the finished
+    // ones; squeue wins where both know a task, and scontrol is not asked.
+    fake.set(
+        "squeue.out",
+        Some("100_3|PENDING|0:00\n100_2|RUNNING|1:05\n101|PENDING|0:00\n"),
+    );
+    fake.set(
+        "sacct.out",
+        Some(
+            "100_0|COMPLETED|00:02:00\n100_1|CANCELLED by 0|00:00:30\n\
+             100_2|PENDING|00:00:00\n101|PENDING|00:00:00\n",
+        ),
+    );
+    let o = phaselens(d, &["grid", "status", "grid.toml"], &env);
+    let st = text(&o);
+    assert!(o.status.success(), "{st}");
+    assert!(
+        status_line(&st, "a").contains("100_0 COMPLETED 00:02:00"),
+        "{st}"
+    );
+    assert!(
+        status_line(&st, "b").contains("100_1 CANCELLED 00:00:30"),
+        "{st}"
+    );
+    assert!(status_line(&st, "c").contains("100_2 RUNNING 1:05"), "{st}");
+    assert!(status_line(&st, "d").contains("100_3 PENDING"), "{st}");
+    assert!(status_line(&st, "a").contains("not started"), "{st}");
+    assert!(st.contains("merge job 101: PENDING"), "{st}");
+    assert!(
+        st.contains("1 design(s) failed or were cancelled (b)") && st.contains("--slurm --resume"),
+        "{st}"
+    );
+    assert!(!st.contains("no accounting"), "{st}");
+    let calls = fake.take_calls();
+    assert!(
+        calls.contains("squeue -h -r -o %i|%T|%M -j 100,101"),
+        "{calls}"
+    );
+    assert!(
+        calls.contains("sacct -n -P -X -o JobID,State,Elapsed -j 100,101"),
+        "{calls}"
+    );
+    assert!(!calls.contains("scontrol"), "{calls}");
+
+    // Without accounting: the tasks squeue does not list come from scontrol, asked only
+    // for their job; the merge job squeue lists is not looked up again.
+    fake.set("sacct.out", None);
+    fake.set(
+        "scontrol-100.out",
+        Some(
+            "JobId=102 ArrayJobId=100 ArrayTaskId=0 JobState=COMPLETED RunTime=00:02:00\n\
+             JobId=100 ArrayJobId=100 ArrayTaskId=1 JobState=FAILED RunTime=00:00:04\n",
+        ),
+    );
+    let o = phaselens(d, &["grid", "status", "grid.toml"], &env);
+    let st = text(&o);
+    assert!(
+        status_line(&st, "a").contains("100_0 COMPLETED 00:02:00"),
+        "{st}"
+    );
+    assert!(
+        status_line(&st, "b").contains("100_1 FAILED 00:00:04"),
+        "{st}"
+    );
+    assert!(status_line(&st, "c").contains("100_2 RUNNING 1:05"), "{st}");
+    assert!(
+        st.contains("no accounting (Slurm accounting storage is disabled)"),
+        "{st}"
+    );
+    assert!(st.contains("failed or were cancelled (b)"), "{st}");
+    let calls = fake.take_calls();
+    assert!(calls.contains("scontrol -o show job 100\n"), "{calls}");
+    assert!(!calls.contains("show job 101"), "{calls}");
+
+    // A job both have forgotten is `(no record)`, and the note says why.
+    fake.set("scontrol-100.out", None);
+    let st = text(&phaselens(d, &["grid", "status", "grid.toml"], &env));
+    assert!(status_line(&st, "b").contains("100_1 (no record)"), "{st}");
+    assert!(st.contains("MinJobAge"), "{st}");
+
+    // --resume submits what is neither finished (by its files) nor queued: a (its task
+    // completed, yet the design has no files: a lost output folder) and the failed b;
+    // c and d are still in the queue.
+    let o = phaselens(d, &["grid", "grid.toml", "--slurm", "--resume"], &env);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("array job 102 (2 task(s): a, b) and merge job 103"),
+        "{}",
+        text(&o)
+    );
+    let calls = fake.take_calls();
+    assert!(calls.contains("sbatch --parsable --array=0,1 "), "{calls}");
+    // The latest submission decides: a and b are the new job's tasks now.
+    fake.set(
+        "squeue.out",
+        Some("102_[0-1]|PENDING|0:00\n100_2|RUNNING|1:10\n100_3|PENDING|0:00\n"),
+    );
+    let st = text(&phaselens(d, &["grid", "status", "grid.toml"], &env));
+    assert!(status_line(&st, "a").contains("102_0 PENDING"), "{st}");
+    assert!(status_line(&st, "b").contains("102_1 PENDING"), "{st}");
+    assert!(!st.contains("failed or were cancelled"), "{st}");
+    // Everything unfinished is queued: nothing to submit.
+    let o = phaselens(d, &["grid", "grid.toml", "--slurm", "--resume"], &env);
+    assert!(
+        text(&o).contains(
+            "nothing to submit: the unfinished designs are queued or running: a, b, c, d"
+        ),
+        "{}",
+        text(&o)
+    );
 }

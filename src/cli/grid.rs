@@ -21,7 +21,7 @@ Examples:
   phaselens grid experiments/grids/paper.toml --local     # one design after another, resumable
   phaselens grid experiments/grids/paper.toml --local --designs w8s8-seed0,w8s8-kv2
   phaselens grid experiments/grids/paper.toml --slurm --time 04:00:00 --mem 4G
-  phaselens grid status experiments/grids/paper.toml      # squeue / sacct per design
+  phaselens grid status experiments/grids/paper.toml      # squeue, sacct (scontrol) per design
   phaselens grid experiments/grids/paper.toml --slurm --resume   # resubmit what failed
   phaselens grid merge experiments/grids/paper.toml       # tables, figures, report again
 
@@ -131,7 +131,8 @@ pub enum GridCommand {
         #[command(flatten)]
         common: CommonArgs,
     },
-    /// The Slurm jobs of the grid (squeue / scontrol / sacct) and each design's progress.
+    /// The Slurm state of each design (squeue for pending/running, sacct for finished,
+    /// scontrol where there is no accounting) and how far its files got.
     Status {
         grid: PathBuf,
         #[command(flatten)]

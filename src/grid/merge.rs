@@ -14,7 +14,9 @@
 //!
 //! Resumable: each design's part is cached in `<data>/<design>/part*.arrow` with the
 //! sizes and modification times of its inputs, and rebuilt only when those change.
-//! Designs without finished sweeps are listed as missing, not an error.
+//! Designs without a finished sweep are not an error: the report lists them as not
+//! trained (with their training step) or not swept, and the tables and figures hold
+//! the designs that have one.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -37,8 +39,9 @@ pub const SUMMARY_SCHEMA: &str = "grid_summary/v1";
 #[derive(Debug, Clone)]
 pub struct MergeSummary {
     pub merged: Vec<String>,
-    /// Designs with no finished sweep yet.
-    pub missing: Vec<String>,
+    /// Designs with no finished sweep yet, with how far they got (`not trained (step
+    /// 750/2000)`, `trained; sweeps 0/7`).
+    pub missing: Vec<(String, String)>,
     pub tables: Vec<PathBuf>,
     pub figures: Vec<PathBuf>,
     pub report: Option<PathBuf>,
@@ -54,9 +57,13 @@ impl fmt::Display for MergeSummary {
                 String::new()
             } else {
                 format!(
-                    "; not finished yet: {} ({})",
+                    "; not in the tables yet: {} ({})",
                     self.missing.len(),
-                    self.missing.join(", ")
+                    self.missing
+                        .iter()
+                        .map(|(d, p)| format!("{d}: {p}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )
             }
         )?;
@@ -112,6 +119,19 @@ pub struct Merged {
     pub summary: Vec<SummaryRow>,
     /// Merged designs in grid order.
     pub designs: Vec<String>,
+    /// Every design of the grid, in grid order, with how far it got (`done`,
+    /// `trained; sweeps 3/7`, `not trained (step 750/2000)`, `not trained (not started)`).
+    pub progress: Vec<(String, String)>,
+}
+
+/// How far a design got, as the report and the merge say it.
+pub fn progress_label(grid: &Grid, d: &Design, opts: &GridOptions) -> String {
+    let p = super::slurm::design_progress(grid, d, opts);
+    if p.starts_with("step ") || p == "not started" {
+        format!("not trained ({p})")
+    } else {
+        p
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -501,7 +521,7 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
     for d in &grid.designs {
         bar.set_message(d.name.clone());
         match part(grid, d, opts)? {
-            None => missing.push(d.name.clone()),
+            None => missing.push((d.name.clone(), progress_label(grid, d, opts))),
             Some((a, s)) => {
                 merged.push(d.name.clone());
                 for (acc, df) in [(&mut phases, a), (&mut summary, s)] {
@@ -518,6 +538,11 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
         bar.inc(1);
     }
     bar.finish_and_clear();
+    let progress = grid
+        .designs
+        .iter()
+        .map(|d| (d.name.clone(), progress_label(grid, d, opts)))
+        .collect();
     let mut out = MergeSummary {
         merged: merged.clone(),
         missing,
@@ -525,7 +550,17 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
         figures: Vec::new(),
         report: None,
     };
+    let dir = opts.report_dir(grid);
     let (Some(phases), Some(summary)) = (phases, summary) else {
+        // Nothing swept yet: no tables or figures, but a report that lists every
+        // design and how far it got.
+        let m = Merged {
+            phases: Vec::new(),
+            summary: Vec::new(),
+            designs: Vec::new(),
+            progress,
+        };
+        out.report = Some(super::report::write(grid, &m, &dir, &[])?);
         return Ok(out);
     };
     let phases = with_keys(grid, phases)?;
@@ -547,8 +582,8 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
         phases: phase_rows(&phases)?,
         summary: summary_rows(&summary)?,
         designs: merged,
+        progress,
     };
-    let dir = opts.report_dir(grid);
     out.figures = super::figures::draw(grid, &m, &dir)?;
     out.report = Some(super::report::write(grid, &m, &dir, &out.figures)?);
     Ok(out)

@@ -226,6 +226,7 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
     header.extend(grid.columns.iter().cloned());
     header.extend(
         [
+            "state",
             "P",
             "steps",
             "batch acc",
@@ -239,7 +240,7 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
         .map(String::from),
     );
     let mut rows = Vec::new();
-    for name in &m.designs {
+    for (name, progress) in &m.progress {
         let Ok(d) = grid.design(name) else { continue };
         let mut row = vec![name.clone()];
         for c in &grid.columns {
@@ -250,6 +251,7 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
         let p = final_row(m, name, "prefix");
         let q = final_row(m, name, "in-sequence");
         let any = p.or(q);
+        row.push(progress.clone());
         row.push(any.map_or("-".into(), |r| r.period.to_string()));
         row.push(
             any.and_then(|r| r.steps)
@@ -278,15 +280,40 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
         });
         rows.push(row);
     }
-    rep.table("Final query, by design", header, rows);
+    rep.table(
+        "Final query, by design (every design of the grid)",
+        header,
+        rows,
+    );
+    let pending: Vec<String> = m
+        .progress
+        .iter()
+        .filter(|(n, _)| !m.designs.contains(n))
+        .map(|(n, p)| format!("{n} ({p})"))
+        .collect();
+    if !pending.is_empty() {
+        rep.paragraph(format!(
+            "Not in the tables, figures or comparisons yet ({} of {}): {}. Their rows \
+             above are empty until they are trained and swept (`phaselens grid {}` resumes \
+             them; `phaselens grid merge` adds them).",
+            pending.len(),
+            grid.designs.len(),
+            pending.join(", "),
+            grid.path.display()
+        ));
+    }
     if !grid.paper.is_empty() {
         rep.subsection("What the paper reports");
         rep.paragraph(grid.paper.clone());
     }
 
     rep.section("What each design learned");
-    for name in &m.designs {
-        let mut text = format!("{name}: {}", learned(m, name, chance_of(grid, name)));
+    for (name, progress) in &m.progress {
+        let mut text = if m.designs.contains(name) {
+            format!("{name}: {}", learned(m, name, chance_of(grid, name)))
+        } else {
+            format!("{name}: {progress}; nothing measured yet.")
+        };
         if let Ok(d) = grid.design(name)
             && !d.note.is_empty()
         {
@@ -403,7 +430,9 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
         );
     }
 
-    rep.section("Figures");
+    if !figures.is_empty() {
+        rep.section("Figures");
+    }
     for f in figures {
         let stem = f
             .file_stem()
@@ -423,11 +452,16 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
         };
         rep.figure(caption, f);
     }
-    rep.section("Tables and grid file");
-    rep.paragraph(
-        "grid.arrow / grid.parquet: one row per design x sweep x protocol x phase; \
-         grid_summary.arrow / .parquet: one row per design x sweep x protocol (docs/grid.md).",
-    );
+    if m.designs.is_empty() {
+        rep.section("Grid file");
+        rep.paragraph("No design has a finished sweep yet: no tables or figures.");
+    } else {
+        rep.section("Tables and grid file");
+        rep.paragraph(
+            "grid.arrow / grid.parquet: one row per design x sweep x protocol x phase; \
+             grid_summary.arrow / .parquet: one row per design x sweep x protocol (docs/grid.md).",
+        );
+    }
     if let Ok(text) = std::fs::read_to_string(&grid.path) {
         rep.code("toml", text);
     }

@@ -2,9 +2,9 @@
 //! `phaselens grid task GRID --index $SLURM_ARRAY_TASK_ID`), and a merge job that
 //! depends on it (`--dependency=afterany`, so it merges whatever finished). Slurm does
 //! all the distribution; phaselens only writes the job scripts, records the job ids in
-//! `<grid dir>/slurm/jobs.json`, reads `squeue`, `scontrol show job` and `sacct` for
-//! `status`, and on
-//! `--resume` resubmits the designs that are neither finished nor queued.
+//! `<grid dir>/slurm/jobs.json`, reads `squeue` (pending, running), `sacct` (finished,
+//! failed) and, without accounting, `scontrol show job` for `status`, and on `--resume`
+//! resubmits the designs that are neither finished nor queued.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -358,7 +358,7 @@ pub struct JobState {
     /// PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ...
     pub state: String,
     pub elapsed: String,
-    /// Where it came from: `squeue` or `sacct`.
+    /// Where it came from: `squeue`, `sacct` or `scontrol`.
     pub source: &'static str,
 }
 
@@ -557,61 +557,83 @@ const FAILED: [&str; 7] = [
     "BOOT_FAIL",
 ];
 
-/// Read squeue and sacct for every submission of the grid; the latest submission of
-/// a design decides its Slurm state.
+/// Whether `id` (`123_4` or `123`) is one of `jobs`' rows: the same id, or a task of a
+/// pending array line `123_[2-5]`.
+fn row_of<'a>(jobs: &'a [JobState], id: &str) -> Option<&'a JobState> {
+    jobs.iter().find(|j| j.id == id).or_else(|| {
+        let (job, task) = id.split_once('_')?;
+        let task: usize = task.parse().ok()?;
+        jobs.iter().find(|j| {
+            j.id.strip_prefix(job)
+                .and_then(|r| r.strip_prefix("_["))
+                .is_some_and(|r| expand_ranges(r.trim_end_matches(']')).contains(&task))
+        })
+    })
+}
+
+/// Each design's Slurm state, read in this order: `squeue` (pending and running tasks),
+/// `sacct` (finished, failed and cancelled ones, where the cluster keeps accounting),
+/// and, for the ids neither knows (a cluster without accounting), `scontrol show job`
+/// (which holds finished jobs for slurmctld's `MinJobAge`). The latest submission of a
+/// design decides its state.
 pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
     let subs = submissions(grid)?;
-    let mut ids: Vec<String> = Vec::new();
-    for s in &subs {
-        ids.push(s.array_job.clone());
-        ids.push(s.merge_job.clone());
-    }
-    let queue = squeue(&ids);
-    let recent = scontrol(&ids);
-    let (acct, note) = sacct(&ids);
-    let state_of = |id: &str| -> Option<String> {
-        queue
-            .iter()
-            .chain(&recent)
-            .chain(&acct)
-            .find(|j| j.id == id)
-            .map(|j| {
-                if j.elapsed.is_empty() {
-                    j.state.clone()
-                } else {
-                    format!("{} {}", j.state, j.elapsed)
-                }
-            })
-    };
     let mut latest: BTreeMap<usize, &Submission> = BTreeMap::new();
     for s in &subs {
         for &i in &s.indices {
             latest.insert(i, s);
         }
     }
+    // The ids status needs: each design's latest task and every merge job.
+    let task_id = |i: usize| latest.get(&i).map(|s| format!("{}_{i}", s.array_job));
+    let mut wanted: Vec<String> = grid
+        .designs
+        .iter()
+        .filter_map(|d| task_id(d.index))
+        .collect();
+    wanted.extend(subs.iter().map(|s| s.merge_job.clone()));
+    let mut jobs: Vec<String> = Vec::new();
+    for s in &subs {
+        for j in [&s.array_job, &s.merge_job] {
+            if !jobs.contains(j) {
+                jobs.push(j.clone());
+            }
+        }
+    }
+    let queue = squeue(&jobs);
+    let (acct, acct_error) = sacct(&jobs);
+    let unresolved = |id: &String| row_of(&queue, id).is_none() && row_of(&acct, id).is_none();
+    let mut fallback: Vec<String> = Vec::new();
+    for id in wanted.iter().filter(|id| unresolved(id)) {
+        let job = id.split('_').next().unwrap_or(id).to_string();
+        if !fallback.contains(&job) {
+            fallback.push(job);
+        }
+    }
+    let recent = scontrol(&fallback);
+    let state_of = |id: &str| -> Option<String> {
+        let j = row_of(&queue, id)
+            .or_else(|| row_of(&acct, id))
+            .or_else(|| row_of(&recent, id))?;
+        Some(if j.elapsed.is_empty() || j.id != id {
+            j.state.clone()
+        } else {
+            format!("{} {}", j.state, j.elapsed)
+        })
+    };
     let mut rows = Vec::new();
     let mut failed = Vec::new();
+    let mut no_record = 0;
     for d in &grid.designs {
-        let state = match latest.get(&d.index) {
+        let state = match task_id(d.index) {
             None => "not submitted".to_string(),
-            Some(s) => {
-                let id = format!("{}_{}", s.array_job, d.index);
-                state_of(&id)
-                    .or_else(|| {
-                        // Still pending as one `123_[...]` line.
-                        queue
-                            .iter()
-                            .find(|j| {
-                                j.id.strip_prefix(&format!("{}_[", s.array_job))
-                                    .is_some_and(|r| {
-                                        expand_ranges(r.trim_end_matches(']')).contains(&d.index)
-                                    })
-                            })
-                            .map(|j| j.state.clone())
-                    })
-                    .map(|st| format!("{id} {st}"))
-                    .unwrap_or_else(|| format!("{id} (no record)"))
-            }
+            Some(id) => match state_of(&id) {
+                Some(st) => format!("{id} {st}"),
+                None => {
+                    no_record += 1;
+                    format!("{id} (no record)")
+                }
+            },
         };
         let progress = design_progress(grid, d, opts);
         if FAILED.iter().any(|f| state.contains(f)) && progress != "done" {
@@ -624,15 +646,22 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
         .map(|s| {
             (
                 s.merge_job.clone(),
-                state_of(&s.merge_job).unwrap_or_else(|| "(no record)".into()),
+                state_of(&s.merge_job).unwrap_or_else(|| {
+                    no_record += 1;
+                    "(no record)".into()
+                }),
             )
         })
         .collect();
     let mut notes = Vec::new();
-    if let Some(n) = note.filter(|_| recent.is_empty() && !subs.is_empty()) {
-        notes.push(format!(
-            "no accounting ({n}): jobs older than slurmctld's MinJobAge show as (no record)"
-        ));
+    if let Some(e) = acct_error.filter(|_| !subs.is_empty()) {
+        notes.push(if no_record > 0 {
+            format!(
+                "no accounting ({e}): finished jobs come from scontrol, which forgets them after slurmctld's MinJobAge; the others show as (no record), their progress column still holds"
+            )
+        } else {
+            format!("no accounting ({e}): finished jobs read from scontrol")
+        });
     }
     if !failed.is_empty() {
         notes.push(format!(
@@ -678,6 +707,12 @@ mod tests {
                 .id,
             "9_[2-4]"
         );
+        // A task is found by its own line or inside a pending array line.
+        let q = parse_rows("9_[2-4%2]|PENDING|0:00\n9_1|RUNNING|0:07\n", "squeue");
+        assert_eq!(row_of(&q, "9_1").unwrap().state, "RUNNING");
+        assert_eq!(row_of(&q, "9_3").unwrap().state, "PENDING");
+        assert!(row_of(&q, "9_5").is_none() && row_of(&q, "19_3").is_none());
+        assert!(row_of(&q, "9").is_none());
     }
 
     #[test]

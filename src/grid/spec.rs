@@ -25,10 +25,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use toml::Spanned;
 
-use crate::toml_file::{line_of, parse_toml};
 use crate::error::{Error, Result};
 use crate::model::kvc::AttentionKind;
 use crate::tasks::Protocol;
+use crate::toml_file::{line_of, parse_toml};
 use crate::train::{ModelConfig, OrganismFile};
 
 use super::keys::{self, get_path, name_part, paths_of, set_path, valid_name};
