@@ -54,7 +54,7 @@ sock="$dir/munge/munge.socket"
 munged --force --socket="$sock" --key-file="$key" --pid-file="$dir/munge/munged.pid" \
   --log-file="$dir/log/munged.log" --seed-file="$dir/munge/munged.seed"
 
-host=$(hostname -s)
+host=$(uname -n | cut -d. -f1)   # slurmd's own short host name (no `hostname` binary needed)
 cpus=$(nproc)
 mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
 cat > "$conf" <<CONF

@@ -332,7 +332,7 @@ impl FigureSpec for SmallMultiplesSpec {
 }
 
 fn ferr(e: crate::output::FigureError) -> Error {
-    Error::Other(e.to_string())
+    Error::Figure(e)
 }
 
 /// The final-query summary row of `design` for `protocol`.

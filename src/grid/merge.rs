@@ -25,7 +25,9 @@ use polars::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::output::{ColumnData, Table, read_dataframe, write_bytes_atomic, write_parquet_copy};
+use crate::output::{
+    ColumnData, Table, TableError, read_dataframe, write_bytes_atomic, write_parquet_copy,
+};
 
 use super::spec::{Design, Grid};
 use super::task::{DesignRecord, EvalSpec, GridOptions, eval_specs};
@@ -162,8 +164,15 @@ fn fingerprint(paths: &[PathBuf]) -> Fingerprint {
     }
 }
 
-fn perr(path: &Path) -> impl Fn(PolarsError) -> Error + '_ {
-    move |e| Error::Other(format!("{}: {e}", path.display()))
+/// A polars error on the table (file, or what an in-memory frame is) at `path`.
+fn perr(path: impl Into<PathBuf>) -> impl Fn(PolarsError) -> Error {
+    let path = path.into();
+    move |source| {
+        Error::Table(TableError::Polars {
+            path: path.clone(),
+            source,
+        })
+    }
 }
 
 /// The finished sweeps of a design and their two input files.
@@ -201,7 +210,7 @@ fn build_part(
     let mut srows: Vec<(String, i64, i64, String, serde_json::Value, f64)> = Vec::new();
     let mut period = 0i64;
     for (s, arrow, json) in found {
-        let mut df = read_dataframe(arrow).map_err(|e| Error::Other(e.to_string()))?;
+        let mut df = read_dataframe(arrow)?;
         let h = df.height();
         let _ = df.drop_in_place("model");
         for c in [
@@ -329,7 +338,7 @@ fn build_part(
             ),
         ],
     )
-    .map_err(|e| Error::Other(format!("summary of design `{}`: {e}", d.name)))?;
+    .map_err(perr(format!("<summary of design `{}`>", d.name)))?;
     Ok((phases, summary))
 }
 
@@ -338,7 +347,7 @@ fn build_part(
 pub fn table_from_frame(name: &str, df: &DataFrame) -> Result<Table> {
     let mut t = Table::new(name);
     for c in df.columns() {
-        let err = |e: PolarsError| Error::Other(format!("column `{}`: {e}", c.name()));
+        let err = &perr(format!("<table `{name}`, column `{}`>", c.name()));
         let data = match c.dtype() {
             DataType::String => ColumnData::Utf8(
                 c.str()
@@ -367,16 +376,14 @@ pub fn table_from_frame(name: &str, df: &DataFrame) -> Result<Table> {
                     .collect(),
             ),
         };
-        t.add_column(c.name().as_str(), data)
-            .map_err(|e| Error::Other(e.to_string()))?;
+        t.add_column(c.name().as_str(), data)?;
     }
     Ok(t)
 }
 
 fn write_table(t: Table, path: &Path) -> Result<()> {
-    t.write_arrow(path)
-        .map_err(|e| Error::Other(e.to_string()))?;
-    write_parquet_copy(path).map_err(|e| Error::Other(e.to_string()))?;
+    t.write_arrow(path)?;
+    write_parquet_copy(path)?;
     Ok(())
 }
 
@@ -403,20 +410,16 @@ fn part(grid: &Grid, d: &Design, opts: &GridOptions) -> Result<Option<(DataFrame
         .ok()
         .and_then(|t| serde_json::from_str::<Fingerprint>(&t).ok());
     if cached.as_ref() == Some(&fp) && pa.exists() && ps.exists() {
-        let a = read_dataframe(&pa).map_err(|e| Error::Other(e.to_string()))?;
-        let s = read_dataframe(&ps).map_err(|e| Error::Other(e.to_string()))?;
+        let a = read_dataframe(&pa)?;
+        let s = read_dataframe(&ps)?;
         return Ok(Some((a, s)));
     }
     let record: Option<DesignRecord> = std::fs::read_to_string(&record_path)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());
     let (a, s) = build_part(d, &found, record.as_ref())?;
-    table_from_frame("grid_part", &a)?
-        .write_arrow(&pa)
-        .map_err(|e| Error::Other(e.to_string()))?;
-    table_from_frame("grid_part_summary", &s)?
-        .write_arrow(&ps)
-        .map_err(|e| Error::Other(e.to_string()))?;
+    table_from_frame("grid_part", &a)?.write_arrow(&pa)?;
+    table_from_frame("grid_part_summary", &s)?.write_arrow(&ps)?;
     write_bytes_atomic(
         &pj,
         serde_json::to_string(&fp).expect("serialises").as_bytes(),
@@ -484,7 +487,7 @@ fn with_keys(grid: &Grid, mut df: DataFrame) -> Result<DataFrame> {
     let names = df
         .column("design")
         .and_then(|c| c.str().cloned())
-        .map_err(|e| Error::Other(e.to_string()))?;
+        .map_err(perr("<merged table, column `design`>"))?;
     for c in key_columns(grid, &names)? {
         if df
             .get_column_names()
@@ -496,7 +499,8 @@ fn with_keys(grid: &Grid, mut df: DataFrame) -> Result<DataFrame> {
                 c.name()
             )));
         }
-        df.with_column(c).map_err(|e| Error::Other(e.to_string()))?;
+        let what = format!("<merged table, key column `{}`>", c.name());
+        df.with_column(c).map_err(perr(what))?;
     }
     Ok(df)
 }
@@ -529,7 +533,7 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
                         None => *acc = Some(df),
                         Some(all) => {
                             all.vstack_mut_owned(df)
-                                .map_err(|e| Error::Other(format!("design `{}`: {e}", d.name)))?;
+                                .map_err(perr(opts.design_data_dir(grid, d)))?;
                         }
                     }
                 }
@@ -591,34 +595,37 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
 
 fn col<'a>(df: &'a DataFrame, name: &str) -> Result<&'a Column> {
     df.column(name)
-        .map_err(|e| Error::Other(format!("merged table: column `{name}`: {e}")))
+        .map_err(perr(format!("<merged table, column `{name}`>")))
 }
 
 fn strs(df: &DataFrame, name: &str) -> Result<Vec<String>> {
+    let err = || perr(format!("<merged table, column `{name}`>"));
     Ok(col(df, name)?
         .str()
-        .map_err(|e| Error::Other(e.to_string()))?
+        .map_err(err())?
         .iter()
         .map(|s| s.unwrap_or_default().to_string())
         .collect())
 }
 
 fn ints(df: &DataFrame, name: &str) -> Result<Vec<Option<i64>>> {
+    let err = || perr(format!("<merged table, column `{name}`>"));
     Ok(col(df, name)?
         .cast(&DataType::Int64)
-        .map_err(|e| Error::Other(e.to_string()))?
+        .map_err(err())?
         .i64()
-        .map_err(|e| Error::Other(e.to_string()))?
+        .map_err(err())?
         .iter()
         .collect())
 }
 
 fn floats(df: &DataFrame, name: &str) -> Result<Vec<f64>> {
+    let err = || perr(format!("<merged table, column `{name}`>"));
     Ok(col(df, name)?
         .cast(&DataType::Float64)
-        .map_err(|e| Error::Other(e.to_string()))?
+        .map_err(err())?
         .f64()
-        .map_err(|e| Error::Other(e.to_string()))?
+        .map_err(err())?
         .iter()
         .map(|v| v.unwrap_or(f64::NAN))
         .collect())

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::output::{Headline, Report};
 
 use super::figures::{final_row, mean_sd, seed_groups};
@@ -465,8 +465,6 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
     if let Ok(text) = std::fs::read_to_string(&grid.path) {
         rep.code("toml", text);
     }
-    let files = rep
-        .write(dir)
-        .map_err(|e| Error::Other(format!("report in {}: {e}", dir.display())))?;
+    let files = rep.write(dir)?;
     Ok(files.markdown)
 }

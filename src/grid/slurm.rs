@@ -167,8 +167,8 @@ fn quote(p: &Path) -> String {
 
 /// The two job scripts (array task, merge).
 fn scripts(grid: &Grid, opts: &GridOptions, res: &Resources) -> Result<(String, String)> {
-    let bin = std::env::current_exe().map_err(|e| Error::Other(format!("current exe: {e}")))?;
-    let cwd = std::env::current_dir().map_err(|e| Error::Other(format!("current dir: {e}")))?;
+    let bin = std::env::current_exe().map_err(|e| Error::io("<this phaselens executable>", e))?;
+    let cwd = std::env::current_dir().map_err(|e| Error::io("<current directory>", e))?;
     let state = absolute(&state_dir(grid))?;
     let common = format!(
         "--plain --device {} --data-dir {} --reports-dir {}",

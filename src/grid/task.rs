@@ -282,7 +282,7 @@ pub fn run_design(grid: &Grid, d: &Design, opts: &GridOptions) -> Result<DesignR
             progress: opts.progress != ProgressMode::Hidden,
         };
         let s = train(&recipe, &file, &device, &topts)
-            .map_err(|e| Error::Other(format!("design `{}`: training: {e}", d.name)))?;
+            .map_err(|e| e.context(format!("design `{}`: training", d.name)))?;
         if let Some(from) = s.resumed_from {
             eprintln!("{}: resumed from step {from}", d.name);
         }
@@ -316,7 +316,7 @@ pub fn run_design(grid: &Grid, d: &Design, opts: &GridOptions) -> Result<DesignR
             figures: false,
         };
         run_experiment(&exp_path, &ropts)
-            .map_err(|e| Error::Other(format!("design `{}`: sweep {}: {e}", d.name, s.name)))?;
+            .map_err(|e| e.context(format!("design `{}`: sweep {}", d.name, s.name)))?;
         // The shards only serve to resume an interrupted sweep.
         let _ = std::fs::remove_dir_all(data.join(&s.name).join("shards"));
         write_bytes_atomic(
