@@ -458,3 +458,24 @@ fn slot_sweeps_ask_distinct_bindings_before_the_target() {
     let e = Grid::load(&p).unwrap_err().to_string();
     assert!(e.contains("design `x`") && e.contains("slot 7"), "{e}");
 }
+
+#[test]
+fn the_shipped_grid_files_load() {
+    // Every design's recipe parses and validates (what `grid list` and the executors
+    // check before anything runs).
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let g = Grid::load(&repo.join("experiments/grids/paper.toml")).unwrap();
+    let names: Vec<&str> = g.designs.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names.len(), 11, "{names:?}");
+    assert_eq!(
+        &names[..4],
+        ["w8s8-seed0", "w8s8-seed1", "w8s8-seed2", "w8s8-seed3"],
+        "seeds first"
+    );
+    for d in &g.designs {
+        let f = d.organism(&g.dir).unwrap();
+        assert_eq!(f.train.steps, 2000, "{}", d.name);
+    }
+    let g = Grid::load(&repo.join("experiments/grids/elimination.toml")).unwrap();
+    assert_eq!(g.designs.len(), 4);
+}
