@@ -289,7 +289,7 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
         .progress
         .iter()
         .filter(|(n, _)| !m.designs.contains(n))
-        .map(|(n, p)| format!("{n} ({p})"))
+        .map(|(n, p)| format!("{n}: {p}"))
         .collect();
     if !pending.is_empty() {
         rep.paragraph(format!(
@@ -298,7 +298,7 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
              them; `phaselens grid merge` adds them).",
             pending.len(),
             grid.designs.len(),
-            pending.join(", "),
+            pending.join("; "),
             grid.path.display()
         ));
     }
