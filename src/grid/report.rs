@@ -137,24 +137,46 @@ pub fn learned(m: &Merged, design: &str, chance: f64) -> String {
         ));
     }
     let slots = detail(m, design, "slot", slot_of);
-    if let (Some(a), Some(b)) = (slots.first(), slots.last())
+    if let Some(a) = slots.first()
         && slots.len() >= 2
     {
-        let d = 100.0 * (b.mean_accuracy - a.mean_accuracy);
-        let verdict = if b.mean_ci.0 > a.mean_ci.1 {
-            "later queries are answered better: it uses the queries before them (elimination or copying)"
-        } else if b.mean_ci.1 < a.mean_ci.0 {
-            "later queries are answered worse"
-        } else {
-            "the queries before it do not help: no elimination gain"
+        // The first slot (a single query) against every later one: a gain beyond both
+        // 95% CIs at any slot means the model uses the queries before the target.
+        let better = slots[1..]
+            .iter()
+            .filter(|r| r.mean_ci.0 > a.mean_ci.1)
+            .max_by(|x, y| x.mean_accuracy.total_cmp(&y.mean_accuracy));
+        let worse = slots[1..]
+            .iter()
+            .filter(|r| r.mean_ci.1 < a.mean_ci.0)
+            .min_by(|x, y| x.mean_accuracy.total_cmp(&y.mean_accuracy));
+        let verdict = match (better, worse) {
+            (Some(b), _) => format!(
+                "later queries are answered better (slot {}: {}, CI {}-{}, against {}, CI {}-{}, at slot {}): it gains from the queries before the target (elimination)",
+                b.query_slot,
+                pct(b.mean_accuracy),
+                pct(b.mean_ci.0),
+                pct(b.mean_ci.1),
+                pct(a.mean_accuracy),
+                pct(a.mean_ci.0),
+                pct(a.mean_ci.1),
+                a.query_slot
+            ),
+            (None, Some(w)) => format!(
+                "later queries are answered worse (slot {}: {})",
+                w.query_slot,
+                pct(w.mean_accuracy)
+            ),
+            (None, None) => {
+                "the queries before the target do not help beyond the CIs: no elimination gain"
+                    .to_string()
+            }
         };
-        text.push_str(&format!(
-            " Final query at slot {}: {} vs {} at slot {} ({d:+.1} pp): {verdict}.",
-            b.query_slot,
-            pct(b.mean_accuracy),
-            pct(a.mean_accuracy),
-            a.query_slot
-        ));
+        let parts: Vec<String> = slots
+            .iter()
+            .map(|r| format!("{} at slot {}", pct(r.mean_accuracy), r.query_slot))
+            .collect();
+        text.push_str(&format!(" By query slot: {}; {verdict}.", parts.join(", ")));
     }
     let nb = detail(m, design, "bindings", bindings_of);
     if nb.len() >= 2 {
