@@ -101,8 +101,9 @@ impl FigureSpec for PointRangeSpec {
                 (a.min(v), b.max(v))
             });
             let (ylo, yhi) = p.y_range.unwrap_or(if lo.is_finite() {
-                let pad = ((hi - lo) * 0.08).max(0.5);
-                (lo.min(0.0) - pad * 0.2, hi + pad)
+                // Headroom above the data for the legend (upper right).
+                let pad = ((hi - lo.min(0.0)) * 0.3).max(0.5);
+                (lo.min(0.0) - pad * 0.05, hi + pad)
             } else {
                 (0.0, 1.0)
             });
@@ -523,7 +524,7 @@ pub fn draw(grid: &Grid, m: &Merged, dir: &Path) -> Result<Vec<PathBuf>> {
             (|r: &SummaryRow| r.query_slot) as fn(&SummaryRow) -> i64,
             "accuracy_by_slot",
             "query slot of the final query (k - 1 queries before it)",
-            "accuracy by query slot (flat: no gain from the queries before)",
+            "accuracy by query slot (a flat line: no gain from the queries before)",
         ),
         (
             "bindings",
