@@ -21,12 +21,14 @@ Examples:
 
 Tables go to notebooks-data/<experiment>/ (Arrow IPC + Parquet; docs/tables.md), figures and
 report.md/report.html to reports/<experiment>/. Finished chunks of cells are kept in
-notebooks-data/<experiment>/shards/: an interrupted run (Ctrl-C, kill) resumes from them; a
-run with changed settings recomputes. The experiment keys are in docs/experiments.md.")]
+notebooks-data/<experiment>/shards/<settings hash>/: an interrupted run (Ctrl-C, kill) resumes
+from them; a run with changed settings computes into its own folder and never deletes another
+run's shards. One run per experiment at a time (notebooks-data/<experiment>/.lock). The
+experiment keys are in docs/experiments.md.")]
 pub struct RunArgs {
     /// Experiment TOML.
     pub experiment: PathBuf,
-    /// Recompute everything (drop the shards of earlier runs).
+    /// Recompute everything (ignore and overwrite this settings' shards).
     #[arg(long)]
     pub fresh: bool,
     /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N (default: [model] device, else cpu).

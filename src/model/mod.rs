@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod bench;
 pub mod deepseek_v4;
+pub mod diagnose;
 pub mod kv_state;
 pub mod kvc;
 pub mod layers;

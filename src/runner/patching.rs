@@ -311,6 +311,13 @@ pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
     let k = flat.len();
     let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
     let rows = logits.reshape([r * t, v]).select(0, idx);
+    // NaN or infinite logits would read as "wrong answer, no effect": a finding made
+    // of garbage. The executor names the layer that went non-finite (model/diagnose.rs).
+    if !crate::model::diagnose::all_finite(&rows)? {
+        return Err(Error::NonFinite(format!(
+            "the logits read at the target positions of {r} row(s) hold NaN or infinite values"
+        )));
+    }
     let top = rows.clone().argmax(1).try_into_vec_as::<i64>()?;
     let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [k, 2]), &device);
     let vals = rows.gather(1, pairs).try_into_vec_as::<f32>()?;
