@@ -46,9 +46,16 @@ pub struct RunArgs {
     /// Plain progress lines instead of a bar (the default when stderr is not a terminal).
     #[arg(long)]
     pub plain: bool,
+    /// Skip the comparison of the run's memory estimate with the machine's available
+    /// memory (also PHASELENS_NO_MEMORY_CHECK=1).
+    #[arg(long)]
+    pub no_memory_check: bool,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
+    if a.no_memory_check {
+        phaselens::model::memory::set_override(true);
+    }
     let opts = RunOptions {
         data_root: a.data_dir,
         reports_root: a.reports_dir,
@@ -106,7 +113,7 @@ pub struct PatchingBench {
     #[arg(long, default_value_t = 0)]
     pub phase: u32,
     /// Logical examples (prompts per cell); default: the experiment's.
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub n_logical: Option<usize>,
     /// Patched positions: all, answer or final:K; default: the experiment's
     /// `[patch] positions`.
@@ -117,15 +124,14 @@ pub struct PatchingBench {
 }
 
 fn parse_positions(s: &str) -> std::result::Result<Positions, String> {
-    match s {
-        "all" => Ok(Positions::All),
-        "answer" => Ok(Positions::Answer),
-        _ => s
-            .strip_prefix("final:")
-            .and_then(|k| k.parse::<usize>().ok())
-            .filter(|&k| k > 0)
-            .map(Positions::Final)
-            .ok_or_else(|| format!("`{s}`: expected all, answer or final:K (K >= 1)")),
+    Positions::parse(s)
+}
+
+pub(crate) fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("`{s}`: {e}")),
     }
 }
 

@@ -14,6 +14,10 @@ use crate::hooks::{HookPoint, HookSpec, Site};
 
 use super::LanguageModel;
 
+/// Part of every message that names where the values went non-finite (callers do
+/// not diagnose such an error a second time).
+pub const LOCATED: &str = "first non-finite";
+
 /// The residual stream and sublayer outputs, in the order a block computes them.
 const BLOCK_ORDER: [Site; 5] = [
     Site::ResidPre,
@@ -103,7 +107,7 @@ pub fn non_finite_error(model: &dyn LanguageModel, tokens: Tensor<2, Int>, what:
     match first_non_finite(model, tokens) {
         Ok(Some(at)) => Error::NonFinite(format!("{what}: {at}")),
         Ok(None) => Error::NonFinite(format!(
-            "{what}; a plain forward of the same tokens is finite at every layer, so the intervention (or the loss) made them non-finite"
+            "{what}; a plain forward of the same tokens is finite at every layer (no layer is the {LOCATED} one), so an intervention (or the loss) made them non-finite"
         )),
         Err(e) => Error::NonFinite(format!(
             "{what} (the diagnostic forward that would name the layer failed: {e})"

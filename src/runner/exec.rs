@@ -57,7 +57,11 @@ impl<'a> Executor<'a> {
     /// non-finite in a plain forward of its prompts.
     pub fn run(&mut self, g: &Group) -> Result<GroupResult> {
         match self.run_inner(g) {
-            Err(Error::NonFinite(what)) => Err(self.name_non_finite(g, &what)),
+            // Base runs name the layer themselves; a chunk's forward (with its
+            // interventions) is diagnosed here against plain forwards of the group.
+            Err(Error::NonFinite(what)) if !what.contains(crate::model::diagnose::LOCATED) => {
+                Err(self.name_non_finite(g, &what))
+            }
             r => r,
         }
     }

@@ -473,12 +473,29 @@ impl Experiment {
         if f.task.n_logical == Some(0) {
             return Err(self.err("task", "n_logical", "must be at least 1"));
         }
+        if let Some(n) = f.task.n_logical
+            && n > MAX_N_LOGICAL
+        {
+            return Err(self.err(
+                "task",
+                "n_logical",
+                format!("{n} is more than {MAX_N_LOGICAL} logical examples per phase group"),
+            ));
+        }
+        if let Some(p) = f.task.period
+            && let Err(e) = crate::tasks::Period::new(p)
+        {
+            return Err(self.err("task", "period", e));
+        }
         if f.task.period == Some(0) {
             return Err(self.err("task", "period", "must be at least 1"));
         }
         self.kind().check(self)
     }
 }
+
+/// The most logical examples per phase group an experiment may ask for.
+pub const MAX_N_LOGICAL: usize = 1_000_000;
 
 /// The most bootstrap replicates an experiment may ask for (each replicate resamples
 /// every cluster of every cell: 10^11 would run for days and hold gigabytes).
