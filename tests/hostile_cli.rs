@@ -52,11 +52,27 @@ fn bad_command_lines_give_named_errors_not_panics() {
     };
     let cases: Vec<(Vec<String>, i32, &str)> = vec![
         (
-            fwd(&["--input", "ids.json", "--capture", "hook_embed", "--capture", "blocks.*.attn.hook_zz"]),
+            fwd(&[
+                "--input",
+                "ids.json",
+                "--capture",
+                "hook_embed",
+                "--capture",
+                "blocks.*.attn.hook_zz",
+            ]),
             1,
             "`blocks.*.attn.hook_zz` matched no hook point",
         ),
-        (fwd(&["--input", "ids.json", "--capture", "blocks.9.hook_resid_pre"]), 1, "blocks.9.hook_resid_pre"),
+        (
+            fwd(&[
+                "--input",
+                "ids.json",
+                "--capture",
+                "blocks.9.hook_resid_pre",
+            ]),
+            1,
+            "blocks.9.hook_resid_pre",
+        ),
         (fwd(&["--input", "ragged.json"]), 1, "ragged"),
         (fwd(&["--input", "oov.json"]), 1, "out of the vocabulary"),
         (fwd(&["--input", "neg.json"]), 1, "out of the vocabulary"),
@@ -64,26 +80,163 @@ fn bad_command_lines_give_named_errors_not_panics() {
         (fwd(&["--input", "garbage.json"]), 1, "JSON array"),
         (fwd(&["--input", "missing.json"]), 1, "missing.json"),
         (
-            vec!["forward".into(), "--model".into(), "nowhere".into(), "--input".into(), "ids.json".into(), "--out".into(), "o.safetensors".into()],
+            vec![
+                "forward".into(),
+                "--model".into(),
+                "nowhere".into(),
+                "--input".into(),
+                "ids.json".into(),
+                "--out".into(),
+                "o.safetensors".into(),
+            ],
             1,
             "nowhere",
         ),
-        (vec!["bench".into(), "forward".into(), "--reps".into(), "0".into()], 2, "at least 1"),
-        (vec!["bench".into(), "forward".into(), "--tokens".into(), "0".into()], 2, "at least 1"),
-        (vec!["bench".into(), "forward".into(), "--tokens".into(), "16,0".into()], 2, "at least 1"),
-        (vec!["bench".into(), "forward".into(), "--batch".into(), "0".into()], 2, "at least 1"),
-        (vec!["bench".into(), "forward".into(), "--layers".into(), "0".into()], 2, "at least 1"),
-        (vec!["bench".into(), "forward".into(), "--reps".into(), "-1".into()], 2, "--reps"),
-        (vec!["bench".into(), "forward".into(), "--tokens".into(), "100000000000".into(), "--reps".into(), "1".into()], 1, "--tokens"),
-        (vec!["bench".into(), "patching".into(), "p.toml".into(), "--n-logical".into(), "0".into()], 2, "at least 1"),
-        (vec!["bench".into(), "patching".into(), "p.toml".into(), "--positions".into(), "final:0".into()], 2, "final"),
-        (vec!["bench".into(), "patching".into(), "p.toml".into(), "--positions".into(), "final:x".into()], 2, "final:K"),
-        (vec!["bench".into(), "patching".into(), "p.toml".into(), "--phase".into(), "99".into()], 1, "phase 99"),
+        (
+            vec![
+                "bench".into(),
+                "forward".into(),
+                "--reps".into(),
+                "0".into(),
+            ],
+            2,
+            "at least 1",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "forward".into(),
+                "--tokens".into(),
+                "0".into(),
+            ],
+            2,
+            "at least 1",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "forward".into(),
+                "--tokens".into(),
+                "16,0".into(),
+            ],
+            2,
+            "at least 1",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "forward".into(),
+                "--batch".into(),
+                "0".into(),
+            ],
+            2,
+            "at least 1",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "forward".into(),
+                "--layers".into(),
+                "0".into(),
+            ],
+            2,
+            "at least 1",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "forward".into(),
+                "--reps".into(),
+                "-1".into(),
+            ],
+            2,
+            "-1",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "forward".into(),
+                "--tokens".into(),
+                "100000000000".into(),
+                "--reps".into(),
+                "1".into(),
+            ],
+            1,
+            "--tokens",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "patching".into(),
+                "p.toml".into(),
+                "--n-logical".into(),
+                "0".into(),
+            ],
+            2,
+            "at least 1",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "patching".into(),
+                "p.toml".into(),
+                "--positions".into(),
+                "final:0".into(),
+            ],
+            2,
+            "final",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "patching".into(),
+                "p.toml".into(),
+                "--positions".into(),
+                "final:x".into(),
+            ],
+            2,
+            "final:K",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "patching".into(),
+                "p.toml".into(),
+                "--phase".into(),
+                "99".into(),
+            ],
+            1,
+            "phase 99",
+        ),
         (vec!["run".into(), "nope.toml".into()], 1, "nope.toml"),
         (vec!["train".into(), "nope.toml".into()], 1, "nope.toml"),
-        (vec!["figures".into(), "--experiment".into(), "../etc".into(), "--data-dir".into(), ".".into()], 1, "--experiment"),
-        (vec!["figures".into(), "--experiment".into(), "none".into(), "--data-dir".into(), ".".into()], 1, "none"),
-        (vec!["inspect".into(), "--model".into(), "nowhere".into()], 1, "nowhere"),
+        (
+            vec![
+                "figures".into(),
+                "--experiment".into(),
+                "../etc".into(),
+                "--data-dir".into(),
+                ".".into(),
+            ],
+            1,
+            "--experiment",
+        ),
+        (
+            vec![
+                "figures".into(),
+                "--experiment".into(),
+                "none".into(),
+                "--data-dir".into(),
+                ".".into(),
+            ],
+            1,
+            "none",
+        ),
+        (
+            vec!["inspect".into(), "--model".into(), "nowhere".into()],
+            1,
+            "nowhere",
+        ),
     ];
     let mut bad = Vec::new();
     for (args, code, want) in &cases {
@@ -91,10 +244,19 @@ fn bad_command_lines_give_named_errors_not_panics() {
         let o = phaselens(&args, d);
         let e = stderr(&o);
         if o.status.code() != Some(*code) || e.contains("panicked at") || !e.contains(want) {
-            bad.push(format!("{args:?}: exit {:?}, want {code} and `{want}`: {e}", o.status.code()));
+            bad.push(format!(
+                "{args:?}: exit {:?}, want {code} and `{want}`: {e}",
+                o.status.code()
+            ));
         }
     }
-    assert!(bad.is_empty(), "{} of {} cases failed:\n{}", bad.len(), cases.len(), bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "{} of {} cases failed:\n{}",
+        bad.len(),
+        cases.len(),
+        bad.join("\n")
+    );
 }
 
 #[test]
@@ -125,19 +287,30 @@ fn train_help_names_the_folders_it_writes() {
 #[test]
 fn a_forward_of_100k_tokens_runs_in_linear_memory() {
     // Blocked attention: no [T, T] mask or score matrix. (Before, 100K tokens built an
-    // 11 GB mask and aborted.)
+    // 11 GB mask and aborted.) Attention compute still grows as T x entries, so the
+    // model is one layer, one head, one entry per 128 tokens: the test checks that the
+    // length works, not speed (`bench forward --tokens` measures that).
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    organism(d, "tiny", &tiny(1, 1, 1, 128, 128), 1);
     let t = 100_000;
     let ids: Vec<String> = (0..t).map(|i| ((i * 31) % 128).to_string()).collect();
     std::fs::write(d.join("long.json"), format!("[[{}]]", ids.join(","))).unwrap();
     let o = phaselens(
-        &["forward", "--model", "tiny", "--input", "long.json", "--out", "long.safetensors"],
+        &[
+            "forward",
+            "--model",
+            "tiny",
+            "--input",
+            "long.json",
+            "--out",
+            "long.safetensors",
+        ],
         d,
     );
     assert!(o.status.success(), "{}", stderr(&o));
-    let r = phaselens::model::safetensors_io::SafetensorsReader::open(&d.join("long.safetensors")).unwrap();
+    let r = phaselens::model::safetensors_io::SafetensorsReader::open(&d.join("long.safetensors"))
+        .unwrap();
     let (shape, v) = r.read_f32("logits").unwrap();
     assert_eq!(shape, vec![1, t, 128]);
     assert!(v.iter().all(|x| x.is_finite()));
@@ -203,7 +376,10 @@ fn run_or_kill(args: &[&str], cwd: &Path, ms: u64) -> bool {
 }
 
 fn rows(path: &Path) -> String {
-    format!("{:?}", read_long_rows(&Table::read_arrow(path).unwrap()).unwrap())
+    format!(
+        "{:?}",
+        read_long_rows(&Table::read_arrow(path).unwrap()).unwrap()
+    )
 }
 
 #[test]
@@ -225,12 +401,18 @@ fn kill_9_at_any_point_of_run_never_changes_a_table_or_loses_a_shard() {
     let mut done = false;
     let mut kills = 0;
     // Kill points spread over start-up, model load, base runs, chunks and table writes.
-    for ms in [40, 90, 150, 220, 300, 400, 520, 650, 800, 1000, 1300, 1700, 2200, 3000] {
+    for ms in [
+        40, 90, 150, 220, 300, 400, 520, 650, 800, 1000, 1300, 1700, 2200, 3000,
+    ] {
         let before = shards(&data);
         let finished = run_or_kill(&args, d, ms);
         let after = shards(&data);
         for s in &before {
-            assert!(after.contains(s), "kill at {ms} ms lost or changed {}", s.0.display());
+            assert!(
+                after.contains(s),
+                "kill at {ms} ms lost or changed {}",
+                s.0.display()
+            );
         }
         if finished {
             done = true;
@@ -289,6 +471,19 @@ checkpoint_every = 2
 keep_checkpoints = 100
 "#;
 
+/// Every tensor of a safetensors file, by name.
+fn tensors(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let r = phaselens::model::safetensors_io::SafetensorsReader::open(path).unwrap();
+    let names: Vec<String> = r.names().map(String::from).collect();
+    names
+        .into_iter()
+        .map(|n| {
+            let (shape, v) = r.read_f32(&n).unwrap();
+            (n, shape, v)
+        })
+        .collect()
+}
+
 fn complete_checkpoints(run: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut out = Vec::new();
     let Ok(dirs) = std::fs::read_dir(run.join("checkpoints")) else {
@@ -310,20 +505,30 @@ fn complete_checkpoints(run: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 fn kill_9_at_any_point_of_train_never_changes_the_result_or_loses_a_checkpoint() {
     let reference = tempfile::tempdir().unwrap();
     std::fs::write(reference.path().join("tiny.toml"), RECIPE).unwrap();
-    assert!(run_or_kill(&["train", "tiny.toml"], reference.path(), u64::MAX));
-    let want = std::fs::read(reference.path().join("tiny/model.safetensors")).unwrap();
+    assert!(run_or_kill(
+        &["train", "tiny.toml"],
+        reference.path(),
+        u64::MAX
+    ));
+    let want = tensors(&reference.path().join("tiny/model.safetensors"));
 
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     std::fs::write(d.join("tiny.toml"), RECIPE).unwrap();
     let mut done = false;
     let mut kills = 0;
-    for ms in [30, 80, 140, 200, 280, 360, 450, 560, 700, 900, 1200, 1600, 2200] {
+    for ms in [
+        30, 80, 140, 200, 280, 360, 450, 560, 700, 900, 1200, 1600, 2200,
+    ] {
         let before = complete_checkpoints(&d.join("run"));
         let finished = run_or_kill(&["train", "tiny.toml"], d, ms);
         let after = complete_checkpoints(&d.join("run"));
         for c in &before {
-            assert!(after.contains(c), "kill at {ms} ms lost or changed {}", c.0.display());
+            assert!(
+                after.contains(c),
+                "kill at {ms} ms lost or changed {}",
+                c.0.display()
+            );
         }
         if finished {
             done = true;
@@ -335,7 +540,11 @@ fn kill_9_at_any_point_of_train_never_changes_the_result_or_loses_a_checkpoint()
         assert!(run_or_kill(&["train", "tiny.toml"], d, u64::MAX));
     }
     assert!(kills >= 1, "training finished before the first kill point");
-    let got = std::fs::read(d.join("tiny/model.safetensors")).unwrap();
-    assert!(got == want, "the resumed model differs from the uninterrupted one");
+    // Values, not bytes: the safetensors header's key order differs between processes.
+    assert_eq!(
+        tensors(&d.join("tiny/model.safetensors")),
+        want,
+        "the resumed model differs from the uninterrupted one ({kills} kills)"
+    );
     assert!(!d.join("run/.lock").exists());
 }

@@ -25,7 +25,11 @@ use rand_chacha::ChaCha8Rng;
 
 /// Run `f` for every case; collect every case that panicked, succeeded or whose error
 /// lacks the expected text, and fail once with all of them.
-fn expect_errors<I>(what: &str, cases: Vec<(String, I, &str)>, f: impl Fn(&I) -> Result<(), String>) {
+fn expect_errors<I>(
+    what: &str,
+    cases: Vec<(String, I, &str)>,
+    f: impl Fn(&I) -> Result<(), String>,
+) {
     let mut bad = Vec::new();
     let n = cases.len();
     for (label, input, want) in cases {
@@ -38,14 +42,21 @@ fn expect_errors<I>(what: &str, cases: Vec<(String, I, &str)>, f: impl Fn(&I) ->
                     .unwrap_or_default();
                 bad.push(format!("{label}: PANIC {msg}"));
             }
-            Ok(Ok(())) => bad.push(format!("{label}: accepted, expected an error with `{want}`")),
+            Ok(Ok(())) => bad.push(format!(
+                "{label}: accepted, expected an error with `{want}`"
+            )),
             Ok(Err(e)) if !e.to_lowercase().contains(&want.to_lowercase()) => {
                 bad.push(format!("{label}: error lacks `{want}`: {e}"))
             }
             Ok(Err(_)) => {}
         }
     }
-    assert!(bad.is_empty(), "{what}: {} of {n} cases failed:\n{}", bad.len(), bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "{what}: {} of {n} cases failed:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
 }
 
 // ---------------------------------------------------------------- experiment TOMLs
@@ -119,27 +130,79 @@ fn kvc_json(edit: impl Fn(&mut serde_json::Value)) -> String {
 #[test]
 fn kvc_configs_reject_impossible_values() {
     type Edit = Box<dyn Fn(&mut serde_json::Value)>;
-    let set = |k: &'static str, x: serde_json::Value| -> Edit { Box::new(move |v| v[k] = x.clone()) };
+    let set =
+        |k: &'static str, x: serde_json::Value| -> Edit { Box::new(move |v| v[k] = x.clone()) };
     let cases: Vec<(String, Edit, &str)> = vec![
-        ("rope_theta 0".into(), set("rope_theta", 0.into()), "rope_theta"),
-        ("rope_theta negative".into(), set("rope_theta", (-1.0).into()), "rope_theta"),
-        ("rope_theta huge (inf in f64)".into(), Box::new(|v| v["rope_theta"] = serde_json::json!(1e308)), "__accept__"),
+        (
+            "rope_theta 0".into(),
+            set("rope_theta", 0.into()),
+            "rope_theta",
+        ),
+        (
+            "rope_theta negative".into(),
+            set("rope_theta", (-1.0).into()),
+            "rope_theta",
+        ),
+        (
+            "rope_theta huge (inf in f64)".into(),
+            Box::new(|v| v["rope_theta"] = serde_json::json!(1e308)),
+            "__accept__",
+        ),
         ("norm_eps 0".into(), set("norm_eps", 0.0.into()), "norm_eps"),
-        ("norm_eps negative".into(), set("norm_eps", (-1e-6).into()), "norm_eps"),
-        ("init_std negative".into(), set("init_std", (-0.1).into()), "init_std"),
-        ("n_layers 10^9".into(), set("n_layers", 1_000_000_000u64.into()), "n_layers"),
+        (
+            "norm_eps negative".into(),
+            set("norm_eps", (-1e-6).into()),
+            "norm_eps",
+        ),
+        (
+            "init_std negative".into(),
+            set("init_std", (-0.1).into()),
+            "init_std",
+        ),
+        (
+            "n_layers 10^9".into(),
+            set("n_layers", 1_000_000_000u64.into()),
+            "n_layers",
+        ),
         ("n_layers 0".into(), set("n_layers", 0.into()), "n_layers"),
         ("d_model 0".into(), set("d_model", 0.into()), "d_model"),
         ("vocab 0".into(), set("vocab_size", 0.into()), "vocab_size"),
-        ("n_kv_heads not dividing".into(), set("n_kv_heads", 3.into()), "n_kv_heads"),
-        ("window < stride".into(), Box::new(|v| v["compression"]["window"] = 2.into()), "window"),
-        ("stride 0".into(), Box::new(|v| v["compression"]["stride"] = 0.into()), "stride"),
+        (
+            "n_kv_heads not dividing".into(),
+            set("n_kv_heads", 3.into()),
+            "n_kv_heads",
+        ),
+        (
+            "window < stride".into(),
+            Box::new(|v| v["compression"]["window"] = 2.into()),
+            "window",
+        ),
+        (
+            "stride 0".into(),
+            Box::new(|v| v["compression"]["stride"] = 0.into()),
+            "stride",
+        ),
         ("negative size".into(), set("d_ff", (-4).into()), "d_ff"),
         ("string size".into(), set("d_ff", "many".into()), "d_ff"),
         ("unknown key".into(), set("d_fff", 3.into()), "d_fff"),
-        ("wrong model_type".into(), set("model_type", "gpt".into()), "model_type"),
-        ("partial without dims".into(), set("rope", "partial".into()), "rope_dims"),
-        ("odd rope dims".into(), Box::new(|v| { v["rope"] = "partial".into(); v["rope_dims"] = 3.into(); }), "rope_dims"),
+        (
+            "wrong model_type".into(),
+            set("model_type", "gpt".into()),
+            "model_type",
+        ),
+        (
+            "partial without dims".into(),
+            set("rope", "partial".into()),
+            "rope_dims",
+        ),
+        (
+            "odd rope dims".into(),
+            Box::new(|v| {
+                v["rope"] = "partial".into();
+                v["rope_dims"] = 3.into();
+            }),
+            "rope_dims",
+        ),
     ];
     let cases = cases
         .into_iter()
@@ -156,8 +219,13 @@ fn kvc_config_sizes_beyond_memory_are_refused_naming_the_keys() {
     let mut c = KvcConfig::tiny();
     c.vocab_size = 1 << 40;
     c.d_model = 1 << 20;
-    let e = phaselens::model::memory::check_kvc(&c).unwrap_err().to_string();
-    assert!(e.contains("vocab_size = 1099511627776") && e.contains("d_model"), "{e}");
+    let e = phaselens::model::memory::check_kvc(&c)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("vocab_size = 1099511627776") && e.contains("d_model"),
+        "{e}"
+    );
 }
 
 // ---------------------------------------------------------------- config.json (DeepSeek-V4)
@@ -172,27 +240,108 @@ fn v4_json(edit: impl Fn(&mut serde_json::Value)) -> String {
 #[test]
 fn deepseek_v4_configs_reject_impossible_values() {
     type Edit = Box<dyn Fn(&mut serde_json::Value)>;
-    let set = |k: &'static str, x: serde_json::Value| -> Edit { Box::new(move |v| v[k] = x.clone()) };
+    let set =
+        |k: &'static str, x: serde_json::Value| -> Edit { Box::new(move |v| v[k] = x.clone()) };
     let cases: Vec<(String, Edit, &str)> = vec![
-        ("rope_theta 0".into(), Box::new(|v| { v["rope_theta"] = 0.into(); v.as_object_mut().unwrap().remove("rope_parameters"); }), "rope_theta"),
-        ("rope_theta negative".into(), Box::new(|v| { v["rope_theta"] = (-5.0).into(); v.as_object_mut().unwrap().remove("rope_parameters"); }), "rope_theta"),
-        ("compress_rope_theta 0".into(), Box::new(|v| { v["compress_rope_theta"] = 0.into(); v.as_object_mut().unwrap().remove("rope_parameters"); }), "rope_theta"),
-        ("partial_rotary_factor 2".into(), Box::new(|v| { v["partial_rotary_factor"] = 2.0.into(); v.as_object_mut().unwrap().remove("rope_parameters"); }), "partial_rotary_factor"),
-        ("partial_rotary_factor negative".into(), Box::new(|v| { v["partial_rotary_factor"] = (-0.5).into(); v.as_object_mut().unwrap().remove("rope_parameters"); }), "partial_rotary_factor"),
-        ("num_hidden_layers 10^9".into(), set("num_hidden_layers", 1_000_000_000u64.into()), "num_hidden_layers"),
-        ("num_hidden_layers 10^18".into(), set("num_hidden_layers", 1_000_000_000_000_000_000u64.into()), "num_hidden_layers"),
-        ("hidden_size 0".into(), set("hidden_size", 0.into()), "hidden_size"),
-        ("rms_norm_eps 0".into(), set("rms_norm_eps", 0.0.into()), "rms_norm_eps"),
-        ("swiglu_limit negative".into(), set("swiglu_limit", (-1.0).into()), "swiglu_limit"),
-        ("hc_eps negative".into(), set("hc_eps", (-1.0).into()), "hc_eps"),
-        ("experts per token > experts".into(), set("num_experts_per_tok", 9.into()), "num_experts_per_tok"),
-        ("o_groups not dividing".into(), set("o_groups", 3.into()), "o_groups"),
-        ("wrong model_type".into(), set("model_type", "llama".into()), "model_type"),
-        ("hidden_size string".into(), set("hidden_size", "big".into()), "hidden_size"),
+        (
+            "rope_theta 0".into(),
+            Box::new(|v| {
+                v["rope_theta"] = 0.into();
+                v.as_object_mut().unwrap().remove("rope_parameters");
+            }),
+            "rope_theta",
+        ),
+        (
+            "rope_theta negative".into(),
+            Box::new(|v| {
+                v["rope_theta"] = (-5.0).into();
+                v.as_object_mut().unwrap().remove("rope_parameters");
+            }),
+            "rope_theta",
+        ),
+        (
+            "compress_rope_theta 0".into(),
+            Box::new(|v| {
+                v["compress_rope_theta"] = 0.into();
+                v.as_object_mut().unwrap().remove("rope_parameters");
+            }),
+            "rope_theta",
+        ),
+        (
+            "partial_rotary_factor 2".into(),
+            Box::new(|v| {
+                v["partial_rotary_factor"] = 2.0.into();
+                v.as_object_mut().unwrap().remove("rope_parameters");
+            }),
+            "partial_rotary_factor",
+        ),
+        (
+            "partial_rotary_factor negative".into(),
+            Box::new(|v| {
+                v["partial_rotary_factor"] = (-0.5).into();
+                v.as_object_mut().unwrap().remove("rope_parameters");
+            }),
+            "partial_rotary_factor",
+        ),
+        (
+            "num_hidden_layers 10^9".into(),
+            set("num_hidden_layers", 1_000_000_000u64.into()),
+            "num_hidden_layers",
+        ),
+        (
+            "num_hidden_layers 10^18".into(),
+            set("num_hidden_layers", 1_000_000_000_000_000_000u64.into()),
+            "num_hidden_layers",
+        ),
+        (
+            "hidden_size 0".into(),
+            set("hidden_size", 0.into()),
+            "hidden_size",
+        ),
+        (
+            "rms_norm_eps 0".into(),
+            set("rms_norm_eps", 0.0.into()),
+            "rms_norm_eps",
+        ),
+        (
+            "swiglu_limit negative".into(),
+            set("swiglu_limit", (-1.0).into()),
+            "swiglu_limit",
+        ),
+        (
+            "hc_eps negative".into(),
+            set("hc_eps", (-1.0).into()),
+            "hc_eps",
+        ),
+        (
+            "experts per token > experts".into(),
+            set("num_experts_per_tok", 9.into()),
+            "num_experts_per_tok",
+        ),
+        (
+            "o_groups not dividing".into(),
+            set("o_groups", 3.into()),
+            "o_groups",
+        ),
+        (
+            "wrong model_type".into(),
+            set("model_type", "llama".into()),
+            "model_type",
+        ),
+        (
+            "hidden_size string".into(),
+            set("hidden_size", "big".into()),
+            "hidden_size",
+        ),
     ];
-    let cases = cases.into_iter().map(|(l, e, w)| (l, v4_json(e), w)).collect();
+    let cases = cases
+        .into_iter()
+        .map(|(l, e, w)| (l, v4_json(e), w))
+        .collect();
     expect_errors("DeepSeek-V4 config.json", cases, |text| {
-        DeepseekV4Config::from_json(text).map(|_| ()).map_err(|e| e.to_string())
+        DeepseekV4Config::from_json(text)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     });
     // Sizes that parse but cannot fit any machine are refused by the memory check.
     let big = v4_json(|v| {
@@ -200,7 +349,9 @@ fn deepseek_v4_configs_reject_impossible_values() {
         v["moe_intermediate_size"] = (1u64 << 22).into();
     });
     let c = DeepseekV4Config::from_json(&big).unwrap();
-    let e = phaselens::model::memory::check_deepseek_v4(&c).unwrap_err().to_string();
+    let e = phaselens::model::memory::check_deepseek_v4(&c)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("hidden_size = 4194304"), "{e}");
 }
 
@@ -252,32 +403,129 @@ fn recipes_reject_impossible_settings_where_parsed() {
         c("lr 0", r("lr = 1e-2", "lr = 0.0"), "lr"),
         c("lr nan", r("lr = 1e-2", "lr = nan"), "lr"),
         c("lr inf", r("lr = 1e-2", "lr = inf"), "lr"),
-        c("min_lr_ratio 2", r("lr = 1e-2", "lr = 1e-2\nmin_lr_ratio = 2.0"), "min_lr_ratio"),
+        c(
+            "min_lr_ratio 2",
+            r("lr = 1e-2", "lr = 1e-2\nmin_lr_ratio = 2.0"),
+            "min_lr_ratio",
+        ),
         c("beta2 1", r("lr = 1e-2", "lr = 1e-2\nbeta2 = 1.0"), "beta2"),
-        c("grad_clip 0", r("lr = 1e-2", "lr = 1e-2\ngrad_clip = 0.0"), "grad_clip"),
-        c("weight_decay negative", r("lr = 1e-2", "lr = 1e-2\nweight_decay = -0.1"), "weight_decay"),
+        c(
+            "grad_clip 0",
+            r("lr = 1e-2", "lr = 1e-2\ngrad_clip = 0.0"),
+            "grad_clip",
+        ),
+        c(
+            "weight_decay negative",
+            r("lr = 1e-2", "lr = 1e-2\nweight_decay = -0.1"),
+            "weight_decay",
+        ),
         c("steps 0", r("steps = 4", "steps = 0"), "steps"),
-        c("batch_size 0", r("batch_size = 4", "batch_size = 0"), "batch_size"),
-        c("batch_size 10^8", r("batch_size = 4", "batch_size = 100000000"), "batch_size"),
-        c("checkpoint_every 0", r("checkpoint_every = 2", "checkpoint_every = 0"), "checkpoint_every"),
-        c("keep_checkpoints 0", r("checkpoint_every = 2", "checkpoint_every = 2\nkeep_checkpoints = 0"), "keep_checkpoints"),
+        c(
+            "batch_size 0",
+            r("batch_size = 4", "batch_size = 0"),
+            "batch_size",
+        ),
+        c(
+            "batch_size 10^8",
+            r("batch_size = 4", "batch_size = 100000000"),
+            "batch_size",
+        ),
+        c(
+            "checkpoint_every 0",
+            r("checkpoint_every = 2", "checkpoint_every = 0"),
+            "checkpoint_every",
+        ),
+        c(
+            "keep_checkpoints 0",
+            r(
+                "checkpoint_every = 2",
+                "checkpoint_every = 2\nkeep_checkpoints = 0",
+            ),
+            "keep_checkpoints",
+        ),
         c("syntax error", r("[train]", "[train"), "syntax"),
-        c("syntax error line/col", r("steps = 4", "steps = = 4"), "column"),
-        c("rope_theta 0", r("d_ff = 32", "d_ff = 32\nrope_theta = 0.0"), "rope_theta"),
-        c("rope_theta nan", r("d_ff = 32", "d_ff = 32\nrope_theta = nan"), "rope_theta"),
-        c("norm_eps inf", r("d_ff = 32", "d_ff = 32\nnorm_eps = inf"), "norm_eps"),
-        c("n_layers 10^9", r("n_layers = 1", "n_layers = 1000000000"), "n_layers"),
-        c("name ..", r("name = \"tiny\"", "name = \"../evil\""), "name"),
-        c("name absolute", r("name = \"tiny\"", "name = \"/tmp/evil\""), "name"),
-        c("no model_type", r("model_type = \"phaselens-kvc\"\n", ""), "model_type"),
+        c(
+            "syntax error line/col",
+            r("steps = 4", "steps = = 4"),
+            "column",
+        ),
+        c(
+            "rope_theta 0",
+            r("d_ff = 32", "d_ff = 32\nrope_theta = 0.0"),
+            "rope_theta",
+        ),
+        c(
+            "rope_theta nan",
+            r("d_ff = 32", "d_ff = 32\nrope_theta = nan"),
+            "rope_theta",
+        ),
+        c(
+            "norm_eps inf",
+            r("d_ff = 32", "d_ff = 32\nnorm_eps = inf"),
+            "norm_eps",
+        ),
+        c(
+            "n_layers 10^9",
+            r("n_layers = 1", "n_layers = 1000000000"),
+            "n_layers",
+        ),
+        c(
+            "name ..",
+            r("name = \"tiny\"", "name = \"../evil\""),
+            "name",
+        ),
+        c(
+            "name absolute",
+            r("name = \"tiny\"", "name = \"/tmp/evil\""),
+            "name",
+        ),
+        c(
+            "no model_type",
+            r("model_type = \"phaselens-kvc\"\n", ""),
+            "model_type",
+        ),
         c("period 0", r("period = 4", "period = 0"), "period"),
-        c("period 2^32-1", r("period = 4", "period = 4294967295"), "period"),
-        c("key_len 10^6", r("n_queries = 3", "n_queries = 3, key_len = 1000000"), "key_len"),
-        c("key_len 10^18", r("n_queries = 3", "n_queries = 3, key_len = 1000000000000000000"), "key_len"),
-        c("value_len 10^9", r("n_queries = 3", "n_queries = 3, value_len = 1000000000"), "value_len"),
-        c("n_bindings 0", r("n_bindings = 6", "n_bindings = 0"), "n_bindings"),
-        c("queries > bindings", r("n_queries = 3", "n_queries = 9"), "n_queries"),
-        c("inner_pad_max huge", r("period = 4", "period = 4\ninner_pad_max = 9223372036854775807"), "inner_pad_max"),
+        c(
+            "period 2^32-1",
+            r("period = 4", "period = 4294967295"),
+            "period",
+        ),
+        c(
+            "key_len 10^6",
+            r("n_queries = 3", "n_queries = 3, key_len = 1000000"),
+            "key_len",
+        ),
+        c(
+            "key_len 10^18",
+            r(
+                "n_queries = 3",
+                "n_queries = 3, key_len = 1000000000000000000",
+            ),
+            "key_len",
+        ),
+        c(
+            "value_len 10^9",
+            r("n_queries = 3", "n_queries = 3, value_len = 1000000000"),
+            "value_len",
+        ),
+        c(
+            "n_bindings 0",
+            r("n_bindings = 6", "n_bindings = 0"),
+            "n_bindings",
+        ),
+        c(
+            "queries > bindings",
+            r("n_queries = 3", "n_queries = 9"),
+            "n_queries",
+        ),
+        c(
+            "inner_pad_max huge",
+            r(
+                "period = 4",
+                "period = 4\ninner_pad_max = 9223372036854775807",
+            ),
+            "inner_pad_max",
+        ),
     ];
     expect_errors("organism recipe", cases, |text| {
         let f = load_recipe(d.path(), text)?;
@@ -299,10 +547,19 @@ fn training_batch_beyond_memory_is_refused_before_anything_is_written() {
     let p = d.path().join("r.toml");
     std::fs::write(&p, &text).unwrap();
     let f = OrganismFile::load(&p).unwrap();
-    let opts = phaselens::train::TrainOptions { fresh: false, max_steps: None, progress: false };
-    let e = phaselens::train::train(&p, &f, &common::dev(), &opts).unwrap_err().to_string();
+    let opts = phaselens::train::TrainOptions {
+        fresh: false,
+        max_steps: None,
+        progress: false,
+    };
+    let e = phaselens::train::train(&p, &f, &common::dev(), &opts)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("batch_size") && e.contains("r.toml"), "{e}");
-    assert!(!d.path().join("run").exists(), "nothing written before the check");
+    assert!(
+        !d.path().join("run").exists(),
+        "nothing written before the check"
+    );
 }
 
 // ---------------------------------------------------------------- safetensors headers
@@ -323,28 +580,106 @@ fn safetensors_headers_that_lie_are_named_errors() {
     use serde_json::json;
     let d = tempfile::tempdir().unwrap();
     let t = |dtype: &str, shape: serde_json::Value, a: u64, b: u64| json!({"dtype": dtype, "shape": shape, "data_offsets": [a, b]});
-    let c = |l: &str, h: serde_json::Value, n: usize, want: &'static str| (l.to_string(), (h, n), want);
+    let c =
+        |l: &str, h: serde_json::Value, n: usize, want: &'static str| (l.to_string(), (h, n), want);
     let cases = vec![
-        c("overlap", json!({"a": t("F32", json!([2]), 0, 8), "b": t("F32", json!([2]), 4, 12)}), 12, "overlap"),
-        c("same bytes twice", json!({"a": t("F32", json!([2]), 0, 8), "b": t("F32", json!([2]), 0, 8)}), 8, "overlap"),
-        c("gap", json!({"a": t("F32", json!([1]), 0, 4), "b": t("F32", json!([1]), 8, 12)}), 12, "unclaimed"),
-        c("gap at start", json!({"a": t("F32", json!([1]), 4, 8)}), 8, "unclaimed"),
-        c("trailing bytes", json!({"a": t("F32", json!([1]), 0, 4)}), 12, "trailing"),
-        c("past the end", json!({"a": t("F32", json!([4]), 0, 16)}), 8, "truncated"),
-        c("offsets reversed", json!({"a": t("F32", json!([1]), 8, 4)}), 8, "data_offsets"),
-        c("offset u64::MAX", json!({"a": t("F32", json!([1]), u64::MAX - 4, u64::MAX)}), 8, "truncated"),
-        c("shape product overflow", json!({"a": t("F32", json!([u64::MAX, u64::MAX]), 0, 4)}), 4, "shape"),
-        c("shape x dtype overflow", json!({"a": t("F64", json!([1u64 << 62]), 0, 8)}), 8, "shape"),
-        c("shape mismatch", json!({"a": t("F32", json!([3]), 0, 8)}), 8, "needs"),
-        c("negative dim", json!({"a": t("F32", json!([-1]), 0, 4)}), 4, "shape"),
-        c("bad dtype", json!({"a": t("F33", json!([1]), 0, 4)}), 4, "dtype"),
-        c("no offsets", json!({"a": {"dtype": "F32", "shape": [1]}}), 4, "data_offsets"),
+        c(
+            "overlap",
+            json!({"a": t("F32", json!([2]), 0, 8), "b": t("F32", json!([2]), 4, 12)}),
+            12,
+            "overlap",
+        ),
+        c(
+            "same bytes twice",
+            json!({"a": t("F32", json!([2]), 0, 8), "b": t("F32", json!([2]), 0, 8)}),
+            8,
+            "overlap",
+        ),
+        c(
+            "gap",
+            json!({"a": t("F32", json!([1]), 0, 4), "b": t("F32", json!([1]), 8, 12)}),
+            12,
+            "unclaimed",
+        ),
+        c(
+            "gap at start",
+            json!({"a": t("F32", json!([1]), 4, 8)}),
+            8,
+            "unclaimed",
+        ),
+        c(
+            "trailing bytes",
+            json!({"a": t("F32", json!([1]), 0, 4)}),
+            12,
+            "trailing",
+        ),
+        c(
+            "past the end",
+            json!({"a": t("F32", json!([4]), 0, 16)}),
+            8,
+            "truncated",
+        ),
+        c(
+            "offsets reversed",
+            json!({"a": t("F32", json!([1]), 8, 4)}),
+            8,
+            "data_offsets",
+        ),
+        c(
+            "offset u64::MAX",
+            json!({"a": t("F32", json!([1]), u64::MAX - 4, u64::MAX)}),
+            8,
+            "truncated",
+        ),
+        c(
+            "shape product overflow",
+            json!({"a": t("F32", json!([u64::MAX, u64::MAX]), 0, 4)}),
+            4,
+            "shape",
+        ),
+        c(
+            "shape x dtype overflow",
+            json!({"a": t("F64", json!([1u64 << 62]), 0, 8)}),
+            8,
+            "shape",
+        ),
+        c(
+            "shape mismatch",
+            json!({"a": t("F32", json!([3]), 0, 8)}),
+            8,
+            "needs",
+        ),
+        c(
+            "negative dim",
+            json!({"a": t("F32", json!([-1]), 0, 4)}),
+            4,
+            "shape",
+        ),
+        c(
+            "bad dtype",
+            json!({"a": t("F33", json!([1]), 0, 4)}),
+            4,
+            "dtype",
+        ),
+        c(
+            "no offsets",
+            json!({"a": {"dtype": "F32", "shape": [1]}}),
+            4,
+            "data_offsets",
+        ),
         c("header not object", json!([1, 2]), 0, "object"),
-        c("shape not list", json!({"a": {"dtype": "F32", "shape": 4, "data_offsets": [0, 16]}}), 16, "shape"),
+        c(
+            "shape not list",
+            json!({"a": {"dtype": "F32", "shape": 4, "data_offsets": [0, 16]}}),
+            16,
+            "shape",
+        ),
     ];
     expect_errors("safetensors header", cases, |(h, n)| {
         let p = st_file(d.path(), "x.safetensors", h, *n);
-        SafetensorsReader::open(&p).map(|_| ()).map_err(|e| e.to_string())
+        SafetensorsReader::open(&p)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     });
     // Raw byte-level damage.
     let raw = |l: &str, bytes: Vec<u8>, want: &'static str| (l.to_string(), bytes, want);
@@ -361,7 +696,9 @@ fn safetensors_headers_that_lie_are_named_errors() {
     expect_errors("safetensors bytes", cases, |bytes| {
         let p = d.path().join("raw.safetensors");
         std::fs::write(&p, bytes).unwrap();
-        SafetensorsReader::open(&p).map(|_| ()).map_err(|e| e.to_string())
+        SafetensorsReader::open(&p)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     });
 }
 
@@ -371,8 +708,18 @@ fn safetensors_headers_that_lie_are_named_errors() {
 /// hostile tokens (huge numbers, negatives, NaN, brackets).
 fn mutate(rng: &mut ChaCha8Rng, base: &[u8]) -> Vec<u8> {
     const TOKENS: [&[u8]; 12] = [
-        b"18446744073709551615", b"-1", b"0", b"nan", b"inf", b"1e308", b"[", b"]", b"{", b"\"",
-        b"4294967295", b"\n[x]\n",
+        b"18446744073709551615",
+        b"-1",
+        b"0",
+        b"nan",
+        b"inf",
+        b"1e308",
+        b"[",
+        b"]",
+        b"{",
+        b"\"",
+        b"4294967295",
+        b"\n[x]\n",
     ];
     let mut v = base.to_vec();
     for _ in 0..rng.random_range(1..4) {
@@ -413,10 +760,18 @@ fn fuzz(what: &str, base: &[u8], n: usize, f: impl Fn(&[u8])) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let input = mutate(&mut rng, base);
         if catch_unwind(AssertUnwindSafe(|| f(&input))).is_err() {
-            panics.push(format!("seed {seed}: {:?}", String::from_utf8_lossy(&input)));
+            panics.push(format!(
+                "seed {seed}: {:?}",
+                String::from_utf8_lossy(&input)
+            ));
         }
     }
-    assert!(panics.is_empty(), "{what}: {} panics:\n{}", panics.len(), panics.join("\n"));
+    assert!(
+        panics.is_empty(),
+        "{what}: {} panics:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
 }
 
 #[test]
@@ -533,16 +888,32 @@ fn an_invalid_edit_deletes_no_finished_shard_and_reverting_resumes() {
         let bad = experiment(d, "keep.toml", &format!("{PATCH}{edit}"));
         let e = run_experiment(&bad, &o).unwrap_err().to_string();
         assert!(e.contains(want), "{e}");
-        assert_eq!(shard_files(&d.join("notebooks-data/keep")), before, "{edit}");
+        assert_eq!(
+            shard_files(&d.join("notebooks-data/keep")),
+            before,
+            "{edit}"
+        );
     }
-    let bad = experiment(d, "keep.toml", &PATCH.replace("n_logical = 8", "n_logical = 8\nperiod = 3"));
-    assert!(run_experiment(&bad, &o).unwrap_err().to_string().contains("period"));
+    let bad = experiment(
+        d,
+        "keep.toml",
+        &PATCH.replace("n_logical = 8", "n_logical = 8\nperiod = 3"),
+    );
+    assert!(
+        run_experiment(&bad, &o)
+            .unwrap_err()
+            .to_string()
+            .contains("period")
+    );
     assert_eq!(shard_files(&d.join("notebooks-data/keep")), before);
     // A valid edit with other settings computes into its own folder, keeping the old.
     let other = experiment(d, "keep.toml", &format!("{PATCH}[patch]\nlayers = [1]\n"));
     run_experiment(&other, &o).unwrap();
     let after = shard_files(&d.join("notebooks-data/keep"));
-    assert!(before.iter().all(|s| after.contains(s)), "no finished shard lost");
+    assert!(
+        before.iter().all(|s| after.contains(s)),
+        "no finished shard lost"
+    );
     // Reverting resumes everything.
     let exp = experiment(d, "keep.toml", PATCH);
     let again = run_experiment(&exp, &o).unwrap();
@@ -569,7 +940,12 @@ fn stale_temp_files_are_never_read_and_are_cleaned_at_the_next_run() {
     let truncated = data.join(".accuracy.arrow.tmp-0-8.arrow");
     let bytes = std::fs::read(&table).unwrap();
     std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
-    let shard_dir = std::fs::read_dir(data.join("shards")).unwrap().next().unwrap().unwrap().path();
+    let shard_dir = std::fs::read_dir(data.join("shards"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     let stale_shard = shard_dir.join(".p0-c0000.arrow.tmp-0-1.arrow");
     std::fs::write(&stale_shard, b"garbage").unwrap();
     let user = data.join(".my-notes.tmp");
@@ -579,7 +955,10 @@ fn stale_temp_files_are_never_read_and_are_cleaned_at_the_next_run() {
     let loaded = phaselens::runner::report::ExperimentData::load(&data).unwrap();
     assert!(loaded.tables.contains(&table), "{:?}", loaded.tables);
     assert!(
-        loaded.tables.iter().all(|t| !t.file_name().unwrap().to_string_lossy().starts_with('.')),
+        loaded
+            .tables
+            .iter()
+            .all(|t| !t.file_name().unwrap().to_string_lossy().starts_with('.')),
         "{:?}",
         loaded.tables
     );
@@ -649,7 +1028,13 @@ fn doctor(d: &Path, pick: &str, f: impl Fn(&mut [f32])) -> String {
             f(&mut v);
             chosen = n.clone();
         }
-        out.insert(n, OwnedTensor { shape, data: TensorValues::F32(v) });
+        out.insert(
+            n,
+            OwnedTensor {
+                shape,
+                data: TensorValues::F32(v),
+            },
+        );
     }
     drop(r);
     write_safetensors(&path, &out, None).unwrap();
@@ -673,13 +1058,18 @@ fn nan_or_inf_weights_are_named_at_load_and_overflowing_activations_name_their_l
     }
     // Finite weights whose products overflow f32 in layer 1's MLP: the run stops with
     // an error naming that hook point instead of reporting "accuracy 0%, no effect".
-    let name = doctor(d, "blocks.1.mlp.down", |w| w.iter_mut().for_each(|x| *x = x.signum() * 3e38));
+    let name = doctor(d, "blocks.1.mlp.down", |w| {
+        w.iter_mut().for_each(|x| *x = x.signum() * 3e38)
+    });
     let e = run_experiment(&exp, &o).unwrap_err().to_string();
     assert!(
         e.contains("non-finite") && e.contains("blocks.1.hook_mlp_out"),
         "{name}: {e}"
     );
-    assert!(!d.join("notebooks-data/nan/heads.arrow").exists(), "no table of garbage");
+    assert!(
+        !d.join("notebooks-data/nan/heads.arrow").exists(),
+        "no table of garbage"
+    );
 }
 
 #[test]
@@ -690,10 +1080,32 @@ fn runner_sizes_beyond_memory_are_refused_before_generation() {
     let mut o = opts(d);
     o.figures = false;
     let cases = [
-        ("period 65536", PATCH.replace("n_logical = 8", "n_logical = 8\nperiod = 65536\nallow_period_mismatch = true"), "period"),
-        ("max_rows 10^9", PATCH.replace("max_rows = 16", "max_rows = 1000000000"), "max_rows"),
-        ("key_len 10^6", format!("{PATCH}prompt = {{ n_bindings = 8, n_queries = 2, key_len = 1000000 }}\n"), "prompt"),
-        ("n_logical 10^6 at P = 4096", PATCH.replace("n_logical = 8", "n_logical = 1000000\nperiod = 4096\nallow_period_mismatch = true"), "n_logical"),
+        (
+            "period 65536",
+            PATCH.replace(
+                "n_logical = 8",
+                "n_logical = 8\nperiod = 65536\nallow_period_mismatch = true",
+            ),
+            "period",
+        ),
+        (
+            "max_rows 10^9",
+            PATCH.replace("max_rows = 16", "max_rows = 1000000000"),
+            "max_rows",
+        ),
+        (
+            "key_len 10^6",
+            format!("{PATCH}prompt = {{ n_bindings = 8, n_queries = 2, key_len = 1000000 }}\n"),
+            "prompt",
+        ),
+        (
+            "n_logical 10^6 at P = 4096",
+            PATCH.replace(
+                "n_logical = 8",
+                "n_logical = 1000000\nperiod = 4096\nallow_period_mismatch = true",
+            ),
+            "n_logical",
+        ),
     ];
     for (label, text, want) in cases {
         let exp = experiment(d, "big.toml", &text);

@@ -86,7 +86,12 @@ fn forward(b: ForwardBench) -> Result<()> {
     let device = b.device.device()?;
     let tokens_len = b.tokens[0];
     let model = synthetic_kvc(&b, &device)?;
-    phaselens::model::memory::check_forward(&model.info(), b.batch, tokens_len, "--tokens / --batch")?;
+    phaselens::model::memory::check_forward(
+        &model.info(),
+        b.batch,
+        tokens_len,
+        "--tokens / --batch",
+    )?;
     let ids: Vec<i64> = (0..b.batch * tokens_len)
         .map(|i| (i * 31 % 251) as i64)
         .collect();

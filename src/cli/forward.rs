@@ -100,7 +100,12 @@ pub fn run(args: ForwardArgs) -> Result<()> {
         &info,
         shape[0],
         shape[1],
-        &format!("--input {} ({} x {} ids)", args.input.display(), shape[0], shape[1]),
+        &format!(
+            "--input {} ({} x {} ids)",
+            args.input.display(),
+            shape[0],
+            shape[1]
+        ),
     )?;
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, shape), &device);
     let out = model.forward(tokens.clone(), &spec)?;

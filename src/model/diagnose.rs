@@ -34,7 +34,10 @@ fn order(p: &HookPoint) -> (usize, usize) {
         (None, Site::Embed) => (0, 0),
         (Some(l), s) => (
             l + 1,
-            BLOCK_ORDER.iter().position(|&b| b == s).unwrap_or(BLOCK_ORDER.len()),
+            BLOCK_ORDER
+                .iter()
+                .position(|&b| b == s)
+                .unwrap_or(BLOCK_ORDER.len()),
         ),
         (None, _) => (usize::MAX, 0),
     }
@@ -64,7 +67,10 @@ fn describe(p: &HookPoint) -> String {
 /// Rerun `tokens` (`[batch, pos]`) with the residual stream and sublayer outputs
 /// captured and name the first point (in forward order) holding NaN or infinite
 /// values; `Ok(None)` when all of them and the logits are finite.
-pub fn first_non_finite(model: &dyn LanguageModel, tokens: Tensor<2, Int>) -> Result<Option<String>> {
+pub fn first_non_finite(
+    model: &dyn LanguageModel,
+    tokens: Tensor<2, Int>,
+) -> Result<Option<String>> {
     let mut spec = HookSpec::new()
         .capture("hook_embed")?
         .capture("hook_final_norm")?;

@@ -135,7 +135,10 @@ pub fn check_training(file: &crate::train::OrganismFile, seq_len: usize) -> Resu
             "training `{}` ({} parameters, {} tokens per step)",
             file.organism.name, params as u64, tokens as u64
         ),
-        &format!("{info_keys} or [train] batch_size = {}", file.train.batch_size),
+        &format!(
+            "{info_keys} or [train] batch_size = {}",
+            file.train.batch_size
+        ),
         state + acts,
     )
 }
@@ -146,8 +149,12 @@ pub fn kvc_params(c: &crate::model::KvcConfig) -> f64 {
     let (h, kv, dh) = (c.n_heads as f64, c.n_kv_heads as f64, c.d_head() as f64);
     let emb = v * d * if c.tie_embeddings { 1.0 } else { 2.0 };
     let window = c.compression.as_ref().map_or(0.0, |x| x.window as f64);
-    let per_layer =
-        2.0 * d * h * dh + 2.0 * d * kv * dh + 3.0 * d * f + 4.0 * d + 2.0 * kv * dh * (window + 2.0) + h;
+    let per_layer = 2.0 * d * h * dh
+        + 2.0 * d * kv * dh
+        + 3.0 * d * f
+        + 4.0 * d
+        + 2.0 * kv * dh * (window + 2.0)
+        + h;
     emb + c.n_layers as f64 * per_layer + d
 }
 
@@ -190,7 +197,10 @@ mod tests {
         c.n_layers = 1_000_000_000;
         c.d_model = 1 << 20;
         let e = check_kvc(&c).unwrap_err().to_string();
-        assert!(e.contains("n_layers = 1000000000") && e.contains("ceiling"), "{e}");
+        assert!(
+            e.contains("n_layers = 1000000000") && e.contains("ceiling"),
+            "{e}"
+        );
         assert_eq!(human(1536.0), "1.5 KiB");
     }
 }

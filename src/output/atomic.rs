@@ -284,7 +284,10 @@ mod tests {
         let mine = dir
             .path()
             .join(format!(".t.arrow.tmp-{}-9.arrow", std::process::id()));
-        let user = [dir.path().join("heads.arrow"), dir.path().join(".notes.tmp")];
+        let user = [
+            dir.path().join("heads.arrow"),
+            dir.path().join(".notes.tmp"),
+        ];
         for p in stale.iter().chain(&user).chain([&mine]) {
             fs::write(p, b"x").unwrap();
         }

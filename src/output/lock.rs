@@ -175,7 +175,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("exp/.lock");
         let a = RunLock::acquire(&p, "experiment `x`").unwrap();
-        let e = RunLock::acquire(&p, "experiment `x`").unwrap_err().to_string();
+        let e = RunLock::acquire(&p, "experiment `x`")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("already running")
                 && e.contains(&std::process::id().to_string())
@@ -194,7 +196,11 @@ mod tests {
         // pid 0 is never a user process.
         fs::write(&p, "pid=0\nstart=1\nwhat=x\n").unwrap();
         let l = RunLock::acquire(&p, "x").unwrap();
-        assert!(fs::read_to_string(l.path()).unwrap().contains(&format!("pid={}", std::process::id())));
+        assert!(
+            fs::read_to_string(l.path())
+                .unwrap()
+                .contains(&format!("pid={}", std::process::id()))
+        );
         // A lock whose pid is alive but whose start time differs (pid reuse) is stale.
         drop(l);
         fs::write(&p, format!("pid={}\nstart=1\nwhat=x\n", std::process::id())).unwrap();

@@ -510,7 +510,9 @@ pub fn check_output_name(name: &str) -> std::result::Result<(), String> {
         return bad("it is empty");
     }
     if name.contains('/') || name.contains('\\') {
-        return bad("it holds a path separator (give a plain name; outputs go to notebooks-data/<name>/ and reports/<name>/)");
+        return bad(
+            "it holds a path separator (give a plain name; outputs go to notebooks-data/<name>/ and reports/<name>/)",
+        );
     }
     if name.contains("..") || name.starts_with('.') {
         return bad("it starts with `.` or holds `..` (it would leave or hide in the output root)");

@@ -423,7 +423,9 @@ pub fn base_run_with(
     let outcomes = match readout(out.logits, &targets) {
         Err(Error::NonFinite(what)) => {
             let tokens = prompts.tokens_of(&all, &device);
-            return Err(crate::model::diagnose::non_finite_error(model, tokens, &what));
+            return Err(crate::model::diagnose::non_finite_error(
+                model, tokens, &what,
+            ));
         }
         r => r?,
     };
@@ -460,7 +462,9 @@ pub fn evaluate(
         match readout(logits, &targets) {
             Err(Error::NonFinite(what)) => {
                 let tokens = prompts.tokens_of(rows, &device);
-                return Err(crate::model::diagnose::non_finite_error(model, tokens, &what));
+                return Err(crate::model::diagnose::non_finite_error(
+                    model, tokens, &what,
+                ));
             }
             r => out.extend(r?),
         }

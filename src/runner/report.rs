@@ -15,8 +15,8 @@ use crate::analysis::{RankedHead, rank_specialized};
 use crate::error::{Error, Result};
 use crate::output::{
     BandSeries, FigureFiles, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow,
-    META_EXPERIMENT_TOML, META_SCHEMA, Report, Table, committed_files, heatmap, line_with_bands, ranked_heads_rows,
-    read_long_rows,
+    META_EXPERIMENT_TOML, META_SCHEMA, Report, Table, committed_files, heatmap, line_with_bands,
+    ranked_heads_rows, read_long_rows,
 };
 
 use super::experiment::Experiment;
@@ -180,8 +180,7 @@ pub fn draw_all(
             )));
         }
         let report_dir = reports_root.join(&n);
-        crate::output::clean_stale_temps(&report_dir, 1)
-            .map_err(|e| Error::io(&report_dir, e))?;
+        crate::output::clean_stale_temps(&report_dir, 1).map_err(|e| Error::io(&report_dir, e))?;
         let files = draw_experiment(&dir, &report_dir)?;
         out.push((n, files));
     }

@@ -149,7 +149,8 @@ impl Store {
         if t.metadata().get(META_RUN_HASH) != Some(&self.hash) {
             return Ok(None);
         }
-        let (Ok(cell), Ok(correct), Ok(ld)) = (t.int64("cell"), t.boolean("correct"), t.float64("ld"))
+        let (Ok(cell), Ok(correct), Ok(ld)) =
+            (t.int64("cell"), t.boolean("correct"), t.float64("ld"))
         else {
             return Ok(None);
         };

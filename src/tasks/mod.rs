@@ -90,7 +90,10 @@ impl Period {
             // Matched designs need 2 P^2 logical examples, each rendered at P phases.
             return Err(TaskError::config(
                 "period",
-                format!("{period} is more than {} (matched designs need 2 P^2 examples per group)", Self::MAX),
+                format!(
+                    "{period} is more than {} (matched designs need 2 P^2 examples per group)",
+                    Self::MAX
+                ),
             ));
         }
         NonZeroU32::new(period)

@@ -129,7 +129,10 @@ impl TrainConfig {
             ));
         }
         if self.weight_decay < 0.0 {
-            return Err(format!("weight_decay must be >= 0, got {}", self.weight_decay));
+            return Err(format!(
+                "weight_decay must be >= 0, got {}",
+                self.weight_decay
+            ));
         }
         if !(self.beta2 > 0.0 && self.beta2 < 1.0) {
             return Err(format!("beta2 must be in (0, 1), got {}", self.beta2));
@@ -277,7 +280,9 @@ impl OrganismFile {
         if let Err(m) = crate::runner::experiment::check_output_name(&f.organism.name) {
             return Err(bad(format!("[organism] name: {m}")));
         }
-        f.train.validate().map_err(|m| bad(format!("[train] {m}")))?;
+        f.train
+            .validate()
+            .map_err(|m| bad(format!("[train] {m}")))?;
         Ok(f)
     }
 

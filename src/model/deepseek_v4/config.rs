@@ -343,7 +343,10 @@ impl DeepseekV4Config {
                 ));
             }
         }
-        for (name, r) in [("rope_theta", &self.rope_main), ("compress_rope_theta", &self.rope_compress)] {
+        for (name, r) in [
+            ("rope_theta", &self.rope_main),
+            ("compress_rope_theta", &self.rope_compress),
+        ] {
             if !(r.theta.is_finite() && r.theta > 0.0) {
                 return Err(Error::field(
                     name,
@@ -352,7 +355,10 @@ impl DeepseekV4Config {
             }
             for (k, v) in [
                 ("factor", r.factor),
-                ("original_max_position_embeddings", r.original_max_position_embeddings),
+                (
+                    "original_max_position_embeddings",
+                    r.original_max_position_embeddings,
+                ),
                 ("beta_fast", r.beta_fast),
                 ("beta_slow", r.beta_slow),
                 ("attention_scaling", r.attention_scaling),
@@ -372,7 +378,10 @@ impl DeepseekV4Config {
             ("routed_scaling_factor", self.routed_scaling_factor),
         ] {
             if !v.is_finite() {
-                return Err(Error::field(name, format!("must be a finite number, got {v}")));
+                return Err(Error::field(
+                    name,
+                    format!("must be a finite number, got {v}"),
+                ));
             }
         }
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
@@ -432,7 +441,12 @@ impl DeepseekV4Config {
                 AttnType::Sliding => 0.0,
                 AttnType::Hca => 2.0 * h * d + hca * d + d,
                 AttnType::Csa => {
-                    4.0 * h * d + csa * 2.0 * d + d + 4.0 * h * di + csa * 2.0 * di + di
+                    4.0 * h * d
+                        + csa * 2.0 * d
+                        + d
+                        + 4.0 * h * di
+                        + csa * 2.0 * di
+                        + di
                         + hi * di * q
                         + hi * h
                 }
