@@ -22,7 +22,11 @@ Examples:
 
 IDS.json is a JSON array of equal-length arrays of token ids, e.g. [[1, 5, 9], [1, 7, 3]].
 OUT holds `logits` (f32, [batch, pos, vocab]) and each captured activation under its hook
-name (f32). `phaselens hooks` lists the hook points and their shapes.")]
+name (f32). `phaselens hooks` lists the hook points and their shapes. Every --capture pattern
+must match at least one hook point of the model (a typo is an error naming it). Logits with
+NaN or infinities are an error naming the first hook point that went non-finite. The
+weights and the input's activations are checked against the available memory first
+(--no-memory-check skips that).")]
 pub struct ForwardArgs {
     /// Model directory (config.json + model.safetensors, or shards + index).
     #[arg(long, value_name = "DIR")]

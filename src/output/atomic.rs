@@ -106,7 +106,7 @@ fn temp_pid(name: &str) -> Option<u32> {
     }
     let ext = &tail[digits..];
     // The extension, when present, is the target's own (`.<name>` ends with it).
-    if !ext.is_empty() && !(ext.starts_with('.') && rest[..at].ends_with(ext)) {
+    if !(ext.is_empty() || ext.starts_with('.') && rest[..at].ends_with(ext)) {
         return None;
     }
     Some(pid)

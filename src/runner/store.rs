@@ -2,10 +2,10 @@
 //!
 //! Every chunk of cells (and the base run of each prompt batch) is written, as soon
 //! as it is computed, to `notebooks-data/<experiment>/shards/<run hash>/<key>.arrow`
-//! through the output module's atomic table writer. The run hash (experiment settings
-//! + model identity + phaselens version) names the folder and is stored in each
-//! shard's metadata; a rerun loads the shards of its own hash instead of recomputing
-//! them.
+//! through the output module's atomic table writer. The run hash (of the experiment
+//! settings, the model identity and the phaselens version) names the folder and is
+//! stored in each shard's metadata; a rerun loads the shards of its own hash instead
+//! of recomputing them.
 //!
 //! Shards are never deleted by a run: a run with other settings writes to its own
 //! folder and leaves the finished shards of every other settings hash alone, so
