@@ -118,7 +118,7 @@ pub fn run(args: ForwardArgs) -> Result<()> {
     for (c, pat) in args.capture.iter().zip(&patterns) {
         if !out.cache.iter().any(|(p, _)| pat.matches_point(p)) {
             bail!(
-                "--capture `{c}` matched no hook point of this model (run `phaselens hooks` for the names;                  per-layer points need `blocks.<l>.` or `blocks.*.`)"
+                "--capture `{c}` matched no hook point of this model (run `phaselens hooks` for the names; per-layer points need `blocks.<l>.` or `blocks.*.`)"
             );
         }
     }

@@ -62,7 +62,7 @@ pub fn human(bytes: f64) -> String {
 pub fn check(what: &str, keys: &str, bytes: f64) -> Result<()> {
     if !bytes.is_finite() || bytes > HARD_LIMIT_BYTES {
         return Err(Error::Memory(format!(
-            "{what} would need about {} ({keys}), more than any machine has ({} ceiling); lower {keys}",
+            "{what} would need about {}, more than any machine has ({} ceiling): lower {keys}",
             human(bytes),
             human(HARD_LIMIT_BYTES)
         )));
@@ -74,7 +74,7 @@ pub fn check(what: &str, keys: &str, bytes: f64) -> Result<()> {
         && bytes > avail as f64
     {
         return Err(Error::Memory(format!(
-            "{what} would need about {} ({keys}) but this machine has {} available (MemAvailable); \
+            "{what} would need about {} but this machine has {} available (MemAvailable): \
              lower {keys}, or set {OVERRIDE_ENV}=1 (--no-memory-check) to try anyway",
             human(bytes),
             human(avail as f64)
