@@ -62,6 +62,17 @@ pub enum Error {
     /// A task (prompt) generator got an impossible config.
     #[error(transparent)]
     Task(#[from] TaskError),
+    /// Another process holds the run's lock file.
+    #[error(transparent)]
+    Lock(#[from] crate::output::lock::LockError),
+    /// A forward pass produced NaN or infinite values; the message names the first
+    /// hook point (layer and sublayer) that went non-finite when a diagnostic forward
+    /// could find it.
+    #[error("non-finite values: {0}")]
+    NonFinite(String),
+    /// The memory a run would need exceeds what the machine has available.
+    #[error("{0}")]
+    Memory(String),
     /// An error with what was being done when it happened.
     #[error("{context}: {source}")]
     Context {

@@ -55,7 +55,25 @@ fn main() {
         Command::Grid(a) => cli::grid::run(*a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", error_chain(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes joined by ": ", each cause once: library errors already
+/// show their source in their own message (`path: No such file or directory`), so
+/// a cause whose text is already there is not printed a second time.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut msg = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if msg.contains(&text) {
+            continue;
+        }
+        if !msg.is_empty() {
+            msg.push_str(": ");
+        }
+        msg.push_str(&text);
+    }
+    msg
 }

@@ -8,16 +8,39 @@ use crate::error::{Error, Result};
 
 /// 1-based line of a byte offset.
 pub fn line_of(text: &str, offset: usize) -> usize {
-    text[..offset.min(text.len())]
-        .bytes()
-        .filter(|&b| b == b'\n')
-        .count()
-        + 1
+    line_col(text, offset).0
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let mut offset = offset.min(text.len());
+    while !text.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    let before = &text[..offset];
+    let line = before.bytes().filter(|&b| b == b'\n').count() + 1;
+    let start = before.rfind('\n').map_or(0, |i| i + 1);
+    (line, before[start..].chars().count() + 1)
 }
 
 /// Parse `text` (the contents of `path`) as `T`; errors read
 /// `path:LINE: message` and name the offending key.
 pub fn parse_toml<T: DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
+    // Syntax first, so a malformed file is reported as a syntax error at its line and
+    // column rather than as whatever key the typed pass happens to miss.
+    if let Err(e) = text.parse::<toml::Table>() {
+        let msg = e.message().trim().to_string();
+        return Err(Error::Config {
+            path: path.to_path_buf(),
+            message: match e.span() {
+                Some(s) => {
+                    let (l, c) = line_col(text, s.start);
+                    format!("line {l}, column {c}: TOML syntax error: {msg}")
+                }
+                None => format!("TOML syntax error: {msg}"),
+            },
+        });
+    }
     toml::from_str::<T>(text).map_err(|e| {
         let line = e.span().map(|s| line_of(text, s.start));
         let msg = e.message().trim().to_string();
@@ -64,6 +87,18 @@ mod tests {
             .to_string();
         assert!(
             e.contains("exp/a.toml") && e.contains("line 5") && e.contains("stesp"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn syntax_error_names_line_and_column() {
+        let text = "name = \"x\"\n[train]\nsteps = = 3\n";
+        let e = parse_toml::<Doc>(Path::new("a.toml"), text)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("a.toml") && e.contains("line 3, column") && e.contains("syntax"),
             "{e}"
         );
     }

@@ -368,8 +368,13 @@ fn resume_skips_finished_cells() {
     assert_eq!(format!("{rows1:?}"), format!("{rows2:?}"));
 
     // Lose one chunk (as if killed before it was written): only it is recomputed.
-    let shards = d.join("notebooks-data/res/shards");
-    let victim = shards.join("p2-c0001.arrow");
+    // Shards live in one folder per settings hash.
+    let folders: Vec<_> = std::fs::read_dir(d.join("notebooks-data/res/shards"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(folders.len(), 1, "{folders:?}");
+    let victim = folders[0].join("p2-c0001.arrow");
     assert!(victim.exists());
     std::fs::remove_file(&victim).unwrap();
     let third = run_experiment(&exp, &o).unwrap();
@@ -389,6 +394,11 @@ fn resume_skips_finished_cells() {
     );
     let fourth = run_experiment(&exp2, &o).unwrap();
     assert_eq!(fourth.stats.cells_computed, total);
+    // ... and are kept: going back to the first settings recomputes nothing.
+    let exp = experiment(d, "res.toml", &text);
+    let fifth = run_experiment(&exp, &o).unwrap();
+    assert_eq!(fifth.stats.cells_computed, 0);
+    assert_eq!(fifth.stats.cells_resumed, total);
 }
 
 #[test]

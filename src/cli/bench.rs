@@ -68,16 +68,16 @@ pub struct AtpBench {
 
 #[derive(Args, Debug)]
 pub struct ForwardBench {
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::run::at_least_one)]
     pub layers: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = super::run::at_least_one)]
     pub d_model: usize,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = super::run::at_least_one)]
     pub heads: usize,
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = super::run::at_least_one)]
     pub kv_heads: usize,
     /// Sequence length(s); several (comma-separated) sweep them.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![1024])]
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1024], value_parser = super::run::at_least_one)]
     pub tokens: Vec<usize>,
     /// Any model directory (kvc or DeepSeek-V4) instead of the synthetic kvc model;
     /// measures the length sweep.
@@ -86,10 +86,10 @@ pub struct ForwardBench {
     /// Write the length sweep as JSON.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::run::at_least_one)]
     pub batch: usize,
     /// Timed repetitions per variant (after one warm-up).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = super::run::at_least_one)]
     pub reps: usize,
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
@@ -129,6 +129,12 @@ fn forward(b: ForwardBench) -> Result<()> {
     let device = b.device.device()?;
     let tokens_len = b.tokens[0];
     let model = synthetic_kvc(&b, &device)?;
+    phaselens::model::memory::check_forward(
+        &model.info(),
+        b.batch,
+        tokens_len,
+        "--tokens / --batch",
+    )?;
     let ids: Vec<i64> = (0..b.batch * tokens_len)
         .map(|i| (i * 31 % 251) as i64)
         .collect();
@@ -216,6 +222,9 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
         .map_or("synthetic kvc".to_string(), |d| d.display().to_string());
     let mib = |x: u64| x as f64 / (1 << 20) as f64;
     let info = model.info();
+    for &t in &b.tokens {
+        phaselens::model::memory::check_forward(&info, b.batch, t, "--tokens / --batch")?;
+    }
     println!(
         "{name}: {} ({} layers, d_model {}), batch {}, {} rep(s) per length (median), device {:?}",
         info.arch,

@@ -8,7 +8,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use clap::Args;
 
 use phaselens::device::DeviceSpec;
-use phaselens::hooks::HookSpec;
+use phaselens::hooks::{HookSpec, PointPattern};
 use phaselens::model::load_model;
 use phaselens::model::safetensors_io::{OwnedTensor, TensorValues, write_safetensors};
 
@@ -22,7 +22,11 @@ Examples:
 
 IDS.json is a JSON array of equal-length arrays of token ids, e.g. [[1, 5, 9], [1, 7, 3]].
 OUT holds `logits` (f32, [batch, pos, vocab]) and each captured activation under its hook
-name (f32). `phaselens hooks` lists the hook points and their shapes.")]
+name (f32). `phaselens hooks` lists the hook points and their shapes. Every --capture pattern
+must match at least one hook point of the model (a typo is an error naming it). Logits with
+NaN or infinities are an error naming the first hook point that went non-finite. The
+weights and the input's activations are checked against the available memory first
+(--no-memory-check skips that).")]
 pub struct ForwardArgs {
     /// Model directory (config.json + model.safetensors, or shards + index).
     #[arg(long, value_name = "DIR")]
@@ -39,6 +43,10 @@ pub struct ForwardArgs {
     /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
+    /// Skip the comparison of the memory estimate (weights, the forward's activations)
+    /// with the machine's available memory (also PHASELENS_NO_MEMORY_CHECK=1).
+    #[arg(long)]
+    pub no_memory_check: bool,
 }
 
 /// Parse IDS.json: equal-length rows of ids below `vocab`.
@@ -78,17 +86,50 @@ pub fn read_ids(path: &Path, vocab: usize) -> Result<(Vec<i64>, [usize; 2])> {
 }
 
 pub fn run(args: ForwardArgs) -> Result<()> {
+    if args.no_memory_check {
+        phaselens::model::memory::set_override(true);
+    }
     let device = args.device.device()?;
     let model = load_model(&args.model, &device)
         .with_context(|| format!("loading model {}", args.model.display()))?;
     let info = model.info();
     let (ids, shape) = read_ids(&args.input, info.vocab_size)?;
     let mut spec = HookSpec::new();
+    let mut patterns = Vec::new();
     for c in &args.capture {
         spec = spec.capture(c)?;
+        patterns.push(PointPattern::new(c)?);
     }
+    phaselens::model::memory::check_forward(
+        &info,
+        shape[0],
+        shape[1],
+        &format!(
+            "--input {} ({} x {} ids)",
+            args.input.display(),
+            shape[0],
+            shape[1]
+        ),
+    )?;
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, shape), &device);
-    let out = model.forward(tokens, &spec)?;
+    let out = model.forward(tokens.clone(), &spec)?;
+    // Every pattern must match something, even when another one does: a typo must
+    // not go unnoticed behind a pattern that worked.
+    for (c, pat) in args.capture.iter().zip(&patterns) {
+        if !out.cache.iter().any(|(p, _)| pat.matches_point(p)) {
+            bail!(
+                "--capture `{c}` matched no hook point of this model (run `phaselens hooks` for the names; per-layer points need `blocks.<l>.` or `blocks.*.`)"
+            );
+        }
+    }
+    if !phaselens::model::diagnose::all_finite(&out.logits)? {
+        return Err(phaselens::model::diagnose::non_finite_error(
+            model.as_ref(),
+            tokens,
+            "the logits hold NaN or infinite values",
+        )
+        .into());
+    }
     let mut tensors = BTreeMap::new();
     let logits = out.logits;
     tensors.insert(
@@ -114,12 +155,6 @@ pub fn run(args: ForwardArgs) -> Result<()> {
         );
     }
     let captured = tensors.len() - 1;
-    if !args.capture.is_empty() && captured == 0 {
-        bail!(
-            "no hook point matched {:?} (run `phaselens hooks` for the names)",
-            args.capture
-        );
-    }
     write_safetensors(&args.out, &tensors, None)?;
     eprintln!(
         "wrote {} (logits {:?}, {captured} captured activation(s))",

@@ -21,12 +21,14 @@ Examples:
 
 Tables go to notebooks-data/<experiment>/ (Arrow IPC + Parquet; docs/tables.md), figures and
 report.md/report.html to reports/<experiment>/. Finished chunks of cells are kept in
-notebooks-data/<experiment>/shards/: an interrupted run (Ctrl-C, kill) resumes from them; a
-run with changed settings recomputes. The experiment keys are in docs/experiments.md.")]
+notebooks-data/<experiment>/shards/<settings hash>/: an interrupted run (Ctrl-C, kill) resumes
+from them; a run with changed settings computes into its own folder and never deletes another
+run's shards. One run per experiment at a time (notebooks-data/<experiment>/.lock). The
+experiment keys are in docs/experiments.md.")]
 pub struct RunArgs {
     /// Experiment TOML.
     pub experiment: PathBuf,
-    /// Recompute everything (drop the shards of earlier runs).
+    /// Recompute everything (ignore and overwrite this settings' shards).
     #[arg(long)]
     pub fresh: bool,
     /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N (default: [model] device, else cpu).
@@ -44,9 +46,16 @@ pub struct RunArgs {
     /// Plain progress lines instead of a bar (the default when stderr is not a terminal).
     #[arg(long)]
     pub plain: bool,
+    /// Skip the comparison of the run's memory estimate with the machine's available
+    /// memory (also PHASELENS_NO_MEMORY_CHECK=1).
+    #[arg(long)]
+    pub no_memory_check: bool,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
+    if a.no_memory_check {
+        phaselens::model::memory::set_override(true);
+    }
     let opts = RunOptions {
         data_root: a.data_dir,
         reports_root: a.reports_dir,
@@ -104,7 +113,7 @@ pub struct PatchingBench {
     #[arg(long, default_value_t = 0)]
     pub phase: u32,
     /// Logical examples (prompts per cell); default: the experiment's.
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub n_logical: Option<usize>,
     /// Patched positions: all, answer or final:K; default: the experiment's
     /// `[patch] positions`.
@@ -115,15 +124,14 @@ pub struct PatchingBench {
 }
 
 fn parse_positions(s: &str) -> std::result::Result<Positions, String> {
-    match s {
-        "all" => Ok(Positions::All),
-        "answer" => Ok(Positions::Answer),
-        _ => s
-            .strip_prefix("final:")
-            .and_then(|k| k.parse::<usize>().ok())
-            .filter(|&k| k > 0)
-            .map(Positions::Final)
-            .ok_or_else(|| format!("`{s}`: expected all, answer or final:K (K >= 1)")),
+    Positions::parse(s)
+}
+
+pub(crate) fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("`{s}`: {e}")),
     }
 }
 

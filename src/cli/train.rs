@@ -16,10 +16,13 @@ Examples:
   phaselens train experiments/organisms/kvc-w8s8.toml --fresh        # ignore checkpoints
   phaselens train experiments/organisms/full-attn.toml --max-steps 50 # a quick look
 
-Checkpoints go to runs/<name>/checkpoints (every [train] checkpoint_every steps); an
-interrupted run (Ctrl-C, kill -9) resumes from the latest one. The trained model is
-written to the organism's model directory, the loss curve to
-notebooks-data/train/<name>/loss.arrow and reports/train/<name>/loss.{png,svg}.")]
+Checkpoints go to runs/<name>/checkpoints/step-NNNNNNN/ (every [train] checkpoint_every
+steps; [organism] run_dir moves runs/<name>); an interrupted run (Ctrl-C, kill -9) resumes from
+the latest one. The loss curve so far is runs/<name>/loss.arrow and loss.{png,svg}. The trained
+model is written to the organism's model directory ([organism] model_dir, default <name>/ next
+to the recipe), with training.json and its loss curve in <model dir>/training/loss.{arrow,png,svg}.
+One training per organism at a time (runs/<name>/.lock). --fresh replaces the old checkpoints
+when the first new one is saved.")]
 pub struct TrainArgs {
     /// Organism recipe (TOML).
     pub recipe: PathBuf,
@@ -32,9 +35,17 @@ pub struct TrainArgs {
     /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
+    /// Skip the comparison of the training memory estimate (weights, optimizer state,
+    /// one batch's activations) with the machine's available memory (also
+    /// PHASELENS_NO_MEMORY_CHECK=1).
+    #[arg(long)]
+    pub no_memory_check: bool,
 }
 
 pub fn run(args: TrainArgs) -> Result<()> {
+    if args.no_memory_check {
+        phaselens::model::memory::set_override(true);
+    }
     let file = OrganismFile::load(&args.recipe)?;
     let device = args.device.device()?;
     let opts = TrainOptions {

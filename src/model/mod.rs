@@ -4,9 +4,11 @@
 pub mod attention;
 pub mod bench;
 pub mod deepseek_v4;
+pub mod diagnose;
 pub mod kv_state;
 pub mod kvc;
 pub mod layers;
+pub mod memory;
 pub mod safetensors_io;
 pub mod topk;
 pub mod weights;
@@ -176,6 +178,38 @@ pub fn check_token_ids(tokens: &Tensor<2, Int>, vocab: usize) -> Result<Vec<i64>
     Ok(ids)
 }
 
+/// A serde_json error of `text` with the key it happened at: serde_json says only
+/// "invalid type: string, expected usize at line 1 column 80"; the nearest `"key":`
+/// before that spot names the field to fix.
+pub fn json_error(text: &str, e: &serde_json::Error) -> String {
+    let (line, col) = (e.line(), e.column());
+    if line == 0 {
+        return e.to_string();
+    }
+    let start: usize = text
+        .split_inclusive('\n')
+        .take(line - 1)
+        .map(str::len)
+        .sum();
+    let mut at = (start + col).min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    let before = &text[..at];
+    // The last `"name"` followed by `:` before the error.
+    let key = before.rmatch_indices(':').find_map(|(i, _)| {
+        let head = before[..i].trim_end();
+        let head = head.strip_suffix('"')?;
+        let open = head.rfind('"')?;
+        let k = &head[open + 1..];
+        (!k.is_empty() && !k.contains(['{', '}', ','])).then(|| k.to_string())
+    });
+    match key {
+        Some(k) if !e.to_string().contains(&format!("`{k}`")) => format!("key `{k}`: {e}"),
+        _ => e.to_string(),
+    }
+}
+
 /// Read a model directory's `config.json` as JSON, with file-named errors.
 pub fn read_config_json(dir: &Path) -> Result<(std::path::PathBuf, String, serde_json::Value)> {
     let path = dir.join("config.json");
@@ -194,6 +228,7 @@ pub fn load_kvc(dir: &Path, device: &Device) -> Result<KvcModel> {
         path: path.clone(),
         message: m,
     })?;
+    memory::check_kvc(&config).map_err(|e| e.context(path.display().to_string()))?;
     let src = weights::CheckpointSource::open_dir(dir)?;
     let model = KvcModel::new(&config, &weights::Vb::new(&src, device))?;
     src.check_all_used()?;

@@ -98,6 +98,84 @@ pub fn f8_e8m0_to_f32(b: u8) -> f32 {
     }
 }
 
+/// The tensors of one file must tile its data section: sorted by offset, each starts
+/// where the previous one ended, from the first byte after the header to the end of
+/// the file. Overlapping tensors (two names reading the same bytes), gaps and trailing
+/// bytes mean a corrupt or hand-edited header and are named.
+fn check_layout(
+    path: &Path,
+    tensors: &BTreeMap<String, TensorEntry>,
+    file: usize,
+    data_start: u64,
+    file_len: u64,
+) -> Result<()> {
+    let mut spans: Vec<(u64, u64, &str)> = tensors
+        .iter()
+        .filter(|(_, e)| e.file == file)
+        .map(|(n, e)| (e.start, e.start + e.len, n.as_str()))
+        .collect();
+    spans.sort();
+    let mut end = data_start;
+    let mut prev: Option<&str> = None;
+    for &(start, stop, name) in &spans {
+        if start < end {
+            return Err(Error::tensor(
+                path,
+                name,
+                format!(
+                    "its bytes overlap tensor `{}` (its data_offsets start at {} but `{0}` ends at {})",
+                    prev.unwrap_or("?"),
+                    start - data_start,
+                    end - data_start
+                ),
+            ));
+        }
+        if start > end {
+            return Err(Error::tensor(
+                path,
+                name,
+                format!(
+                    "{} unclaimed bytes before it (its data_offsets start at {}, the data before it ends at {})",
+                    start - end,
+                    start - data_start,
+                    end - data_start
+                ),
+            ));
+        }
+        end = stop;
+        prev = Some(name);
+    }
+    if end != file_len {
+        return Err(Error::Safetensors {
+            path: path.to_path_buf(),
+            message: format!(
+                "the tensors cover {} bytes of data but the file holds {} after the header (trailing bytes no tensor claims)",
+                end - data_start,
+                file_len - data_start
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// An error naming `name` when `values` hold NaN or infinities (weights never do in a
+/// trained model; they make every logit NaN, which would read as a finding).
+pub fn check_finite(path: &Path, name: &str, values: &[f32]) -> Result<()> {
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        let bad = values.iter().filter(|v| !v.is_finite()).count();
+        return Err(Error::tensor(
+            path,
+            name,
+            format!(
+                "holds {bad} non-finite value(s) of {} (first: {} at flat index {i}); the checkpoint is corrupt or diverged",
+                values.len(),
+                values[i]
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Where one tensor lives.
 #[derive(Debug, Clone)]
 pub struct TensorEntry {
@@ -199,8 +277,15 @@ impl SafetensorsReader {
                 .filter(|a| a.len() == 2)
                 .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
                 .ok_or_else(|| terr("bad data_offsets".into()))?;
-            let numel: usize = shape.iter().product();
-            let expect = (numel * dtype.size()) as u64;
+            let expect = shape
+                .iter()
+                .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64))
+                .filter(|&b| b <= file_len)
+                .ok_or_else(|| {
+                    terr(format!(
+                        "shape {shape:?} of {dtype_name} needs more bytes than the file has ({file_len})"
+                    ))
+                })?;
             if offs.1 < offs.0 || offs.1 - offs.0 != expect {
                 return Err(terr(format!(
                     "data_offsets {:?} span {} bytes but shape {:?} of {dtype_name} needs {expect}",
@@ -209,10 +294,10 @@ impl SafetensorsReader {
                     shape
                 )));
             }
-            if data_start + offs.1 > file_len {
+            if offs.1 > file_len - data_start {
                 return Err(terr(format!(
                     "data ends at byte {} but the file has only {file_len} bytes (truncated file)",
-                    data_start + offs.1
+                    data_start.saturating_add(offs.1)
                 )));
             }
             if let Some(prev) = self.tensors.get(name) {
@@ -233,6 +318,7 @@ impl SafetensorsReader {
                 },
             );
         }
+        check_layout(path, &self.tensors, file_idx, data_start, file_len)?;
         self.files.push(OpenFile {
             path: path.to_path_buf(),
             file: Mutex::new(f),

@@ -329,6 +329,7 @@ impl WeightSource for CheckpointSource {
         let fname = self.file_name(name);
         let (found, v) = self.reader.read_f32(&fname)?;
         self.check_shape(&fname, shape, &found)?;
+        crate::model::safetensors_io::check_finite(&self.reader.path_of(&fname), &fname, &v)?;
         self.mark_used(&fname);
         Ok(v)
     }

@@ -11,16 +11,20 @@
 //! | [`frame`] | polars: read a table as a DataFrame, Parquet copy, merge shards |
 //! | [`figure`] | heatmaps with colour bars, lines with CI bands, predicted-vs-observed, bar profiles, loss curves |
 //! | [`report`] | `report.md` / `report.html` with headline numbers, tables and figures |
-//! | [`atomic`] | the atomic write primitive |
+//! | [`atomic`] | the atomic write primitive; stale temporary files (listing and cleaning) |
+//! | [`lock`] | one run at a time per output folder (a lock file naming its process) |
 
 pub mod atomic;
 pub mod figure;
 pub mod frame;
+pub mod lock;
 pub mod report;
 pub mod schema;
 pub mod table;
 
-pub use atomic::{write_atomic, write_bytes_atomic};
+pub use atomic::{
+    clean_stale_temps, committed_files, is_temp_name, write_atomic, write_bytes_atomic,
+};
 pub use figure::{
     BandSeries, BarProfileSpec, ColorScale, FigureError, FigureFiles, FigureSpec, HeatmapSpec,
     LinePlotSpec, LossCurveSpec, ScatterSeries, ScatterSpec, bar_profile, check_fonts, heatmap,

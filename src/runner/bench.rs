@@ -219,6 +219,12 @@ pub fn bench_experiment(
     let info = model.info();
     let mut task = TaskSetup::resolve(&exp, mref, &info)?;
     if let Some(n) = n_logical {
+        if n == 0 || n > super::experiment::MAX_N_LOGICAL {
+            return Err(Error::Input(format!(
+                "--n-logical {n}: must be in 1..={}",
+                super::experiment::MAX_N_LOGICAL
+            )));
+        }
         task.n_logical = n;
         task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(task.period, n);
     }

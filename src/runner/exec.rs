@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::LanguageModel;
 
 use super::patching::{self, Base, Cell, Outcome, Prompts, base_run_for, plan_chunks, run_chunk};
@@ -52,8 +52,42 @@ pub struct Executor<'a> {
 }
 
 impl<'a> Executor<'a> {
-    /// Evaluate one group (resuming what the store already holds).
+    /// Evaluate one group (resuming what the store already holds). Non-finite logits
+    /// are an error naming the group and the first layer / hook point that went
+    /// non-finite in a plain forward of its prompts.
     pub fn run(&mut self, g: &Group) -> Result<GroupResult> {
+        match self.run_inner(g) {
+            // Base runs name the layer themselves; a chunk's forward (with its
+            // interventions) is diagnosed here against plain forwards of the group.
+            Err(Error::NonFinite(what)) if !what.contains(crate::model::diagnose::LOCATED) => {
+                Err(self.name_non_finite(g, &what))
+            }
+            r => r,
+        }
+    }
+
+    /// The diagnostic of a non-finite group: plain forwards of its prompts, `max_rows`
+    /// at a time, until one names where the values broke.
+    fn name_non_finite(&self, g: &Group, what: &str) -> Error {
+        let device = self.model.device();
+        let all: Vec<usize> = (0..g.prompts.n()).collect();
+        let what = format!("group `{}`: {what}", g.key);
+        for rows in all.chunks(self.max_rows.max(1)) {
+            let tokens = g.prompts.tokens_of(rows, &device);
+            if let Ok(Some(at)) = crate::model::diagnose::first_non_finite(self.model, tokens) {
+                return Error::NonFinite(format!(
+                    "{what}; prompts {}..={}: {at}",
+                    rows[0],
+                    rows[rows.len() - 1]
+                ));
+            }
+        }
+        Error::NonFinite(format!(
+            "{what}; a plain forward of every prompt of the group is finite at every layer, so a cell's intervention made the values non-finite"
+        ))
+    }
+
+    fn run_inner(&mut self, g: &Group) -> Result<GroupResult> {
         let t0 = Instant::now();
         let n = g.prompts.n();
         let chunks = plan_chunks(&g.cells, self.max_rows)?;

@@ -419,6 +419,24 @@ impl Experiment {
     /// Experiment-wide numbers must be sane; then the kind checks its own settings.
     fn check_sections(&self) -> Result<()> {
         let f = &self.file;
+        if let Err(m) = check_output_name(&self.name()) {
+            return Err(self.err("experiment", "name", m));
+        }
+        if let Some(n) = &f.model.name
+            && let Err(m) = check_output_name(n)
+        {
+            return Err(self.err("model", "name", m));
+        }
+        if f.experiment.bootstrap_reps > MAX_BOOTSTRAP_REPS {
+            return Err(self.err(
+                "experiment",
+                "bootstrap_reps",
+                format!(
+                    "{} is more than {MAX_BOOTSTRAP_REPS} replicates (intervals stop changing long before)",
+                    f.experiment.bootstrap_reps
+                ),
+            ));
+        }
         if f.experiment.bootstrap_reps == 0 {
             return Err(self.err("experiment", "bootstrap_reps", "must be at least 1"));
         }
@@ -455,11 +473,60 @@ impl Experiment {
         if f.task.n_logical == Some(0) {
             return Err(self.err("task", "n_logical", "must be at least 1"));
         }
+        if let Some(n) = f.task.n_logical
+            && n > MAX_N_LOGICAL
+        {
+            return Err(self.err(
+                "task",
+                "n_logical",
+                format!("{n} is more than {MAX_N_LOGICAL} logical examples per phase group"),
+            ));
+        }
+        if let Some(p) = f.task.period
+            && let Err(e) = crate::tasks::Period::new(p)
+        {
+            return Err(self.err("task", "period", e));
+        }
         if f.task.period == Some(0) {
             return Err(self.err("task", "period", "must be at least 1"));
         }
         self.kind().check(self)
     }
+}
+
+/// The most logical examples per phase group an experiment may ask for.
+pub const MAX_N_LOGICAL: usize = 1_000_000;
+
+/// The most bootstrap replicates an experiment may ask for (each replicate resamples
+/// every cluster of every cell: 10^11 would run for days and hold gigabytes).
+pub const MAX_BOOTSTRAP_REPS: usize = 1_000_000;
+
+/// An output folder name (`[experiment] name`, the file stem, `[model] name`,
+/// `phaselens figures --experiment`): one plain path component, so outputs stay under
+/// `notebooks-data/` and `reports/`. Returns what is wrong.
+pub fn check_output_name(name: &str) -> std::result::Result<(), String> {
+    let bad = |why: &str| Err(format!("`{name}` cannot name an output folder: {why}"));
+    if name.trim().is_empty() {
+        return bad("it is empty");
+    }
+    if name.contains('/') || name.contains('\\') {
+        return bad(
+            "it holds a path separator (give a plain name; outputs go to notebooks-data/<name>/ and reports/<name>/)",
+        );
+    }
+    if name.contains("..") || name.starts_with('.') {
+        return bad("it starts with `.` or holds `..` (it would leave or hide in the output root)");
+    }
+    if Path::new(name).is_absolute() {
+        return bad("it is an absolute path");
+    }
+    if name.chars().any(char::is_control) {
+        return bad("it holds control characters");
+    }
+    if name.len() > 200 {
+        return bad("it is longer than 200 bytes");
+    }
+    Ok(())
 }
 
 /// 1-based line of `key = ...` inside `[section]` (or of the section header when

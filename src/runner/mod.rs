@@ -51,7 +51,7 @@ pub struct RunOptions {
     pub data_root: PathBuf,
     /// Figures and the report go to `<reports_root>/<experiment>/`. Default `reports`.
     pub reports_root: PathBuf,
-    /// Recompute everything (drop the shards of earlier runs).
+    /// Recompute everything (ignore and overwrite the shards of these settings).
     pub fresh: bool,
     /// Overrides `[model] device`.
     pub device: Option<DeviceSpec>,
@@ -182,12 +182,28 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let device = device_spec.device()?;
     let data_dir = opts.data_root.join(&name);
     let report_dir = opts.reports_root.join(&name);
+    // One run of an experiment at a time; then remove what killed writers of earlier
+    // runs left (temporary files of this program's atomic writer only).
+    let _lock = crate::output::lock::RunLock::acquire(
+        &data_dir.join(".lock"),
+        &format!("experiment `{name}`"),
+    )?;
+    for dir in [&data_dir, &report_dir] {
+        crate::output::clean_stale_temps(dir, 2).map_err(|e| crate::error::Error::io(dir, e))?;
+    }
     let dirs: Vec<&Path> = models.iter().map(|m| m.dir.as_path()).collect();
     let hash = store::run_hash(&settings_for_hash(&exp), &dirs);
-    let (store, removed) = store::Store::open(&data_dir.join("shards"), &hash, opts.fresh)?;
-    if removed > 0 && !opts.fresh {
+    // Shards live per settings hash and are never deleted by a run (store.rs): a run
+    // whose settings a later check rejects cannot cost another run its finished work.
+    let shard_root = data_dir.join("shards");
+    let store = store::Store::open(&shard_root, &hash, opts.fresh)?;
+    let others = store::other_settings(&shard_root, &hash);
+    if !others.is_empty() {
+        let n: usize = others.iter().map(|(_, n)| n).sum();
         let n = format!(
-            "removed {removed} shard(s) of an earlier run with other settings or another model"
+            "kept {n} shard(s) of {} earlier run(s) with other settings or another model in {} (delete them by hand to free the space)",
+            others.len(),
+            shard_root.display()
         );
         eprintln!("note: {n}");
     }

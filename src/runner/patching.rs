@@ -42,9 +42,11 @@ use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, PosCounts, Scope, Site};
 use crate::model::{LanguageModel, PrefixState, Suffix};
 
-/// Which query positions an edit touches, per prompt.
+/// Which query positions an edit touches, per prompt. `{ final = 0 }` (a band of no
+/// positions: every cell would read as "no effect") is rejected where it is parsed, in
+/// experiment files and `bench patching --positions` alike ([`Positions::parse`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", try_from = "PositionsRepr")]
 pub enum Positions {
     /// Every position (TransformerLens' "all positions" patching).
     #[default]
@@ -60,7 +62,48 @@ pub enum Positions {
     Offset(usize),
 }
 
+/// The serde form of [`Positions`], checked by `TryFrom`.
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum PositionsRepr {
+    All,
+    Answer,
+    Final(usize),
+}
+
+impl TryFrom<PositionsRepr> for Positions {
+    type Error = String;
+    fn try_from(r: PositionsRepr) -> std::result::Result<Self, String> {
+        match r {
+            PositionsRepr::All => Ok(Positions::All),
+            PositionsRepr::Answer => Ok(Positions::Answer),
+            PositionsRepr::Final(k) => Positions::final_band(k),
+        }
+    }
+}
+
 impl Positions {
+    /// `Final(k)`, rejecting `k = 0` (a band of no positions patches nothing).
+    pub fn final_band(k: usize) -> std::result::Result<Self, String> {
+        if k == 0 {
+            Err("`final = 0` selects no positions (every cell would read as no effect); use final = K with K >= 1".into())
+        } else {
+            Ok(Positions::Final(k))
+        }
+    }
+
+    /// The command-line form: `all`, `answer` or `final:K` (K >= 1).
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "all" => Ok(Positions::All),
+            "answer" => Ok(Positions::Answer),
+            _ => match s.strip_prefix("final:").map(str::parse::<usize>) {
+                Some(Ok(k)) => Positions::final_band(k),
+                _ => Err(format!("`{s}`: expected all, answer or final:K (K >= 1)")),
+            },
+        }
+    }
+
     /// The positions for a prompt whose target positions are `targets`; `None` = all.
     pub fn resolve(&self, targets: &[usize]) -> Option<Vec<usize>> {
         match self {
@@ -319,6 +362,13 @@ pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
     let k = flat.len();
     let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
     let rows = logits.reshape([r * t, v]).select(0, idx);
+    // NaN or infinite logits would read as "wrong answer, no effect": a finding made
+    // of garbage. The executor names the layer that went non-finite (model/diagnose.rs).
+    if !crate::model::diagnose::all_finite(&rows)? {
+        return Err(Error::NonFinite(format!(
+            "the logits read at the target positions of {r} row(s) hold NaN or infinite values"
+        )));
+    }
     let top = rows.clone().argmax(1).try_into_vec_as::<i64>()?;
     let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [k, 2]), &device);
     let vals = rows.gather(1, pairs).try_into_vec_as::<f32>()?;
@@ -378,7 +428,15 @@ pub fn base_run_with(
         (model.forward(tokens, &spec)?, None)
     };
     let targets: Vec<&Target> = prompts.targets.iter().collect();
-    let outcomes = readout(out.logits, &targets)?;
+    let outcomes = match readout(out.logits, &targets) {
+        Err(Error::NonFinite(what)) => {
+            let tokens = prompts.tokens_of(&all, &device);
+            return Err(crate::model::diagnose::non_finite_error(
+                model, tokens, &what,
+            ));
+        }
+        r => r?,
+    };
     for p in captures {
         if out.cache.get(p).is_none() {
             return Err(Error::hook(
@@ -409,7 +467,15 @@ pub fn evaluate(
             .forward(prompts.tokens_of(rows, &device), &HookSpec::new())?
             .logits;
         let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
-        out.extend(readout(logits, &targets)?);
+        match readout(logits, &targets) {
+            Err(Error::NonFinite(what)) => {
+                let tokens = prompts.tokens_of(rows, &device);
+                return Err(crate::model::diagnose::non_finite_error(
+                    model, tokens, &what,
+                ));
+            }
+            r => out.extend(r?),
+        }
     }
     Ok(out)
 }

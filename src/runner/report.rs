@@ -15,8 +15,8 @@ use crate::analysis::{RankedHead, rank_specialized};
 use crate::error::{Error, Result};
 use crate::output::{
     BandSeries, FigureFiles, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow,
-    META_EXPERIMENT_TOML, META_SCHEMA, Report, Table, heatmap, line_with_bands, ranked_heads_rows,
-    read_long_rows,
+    META_EXPERIMENT_TOML, META_SCHEMA, Report, Table, committed_files, heatmap, line_with_bands,
+    ranked_heads_rows, read_long_rows,
 };
 
 use super::experiment::Experiment;
@@ -39,13 +39,14 @@ pub struct ExperimentData {
 impl ExperimentData {
     /// Read every long table (`*.arrow`, schema `long/v1`) directly under `dir`.
     pub fn load(dir: &Path) -> Result<Self> {
-        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| Error::io(dir, e))?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "arrow"))
-            .collect();
-        paths.sort();
+        // Committed tables only: never the temporary file of an interrupted write.
+        if !dir.is_dir() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such folder"),
+            ));
+        }
+        let paths = committed_files(dir, "arrow").map_err(|e| Error::io(dir, e))?;
         let mut rows = Vec::new();
         let mut toml = String::new();
         let mut notes = Vec::new();
@@ -138,14 +139,12 @@ impl ExperimentData {
 /// Whether `dir` holds a long-format table written by the runner (other folders under
 /// `notebooks-data/`, e.g. training loss curves, are not experiments).
 fn has_long_table(dir: &Path) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|r| {
-        r.flatten().any(|f| {
-            let p = f.path();
-            p.extension().is_some_and(|x| x == "arrow")
-                && Table::read_arrow(&p).is_ok_and(|t| {
-                    t.metadata().get(META_SCHEMA).map(String::as_str) == Some("long/v1")
-                        && t.metadata().contains_key(META_KIND)
-                })
+    committed_files(dir, "arrow").is_ok_and(|paths| {
+        paths.iter().any(|p| {
+            Table::read_arrow(p).is_ok_and(|t| {
+                t.metadata().get(META_SCHEMA).map(String::as_str) == Some("long/v1")
+                    && t.metadata().contains_key(META_KIND)
+            })
         })
     })
 }
@@ -156,6 +155,10 @@ pub fn draw_all(
     reports_root: &Path,
     only: Option<&str>,
 ) -> Result<Vec<(String, Vec<PathBuf>)>> {
+    if let Some(n) = only {
+        super::experiment::check_output_name(n)
+            .map_err(|m| Error::Input(format!("--experiment: {m}")))?;
+    }
     let mut names: Vec<String> = match only {
         Some(n) => vec![n.to_string()],
         None => std::fs::read_dir(data_root)
@@ -176,7 +179,9 @@ pub fn draw_all(
                 dir.display()
             )));
         }
-        let files = draw_experiment(&dir, &reports_root.join(&n))?;
+        let report_dir = reports_root.join(&n);
+        crate::output::clean_stale_temps(&report_dir, 1).map_err(|e| Error::io(&report_dir, e))?;
+        let files = draw_experiment(&dir, &report_dir)?;
         out.push((n, files));
     }
     Ok(out)

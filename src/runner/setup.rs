@@ -220,6 +220,7 @@ impl TaskSetup {
         let kind = exp.kind();
         let n_logical = t.n_logical.unwrap_or(kind.default_n_logical());
         let n_generated = KvEvalConfig::round_n_logical(period, n_logical);
+        check_eval_set_size(exp, &space, &prompt, period, n_generated)?;
         let phases: Vec<u32> = t
             .phases
             .resolve(period.len(), "phases")
@@ -252,6 +253,35 @@ impl TaskSetup {
         };
         generate_eval_set(&self.space, &cfg).context_with(|| "[task]")
     }
+}
+
+/// Refuse an evaluation set that cannot fit in memory before generating it: every
+/// logical example is rendered once per phase (`n_generated x P` prompts of about
+/// `unpadded + P` tokens, as token ids and their metadata).
+fn check_eval_set_size(
+    exp: &Experiment,
+    space: &TokenSpace,
+    prompt: &KvPromptConfig,
+    period: Period,
+    n_generated: usize,
+) -> Result<()> {
+    let p = period.len() as f64;
+    let prompts = n_generated as f64 * p;
+    let len = prompt.unpadded_len(space) as f64 + p;
+    let bytes = prompts * (len * 16.0 + 256.0);
+    crate::model::memory::check(
+        &format!(
+            "the evaluation set ({n_generated} logical examples x {} phases)",
+            period.len()
+        ),
+        &format!(
+            "[task] n_logical / period = {} (matched designs round n_logical up to a multiple of 2 P^2 = {}) in {}",
+            period.len(),
+            crate::tasks::matched_block_size(period),
+            exp.path.display()
+        ),
+        bytes,
+    )
 }
 
 /// Check the experiment against the model before any compute. Returns warnings;
@@ -342,6 +372,19 @@ pub fn check(
             ),
         ));
     }
+    // The base run of a group is one forward over all its prompts (clean and
+    // corrupted); chunks are at most max_rows rows.
+    let rows = (2 * task.n_logical).max(exp.max_rows(&crate::device::DeviceSpec::Cpu));
+    crate::model::memory::check_forward(
+        info,
+        rows,
+        prompt_len,
+        &format!(
+            "[task] n_logical = {} / prompt length {prompt_len} / [experiment] max_rows in {}",
+            task.n_logical,
+            exp.path.display()
+        ),
+    )?;
     for (l, spec) in info.layers.iter().enumerate() {
         if let LayerKind::Compressed { window, .. } = spec.kind
             && prompt_len < window

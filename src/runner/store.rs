@@ -1,11 +1,18 @@
 //! Resume bookkeeping: finished chunks are persisted as small shard tables.
 //!
 //! Every chunk of cells (and the base run of each prompt batch) is written, as soon
-//! as it is computed, to `notebooks-data/<experiment>/shards/<key>.arrow` through the
-//! output module's atomic table writer. Each shard carries the run hash (experiment
-//! settings + model identity + phaselens version) in its metadata; a rerun loads the
-//! shards whose hash matches instead of recomputing them, and removes the ones that
-//! belong to another configuration.
+//! as it is computed, to `notebooks-data/<experiment>/shards/<run hash>/<key>.arrow`
+//! through the output module's atomic table writer. The run hash (of the experiment
+//! settings, the model identity and the phaselens version) names the folder and is
+//! stored in each shard's metadata; a rerun loads the shards of its own hash instead
+//! of recomputing them.
+//!
+//! Shards are never deleted by a run: a run with other settings writes to its own
+//! folder and leaves the finished shards of every other settings hash alone, so
+//! editing an experiment (even into one that a later check rejects) and editing it
+//! back resumes where the first run stopped. `--fresh` ignores the shards of its own
+//! hash and overwrites them as it recomputes. Old folders are deleted by hand
+//! (`rm -r notebooks-data/<experiment>/shards/<hash>`); [`other_settings`] lists them.
 
 use std::path::{Path, PathBuf};
 
@@ -24,6 +31,36 @@ pub const META_RUN_HASH: &str = "phaselens.run_hash";
 pub struct Store {
     dir: PathBuf,
     hash: String,
+    /// Ignore stored shards (they are overwritten as chunks are recomputed).
+    fresh: bool,
+}
+
+/// The shard folders of other settings under `root` (and shards of the layout before
+/// per-hash folders, directly in `root`): `(folder or file, number of shards)`.
+pub fn other_settings(root: &Path, hash: &str) -> Vec<(PathBuf, usize)> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return out;
+    };
+    let mut loose = 0;
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if e.file_name().to_string_lossy() != hash {
+                let n = crate::output::committed_files(&p, "arrow").map_or(0, |v| v.len());
+                out.push((p, n));
+            }
+        } else if !crate::output::is_temp_name(&e.file_name().to_string_lossy())
+            && p.extension().is_some_and(|x| x == "arrow")
+        {
+            loose += 1;
+        }
+    }
+    out.sort();
+    if loose > 0 {
+        out.push((root.to_path_buf(), loose));
+    }
+    out
 }
 
 /// A short hash identifying what a run computes: the experiment settings (the
@@ -44,6 +81,7 @@ pub fn run_hash(settings: &serde_json::Value, model_dirs: &[&Path]) -> String {
             let mut files: Vec<_> = entries
                 .flatten()
                 .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+                .filter(|e| !crate::output::is_temp_name(&e.file_name().to_string_lossy()))
                 .collect();
             files.sort_by_key(|e| e.path());
             for e in files {
@@ -68,36 +106,28 @@ pub fn run_hash(settings: &serde_json::Value, model_dirs: &[&Path]) -> String {
 }
 
 impl Store {
-    /// Open `dir` for a run with `hash`. `fresh` removes every shard; otherwise shards
-    /// of another hash are removed (they belong to another configuration) and the
-    /// number of removed shards is returned.
-    pub fn open(dir: &Path, hash: &str, fresh: bool) -> Result<(Self, usize)> {
-        let mut removed = 0;
-        if dir.exists() {
-            let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
-            for e in entries.flatten() {
-                let p = e.path();
-                if p.extension().is_none_or(|x| x != "arrow") {
-                    continue;
-                }
-                let stale = fresh
-                    || Table::read_arrow(&p)
-                        .map(|t| t.metadata().get(META_RUN_HASH).map(String::as_str) != Some(hash))
-                        .unwrap_or(true);
-                if stale {
-                    std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
-                    removed += 1;
-                }
-            }
+    /// Open the shard folder of the run `hash` under `root`
+    /// (`notebooks-data/<experiment>/shards`). Nothing is removed: `fresh` makes
+    /// [`Store::load`] find nothing, so every chunk is recomputed and its shard
+    /// overwritten (atomically) when it is saved.
+    pub fn open(root: &Path, hash: &str, fresh: bool) -> Result<Self> {
+        if hash.is_empty() || !hash.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(Error::Other(format!(
+                "run hash `{hash}` is not a plain folder name"
+            )));
         }
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        Ok((
-            Store {
-                dir: dir.to_path_buf(),
-                hash: hash.to_string(),
-            },
-            removed,
-        ))
+        let dir = root.join(hash);
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        Ok(Store {
+            dir,
+            hash: hash.to_string(),
+            fresh,
+        })
+    }
+
+    /// The folder of this run's shards.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     fn path(&self, key: &str) -> PathBuf {
@@ -108,16 +138,22 @@ impl Store {
     /// of outcomes per cell exists.
     pub fn load(&self, key: &str, expected: &[usize]) -> Result<Option<Vec<Vec<Outcome>>>> {
         let path = self.path(key);
-        if !path.exists() {
+        if self.fresh || !path.exists() {
             return Ok(None);
         }
-        let t = Table::read_arrow(&path)?;
+        // A shard that does not read (a foreign or damaged file) is recomputed and
+        // replaced, never trusted.
+        let Ok(t) = Table::read_arrow(&path) else {
+            return Ok(None);
+        };
         if t.metadata().get(META_RUN_HASH) != Some(&self.hash) {
             return Ok(None);
         }
-        let cell = t.int64("cell")?;
-        let correct = t.boolean("correct")?;
-        let ld = t.float64("ld")?;
+        let (Ok(cell), Ok(correct), Ok(ld)) =
+            (t.int64("cell"), t.boolean("correct"), t.float64("ld"))
+        else {
+            return Ok(None);
+        };
         let mut out: Vec<Vec<Outcome>> = expected.iter().map(|&n| Vec::with_capacity(n)).collect();
         for i in 0..t.num_rows() {
             let c = cell[i].unwrap_or(-1);
@@ -158,14 +194,8 @@ impl Store {
         Ok(t.write_arrow(self.path(key))?)
     }
 
-    /// Number of shard files present.
+    /// Number of shard files of this run present.
     pub fn count(&self) -> usize {
-        std::fs::read_dir(&self.dir)
-            .map(|r| {
-                r.flatten()
-                    .filter(|e| e.path().extension().is_some_and(|x| x == "arrow"))
-                    .count()
-            })
-            .unwrap_or(0)
+        crate::output::committed_files(&self.dir, "arrow").map_or(0, |v| v.len())
     }
 }

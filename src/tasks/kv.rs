@@ -145,6 +145,22 @@ impl KvPromptConfig {
         if self.n_queries == 0 {
             return Err(TaskError::config("prompt.n_queries", "must be at least 1"));
         }
+        for (key, v) in [
+            ("prompt.n_bindings", self.n_bindings),
+            ("prompt.n_queries", self.n_queries),
+            ("prompt.key_len", self.key_len),
+            ("prompt.value_len", self.value_len),
+        ] {
+            if v > super::MAX_HAYSTACK_LEN {
+                return Err(TaskError::config(
+                    key,
+                    format!(
+                        "{v} is more than a prompt can hold ({} tokens at most)",
+                        super::MAX_HAYSTACK_LEN
+                    ),
+                ));
+            }
+        }
         if self.query_sampling == QuerySampling::Distinct && self.n_queries > self.n_bindings {
             return Err(TaskError::config(
                 "prompt.n_queries",
@@ -175,6 +191,17 @@ impl KvPromptConfig {
                 format!(
                     "{} bindings with distinct_values need {} distinct values, but only {values} exist",
                     self.n_bindings, self.n_bindings
+                ),
+            ));
+        }
+        // Each factor is at most 2^22 above, so this product cannot overflow.
+        let len = self.unpadded_len(space);
+        if len > super::MAX_HAYSTACK_LEN {
+            return Err(TaskError::config(
+                "prompt.n_bindings",
+                format!(
+                    "the prompt would be {len} tokens before padding, more than {} (n_bindings x (key_len + value_len + ...) + the queries)",
+                    super::MAX_HAYSTACK_LEN
                 ),
             ));
         }
@@ -894,6 +921,16 @@ impl KvTrainSampler {
             if c.steps == 0 {
                 return Err(TaskError::config("curriculum.steps", "must be at least 1"));
             }
+        }
+        if cfg.inner_pad_max > super::MAX_HAYSTACK_LEN {
+            return Err(TaskError::config(
+                "inner_pad_max",
+                format!(
+                    "{} is more than a prompt can hold ({} tokens at most)",
+                    cfg.inner_pad_max,
+                    super::MAX_HAYSTACK_LEN
+                ),
+            ));
         }
         let seq_len = cfg.prompt.unpadded_len(space) + cfg.period.len() - 1 + cfg.inner_pad_max;
         cfg.prompt.check_len(seq_len)?;

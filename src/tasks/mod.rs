@@ -87,10 +87,23 @@ pub struct Period(NonZeroU32);
 impl Period {
     /// A period; `0` is an error naming the field `period`.
     pub fn new(period: u32) -> TaskResult<Self> {
+        if period > Self::MAX {
+            // Matched designs need 2 P^2 logical examples, each rendered at P phases.
+            return Err(TaskError::config(
+                "period",
+                format!(
+                    "{period} is more than {} (matched designs need 2 P^2 examples per group)",
+                    Self::MAX
+                ),
+            ));
+        }
         NonZeroU32::new(period)
             .map(Period)
             .ok_or_else(|| TaskError::config("period", "must be at least 1 (got 0)"))
     }
+
+    /// The largest period accepted.
+    pub const MAX: u32 = 1 << 16;
 
     /// The period as an integer.
     pub fn get(self) -> u32 {

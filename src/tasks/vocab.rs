@@ -557,9 +557,17 @@ fn unk_id(tokenizer: &Tokenizer) -> Option<u32> {
 }
 
 fn tuple_space(atoms: usize, len: usize) -> u128 {
+    // Bounded: the loop stops once the count saturates (a key_len of 10^18 used to
+    // spin here for ever).
+    if atoms <= 1 || len == 0 {
+        return if len == 0 { 1 } else { atoms as u128 };
+    }
     let mut n: u128 = 1;
     for _ in 0..len {
         n = n.saturating_mul(atoms as u128);
+        if n == u128::MAX {
+            break;
+        }
     }
     n
 }

@@ -203,6 +203,17 @@ fn train_model<M: Module + LanguageModel>(
     }
     let run = file.run_dir(path);
     let hash = config_hash(file);
+    crate::model::memory::check_training(file, sampler.seq_len())
+        .context_with(|| path.display().to_string())?;
+    // One training of an organism at a time; then remove what killed writers left.
+    let _lock = crate::output::lock::RunLock::acquire(
+        &run.join(".lock"),
+        &format!("training of `{}`", file.organism.name),
+    )?;
+    let model_dir = file.model_dir(path);
+    for (dir, depth) in [(&run, 3), (&model_dir, 2)] {
+        crate::output::clean_stale_temps(dir, depth).map_err(|e| Error::io(dir, e))?;
+    }
     let ad = device.clone().autodiff();
     let mut optim = AdamWConfig::new()
         .with_beta_2(tc.beta2)
@@ -264,22 +275,30 @@ fn train_model<M: Module + LanguageModel>(
     let mut tokens_seen = start * tokens_per_step;
     let t0 = Instant::now();
     let mut ema: Option<f64> = history.last().map(|r| r.loss);
+    // `--fresh`: the old checkpoints go only when the first new one is saved, after
+    // every check passed and the model was built.
+    let mut drop_old = opts.fresh;
     for step in start..total {
         let batch: TrainBatch = sampler.batch(step, tc.batch_size);
         let ids: Vec<i64> = batch.input_ids().into_iter().map(|x| x as i64).collect();
         let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [tc.batch_size, seq]), &ad);
-        let logits = model.forward(tokens, &HookSpec::new())?.logits;
+        let logits = model.forward(tokens.clone(), &HookSpec::new())?.logits;
         let (loss, acc) = answer_loss(logits, &batch.labels());
         let lr = lr_at(tc, step);
+        let loss_v: f64 = loss.clone().into_scalar::<f32>() as f64;
+        if !loss_v.is_finite() {
+            // Before the step: the weights that produced it are still there to diagnose.
+            return Err(crate::model::diagnose::non_finite_error(
+                &model,
+                tokens,
+                &format!(
+                    "training loss became {loss_v} at step {step} (lower [train] lr, now {})",
+                    tc.lr
+                ),
+            ));
+        }
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr, model, grads);
-        let loss_v: f64 = loss.into_scalar::<f32>() as f64;
-        if !loss_v.is_finite() {
-            return Err(Error::Other(format!(
-                "loss became {loss_v} at step {step}; lower [train] lr (now {})",
-                tc.lr
-            )));
-        }
         tokens_seen += tokens_per_step;
         history.push(LogRow {
             step,
@@ -299,6 +318,12 @@ fn train_model<M: Module + LanguageModel>(
         bar.inc(1);
         let last = step + 1 == total;
         if (step + 1) % tc.checkpoint_every == 0 || last {
+            if std::mem::take(&mut drop_old) {
+                let old = run.join("checkpoints");
+                if old.exists() {
+                    std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+                }
+            }
             save_checkpoint(
                 &run,
                 &model,

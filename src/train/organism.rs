@@ -94,6 +94,72 @@ impl Default for TrainConfig {
     }
 }
 
+impl TrainConfig {
+    /// Reject impossible settings; the message starts with the key.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        for (key, v) in [
+            ("steps", self.steps),
+            ("batch_size", self.batch_size as u64),
+            ("checkpoint_every", self.checkpoint_every),
+            ("keep_checkpoints", self.keep_checkpoints as u64),
+        ] {
+            if v == 0 {
+                return Err(format!("{key} must be at least 1"));
+            }
+        }
+        let finite = |key: &str, v: f64| {
+            if v.is_finite() {
+                Ok(())
+            } else {
+                Err(format!("{key} must be a finite number, got {v}"))
+            }
+        };
+        finite("lr", self.lr)?;
+        finite("min_lr_ratio", self.min_lr_ratio)?;
+        finite("weight_decay", self.weight_decay as f64)?;
+        finite("beta2", self.beta2 as f64)?;
+        finite("grad_clip", self.grad_clip as f64)?;
+        if self.lr <= 0.0 {
+            return Err(format!("lr must be > 0, got {}", self.lr));
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(format!(
+                "min_lr_ratio must be in 0..=1 (a fraction of lr), got {}",
+                self.min_lr_ratio
+            ));
+        }
+        if self.weight_decay < 0.0 {
+            return Err(format!(
+                "weight_decay must be >= 0, got {}",
+                self.weight_decay
+            ));
+        }
+        if !(self.beta2 > 0.0 && self.beta2 < 1.0) {
+            return Err(format!("beta2 must be in (0, 1), got {}", self.beta2));
+        }
+        if self.grad_clip <= 0.0 {
+            return Err(format!("grad_clip must be > 0, got {}", self.grad_clip));
+        }
+        if self.batch_size > MAX_BATCH_SIZE {
+            return Err(format!(
+                "batch_size {} is more than {MAX_BATCH_SIZE} prompts per step",
+                self.batch_size
+            ));
+        }
+        if self.keep_checkpoints > 10_000 {
+            return Err(format!(
+                "keep_checkpoints {} is more than 10000",
+                self.keep_checkpoints
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The most prompts per training step (the batch's activations are held for the
+/// backward pass; the memory check refuses smaller batches that do not fit too).
+pub const MAX_BATCH_SIZE: usize = 1 << 20;
+
 /// `[model]`: a kvc config (`model_type = "phaselens-kvc"`) or a DeepSeek-V4 config in
 /// transformers' config.json form (`model_type = "deepseek_v4"`).
 #[derive(Debug, Clone, Serialize)]
@@ -166,6 +232,8 @@ impl OrganismFile {
     /// Parse and validate organism TOML `text`; errors name `path` (the file the text
     /// is, or will be, at).
     pub fn parse(path: &Path, text: &str) -> Result<Self> {
+        // A malformed file is a syntax error at its line and column, not a missing key.
+        parse_toml::<toml::Table>(path, text)?;
         let bad = |m: String| Error::Config {
             path: path.to_path_buf(),
             message: m,
@@ -215,12 +283,12 @@ impl OrganismFile {
                 )));
             }
         };
-        if f.train.checkpoint_every == 0 || f.train.batch_size == 0 || f.train.steps == 0 {
-            return Err(Error::Config {
-                path: path.to_path_buf(),
-                message: "[train] steps, batch_size and checkpoint_every must be at least 1".into(),
-            });
+        if let Err(m) = crate::runner::experiment::check_output_name(&f.organism.name) {
+            return Err(bad(format!("[organism] name: {m}")));
         }
+        f.train
+            .validate()
+            .map_err(|m| bad(format!("[train] {m}")))?;
         Ok(f)
     }
 

@@ -400,6 +400,8 @@ impl V4Checkpoint {
             }
             None => {}
         }
+        // After dequantisation: a NaN scale or an FP8 NaN byte is as bad as a NaN weight.
+        crate::model::safetensors_io::check_finite(&path, key, &v)?;
         self.mark(key);
         Ok(v)
     }

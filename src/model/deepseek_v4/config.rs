@@ -183,11 +183,18 @@ pub struct DeepseekV4Config {
     pub fp8_block: [usize; 2],
 }
 
+/// The most layers a config may declare (checked before any per-layer list is built).
+pub const MAX_LAYERS: usize = 100_000;
+
 impl DeepseekV4Config {
     /// Parse and resolve config.json text.
     pub fn from_json(text: &str) -> Result<Self> {
-        let raw: RawConfig = serde_json::from_str(text)
-            .map_err(|e| Error::field("config.json", format!("cannot parse: {e}")))?;
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| {
+            Error::field(
+                "config.json",
+                format!("cannot parse: {}", crate::model::json_error(text, &e)),
+            )
+        })?;
         Self::resolve(&raw)
     }
 
@@ -202,6 +209,13 @@ impl DeepseekV4Config {
             ));
         }
         let n = r.num_hidden_layers.unwrap_or(43);
+        if n > MAX_LAYERS {
+            // Before the per-layer lists are built.
+            return Err(Error::field(
+                "num_hidden_layers",
+                format!("{n} layers is more than {MAX_LAYERS}"),
+            ));
+        }
         let head_dim = r.head_dim.unwrap_or(512);
 
         let (csa_rate, hca_rate) = compress_rates(r)?;
@@ -329,6 +343,47 @@ impl DeepseekV4Config {
                 ));
             }
         }
+        for (name, r) in [
+            ("rope_theta", &self.rope_main),
+            ("compress_rope_theta", &self.rope_compress),
+        ] {
+            if !(r.theta.is_finite() && r.theta > 0.0) {
+                return Err(Error::field(
+                    name,
+                    format!("must be a finite number > 0, got {}", r.theta),
+                ));
+            }
+            for (k, v) in [
+                ("factor", r.factor),
+                (
+                    "original_max_position_embeddings",
+                    r.original_max_position_embeddings,
+                ),
+                ("beta_fast", r.beta_fast),
+                ("beta_slow", r.beta_slow),
+                ("attention_scaling", r.attention_scaling),
+            ] {
+                if !v.is_finite() {
+                    return Err(Error::field(
+                        format!("rope_parameters.{k}"),
+                        format!("must be a finite number, got {v}"),
+                    ));
+                }
+            }
+        }
+        for (name, v) in [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("hc_eps", self.hc_eps),
+            ("swiglu_limit", self.swiglu_limit),
+            ("routed_scaling_factor", self.routed_scaling_factor),
+        ] {
+            if !v.is_finite() {
+                return Err(Error::field(
+                    name,
+                    format!("must be a finite number, got {v}"),
+                ));
+            }
+        }
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(Error::field("rms_norm_eps", "must be > 0"));
         }
@@ -352,50 +407,62 @@ impl DeepseekV4Config {
 
     /// Number of parameters (f32 values) the model holds.
     pub fn n_params(&self) -> usize {
+        // `as` saturates: a config too large to count is refused by the memory check.
+        self.n_params_f64() as usize
+    }
+
+    /// [`Self::n_params`] in floating point (no overflow for any config).
+    pub fn n_params_f64(&self) -> f64 {
+        let f = |x: usize| x as f64;
         let (h, d, nh, q) = (
-            self.hidden_size,
-            self.head_dim,
-            self.num_attention_heads,
-            self.q_lora_rank,
+            f(self.hidden_size),
+            f(self.head_dim),
+            f(self.num_attention_heads),
+            f(self.q_lora_rank),
         );
         let (e, i, n) = (
-            self.n_routed_experts,
-            self.moe_intermediate_size,
-            self.hc_mult,
+            f(self.n_routed_experts),
+            f(self.moe_intermediate_size),
+            f(self.hc_mult),
         );
-        let hc = (2 + n) * n * (n * h) + (2 + n) * n + 3;
-        let mut total = 2 * self.vocab_size * h + h + n * n * h + n + 1;
+        let (og, olr) = (f(self.o_groups), f(self.o_lora_rank));
+        let hc = (2.0 + n) * n * (n * h) + (2.0 + n) * n + 3.0;
+        let mut total = 2.0 * f(self.vocab_size) * h + h + n * n * h + n + 1.0;
         if self.tie_word_embeddings {
-            total -= self.vocab_size * h;
+            total -= f(self.vocab_size) * h;
         }
-        for (l, t) in self.layer_types.iter().enumerate() {
+        let (di, hi) = (f(self.index_head_dim), f(self.index_n_heads));
+        let (csa, hca) = (f(self.csa_rate), f(self.hca_rate));
+        let per_type = |t: AttnType, moe: bool| {
             let mut p = h * q + q + q * nh * d + h * d + d;
-            p += self.o_groups * self.o_lora_rank * (nh * d / self.o_groups);
-            p += h * self.o_groups * self.o_lora_rank + nh;
-            let (di, hi) = (self.index_head_dim, self.index_n_heads);
+            p += og * olr * (nh * d / og);
+            p += h * og * olr + nh;
             p += match t {
-                AttnType::Sliding => 0,
-                AttnType::Hca => 2 * h * d + self.hca_rate * d + d,
+                AttnType::Sliding => 0.0,
+                AttnType::Hca => 2.0 * h * d + hca * d + d,
                 AttnType::Csa => {
-                    4 * h * d
-                        + self.csa_rate * 2 * d
+                    4.0 * h * d
+                        + csa * 2.0 * d
                         + d
-                        + 4 * h * di
-                        + self.csa_rate * 2 * di
+                        + 4.0 * h * di
+                        + csa * 2.0 * di
                         + di
                         + hi * di * q
                         + hi * h
                 }
             };
-            p += 2 * h + 2 * hc;
-            p += e * h + e * 3 * i * h + 3 * i * h;
+            p += 2.0 * h + 2.0 * hc;
+            p += e * h + e * 3.0 * i * h + 3.0 * i * h;
             if self.mlp_bias {
-                p += 2 * i + h;
+                p += 2.0 * i + h;
             }
-            if self.mlp_layer_types[l] == MlpType::Moe {
+            if moe {
                 p += e;
             }
-            total += p;
+            p
+        };
+        for (l, t) in self.layer_types.iter().enumerate() {
+            total += per_type(*t, self.mlp_layer_types[l] == MlpType::Moe);
         }
         total
     }
@@ -480,13 +547,19 @@ fn rope_spec(
         .to_string();
     let theta =
         num(m, "rope_theta").ok_or_else(|| rope_err(&format!("{field}.rope_theta"), "missing"))?;
-    if theta.is_nan() || theta <= 1.0 {
+    if !theta.is_finite() || theta <= 1.0 {
         return Err(rope_err(
             &format!("{field}.rope_theta"),
             format!("must be > 1, got {theta}"),
         ));
     }
     let partial = num(m, "partial_rotary_factor").unwrap_or(1.0);
+    if !(partial.is_finite() && partial > 0.0 && partial <= 1.0) {
+        return Err(rope_err(
+            &format!("{field}.partial_rotary_factor"),
+            format!("must be in (0, 1], got {partial}"),
+        ));
+    }
     let rot_dims = (head_dim as f64 * partial) as usize;
     match rope_type.as_str() {
         "default" => Ok(RopeSpec {

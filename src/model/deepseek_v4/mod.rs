@@ -48,6 +48,8 @@ pub fn load(dir: &Path, device: &Device) -> Result<DeepseekV4Model> {
         path: path.clone(),
         message: e.to_string(),
     })?;
+    crate::model::memory::check_deepseek_v4(&config)
+        .map_err(|e| e.context(path.display().to_string()))?;
     let src = V4Checkpoint::open_dir(dir, config.fp8_block)?;
     let model = DeepseekV4Model::new(&config, &Vb::new(&src, device))?;
     src.check_all_used()?;

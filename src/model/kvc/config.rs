@@ -7,6 +7,9 @@ use crate::error::{Error, Result};
 /// The `model_type` of kvc checkpoints' config.json.
 pub const MODEL_TYPE: &str = "phaselens-kvc";
 
+/// The most layers a config may declare.
+pub const MAX_LAYERS: usize = 100_000;
+
 /// Attention variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -199,9 +202,30 @@ impl KvcConfig {
             ));
         }
         // Written so that NaN is rejected too.
-        #[allow(clippy::neg_cmp_op_on_partial_ord)]
-        if !(self.norm_eps > 0.0) {
-            return Err(Error::field("norm_eps", "must be > 0"));
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return Err(Error::field(
+                "norm_eps",
+                format!("must be a finite number > 0, got {}", self.norm_eps),
+            ));
+        }
+        // Checked even without RoPE: a config that says theta = 0 is a mistake either way.
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(Error::field(
+                "rope_theta",
+                format!("must be a finite number > 0, got {}", self.rope_theta),
+            ));
+        }
+        if !(self.init_std.is_finite() && self.init_std >= 0.0) {
+            return Err(Error::field(
+                "init_std",
+                format!("must be a finite number >= 0, got {}", self.init_std),
+            ));
+        }
+        if self.n_layers > MAX_LAYERS {
+            return Err(Error::field(
+                "n_layers",
+                format!("{} layers is more than {MAX_LAYERS}", self.n_layers),
+            ));
         }
         match (self.attention, &self.compression) {
             (AttentionKind::Compressed, None) => {
@@ -308,7 +332,8 @@ impl KvcConfig {
 
     /// Parse and validate config.json text.
     pub fn from_json(text: &str) -> std::result::Result<Self, String> {
-        let c: KvcConfig = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let c: KvcConfig =
+            serde_json::from_str(text).map_err(|e| crate::model::json_error(text, &e))?;
         c.validate().map_err(|e| e.to_string())?;
         Ok(c)
     }

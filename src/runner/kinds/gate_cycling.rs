@@ -79,6 +79,13 @@ impl Kind for GateCycling {
                 "0 is the baseline; list non-zero shifts",
             ));
         }
+        if let Some(d) = self.deltas.iter().find(|d| d.unsigned_abs() > 1 << 20) {
+            return Err(exp.err(
+                "cycling",
+                "deltas",
+                format!("{d} is not a shift of a gate window (|delta| <= 1048576)"),
+            ));
+        }
         if self.gates.is_empty() {
             return Err(exp.err("cycling", "gates", "give \"key\", \"value\" or both"));
         }

@@ -1,0 +1,214 @@
+//! One run at a time per output folder: a lock file (`<folder>/.lock`) that names the
+//! process holding it. A second `phaselens run` of the same experiment (or `train` of
+//! the same organism) fails at once with a message naming the other process instead of
+//! computing everything twice; the lock is released when the run ends (also on errors
+//! and panics, by `Drop`), and a lock left by a killed process (`kill -9`, a crash, a
+//! reboot) is taken over by the next run.
+
+use std::fs::{self, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use super::atomic::process_alive;
+
+/// A held lock; dropping it removes the lock file.
+#[derive(Debug)]
+pub struct RunLock {
+    path: PathBuf,
+    token: String,
+}
+
+/// Why a lock could not be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// Another live process holds it.
+    #[error(
+        "{what} is already running in process {pid} (lock file {path}); wait for it to finish or stop it (kill {pid})"
+    )]
+    Held {
+        what: String,
+        pid: u32,
+        path: PathBuf,
+    },
+    #[error("lock file {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The start time of process `pid` in clock ticks since boot (`/proc/<pid>/stat` field
+/// 22), so a lock whose process id was reused by another program is still stale.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: fields resume after
+    // the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// `(pid, start time)` recorded in a lock file.
+fn parse(text: &str) -> Option<(u32, Option<u64>)> {
+    let mut pid = None;
+    let mut start = None;
+    for line in text.lines() {
+        if let Some(v) = line.strip_prefix("pid=") {
+            pid = v.trim().parse().ok();
+        } else if let Some(v) = line.strip_prefix("start=") {
+            start = v.trim().parse().ok();
+        }
+    }
+    Some((pid?, start))
+}
+
+fn held_by_live_process(text: &str) -> Option<u32> {
+    let (pid, start) = parse(text)?;
+    if !process_alive(pid) {
+        return None;
+    }
+    match (start, start_time(pid)) {
+        (Some(a), Some(b)) if a != b => None, // the id now belongs to another process
+        _ => Some(pid),
+    }
+}
+
+impl RunLock {
+    /// Take the lock `path` for `what` (e.g. "experiment `v4pro`").
+    pub fn acquire(path: &Path, what: &str) -> Result<RunLock, LockError> {
+        let io_err = |source| LockError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            fs::create_dir_all(dir).map_err(io_err)?;
+        }
+        let pid = std::process::id();
+        let token = format!(
+            "pid={pid}\nstart={}\nwhat={what}\n",
+            start_time(pid).map_or_else(String::new, |s| s.to_string())
+        );
+        // A few rounds: a stale lock is moved away, then the lock is created afresh;
+        // `create_new` decides between two processes that race for it.
+        for _ in 0..8 {
+            match OpenOptions::new().write(true).create_new(true).open(path) {
+                Ok(mut f) => {
+                    f.write_all(token.as_bytes()).map_err(io_err)?;
+                    f.sync_all().map_err(io_err)?;
+                    return Ok(RunLock {
+                        path: path.to_path_buf(),
+                        token,
+                    });
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io_err(e)),
+            }
+            let text = match fs::read_to_string(path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_err(e)),
+            };
+            if let Some(other) = held_by_live_process(&text) {
+                return Err(LockError::Held {
+                    what: what.to_string(),
+                    pid: other,
+                    path: path.to_path_buf(),
+                });
+            }
+            if text.is_empty() {
+                // Maybe a process that has created the file but not yet written it:
+                // give it a moment before calling the lock stale.
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                if fs::read_to_string(path).is_ok_and(|t| !t.is_empty()) {
+                    continue;
+                }
+            }
+            // Stale: move it aside (only one process wins the rename), then check
+            // that what was moved is the stale lock read above.
+            let aside = path.with_extension(format!("stale-{pid}"));
+            match fs::rename(path, &aside) {
+                Ok(()) => {
+                    let moved = fs::read_to_string(&aside).unwrap_or_default();
+                    if moved == text {
+                        let _ = fs::remove_file(&aside);
+                    } else {
+                        // Another process took the lock in between: give it back.
+                        let _ = fs::rename(&aside, path);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(e)),
+            }
+        }
+        let text = fs::read_to_string(path).unwrap_or_default();
+        Err(match parse(&text) {
+            Some((pid, _)) => LockError::Held {
+                what: what.to_string(),
+                pid,
+                path: path.to_path_buf(),
+            },
+            None => io_err(io::Error::other("could not take over the lock file")),
+        })
+    }
+
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        // Remove only our own lock (never one another process took over).
+        if fs::read_to_string(&self.path).is_ok_and(|t| t == self.token) {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn second_holder_is_refused_naming_the_first_and_release_frees_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("exp/.lock");
+        let a = RunLock::acquire(&p, "experiment `x`").unwrap();
+        let e = RunLock::acquire(&p, "experiment `x`")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("already running")
+                && e.contains(&std::process::id().to_string())
+                && e.contains(".lock"),
+            "{e}"
+        );
+        drop(a);
+        assert!(!p.exists());
+        let _b = RunLock::acquire(&p, "experiment `x`").unwrap();
+    }
+
+    #[test]
+    fn stale_lock_of_a_dead_process_is_taken_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(".lock");
+        // pid 0 is never a user process.
+        fs::write(&p, "pid=0\nstart=1\nwhat=x\n").unwrap();
+        let l = RunLock::acquire(&p, "x").unwrap();
+        assert!(
+            fs::read_to_string(l.path())
+                .unwrap()
+                .contains(&format!("pid={}", std::process::id()))
+        );
+        // A lock whose pid is alive but whose start time differs (pid reuse) is stale.
+        drop(l);
+        fs::write(&p, format!("pid={}\nstart=1\nwhat=x\n", std::process::id())).unwrap();
+        if start_time(std::process::id()).is_some_and(|s| s != 1) {
+            RunLock::acquire(&p, "x").unwrap();
+        }
+        // Garbage in the lock file is stale too.
+        fs::write(&p, "not a lock").unwrap();
+        RunLock::acquire(&p, "x").unwrap();
+    }
+}
