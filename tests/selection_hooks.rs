@@ -109,13 +109,13 @@ fn changing_hook_selected_changes_what_later_queries_read() {
     let captured = m
         .forward(
             tokens.clone(),
-            &HookSpec::new().capture_point(point.clone()),
+            &HookSpec::new().capture_point(point),
         )
         .unwrap()
         .cache;
     // Patching the choice with itself is the identity.
     let same = HookSpec::new().intervene_point(
-        point.clone(),
+        point,
         Action::Patch(Arc::new(captured)),
         Scope::all(),
     );
@@ -123,7 +123,7 @@ fn changing_hook_selected_changes_what_later_queries_read() {
     // Dropping every entry from position p on changes the logits there, never before.
     let p = t / 2;
     let drop = HookSpec::new().intervene_point(
-        point.clone(),
+        point,
         Action::Zero,
         Scope::all().with_positions((p..t).collect::<Vec<_>>()),
     );
@@ -144,7 +144,7 @@ fn changing_hook_selected_changes_what_later_queries_read() {
     assert!(full.iter().all(|x| x.is_finite()));
     assert!(max_rel(&full, &base) > 1e-4);
     let cut = 100.min(t - 1);
-    let prefix = logits(&m, &tokens.clone().slice([0..b, 0..cut]), &all);
+    let prefix = logits(&m, &tokens.clone().slice_dim(1, 0..cut), &all);
     for r in 0..b {
         let got = &prefix[r * cut * v..(r + 1) * cut * v];
         let want = &full[r * t * v..(r * t + cut) * v];
@@ -185,7 +185,7 @@ fn v4_gate_logits_are_the_gates_before_their_softmax() {
         .unwrap();
     let point = HookPoint::block(first, Site::KeyGateLogits);
     let shift = HookSpec::new().intervene_point(
-        point.clone(),
+        point,
         Action::Add(Act::new(Tensor::<5>::full(
             [1, 1, 1, 1, 1],
             3.0,
@@ -226,7 +226,7 @@ fn kvc_bias_roll_through_the_gate_logits_equals_a_rolled_bias() {
     let rolled = |l: usize| {
         let b = bias(l);
         Tensor::cat(
-            vec![b.clone().slice([w - shift..w]), b.slice([0..w - shift])],
+            vec![b.clone().slice_dim(0, w - shift..w), b.slice_dim(0, 0..w - shift)],
             0,
         )
     };

@@ -316,7 +316,9 @@ impl Geometry<'_> {
             )
         } else {
             // Rows at different positions, banded keys: gather each row's own band.
-            let w = raw.window.expect("banded");
+            let Some(w) = raw.window else {
+                unreachable!("the first branch takes every unbanded case")
+            };
             let len = bq + w - 1;
             let mut idx = Vec::with_capacity(self.b * len);
             let mut pos = Vec::with_capacity(self.b * len);

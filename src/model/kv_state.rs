@@ -238,6 +238,8 @@ pub struct TokenFlow<'a> {
     mode: Mode<'a>,
 }
 
+// One per forward, moved never: the size difference of the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Mode<'a> {
     Plain,
     Record(&'a mut PrefixState),

@@ -417,8 +417,10 @@ mod tests {
     #[test]
     fn bad_settings_name_their_field() {
         let s = space();
-        let mut c = HaystackConfig::default();
-        c.lengths = vec![10];
+        let mut c = HaystackConfig {
+            lengths: vec![10],
+            ..HaystackConfig::default()
+        };
         assert!(
             c.validate(&s)
                 .unwrap_err()

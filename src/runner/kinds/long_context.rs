@@ -417,6 +417,9 @@ fn draw(_cfg: &LongContext, f: &mut Figures) -> Result<()> {
     Ok(())
 }
 
+/// Which cells a heatmap row pools.
+type Keep<'k> = Box<dyn Fn(&Cell) -> bool + 'k>;
+
 /// The cells of one model and protocol, with their sorted axes.
 struct Grid<'c> {
     m: &'c str,
@@ -529,7 +532,7 @@ impl<'c> Grid<'c> {
         name: &str,
         what: &str,
         y_label: &str,
-        rows: Vec<(String, Box<dyn Fn(&Cell) -> bool + '_>)>,
+        rows: Vec<(String, Keep<'_>)>,
     ) -> Result<()> {
         let (m, proto) = (self.m, self.proto);
         let n_rows = rows.len() as u32;
@@ -571,7 +574,7 @@ fn draw_protocol(f: &mut Figures, m: &str, proto: &str, cells: &[&Cell]) -> Resu
         .phases
         .iter()
         .map(|&r| {
-            let keep: Box<dyn Fn(&Cell) -> bool> = Box::new(move |c: &Cell| c.phase == r);
+            let keep: Keep = Box::new(move |c: &Cell| c.phase == r);
             (format!("phase {r}"), keep)
         })
         .collect();
@@ -585,8 +588,7 @@ fn draw_protocol(f: &mut Figures, m: &str, proto: &str, cells: &[&Cell]) -> Resu
     let mut niah = Vec::new();
     for &dp in &g.depths {
         for &r in &g.phases {
-            let keep: Box<dyn Fn(&Cell) -> bool> =
-                Box::new(move |c: &Cell| c.phase == r && c.depth == dp);
+            let keep: Keep = Box::new(move |c: &Cell| c.phase == r && c.depth == dp);
             niah.push((format!("depth {dp}, phase {r}"), keep));
         }
     }
