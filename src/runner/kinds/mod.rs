@@ -358,4 +358,5 @@ kinds! {
     knockout::Knockout,
     gate_profiles::GateProfiles,
     gate_cycling::GateCycling,
+    retrieval_heads::RetrievalHeads,
 }

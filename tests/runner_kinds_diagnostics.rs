@@ -1,0 +1,157 @@
+//! End-to-end tests of retrieval-heads, filler-probe and indexer-diagnostics on tiny
+//! random organisms (tables, figures, report, resume).
+
+mod common;
+
+use common::runner::*;
+use phaselens::hooks::{HookPoint, HookSpec, Site};
+use phaselens::model::load_model;
+use phaselens::output::{LONG_COLUMNS, LongRow, Table, read_long_rows, validate_columns};
+use phaselens::runner::experiment::Experiment;
+use phaselens::runner::prompts::{clean_prompts, group_examples};
+use phaselens::runner::run_experiment;
+use phaselens::runner::setup::{TaskSetup, resolve_models};
+
+fn rows(path: &std::path::Path) -> Vec<LongRow> {
+    let t = Table::read_arrow(path).unwrap();
+    validate_columns(&t, LONG_COLUMNS).unwrap();
+    assert!(path.with_extension("parquet").exists());
+    read_long_rows(&t).unwrap()
+}
+
+fn head(exp_kind: &str, extra: &str) -> String {
+    format!(
+        "[experiment]\nkind = \"{exp_kind}\"\nbootstrap_reps = 40\n\n[model]\norganism = \"tiny\"\n\n[task]\nn_logical = 8\n{extra}"
+    )
+}
+
+fn assert_files(dir: &std::path::Path, names: &[&str]) {
+    for n in names {
+        assert!(dir.join(n).exists(), "missing {}", dir.join(n).display());
+    }
+}
+
+fn at<'r>(rows: &'r [LongRow], metric: &str, l: u32, h: u32, phase: Option<u32>) -> &'r LongRow {
+    rows.iter()
+        .find(|r| r.metric == metric && r.layer == Some(l) && r.head == Some(h) && r.phase == phase)
+        .unwrap_or_else(|| panic!("no {metric} row for L{l}.H{h} phase {phase:?}"))
+}
+
+/// The retrieval score of every head at phase `r`, recomputed here with full forwards
+/// and kvc's window rule (entry i pools tokens i*S .. i*S + W - 1).
+fn retrieval_by_hand(exp_path: &std::path::Path, r: u32, w: usize, s: usize) -> Vec<Vec<f64>> {
+    let exp = Experiment::load(exp_path).unwrap();
+    let (models, _) = resolve_models(&exp).unwrap();
+    let dev = common::dev();
+    let model = load_model(&models[0].dir, &dev).unwrap();
+    let info = model.info();
+    let task = TaskSetup::resolve(&exp, &models[0], &info).unwrap();
+    let set = task.eval_set(task.protocol).unwrap();
+    let ex = group_examples(&set, r, task.n_logical);
+    let (prompts, _) = clean_prompts(&ex, |_| 0);
+    let t = prompts.len;
+    let spec = HookSpec::new()
+        .capture("blocks.*.attn.hook_pattern")
+        .unwrap();
+    let all: Vec<usize> = (0..prompts.n()).collect();
+    let out = model.forward(prompts.tokens_of(&all, &dev), &spec).unwrap();
+    let mut score = vec![vec![0.0; info.n_heads]; info.n_layers()];
+    for (l, row) in score.iter_mut().enumerate() {
+        let act = out
+            .cache
+            .get(&HookPoint::block(l, Site::AttnPattern))
+            .unwrap();
+        let [_, nh, _, k] = <[usize; 4]>::try_from(act.shape().to_vec()).unwrap();
+        let v = act.to_vec();
+        let n_entries = if t >= w { (t - w) / s + 1 } else { 0 };
+        for (hh, cell) in row.iter_mut().enumerate() {
+            for (i, e) in ex.iter().enumerate() {
+                let b = &e.bindings[e.scored_query().binding];
+                let needle = b.key_pos + 1;
+                let p = e.target_positions[0];
+                let probs = &v[((i * nh + hh) * t + p) * k..][..k];
+                let top = (0..k).fold(0, |best, j| if probs[j] > probs[best] { j } else { best });
+                let hit = if top < n_entries {
+                    top * s <= needle && needle < top * s + w
+                } else {
+                    top - n_entries == needle
+                };
+                *cell += f64::from(u8::from(hit)) / ex.len() as f64;
+            }
+        }
+    }
+    score
+}
+
+#[test]
+fn retrieval_heads_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    organism(d, "tiny", &tiny(2, 4, 2, 8, 4), 21);
+    let exp = experiment(
+        d,
+        "ret.toml",
+        &head("retrieval-heads", "\n[retrieval]\nonly_correct = false\n"),
+    );
+    let s = run_experiment(&exp, &opts(d)).unwrap();
+    assert_eq!(s.stats.cells_computed, 4 * 8, "one unit per prompt");
+    let rows = rows(&d.join("notebooks-data/ret/retrieval.arrow"));
+    for l in 0..2 {
+        for h in 0..4 {
+            for p in (0..4).map(Some).chain([None]) {
+                let sc = at(&rows, "retrieval_score", l, h, p).value;
+                let m = at(&rows, "needle_attention", l, h, p).value;
+                assert!(
+                    (0.0..=1.0).contains(&sc) && (0.0..=1.0 + 1e-6).contains(&m),
+                    "{sc} {m}"
+                );
+                assert!(sc == 0.0 || m > 0.0, "a hit puts mass on the needle");
+            }
+        }
+    }
+    // Every clean prompt is scored without only_correct.
+    for p in 0..4 {
+        let r = rows
+            .iter()
+            .find(|r| r.metric == "scored_prompts" && r.phase == Some(p))
+            .unwrap();
+        assert_eq!(r.value, 8.0);
+    }
+    // The scores agree with a recomputation from full forwards.
+    for r in [0, 3] {
+        let want = retrieval_by_hand(&exp, r, 8, 4);
+        for (l, hs) in want.iter().enumerate() {
+            for (h, w) in hs.iter().enumerate() {
+                let got = at(&rows, "retrieval_score", l as u32, h as u32, Some(r)).value;
+                assert!((got - w).abs() < 1e-9, "L{l}.H{h} phase {r}: {got} vs {w}");
+            }
+        }
+    }
+    assert!(
+        rows.iter()
+            .any(|r| r.metric == "retrieval_score" && r.value > 0.0)
+    );
+    assert_files(
+        &d.join("reports/ret"),
+        &[
+            "report.md",
+            "report.html",
+            "retrieval_score_map.png",
+            "needle_attention_map.svg",
+            "retrieval_score_all_phases.png",
+        ],
+    );
+    // Resume: a rerun loads every shard and writes the same table.
+    let again = run_experiment(&exp, &opts(d)).unwrap();
+    assert_eq!(again.stats.cells_computed, 0);
+    assert_eq!(again.stats.cells_resumed, 4 * 8);
+    let rows2 =
+        read_long_rows(&Table::read_arrow(&d.join("notebooks-data/ret/retrieval.arrow")).unwrap())
+            .unwrap();
+    assert_eq!(rows.len(), rows2.len());
+    for (a, b) in rows.iter().zip(&rows2) {
+        assert!(
+            a.metric == b.metric && (a.value == b.value || (a.value.is_nan() && b.value.is_nan()))
+        );
+    }
+}
