@@ -155,3 +155,85 @@ fn retrieval_heads_end_to_end() {
         );
     }
 }
+
+#[test]
+fn filler_probe_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 22);
+    let exp = experiment(
+        d,
+        "fill.toml",
+        &head(
+            "filler-probe",
+            "\n[filler]\nlengths = { min = 3, max = 9 }\nfiller_token = \"pad\"\n",
+        ),
+    );
+    let s = run_experiment(&exp, &opts(d)).unwrap();
+    assert_eq!(s.stats.cells_computed, 7 * 8, "8 instances x 7 lengths");
+    let rows = rows(&d.join("notebooks-data/fill/filler.arrow"));
+    let get = |m: &str, ph: Option<u32>| {
+        rows.iter()
+            .find(|r| r.metric == m && r.phase == ph && r.layer.is_none())
+            .unwrap_or_else(|| panic!("{m} {ph:?}"))
+    };
+    for ph in (0..4).map(Some).chain([None]) {
+        let (pc, pd, diff) = (
+            get("prob_correct", ph).value,
+            get("prob_distractor", ph).value,
+            get("prob_diff", ph).value,
+        );
+        assert!((0.0..=1.0).contains(&pc) && (0.0..=1.0).contains(&pd));
+        assert!((pc - pd - diff).abs() < 1e-6, "{pc} - {pd} != {diff}");
+        let pref = get("distractor_preferred", ph).value;
+        assert!((0.0..=1.0).contains(&pref));
+    }
+    // Per length: phase = L mod P, and the mean over a residue group's lengths is the
+    // group's value (every length has the same number of instances).
+    for ph in 0..4u32 {
+        let per_l: Vec<f64> = (3..=9usize)
+            .filter(|l| (*l % 4) as u32 == ph)
+            .map(|l| {
+                let r = get(&format!("prob_diff_L{l}"), Some(ph));
+                assert!(r.ci_lo.is_some());
+                r.value
+            })
+            .collect();
+        let mean = per_l.iter().sum::<f64>() / per_l.len() as f64;
+        assert!((mean - get("prob_diff", Some(ph)).value).abs() < 1e-6);
+    }
+    // The probe depends on L in a random model.
+    let vals: Vec<f64> = (3..=9)
+        .map(|l| {
+            rows.iter()
+                .find(|r| r.metric == format!("prob_diff_L{l}"))
+                .unwrap()
+                .value
+        })
+        .collect();
+    assert!(vals.iter().any(|v| (v - vals[0]).abs() > 1e-6), "{vals:?}");
+    assert_files(
+        &d.join("reports/fill"),
+        &[
+            "report.md",
+            "prob_diff_by_length.png",
+            "prob_diff_by_residue.svg",
+        ],
+    );
+    let again = run_experiment(&exp, &opts(d)).unwrap();
+    assert_eq!(
+        (again.stats.cells_computed, again.stats.cells_resumed),
+        (0, 56)
+    );
+    // The text probe needs a Hugging Face tokenizer: an error naming the key.
+    let bad = experiment(
+        d,
+        "bad.toml",
+        &head("filler-probe", "\n[filler]\nprobe = \"text\"\n"),
+    );
+    let err = format!("{:#}", run_experiment(&bad, &opts(d)).unwrap_err());
+    assert!(
+        err.contains("[filler] probe") && err.contains("hugging_face"),
+        "{err}"
+    );
+}

@@ -359,4 +359,5 @@ kinds! {
     gate_profiles::GateProfiles,
     gate_cycling::GateCycling,
     retrieval_heads::RetrievalHeads,
+    filler_probe::FillerProbe,
 }
