@@ -59,7 +59,8 @@ impl Entries {
 
 /// Which closed entries each query keeps (DeepSeek-V4's lightning indexer).
 pub trait EntrySelector {
-    /// The most entries a query keeps.
+    /// The most entries a query keeps (the blocked path gathers `k`; a selection
+    /// changed through a hook runs as one dense block, where any number may be kept).
     fn k(&self) -> usize;
     /// Score elements the selector builds per (query, candidate entry) (the indexer: one
     /// per index head), for sizing blocks.

@@ -143,7 +143,9 @@ impl Attention {
             ) => Some(self.selector(idx, layer, &x, &q_res, tables, flow)?),
             _ => None,
         };
-        let scores_hooked = hooks.touches(&HookPoint::block(layer, Site::IndexerScores));
+        // The indexer's hook points see every query and entry at once: one dense block.
+        let scores_hooked = hooks.touches(&HookPoint::block(layer, Site::IndexerScores))
+            || hooks.touches(&HookPoint::block(layer, Site::IndexerSelected));
         let keys = Keys {
             entries,
             selector: selector.as_mut().map(|s| s as &mut dyn EntrySelector),
@@ -199,7 +201,7 @@ impl Attention {
         let (kv, gate) = comp.pooler.project(x);
         let kv = flow.full(layer, "comp_kv", kv)?;
         let gate = flow.full(layer, "comp_gate", gate)?;
-        let windows = comp.pooler.windows_from((kv, gate));
+        let windows = comp.pooler.window_logits_from((kv, gate));
         let Some(c) = comp.forward_windows(layer, windows, starts, hooks)? else {
             return Ok(None);
         };

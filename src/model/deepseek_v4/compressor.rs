@@ -70,20 +70,22 @@ impl Pooler {
         t / self.rate
     }
 
-    /// Gate weights and slot values of every closed window, both `[b, n, slots, dim]`
-    /// (slots = rate, or 2 * rate when overlapping). `None` when no window has closed.
-    pub fn windows(&self, x: &Tensor<3>) -> Option<(Tensor<4>, Tensor<4>)> {
+    /// Gate logits and slot values of every closed window, both `[b, n, slots, dim]`
+    /// (slots = rate, or 2 * rate when overlapping; the logits include the position bias,
+    /// the softmax over slots is the caller's). `None` when no window has closed.
+    pub fn window_logits(&self, x: &Tensor<3>) -> Option<(Tensor<4>, Tensor<4>)> {
         let [_, t, _] = x.dims();
         let n = t / self.rate;
         if n == 0 {
             return None;
         }
         let x = x.clone().slice_dim(1, 0..n * self.rate);
-        self.windows_from(self.project(&x))
+        self.window_logits_from(self.project(&x))
     }
 
     /// Per-token projections `(kv_proj(x), gate_proj(x))`, both `[b, t, slots_per_token *
-    /// dim]` (the gate without its position bias): what [`Pooler::windows_from`] pools.
+    /// dim]` (the gate without its position bias): what [`Pooler::window_logits_from`]
+    /// arranges into windows.
     pub fn project(&self, x: &Tensor<3>) -> (Tensor<3>, Tensor<3>) {
         (
             self.kv_proj.forward(x.clone()),
@@ -91,9 +93,19 @@ impl Pooler {
         )
     }
 
-    /// [`Pooler::windows`] from per-token projections ([`Pooler::project`]) of the
-    /// whole sequence (positions past the last closed window are ignored).
+    /// Gate weights (the softmax over slots) and slot values of every closed window, from
+    /// per-token projections ([`Pooler::project`]).
     pub fn windows_from(
+        &self,
+        projections: (Tensor<3>, Tensor<3>),
+    ) -> Option<(Tensor<4>, Tensor<4>)> {
+        self.window_logits_from(projections)
+            .map(|(logits, values)| (softmax(logits, 2), values))
+    }
+
+    /// [`Pooler::window_logits`] from per-token projections ([`Pooler::project`]) of the
+    /// whole sequence (positions past the last closed window are ignored).
+    pub fn window_logits_from(
         &self,
         (kv, gate): (Tensor<3>, Tensor<3>),
     ) -> Option<(Tensor<4>, Tensor<4>)> {
@@ -109,7 +121,7 @@ impl Pooler {
             + self.position_bias.val().reshape([1, 1, m, wd]);
         let device = kv.device();
         if !self.overlap {
-            return Some((softmax(gate, 2), kv));
+            return Some((gate, kv));
         }
         let a_kv = kv.clone().slice_dim(3, 0..d);
         let b_kv = kv.slice_dim(3, d..2 * d);
@@ -128,7 +140,7 @@ impl Pooler {
         };
         let values = Tensor::cat(vec![prev_kv, b_kv], 2);
         let logits = Tensor::cat(vec![prev_g, b_g], 2);
-        Some((softmax(logits, 2), values))
+        Some((logits, values))
     }
 
     /// `kv_norm(sum_slots weights * values)`: `[b, n, dim]`.
@@ -164,11 +176,11 @@ impl Compressor {
         starts: &RopeTables,
         hooks: &mut HookRun,
     ) -> Result<Option<Compressed>> {
-        self.forward_windows(layer, self.pooler.windows(x), starts, hooks)
+        self.forward_windows(layer, self.pooler.window_logits(x), starts, hooks)
     }
 
-    /// [`Compressor::forward`] from the pooler's windows ([`Pooler::windows`] or
-    /// [`Pooler::windows_from`]).
+    /// [`Compressor::forward`] from the pooler's window logits and values
+    /// ([`Pooler::window_logits`] or [`Pooler::window_logits_from`]).
     pub fn forward_windows(
         &self,
         layer: usize,
@@ -176,32 +188,39 @@ impl Compressor {
         starts: &RopeTables,
         hooks: &mut HookRun,
     ) -> Result<Option<Compressed>> {
-        let Some((w, values)) = windows else {
+        let Some((logits, values)) = windows else {
             return Ok(None);
         };
-        let [b, n, s, d] = w.dims();
+        let [b, n, s, d] = logits.dims();
+        let kl = HookPoint::block(layer, Site::KeyGateLogits);
+        let vl = HookPoint::block(layer, Site::ValueGateLogits);
         let kg = HookPoint::block(layer, Site::KeyGate);
         let vg = HookPoint::block(layer, Site::ValueGate);
         let ckp = HookPoint::block(layer, Site::CompressedK);
         let cvp = HookPoint::block(layer, Site::CompressedV);
-        if ![&kg, &vg, &ckp, &cvp].iter().any(|p| hooks.touches(p)) {
+        let gates_hooked = [&kl, &vl, &kg, &vg].iter().any(|p| hooks.touches(p));
+        if !gates_hooked && !hooks.touches(&ckp) && !hooks.touches(&cvp) {
             // K = V: pool and rotate once.
-            let e = self.pooler.pool(w, values).reshape([b, n, 1, d]);
-            let e = rope::rotate(e, starts, false);
+            let e = self.pooler.pool(softmax(logits, 2), values);
+            let e = rope::rotate(e.reshape([b, n, 1, d]), starts, false);
             return Ok(Some(Compressed {
                 keys: e.clone(),
                 values: e,
             }));
         }
-        let (pk, pv) = if hooks.touches(&kg) || hooks.touches(&vg) {
-            let wk = hooks.apply(kg, w.clone().reshape([b, n, s, 1, d]))?;
-            let wv = hooks.apply(vg, w.reshape([b, n, s, 1, d]))?;
+        let (pk, pv) = if gates_hooked {
+            // K and V share the gates; seen (and changeable) separately here.
+            let l5 = logits.reshape([b, n, s, 1, d]);
+            let lk = hooks.apply(kl, l5.clone())?;
+            let lv = hooks.apply(vl, l5)?;
+            let wk = hooks.apply(kg, softmax(lk, 2))?;
+            let wv = hooks.apply(vg, softmax(lv, 2))?;
             (
                 self.pooler.pool(wk.reshape([b, n, s, d]), values.clone()),
                 Some(self.pooler.pool(wv.reshape([b, n, s, d]), values)),
             )
         } else {
-            (self.pooler.pool(w, values), None)
+            (self.pooler.pool(softmax(logits, 2), values), None)
         };
         let pk = pk.reshape([b, n, 1, d]);
         let ck = hooks.apply(ckp, pk.clone())?;

@@ -195,7 +195,7 @@ impl EntrySelector for IndexSelector {
         // The top-k rule of every model: among equal scores the lower index wins.
         let k = self.topk.min(n_vis);
         let masked = scores.mask_fill(closed.clone().bool_not(), f32::NEG_INFINITY);
-        let selected = topk_mask(masked, k).bool_and(closed);
+        let selected = topk_mask(masked, k).bool_and(closed.clone());
         if hooks
             .spec()
             .captures_point(&HookPoint::block(self.layer, Site::IndexerTopk))
@@ -208,6 +208,12 @@ impl EntrySelector for IndexSelector {
             }
             self.picked.push(kept);
         }
-        Ok(selected)
+        let point = HookPoint::block(self.layer, Site::IndexerSelected);
+        if !hooks.touches(&point) {
+            return Ok(selected);
+        }
+        // 1.0 = kept; an intervention may keep any closed entries (never an open one).
+        let chosen = hooks.apply(point, selected.float())?;
+        Ok(chosen.greater_elem(0.5).bool_and(closed))
     }
 }

@@ -116,10 +116,14 @@ impl Compressor {
             .expect("pool is called only when entries exist");
         let w = idx.dims()[0] / n;
         let xw = x.select(1, idx.clone()).reshape([b, n, w, kvh, dh]);
-        let (bias, site) = if value {
-            (&self.value_gate_bias, Site::ValueGate)
+        let (bias, site, logit_site) = if value {
+            (
+                &self.value_gate_bias,
+                Site::ValueGate,
+                Site::ValueGateLogits,
+            )
         } else {
-            (&self.key_gate_bias, Site::KeyGate)
+            (&self.key_gate_bias, Site::KeyGate, Site::KeyGateLogits)
         };
         let weights: Tensor<5> = match logits {
             None => Tensor::full([b, n, w, kvh, 1], 1.0 / w as f32, &xw.device()),
@@ -129,16 +133,23 @@ impl Compressor {
                 if let Some(bias) = bias {
                     s = s + bias.val().reshape([1, 1, w, kvh, 1]);
                 }
+                let s = hook_gates(hooks, HookPoint::block(layer, logit_site), s)?;
                 softmax(s, 2)
             }
         };
-        let point = HookPoint::block(layer, site);
-        let weights = if weights.dims()[4] == 1 {
-            let w4 = hooks.apply(point, weights.reshape([b, n, w, kvh]))?;
-            w4.reshape([b, n, w, kvh, 1])
-        } else {
-            hooks.apply(point, weights)?
-        };
+        let weights = hook_gates(hooks, HookPoint::block(layer, site), weights)?;
         Ok((weights * xw).sum_dim(2).reshape([b, n, kvh, dh]))
+    }
+}
+
+/// Gates or gate logits `[b, n, W, kvh, g]` through `point`, seen there as `[b, n, W,
+/// kvh]` for scalar gates (g = 1) and whole for vector gates.
+fn hook_gates(hooks: &mut HookRun, point: HookPoint, x: Tensor<5>) -> Result<Tensor<5>> {
+    let [b, n, w, kvh, g] = x.dims();
+    if g == 1 {
+        let x4 = hooks.apply(point, x.reshape([b, n, w, kvh]))?;
+        Ok(x4.reshape([b, n, w, kvh, 1]))
+    } else {
+        hooks.apply(point, x)
     }
 }
