@@ -146,7 +146,7 @@ fn retrieval_heads_end_to_end() {
     assert_eq!(again.stats.cells_computed, 0);
     assert_eq!(again.stats.cells_resumed, 4 * 8);
     let rows2 =
-        read_long_rows(&Table::read_arrow(&d.join("notebooks-data/ret/retrieval.arrow")).unwrap())
+        read_long_rows(&Table::read_arrow(d.join("notebooks-data/ret/retrieval.arrow")).unwrap())
             .unwrap();
     assert_eq!(rows.len(), rows2.len());
     for (a, b) in rows.iter().zip(&rows2) {
@@ -234,6 +234,182 @@ fn filler_probe_end_to_end() {
     let err = format!("{:#}", run_experiment(&bad, &opts(d)).unwrap_err());
     assert!(
         err.contains("[filler] probe") && err.contains("hugging_face"),
+        "{err}"
+    );
+}
+
+/// An experiment on the tiny random DeepSeek-V4 fixture `flash` (sliding, sliding, CSA,
+/// HCA, CSA, HCA; CSA rate 4 with index_topk 2, so the indexer drops entries).
+fn v4_experiment(d: &std::path::Path, file: &str, kind: &str, extra: &str) -> std::path::PathBuf {
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v4/flash");
+    experiment(
+        d,
+        file,
+        &format!(
+            "[experiment]\nkind = \"{kind}\"\nbootstrap_reps = 40\n\n[model]\npath = \"{}\"\n\n[task]\nvocab = {{ kind = \"synthetic\" }}\nprompt = {{ n_bindings = 8, n_queries = 2 }}\nperiod = 8\nn_logical = 4\n{extra}",
+            fixture.display()
+        ),
+    )
+}
+
+#[test]
+fn indexer_diagnostics_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let exp = v4_experiment(d, "idx.toml", "indexer-diagnostics", "");
+    let s = run_experiment(&exp, &opts(d)).unwrap();
+    assert_eq!(s.stats.cells_computed, 8 * 4);
+    let rows = rows(&d.join("notebooks-data/idx/indexer.arrow"));
+    let get = |m: &str, l: Option<u32>, ph: Option<u32>| {
+        rows.iter()
+            .find(|r| r.metric == m && r.layer == l && r.phase == ph)
+            .unwrap_or_else(|| panic!("{m} {l:?} {ph:?}"))
+            .value
+    };
+    for l in [2u32, 4] {
+        for ph in (0..8).map(Some).chain([None]) {
+            let acc = get("accuracy", None, ph);
+            let (sel, read) = (
+                get("selection_miss", Some(l), ph),
+                get("read_miss", Some(l), ph),
+            );
+            assert!(sel >= 0.0 && read >= 0.0 && sel + read <= 1.0 - acc + 1e-9);
+            let kept = get("needle_selected", Some(l), ph);
+            assert!(kept.is_nan() || (0.0..=1.0).contains(&kept));
+            let rank = get("needle_rank", Some(l), ph);
+            assert!(rank.is_nan() || rank >= 0.0);
+        }
+    }
+    // Only the two CSA layers are diagnosed.
+    assert!(
+        !rows
+            .iter()
+            .any(|r| r.metric == "needle_selected" && r.layer == Some(3))
+    );
+    // With index_topk = 2 some needle entry is dropped, and forcing the choice changes
+    // what the model computes.
+    assert!(
+        rows.iter()
+            .any(|r| r.metric == "needle_selected" && r.value < 1.0)
+    );
+    let moved: f64 = rows
+        .iter()
+        .filter(|r| r.metric.starts_with("logit_diff_change_force") && r.phase.is_some())
+        .map(|r| r.value.abs())
+        .sum();
+    assert!(moved > 0.0, "forcing the selection changed nothing");
+    assert_files(
+        &d.join("reports/idx"),
+        &[
+            "report.md",
+            "indexer_misses_L2.png",
+            "needle_rank_L4.svg",
+            "accuracy_by_phase.png",
+        ],
+    );
+    // A kvc model has no indexer: an error naming the model.
+    organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 23);
+    let bad = experiment(d, "bad.toml", &head("indexer-diagnostics", ""));
+    let err = format!("{:#}", run_experiment(&bad, &opts(d)).unwrap_err());
+    assert!(
+        err.contains("[model]") && err.contains("DeepSeek-V4"),
+        "{err}"
+    );
+}
+
+/// A copy of organism `name` whose key and value gate biases are rolled by `shift`
+/// offsets in the weights themselves (`rolled[i] = bias[(i - shift) mod W]`).
+fn rolled_organism(d: &std::path::Path, name: &str, new: &str, shift: i64) {
+    use burn::module::Param;
+    use burn::tensor::{Tensor, TensorData};
+    let dev = common::dev();
+    let mut m = phaselens::model::load_kvc(&d.join(name), &dev).unwrap();
+    for b in m.blocks.iter_mut() {
+        let c = b.attn.compressor.as_mut().unwrap();
+        for p in [&mut c.key_gate_bias, &mut c.value_gate_bias]
+            .into_iter()
+            .flatten()
+        {
+            let [w, k] = p.dims();
+            let v = p
+                .val()
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .unwrap();
+            let mut out = vec![0.0; w * k];
+            for i in 0..w {
+                let src = (i as i64 - shift).rem_euclid(w as i64) as usize;
+                out[i * k..(i + 1) * k].copy_from_slice(&v[src * k..(src + 1) * k]);
+            }
+            *p = Param::initialized(p.id, Tensor::from_data(TensorData::new(out, [w, k]), &dev));
+        }
+    }
+    phaselens::model::save_kvc(&m, &d.join(new)).unwrap();
+    let text = std::fs::read_to_string(d.join(format!("{name}.toml")))
+        .unwrap()
+        .replace(&format!("name = \"{name}\""), &format!("name = \"{new}\""));
+    std::fs::write(d.join(format!("{new}.toml")), text).unwrap();
+}
+
+#[test]
+fn gate_cycling_rolls_the_bias_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    two_value_organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 31);
+    rolled_organism(d, "tiny", "tinyroll", 1);
+    let cyc = |file: &str, org: &str, roll: &str| {
+        let text = head(
+            "gate-cycling",
+            &format!("\n[cycling]\ndeltas = [1]\nroll = \"{roll}\"\n"),
+        )
+        .replace("organism = \"tiny\"", &format!("organism = \"{org}\""));
+        let exp = experiment(d, file, &text);
+        run_experiment(&exp, &opts(d)).unwrap();
+        rows(&d.join(format!(
+            "notebooks-data/{}/cycling.arrow",
+            file.trim_end_matches(".toml")
+        )))
+    };
+    let per_phase = |rows: &[LongRow], m: &str| {
+        let mut v: Vec<(u32, f64)> = rows
+            .iter()
+            .filter(|r| r.metric == m && r.phase.is_some())
+            .map(|r| (r.phase.unwrap(), r.value))
+            .collect();
+        v.sort_by_key(|x| x.0);
+        v
+    };
+    let bias = cyc("bias.toml", "tiny", "bias");
+    let rolled = cyc("rolled.toml", "tinyroll", "bias");
+    // Rolling the bias by +1 through the hook = a model whose bias is rolled in its weights.
+    assert_eq!(
+        per_phase(&bias, "cycling_observed_d+1"),
+        per_phase(&rolled, "accuracy")
+    );
+    // roll = "logits" runs the same baseline (and its own cells).
+    let logits = cyc("logits.toml", "tiny", "logits");
+    assert_eq!(per_phase(&logits, "accuracy"), per_phase(&bias, "accuracy"));
+    let report = std::fs::read_to_string(d.join("reports/bias/report.md")).unwrap();
+    assert!(report.contains("roll = \"bias\""));
+    // A model without a learned bias: an error naming [cycling] roll.
+    let text = std::fs::read_to_string(d.join("tiny.toml"))
+        .unwrap()
+        .replace("gate_bias = true", "gate_bias = false")
+        .replace("name = \"tiny\"", "name = \"nobias\"");
+    let mut cfg = tiny(2, 4, 2, 4, 4);
+    cfg.compression.as_mut().unwrap().gate_bias = false;
+    phaselens::model::save_kvc(&random_model(&cfg, 5), &d.join("nobias")).unwrap();
+    std::fs::write(d.join("nobias.toml"), text).unwrap();
+    let exp = experiment(
+        d,
+        "nb.toml",
+        &head("gate-cycling", "\n[cycling]\ndeltas = [1]\n").replace("\"tiny\"", "\"nobias\""),
+    );
+    let err = format!("{:#}", run_experiment(&exp, &opts(d)).unwrap_err());
+    assert!(
+        err.contains("[cycling] roll") && err.contains("no learned"),
         "{err}"
     );
 }

@@ -25,13 +25,11 @@ use crate::tasks::{
     TextProbeConfig, binding_filler_probe, text_filler_probe,
 };
 
-use super::super::exec::ExecStats;
 use super::super::experiment::Experiment;
 use super::super::patching::Outcome;
-use super::super::progress::Progress;
 use super::super::report::{Figures, ci_text, push};
 use super::super::rows::baseline_rows;
-use super::retrieval_heads::{add_stats, stored_per_prompt};
+use super::retrieval_heads::PromptShards;
 use super::{Ctx, Kind, KindOutput};
 
 /// Metric: `P(correct) - P(distractor)` per `L mod P` group (and pooled).
@@ -218,7 +216,7 @@ fn chunk_outcomes(
         .convert::<f32>()
         .try_to_vec::<f32>()
         .map_err(|e| Error::Other(format!("filler probe: reading probabilities: {e:?}")))?;
-    let mut out = vec![Vec::with_capacity(b); 3];
+    let mut out: Vec<Vec<Outcome>> = (0..3).map(|_| Vec::with_capacity(b)).collect();
     for (i, &r) in rows.iter().enumerate() {
         let it = items[r];
         let (c, d) = (it.correct[0] as usize, it.distractor[0] as usize);
@@ -252,13 +250,7 @@ fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
     lengths.sort_unstable();
     lengths.dedup();
     let p = ctx.p();
-    let mut progress = Progress::new(
-        ctx.opts.progress,
-        &format!("{} filler-probe", ctx.mref.name),
-        "prompts",
-        all.len() as u64,
-    );
-    let mut stats = ExecStats::default();
+    let mut shards = PromptShards::new(ctx, &format!("{} filler-probe", ctx.mref.name), all.len() as u64);
     // (length, instance, outcomes per quantity), and the correct key's position.
     let mut obs: Vec<(usize, usize, [Outcome; 3])> = Vec::new();
     let mut key_pos: Vec<Option<usize>> = Vec::new();
@@ -272,14 +264,11 @@ fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
                 "filler probe: the prompts of L = {l} differ in length"
             )));
         }
-        let res = stored_per_prompt(
-            ctx.store,
-            &mut stats,
+        let res = shards.run(
             &format!("L{l}"),
             group.len(),
             3,
             ctx.max_rows,
-            &mut progress,
             |rows| chunk_outcomes(ctx, &group, rows),
         )?;
         for (i, it) in group.iter().enumerate() {
@@ -287,8 +276,7 @@ fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
             key_pos.push(it.correct_key_pos);
         }
     }
-    progress.finish();
-    add_stats(ctx, &stats);
+    shards.finish(ctx);
     let text = cfg.probe == ProbeKind::Text;
     // Clusters: instances (binding probe) or lengths (the text probe's one instance).
     let cluster = |l: usize, inst: usize| if text { l as u64 } else { inst as u64 };
@@ -305,7 +293,8 @@ fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
     );
     let mut rows: Vec<LongRow> = baseline_rows(&rc, "", &acc, &phases, reps, seed);
     let mean = |s: &[f64; 1], n: u64| s[0] / n as f64;
-    let quantities: [(&str, fn(&[Outcome; 3]) -> f64); 4] = [
+    type Quantity = fn(&[Outcome; 3]) -> f64;
+    let quantities: [(&str, Quantity); 4] = [
         (PROB_DIFF, |o| f64::from(o[0].ld)),
         (PROB_CORRECT, |o| f64::from(o[1].ld)),
         (PROB_DISTRACTOR, |o| f64::from(o[2].ld)),

@@ -360,4 +360,5 @@ kinds! {
     gate_cycling::GateCycling,
     retrieval_heads::RetrievalHeads,
     filler_probe::FillerProbe,
+    indexer_diagnostics::IndexerDiagnostics,
 }

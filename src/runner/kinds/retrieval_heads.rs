@@ -14,7 +14,7 @@
 //! `needle_attention` the mass; cluster-bootstrap intervals over logical examples.
 //!
 //! Resume: per chunk, the per-prompt values are a shard of the run's store
-//! ([`stored_per_prompt`]: one list of outcomes per quantity, `ld` holding the value).
+//! ([`PromptShards`]: one list of outcomes per quantity, `ld` holding the value).
 
 use serde::{Deserialize, Serialize};
 
@@ -116,61 +116,80 @@ pub fn layer_layout(info: &ModelInfo, l: usize, t: usize, slots: usize) -> Resul
     })
 }
 
-/// Per prompt of `n`, `quantities` values, computed by `compute(rows)` (one `Vec` per
-/// quantity, one outcome per row) over chunks of `chunk` prompts, each chunk persisted
-/// as shard `{key}-c{i}` of the run's store and loaded instead of recomputed on resume.
-pub(super) fn stored_per_prompt(
-    store: &Store,
-    stats: &mut ExecStats,
-    key: &str,
-    n: usize,
-    quantities: usize,
-    chunk: usize,
-    progress: &mut Progress,
-    mut compute: impl FnMut(&[usize]) -> Result<Vec<Vec<Outcome>>>,
-) -> Result<Vec<Vec<Outcome>>> {
-    let mut out: Vec<Vec<Outcome>> = vec![Vec::with_capacity(n); quantities];
-    let idx: Vec<usize> = (0..n).collect();
-    for (i, rows) in idx.chunks(chunk.max(1)).enumerate() {
-        let shard = format!("{key}-c{i:04}");
-        let got = match store.load(&shard, &vec![rows.len(); quantities])? {
-            Some(v) => {
-                progress.skip(rows.len() as u64);
-                stats.cells_resumed += rows.len() as u64;
-                v
-            }
-            None => {
-                let t0 = std::time::Instant::now();
-                let v = compute(rows)?;
-                if v.len() != quantities || v.iter().any(|q| q.len() != rows.len()) {
-                    return Err(Error::Other(format!(
-                        "{shard}: computed {} quantities for {} rows, expected {quantities} x {}",
-                        v.len(),
-                        v.first().map_or(0, Vec::len),
-                        rows.len()
-                    )));
-                }
-                store.save(&shard, &v)?;
-                progress.inc(rows.len() as u64);
-                stats.cells_computed += rows.len() as u64;
-                stats.forwards += 1;
-                stats.seconds += t0.elapsed().as_secs_f64();
-                v
-            }
-        };
-        for (o, g) in out.iter_mut().zip(got) {
-            o.extend(g);
-        }
-    }
-    Ok(out)
+/// Per-prompt quantities of a kind that runs its own forwards, persisted chunk by chunk
+/// as shards of the run's store (resume), with a progress bar and the run's counters.
+pub(super) struct PromptShards<'s> {
+    store: &'s Store,
+    stats: ExecStats,
+    progress: Progress,
 }
 
-/// Add `s` to the run's counters.
-pub(super) fn add_stats(ctx: &mut Ctx, s: &ExecStats) {
-    ctx.stats.cells_computed += s.cells_computed;
-    ctx.stats.cells_resumed += s.cells_resumed;
-    ctx.stats.forwards += s.forwards;
-    ctx.stats.seconds += s.seconds;
+impl<'s> PromptShards<'s> {
+    /// Shards of `ctx`'s store; progress over `total` prompts labelled `label`.
+    pub(super) fn new(ctx: &Ctx<'s>, label: &str, total: u64) -> Self {
+        PromptShards {
+            store: ctx.store,
+            stats: ExecStats::default(),
+            progress: Progress::new(ctx.opts.progress, label, "prompts", total),
+        }
+    }
+
+    /// Per prompt of `n`, `quantities` values, computed by `compute(rows)` (one `Vec`
+    /// per quantity, one outcome per row) over chunks of `chunk` prompts, each chunk
+    /// persisted as shard `{key}-c{i}` and loaded instead of recomputed on resume.
+    pub(super) fn run(
+        &mut self,
+        key: &str,
+        n: usize,
+        quantities: usize,
+        chunk: usize,
+        mut compute: impl FnMut(&[usize]) -> Result<Vec<Vec<Outcome>>>,
+    ) -> Result<Vec<Vec<Outcome>>> {
+        let mut out: Vec<Vec<Outcome>> = (0..quantities).map(|_| Vec::with_capacity(n)).collect();
+        let idx: Vec<usize> = (0..n).collect();
+        for (i, rows) in idx.chunks(chunk.max(1)).enumerate() {
+            let shard = format!("{key}-c{i:04}");
+            let got = match self.store.load(&shard, &vec![rows.len(); quantities])? {
+                Some(v) => {
+                    self.progress.skip(rows.len() as u64);
+                    self.stats.cells_resumed += rows.len() as u64;
+                    v
+                }
+                None => {
+                    let t0 = std::time::Instant::now();
+                    let v = compute(rows)?;
+                    if v.len() != quantities || v.iter().any(|q| q.len() != rows.len()) {
+                        return Err(Error::Other(format!(
+                            "{shard}: computed {} quantities for {} rows, expected {quantities} x {}",
+                            v.len(),
+                            v.first().map_or(0, Vec::len),
+                            rows.len()
+                        )));
+                    }
+                    self.store.save(&shard, &v)?;
+                    self.progress.inc(rows.len() as u64);
+                    self.stats.cells_computed += rows.len() as u64;
+                    self.stats.forwards += 1;
+                    self.stats.seconds += t0.elapsed().as_secs_f64();
+                    v
+                }
+            };
+            for (o, g) in out.iter_mut().zip(got) {
+                o.extend(g);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Finish the progress bar and add the counters to the run's.
+    pub(super) fn finish(mut self, ctx: &mut Ctx) {
+        self.progress.finish();
+        let s = &self.stats;
+        ctx.stats.cells_computed += s.cells_computed;
+        ctx.stats.cells_resumed += s.cells_resumed;
+        ctx.stats.forwards += s.forwards;
+        ctx.stats.seconds += s.seconds;
+    }
 }
 
 /// Prompts per forward when `layers` capture a `[rows, heads, T, slots]` pattern each:
@@ -286,27 +305,20 @@ fn run(cfg: &RetrievalHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     let key_len = ctx.task.prompt.key_len;
     let phases = ctx.task.phases.clone();
     let total: u64 = phases.iter().map(|&r| ctx.examples(&set, r).len() as u64).sum();
-    let mut progress = Progress::new(
-        ctx.opts.progress,
-        &format!("{} retrieval-heads", ctx.mref.name),
-        "prompts",
-        total,
-    );
+    let mut shards = PromptShards::new(ctx, &format!("{} retrieval-heads", ctx.mref.name), total);
     let mut per_group: Vec<(Vec<PromptMeta>, Vec<Vec<Outcome>>)> = Vec::new();
-    let mut stats = ExecStats::default();
     for &r in &phases {
         let ex = ctx.examples(&set, r);
         let (prompts, meta) = clean_prompts(&ex, |_| 0);
         let need = needles(&ex, key_len, assign);
         let chunk = pattern_chunk(&ctx.info, &layers, prompts.len, ctx.max_rows);
         let q = 1 + 2 * heads.len();
-        let res = stored_per_prompt(ctx.store, &mut stats, &format!("p{r}-retrieval"), prompts.n(), q, chunk, &mut progress, |rows| {
+        let res = shards.run(&format!("p{r}-retrieval"), prompts.n(), q, chunk, |rows| {
             chunk_outcomes(ctx, &prompts, rows, &layers, &need)
         })?;
         per_group.push((meta, res));
     }
-    progress.finish();
-    add_stats(ctx, &stats);
+    shards.finish(ctx);
     let (reps, seed) = (ctx.reps(), ctx.seed());
     let rc = ctx.rows.clone();
     let acc = per_group.iter().flat_map(|(meta, res)| {
