@@ -22,4 +22,5 @@ if ! command -v just >/dev/null 2>&1; then
 fi
 command -v just >/dev/null 2>&1 || { echo "setup: 'just' is not on PATH after installing rust-just" >&2; exit 1; }
 cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
+bash "$(dirname "$0")/setup-slurm.sh"
 echo "setup: ok ($(just --version), $(cargo --version))"

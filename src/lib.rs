@@ -7,6 +7,7 @@
 pub mod analysis;
 pub mod device;
 pub mod error;
+pub mod grid;
 pub mod hooks;
 pub mod model;
 pub mod output;

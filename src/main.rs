@@ -38,6 +38,8 @@ enum Command {
     Run(cli::run::RunArgs),
     /// Redraw every figure and report from the tables (no model runs).
     Figures(cli::figures::FiguresArgs),
+    /// Train and phase-sweep a grid of designs, locally or as a Slurm job array.
+    Grid(Box<cli::grid::GridArgs>),
 }
 
 fn main() {
@@ -50,6 +52,7 @@ fn main() {
         Command::Train(a) => cli::train::run(a),
         Command::Run(a) => cli::run::run(a),
         Command::Figures(a) => cli::figures::run(a),
+        Command::Grid(a) => cli::grid::run(*a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

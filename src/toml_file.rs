@@ -7,7 +7,7 @@ use serde::de::DeserializeOwned;
 use crate::error::{Error, Result};
 
 /// 1-based line of a byte offset.
-fn line_of(text: &str, offset: usize) -> usize {
+pub fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())]
         .bytes()
         .filter(|&b| b == b'\n')

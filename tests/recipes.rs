@@ -29,3 +29,23 @@ fn shipped_organism_recipes_are_valid() {
     }
     assert!(n >= 4, "found {n} recipes");
 }
+
+#[test]
+fn shipped_recipes_keep_their_config_hash() {
+    // New recipe keys default to the old behaviour and are not serialised then, so
+    // the shipped recipes hash as before (their checkpoints still resume). Pinned
+    // before `query_sampling` was added. (kvc-w8s8 and kvc-w8s4's training.json hold
+    // older hashes: their recipes' serialised form changed after they were trained.)
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/experiments/organisms");
+    for (name, hash) in [
+        ("kvc-w8s8", "cdef6b1a1f4c66b4"),
+        ("kvc-w8s4", "5dc5d8da42313c4f"),
+        ("kvc-w4s4", "03dc867385f8c690"),
+        ("full-attn", "ad4d3421135e14a7"),
+        ("v4pro-mini", "3d4f9fbb6d6502b6"),
+    ] {
+        let f =
+            OrganismFile::load(&std::path::Path::new(dir).join(format!("{name}.toml"))).unwrap();
+        assert_eq!(phaselens::train::config_hash(&f), hash, "{name}");
+    }
+}

@@ -10,6 +10,7 @@
 //! | [`specialization`](mod@specialization) | phase-specialization index of a head and a ranking of the most specialized heads |
 //! | [`effects`] | normalised logit difference for patching; relative change (%) for ablations |
 //! | [`gates`] | gate-profile statistics g(r), exp(H(E\[a\])), E\[exp(H(a))\] |
+//! | [`agreement`] | Spearman rank correlation and top-k recall of an estimate against a reference (attribution vs exact patching) |
 //! | [`retrieval`] | where attention lands in the `hook_pattern` key layout (needle slots, top hit); indexer ranks |
 //!
 //! Conventions: a *phase* is an index `r` in `0..P`; accuracies are fractions in
@@ -17,6 +18,7 @@
 //! fractions). Undefined values (for example the accuracy of a phase without
 //! observations) are `f64::NAN` inside vectors and `None` for scalars.
 
+pub mod agreement;
 pub mod bootstrap;
 pub mod clusters;
 pub mod effects;
@@ -26,6 +28,7 @@ pub mod profile;
 pub mod retrieval;
 pub mod specialization;
 
+pub use agreement::{average_ranks, spearman, topk_recall};
 pub use bootstrap::{
     BootstrapCi, DEFAULT_LEVEL, DEFAULT_REPS, PhaseCluster, PhaseGap, bootstrap_ci,
     bootstrap_ci_vec, bootstrap_replicates, percentile, phase_accuracy, phase_accuracy_ci,

@@ -33,6 +33,37 @@ pub enum BenchWhat {
     Forward(ForwardBench),
     /// Cells/s of the runner's batched patching vs one forward per cell.
     Patching(super::run::PatchingBench),
+    /// Cells/s of attribution patching (AtP: one forward + one backward for every head x
+    /// position) vs the runner's exact patching of every head x position cell.
+    Atp(AtpBench),
+}
+
+/// `phaselens bench atp`.
+#[derive(Args, Debug)]
+#[command(after_help = "\
+Example:
+  phaselens bench atp experiments/w8s8-atp.toml --phase 2 --n-logical 16 --band 8
+
+On one phase group of the experiment's model and prompts: one AtP forward + backward gives
+the estimate for every query and KV head x every position x both directions; the runner's
+exact batched patching then patches every head at each of the last --band positions (one
+position per cell, both directions). Prints both cells/s, their ratio and the Spearman
+correlation of the two over the head x position cells.")]
+pub struct AtpBench {
+    /// Experiment TOML whose model and prompts to use.
+    #[arg(default_value = "experiments/w8s8-atp.toml")]
+    pub experiment: std::path::PathBuf,
+    /// Phase group.
+    #[arg(long, default_value_t = 0)]
+    pub phase: u32,
+    /// Logical examples (prompts per cell); default: the experiment's.
+    #[arg(long)]
+    pub n_logical: Option<usize>,
+    /// Exact cells patch each of the last `band` positions (offset 0 = the read position).
+    #[arg(long, default_value_t = 8)]
+    pub band: usize,
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
 }
 
 #[derive(Args, Debug)]
@@ -68,6 +99,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
     match args.what {
         BenchWhat::Forward(b) => forward(b),
         BenchWhat::Patching(b) => super::run::bench_patching(b),
+        BenchWhat::Atp(b) => {
+            let r = phaselens::runner::bench::bench_atp(
+                &b.experiment,
+                b.phase,
+                b.n_logical,
+                b.band,
+                &b.device,
+            )
+            .map_err(|e| anyhow::anyhow!("benchmarking {}: {e}", b.experiment.display()))?;
+            println!("{r}");
+            Ok(())
+        }
     }
 }
 

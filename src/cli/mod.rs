@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod figures;
 pub mod forward;
+pub mod grid;
 pub mod hooks;
 pub mod inspect;
 pub mod run;

@@ -170,6 +170,7 @@ pub fn bench_cells(
             Positions::All => "all".to_string(),
             Positions::Answer => "answer".to_string(),
             Positions::Final(k) => format!("final {k}"),
+            Positions::Offset(k) => format!("offset {k}"),
         },
         _ => "-".to_string(),
     };
@@ -263,4 +264,191 @@ pub fn bench_experiment(
         }
     }
     bench_cells(&mref.name, model.as_ref(), &prompts, &cells, max_rows)
+}
+
+/// Result of `phaselens bench atp`.
+#[derive(Debug, Clone)]
+pub struct AtpBenchResult {
+    pub model: String,
+    /// Head cells (query + KV) x directions.
+    pub head_cells: usize,
+    pub prompts_per_cell: usize,
+    pub prompt_len: usize,
+    /// Offsets of the exact head x position cells (0..band).
+    pub band: usize,
+    /// One AtP forward + backward: every head x every position, both directions.
+    pub atp_seconds: f64,
+    pub atp_cells: usize,
+    /// The runner's exact batched patching of every head x offset cell.
+    pub exact_seconds: f64,
+    pub exact_cells: usize,
+    /// AtP cells/s over exact cells/s (the headline).
+    pub ratio: f64,
+    /// Spearman correlation of the AtP and exact effects (the LD change summed over the
+    /// prompts of a cell) over the denoising head x offset cells.
+    pub spearman_positions: f64,
+}
+
+impl std::fmt::Display for AtpBenchResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "model {}: {} head cells (query + KV heads x denoise + noise) x {} prompts of {} tokens",
+            self.model, self.head_cells, self.prompts_per_cell, self.prompt_len
+        )?;
+        writeln!(
+            f,
+            "AtP (one forward + one backward, every head x position): {:.2} s, {} cells, {:.1} cells/s",
+            self.atp_seconds,
+            self.atp_cells,
+            self.atp_cells as f64 / self.atp_seconds
+        )?;
+        writeln!(
+            f,
+            "exact batched patching, every head x offset 0..{}:       {:.2} s, {} cells, {:.1} cells/s",
+            self.band,
+            self.exact_seconds,
+            self.exact_cells,
+            self.exact_cells as f64 / self.exact_seconds
+        )?;
+        writeln!(f, "AtP speed-up in cells/s: {:.1}x", self.ratio)?;
+        write!(
+            f,
+            "Spearman(AtP, exact) over head x offset cells (denoising LD change): {:.3}",
+            self.spearman_positions
+        )
+    }
+}
+
+/// Time AtP against the runner's exact patching over every head x position cell on
+/// phase group `phase` of the experiment's model and prompts (`band` offsets before
+/// and at the read position for the exact cells).
+pub fn bench_atp(
+    path: &Path,
+    phase: u32,
+    n_logical: Option<usize>,
+    band: usize,
+    device: &DeviceSpec,
+) -> Result<AtpBenchResult> {
+    use super::kinds::attribution_patching::atp_terms;
+    use super::kinds::patch_heads::Direction;
+    if band == 0 {
+        return Err(Error::Input("--band must be at least 1".into()));
+    }
+    let exp = Experiment::load(path)?;
+    let (models, _) = setup::resolve_models(&exp)?;
+    let mref = &models[0];
+    let max_rows = exp.max_rows(device);
+    let device = device.device()?;
+    let model = load_model(&mref.dir, &device)?;
+    let info = model.info();
+    let mut task = TaskSetup::resolve(&exp, mref, &info)?;
+    if let Some(n) = n_logical {
+        task.n_logical = n;
+        task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(task.period, n);
+    }
+    if phase as usize >= task.period.len() {
+        return Err(Error::Input(format!(
+            "phase {phase} is out of range 0..{}",
+            task.period.len()
+        )));
+    }
+    let set = task.eval_set(task.protocol)?;
+    let ex = group_examples(&set, phase, task.n_logical);
+    let n = ex.len();
+    let assign = if task.prompt.assign {
+        task.space.assign().len()
+    } else {
+        0
+    };
+    let (prompts, _) = paired_prompts(&ex, &task.space, assign, task.prompt.key_len, task.seed)?;
+    let layers: Vec<usize> = (0..info.n_layers()).collect();
+    let dirs = [Direction::Denoise, Direction::Noise];
+    // Head cells: every query head and every KV head (its query heads) of every layer.
+    let mut head_sets: Vec<(usize, Vec<usize>)> = Vec::new();
+    for (l, spec) in info.layers.iter().enumerate() {
+        let group = spec.n_heads / spec.n_kv_heads.max(1);
+        head_sets.extend((0..spec.n_heads).map(|h| (l, vec![h])));
+        head_sets.extend((0..spec.n_kv_heads).map(|g| (l, (g * group..(g + 1) * group).collect())));
+    }
+    // Warm-up, then AtP.
+    atp_terms(model.as_ref(), &prompts, &layers, &dirs)?;
+    let t = Instant::now();
+    let terms = atp_terms(model.as_ref(), &prompts, &layers, &dirs)?;
+    let atp_seconds = t.elapsed().as_secs_f64();
+    let atp_cells = head_sets.len() * dirs.len() * prompts.len;
+
+    let mut cells = Vec::new();
+    for o in 0..band {
+        for receivers in [(n..2 * n).collect::<Vec<_>>(), (0..n).collect()] {
+            for (l, heads) in &head_sets {
+                cells.push(Cell {
+                    edit: Edit::Replace {
+                        point: HookPoint::block(*l, Site::AttnZ),
+                        heads: Some(heads.clone()),
+                        positions: Positions::Offset(o),
+                        fill: Fill::Source,
+                    },
+                    prompts: receivers.clone(),
+                });
+            }
+        }
+    }
+    let captures = captures_for(&cells)?;
+    let chunks = plan_chunks(&cells, max_rows)?;
+    let t = Instant::now();
+    let base = base_run(model.as_ref(), &prompts, &captures)?;
+    let mut out = vec![Vec::new(); cells.len()];
+    for ch in &chunks {
+        for (&c, o) in ch.iter().zip(run_chunk_with(
+            model.as_ref(),
+            &prompts,
+            &base,
+            &cells,
+            ch,
+            ChunkPath::Auto,
+        )?) {
+            out[c] = o;
+        }
+    }
+    let exact_seconds = t.elapsed().as_secs_f64();
+
+    // Agreement over the denoising head x offset cells: summed LD change.
+    let mut est = Vec::new();
+    let mut exact = Vec::new();
+    let per_offset = 2 * head_sets.len();
+    for o in 0..band {
+        for (hi, (l, heads)) in head_sets.iter().enumerate() {
+            let ci = o * per_offset + hi;
+            let mut e = 0.0;
+            let mut x = 0.0;
+            for i in 0..n {
+                let tg = &prompts.targets[n + i].positions;
+                let pos = Positions::Offset(o).resolve(tg).unwrap_or_default();
+                e += terms.sum(0, *l, i, heads, &pos);
+                // Clean-orientation LD change of the corrupted prompt.
+                x += -(out[ci][i].ld as f64) + base.outcomes[n + i].ld as f64;
+            }
+            est.push(e);
+            exact.push(x);
+        }
+    }
+    let spearman_positions = crate::analysis::spearman(&est, &exact)
+        .ok()
+        .flatten()
+        .unwrap_or(f64::NAN);
+    let exact_cells = cells.len();
+    Ok(AtpBenchResult {
+        model: mref.name.clone(),
+        head_cells: head_sets.len() * dirs.len(),
+        prompts_per_cell: n,
+        prompt_len: prompts.len,
+        band,
+        atp_seconds,
+        atp_cells,
+        exact_seconds,
+        exact_cells,
+        ratio: (atp_cells as f64 / atp_seconds) / (exact_cells as f64 / exact_seconds),
+        spearman_positions,
+    })
 }

@@ -54,6 +54,10 @@ pub enum Positions {
     /// The last `k` positions up to and including the last target position
     /// (a band of final query positions; clipped at position 0).
     Final(usize),
+    /// The one position `k` before the last target position (0 = the last target
+    /// position itself; none when the prompt is shorter). One position at a time:
+    /// what per-position patching and attribution patching compare.
+    Offset(usize),
 }
 
 impl Positions {
@@ -65,6 +69,10 @@ impl Positions {
             Positions::Final(k) => {
                 let end = *targets.last().expect("a prompt has a target position");
                 Some((end + 1).saturating_sub(*k)..end + 1).map(|r| r.collect())
+            }
+            Positions::Offset(k) => {
+                let end = *targets.last().expect("a prompt has a target position");
+                Some(end.checked_sub(*k).into_iter().collect())
             }
         }
     }
@@ -1026,6 +1034,9 @@ mod tests {
         assert_eq!(Positions::Answer.resolve(&[5, 6]), Some(vec![5, 6]));
         assert_eq!(Positions::Final(3).resolve(&[5]), Some(vec![3, 4, 5]));
         assert_eq!(Positions::Final(9).resolve(&[2]), Some(vec![0, 1, 2]));
+        assert_eq!(Positions::Offset(0).resolve(&[5, 6]), Some(vec![6]));
+        assert_eq!(Positions::Offset(2).resolve(&[5]), Some(vec![3]));
+        assert_eq!(Positions::Offset(9).resolve(&[5]), Some(vec![]));
     }
 
     fn cell(layer: usize, n: usize) -> Cell {

@@ -304,9 +304,10 @@ pub fn check(
             ));
         }
     }
-    if !task
-        .n_logical
-        .is_multiple_of(crate::tasks::matched_block_size(task.period))
+    if exp.kind().matched_groups()
+        && !task
+            .n_logical
+            .is_multiple_of(crate::tasks::matched_block_size(task.period))
     {
         warn.push(format!(
             "n_logical = {}: groups are matched exactly (mean and variance of the target position) only for multiples of 2P^2 = {}; using the first {} of {} generated logical examples",

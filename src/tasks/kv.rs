@@ -37,6 +37,39 @@ pub enum QueryMarker {
     EachQuery,
 }
 
+/// How the queries of a prompt choose their bindings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuerySampling {
+    /// The queries ask distinct bindings (default; the shipped organisms' recipe). A
+    /// later query's binding is one not asked yet, so a model can gain accuracy by
+    /// elimination: with 16 of 24 the last query has only 9 candidates.
+    #[default]
+    Distinct,
+    /// Every query asks a uniformly random binding, independently of the others
+    /// (repeats allowed): the earlier queries say nothing about the next one, so only
+    /// retrieval pays. In evaluation sets the queries before the scored one are drawn
+    /// with replacement from the *other* bindings, so the target is asked once, at the
+    /// end, and its answer can only come from the haystack.
+    WithReplacement,
+}
+
+impl QuerySampling {
+    /// True for the default (not written when serialising, so that recipes without
+    /// the key keep their config hash).
+    pub fn is_distinct(&self) -> bool {
+        *self == QuerySampling::Distinct
+    }
+
+    /// The snake_case name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuerySampling::Distinct => "distinct",
+            QuerySampling::WithReplacement => "with_replacement",
+        }
+    }
+}
+
 /// The format of a KV retrieval prompt, shared by evaluation and training.
 ///
 /// The defaults are the ORGANISM_NOTES recipe: 24 single-token bindings `k v`, a
@@ -48,9 +81,13 @@ pub enum QueryMarker {
 pub struct KvPromptConfig {
     /// Number of key -> value bindings in the haystack. Default 24.
     pub n_bindings: usize,
-    /// Number of queries (distinct bindings asked again, in random order; in
-    /// evaluation sets the last one is the target). Default 16.
+    /// Number of queries (bindings asked again, in random order; in evaluation sets
+    /// the last one is the target). Default 16.
     pub n_queries: usize,
+    /// How queries choose their bindings: `distinct` (default) or `with_replacement`
+    /// (see [`QuerySampling`]).
+    #[serde(skip_serializing_if = "QuerySampling::is_distinct")]
+    pub query_sampling: QuerySampling,
     /// Tokens per key. Default 1.
     pub key_len: usize,
     /// Tokens per value. Default 1.
@@ -78,6 +115,7 @@ impl Default for KvPromptConfig {
         KvPromptConfig {
             n_bindings: 24,
             n_queries: 16,
+            query_sampling: QuerySampling::Distinct,
             key_len: 1,
             value_len: 1,
             assign: false,
@@ -107,11 +145,12 @@ impl KvPromptConfig {
         if self.n_queries == 0 {
             return Err(TaskError::config("prompt.n_queries", "must be at least 1"));
         }
-        if self.n_queries > self.n_bindings {
+        if self.query_sampling == QuerySampling::Distinct && self.n_queries > self.n_bindings {
             return Err(TaskError::config(
                 "prompt.n_queries",
                 format!(
-                    "{} queries but only {} bindings (each query asks a distinct binding)",
+                    "{} queries but only {} bindings (each query asks a distinct binding; \
+                     query_sampling = \"with_replacement\" allows repeats)",
                     self.n_queries, self.n_bindings
                 ),
             ));
@@ -442,8 +481,23 @@ pub(crate) fn sample_content(
         n,
         cfg.distinct_values,
     );
-    let query_order = match target {
-        Some(t) => {
+    let query_order = match (target, cfg.query_sampling) {
+        (Some(t), QuerySampling::WithReplacement) => {
+            // The earlier queries ask any binding but the target (n >= 2 is checked
+            // when n_queries >= 2): the target's answer must come from the haystack.
+            let mut q: Vec<usize> = (1..cfg.n_queries)
+                .map(|_| {
+                    let i = rng.random_range(0..n - 1);
+                    if i >= t { i + 1 } else { i }
+                })
+                .collect();
+            q.push(t);
+            q
+        }
+        (None, QuerySampling::WithReplacement) => {
+            (0..cfg.n_queries).map(|_| rng.random_range(0..n)).collect()
+        }
+        (Some(t), QuerySampling::Distinct) => {
             let mut q: Vec<usize> = index::sample(rng, n - 1, cfg.n_queries - 1)
                 .into_iter()
                 .map(|i| if i >= t { i + 1 } else { i })
@@ -452,7 +506,7 @@ pub(crate) fn sample_content(
             q.push(t);
             q
         }
-        None => {
+        (None, QuerySampling::Distinct) => {
             let mut q = index::sample(rng, n, cfg.n_queries).into_vec();
             q.shuffle(rng);
             q
@@ -636,6 +690,16 @@ fn balanced_bases(rng: &mut ChaCha8Rng, n: usize, p: usize, d: &Design) -> Vec<u
 /// exactly equal across groups (balanced design of `B`, see `docs/prompt_format.md`).
 pub fn generate_eval_set(space: &TokenSpace, cfg: &KvEvalConfig) -> TaskResult<KvEvalSet> {
     cfg.prompt.validate(space)?;
+    if cfg.prompt.query_sampling == QuerySampling::WithReplacement
+        && cfg.prompt.n_queries > 1
+        && cfg.prompt.n_bindings < 2
+    {
+        return Err(TaskError::config(
+            "prompt.n_bindings",
+            "with query_sampling = \"with_replacement\" the queries before the target ask \
+             the other bindings: at least 2 bindings are needed when n_queries > 1",
+        ));
+    }
     let period = cfg.period;
     let p = period.len();
     let block = matched_block_size(period);
@@ -733,7 +797,8 @@ pub struct KvTrainConfig {
 /// A binding-count curriculum (associative recall forms faster with few distractors):
 /// the batch of step `s` has `start_bindings + (n_bindings - start_bindings) * s /
 /// steps` bindings (integer division; `n_bindings` from step `steps` on) and
-/// `min(n_queries, bindings)` queries. Prompts keep the full length: the unused
+/// `min(n_queries, bindings)` queries (`n_queries` with `query_sampling =
+/// "with_replacement"`). Prompts keep the full length: the unused
 /// positions become pads after the last query (they carry no loss).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -857,7 +922,9 @@ impl KvTrainSampler {
             let s = step.min(c.steps);
             let grown = ((n - c.start_bindings) as u64 * s / c.steps) as usize;
             prompt.n_bindings = c.start_bindings + grown;
-            prompt.n_queries = prompt.n_queries.min(prompt.n_bindings);
+            if prompt.query_sampling == QuerySampling::Distinct {
+                prompt.n_queries = prompt.n_queries.min(prompt.n_bindings);
+            }
         }
         prompt
     }

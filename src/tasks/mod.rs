@@ -40,7 +40,8 @@ pub use filler::{
 pub use haystack::{HaystackConfig, HaystackExample, HaystackFiller, MAX_HAYSTACK_LEN};
 pub use kv::{
     Binding, Curriculum, IGNORE_INDEX, KvEvalConfig, KvEvalSet, KvExample, KvPromptConfig, KvQuery,
-    KvTrainConfig, KvTrainSampler, QueryMarker, TrainBatch, generate_eval_set, matched_block_size,
+    KvTrainConfig, KvTrainSampler, QueryMarker, QuerySampling, TrainBatch, generate_eval_set,
+    matched_block_size,
 };
 pub use vocab::{HfVocabConfig, SyntheticVocabConfig, TokenRange, TokenSpace, TokenSpaceConfig};
 

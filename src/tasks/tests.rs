@@ -1088,3 +1088,165 @@ fn curriculum_grows_the_binding_count_at_a_fixed_length() {
         assert!(err.contains(key), "{err}");
     }
 }
+
+fn with_replacement(n_bindings: usize, n_queries: usize) -> KvPromptConfig {
+    KvPromptConfig {
+        n_bindings,
+        n_queries,
+        query_sampling: QuerySampling::WithReplacement,
+        ..KvPromptConfig::default()
+    }
+}
+
+#[test]
+fn distinct_sampling_is_the_default_and_is_not_serialised() {
+    // Recipes without the key keep their config hash (and so their checkpoints).
+    let json = serde_json::to_string(&KvPromptConfig::default()).unwrap();
+    assert!(!json.contains("query_sampling"), "{json}");
+    let json = serde_json::to_string(&with_replacement(24, 16)).unwrap();
+    assert!(
+        json.contains(r#""query_sampling":"with_replacement""#),
+        "{json}"
+    );
+    let parsed: KvPromptConfig = toml::from_str("query_sampling = \"with_replacement\"").unwrap();
+    assert_eq!(parsed.query_sampling, QuerySampling::WithReplacement);
+    assert!(toml::from_str::<KvPromptConfig>("query_sampling = \"sometimes\"").is_err());
+}
+
+#[test]
+fn queries_with_replacement_carry_no_elimination_signal() {
+    let space = syn();
+    let cfg = KvTrainConfig {
+        prompt: with_replacement(24, 16),
+        ..KvTrainConfig::default()
+    };
+    let sampler = KvTrainSampler::new(&space, cfg).unwrap();
+    assert_eq!(sampler.seq_len(), 89, "same shape as the distinct recipe");
+    let batch = sampler.batch(7, 2000);
+    assert_eq!(batch, sampler.batch(7, 2000), "deterministic");
+    // The last query's binding is uniform over all 24 whatever was asked before: it
+    // repeats an earlier query with probability 1 - (23/24)^15 = 0.47, and the
+    // distinct sampler never does that.
+    let repeats = batch
+        .examples
+        .iter()
+        .filter(|e| {
+            let (last, earlier) = e.queries.split_last().unwrap();
+            earlier.iter().any(|q| q.binding == last.binding)
+        })
+        .count();
+    let rate = repeats as f64 / 2000.0;
+    assert!((0.42..0.52).contains(&rate), "repeat rate {rate}");
+    let mut counts = [0usize; 24];
+    for e in &batch.examples {
+        counts[e.queries.last().unwrap().binding] += 1;
+        for q in &e.queries {
+            assert_eq!(e.tokens[q.target_positions[0] + 1], q.answer[0]);
+            assert_eq!(q.answer, e.bindings[q.binding].value);
+        }
+    }
+    // Every binding index is asked last (2000 draws, 24 bins: ~83 expected each).
+    assert!(counts.iter().all(|&c| c > 40), "{counts:?}");
+    // Every query still carries loss.
+    assert_eq!(batch.loss_mask().iter().filter(|&&m| m).count(), 2000 * 16);
+
+    let distinct = KvTrainSampler::new(&space, KvTrainConfig::default()).unwrap();
+    for e in &distinct.batch(7, 200).examples {
+        let mut b: Vec<usize> = e.queries.iter().map(|q| q.binding).collect();
+        b.sort_unstable();
+        b.dedup();
+        assert_eq!(b.len(), 16, "distinct sampling asks 16 distinct bindings");
+    }
+}
+
+#[test]
+fn with_replacement_allows_more_queries_than_bindings() {
+    let space = syn();
+    let err = KvTrainSampler::new(
+        &space,
+        KvTrainConfig {
+            prompt: KvPromptConfig {
+                n_bindings: 4,
+                n_queries: 6,
+                ..KvPromptConfig::default()
+            },
+            ..KvTrainConfig::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(field_of(err), "prompt.n_queries");
+    let sampler = KvTrainSampler::new(
+        &space,
+        KvTrainConfig {
+            prompt: with_replacement(4, 6),
+            ..KvTrainConfig::default()
+        },
+    )
+    .unwrap();
+    for e in &sampler.batch(0, 8).examples {
+        assert_eq!(e.queries.len(), 6);
+    }
+    // A curriculum keeps every query (the distinct sampler caps them at the bindings).
+    let c = KvTrainSampler::new(
+        &space,
+        KvTrainConfig {
+            prompt: with_replacement(24, 16),
+            curriculum: Some(Curriculum {
+                start_bindings: 4,
+                steps: 100,
+            }),
+            ..KvTrainConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(c.prompt_at(0).n_queries, 16);
+    assert_eq!(c.batch(0, 4).examples[0].queries.len(), 16);
+    assert_eq!(c.batch(0, 4).seq_len, 89);
+}
+
+#[test]
+fn eval_with_replacement_asks_the_target_once_at_the_end() {
+    let space = syn();
+    for protocol in Protocol::ALL {
+        let cfg = KvEvalConfig {
+            prompt: with_replacement(24, 16),
+            ..eval_cfg(8, protocol, 128)
+        };
+        let set = generate_eval_set(&space, &cfg).unwrap();
+        check_matching(&set, &space);
+        let mut repeats = 0;
+        for e in &set.examples {
+            let (last, earlier) = e.queries.split_last().unwrap();
+            assert!(earlier.iter().all(|q| q.binding != last.binding));
+            let mut b: Vec<usize> = earlier.iter().map(|q| q.binding).collect();
+            b.sort_unstable();
+            b.dedup();
+            repeats += usize::from(b.len() < earlier.len());
+        }
+        assert!(repeats > 0, "earlier queries repeat bindings");
+    }
+    let one = KvEvalConfig {
+        prompt: with_replacement(1, 2),
+        ..eval_cfg(8, Protocol::PrefixPadding, 128)
+    };
+    let err = generate_eval_set(&space, &one).unwrap_err();
+    assert_eq!(field_of(err), "prompt.n_bindings");
+}
+
+#[test]
+fn the_default_training_stream_is_unchanged() {
+    // sha256 (first 8 bytes) of the ids of batch 5 x 8 prompts of the default recipe,
+    // pinned before `query_sampling` existed: the shipped recipes train on exactly the
+    // batches they were trained on.
+    use sha2::Digest;
+    let s = KvTrainSampler::new(&syn(), KvTrainConfig::default()).unwrap();
+    let bytes: Vec<u8> = s
+        .batch(5, 8)
+        .input_ids()
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let d = sha2::Sha256::digest(&bytes);
+    let hex: String = d.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    assert_eq!(hex, "93467cff434f4bf5");
+}

@@ -160,12 +160,18 @@ impl OrganismFile {
     /// Read and validate an organism TOML.
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::parse(path, &text)
+    }
+
+    /// Parse and validate organism TOML `text`; errors name `path` (the file the text
+    /// is, or will be, at).
+    pub fn parse(path: &Path, text: &str) -> Result<Self> {
         let bad = |m: String| Error::Config {
             path: path.to_path_buf(),
             message: m,
         };
         // First pass: which architecture; second pass: the whole file with line numbers.
-        let kind = toml::from_str::<ModelType>(&text)
+        let kind = toml::from_str::<ModelType>(text)
             .ok()
             .and_then(|m| m.model.model_type)
             .ok_or_else(|| {
@@ -173,7 +179,7 @@ impl OrganismFile {
             })?;
         let f = match kind.as_str() {
             crate::model::kvc::MODEL_TYPE => {
-                let d: Doc<KvcConfig> = parse_toml(path, &text)?;
+                let d: Doc<KvcConfig> = parse_toml(path, text)?;
                 d.model
                     .validate()
                     .map_err(|e| bad(format!("[model]: {e}")))?;
@@ -185,7 +191,7 @@ impl OrganismFile {
                 }
             }
             crate::model::deepseek_v4::MODEL_TYPE => {
-                let d: Doc<serde_json::Value> = parse_toml(path, &text)?;
+                let d: Doc<serde_json::Value> = parse_toml(path, text)?;
                 let raw = serde_json::from_value(d.model.clone())
                     .map_err(|e| bad(format!("[model]: {e}")))?;
                 let resolved =

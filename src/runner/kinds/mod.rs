@@ -48,6 +48,11 @@ pub trait Kind: fmt::Debug + Send + Sync {
     fn skips_untrained(&self) -> bool {
         false
     }
+    /// Whether the kind evaluates the task's matched phase groups (whose `n_logical`
+    /// should be a multiple of 2P^2); kinds with their own designs say no.
+    fn matched_groups(&self) -> bool {
+        true
+    }
     /// Check the settings (and their interplay with the shared sections); errors name
     /// the line and key through [`Experiment::err`].
     fn check(&self, _exp: &Experiment) -> Result<()> {
@@ -358,6 +363,9 @@ kinds! {
     knockout::Knockout,
     gate_profiles::GateProfiles,
     gate_cycling::GateCycling,
+    long_context::LongContext,
+    attribution_patching::AttributionPatching,
+    path_patching::PathPatching,
     retrieval_heads::RetrievalHeads,
     filler_probe::FillerProbe,
     indexer_diagnostics::IndexerDiagnostics,

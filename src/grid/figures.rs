@@ -1,0 +1,596 @@
+//! The grid's paper-style figures, drawn from the merged rows with the project's
+//! plotters figure code ([`crate::output::figure`]): two figure types of their own
+//! (points with CI bars per design, small multiples) implement its [`FigureSpec`];
+//! the line plots reuse [`line_with_bands`].
+//!
+//! | file (PNG + SVG) | shows |
+//! |---|---|
+//! | `phase_gap` | per design: phase gap (pp) and mean accuracy of the final query, 95% cluster-bootstrap CIs, each protocol |
+//! | `accuracy_by_phase` | one panel per design: accuracy by phase of the final query, 95% Wilson bands, each protocol |
+//! | `seed_variance[_<group>]` | designs that differ only in `seed`: their accuracy-by-phase profiles overlaid |
+//! | `accuracy_by_slot` | mean accuracy of the final query when it is the k-th query, per design |
+//! | `accuracy_by_bindings` | mean accuracy of a single final query against the number of bindings, per design |
+
+use std::path::{Path, PathBuf};
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::output::figure::{DrawResult, FigureSpec, fmt_num, series_color};
+use crate::output::{BandSeries, LinePlotSpec, line_with_bands, render};
+
+use super::merge::{Merged, PhaseRow, SummaryRow};
+use super::spec::Grid;
+
+const FONT: &str = "sans-serif";
+
+fn de<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> String {
+    e.to_string()
+}
+
+/// One series of [`PointRangeSpec`]: a value and an interval per category (`NaN`
+/// skips a point).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PointSeries {
+    pub name: String,
+    pub y: Vec<f64>,
+    pub lo: Vec<f64>,
+    pub hi: Vec<f64>,
+}
+
+/// One panel of [`PointRangeSpec`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PointPanel {
+    pub y_label: String,
+    pub series: Vec<PointSeries>,
+    /// Explicit y range; `None` fits the data.
+    pub y_range: Option<(f64, f64)>,
+}
+
+/// Categories (designs) on x, one point with a vertical CI bar per series, side by
+/// side within a category; panels stacked with the same categories.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PointRangeSpec {
+    pub categories: Vec<String>,
+    pub panels: Vec<PointPanel>,
+    pub title: String,
+}
+
+impl FigureSpec for PointRangeSpec {
+    fn size(&self) -> (u32, u32) {
+        let w = (200 + 110 * self.categories.len() as u32).max(1200);
+        (w, 160 + 400 * self.panels.len() as u32)
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        if self.categories.is_empty() || self.panels.is_empty() {
+            return Err("no categories or no panels".into());
+        }
+        let n = self.categories.len();
+        for p in &self.panels {
+            for s in &p.series {
+                if s.y.len() != n || s.lo.len() != n || s.hi.len() != n {
+                    return Err(format!(
+                        "series `{}`: {} categories but y, lo, hi have {}, {}, {}",
+                        s.name,
+                        n,
+                        s.y.len(),
+                        s.lo.len(),
+                        s.hi.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
+        root.fill(&WHITE).map_err(de)?;
+        let root = root.titled(&self.title, (FONT, 28)).map_err(de)?;
+        let n = self.categories.len();
+        let panels = root.split_evenly((self.panels.len(), 1));
+        for (k, (area, p)) in panels.iter().zip(&self.panels).enumerate() {
+            let vals = p
+                .series
+                .iter()
+                .flat_map(|s| s.y.iter().chain(&s.lo).chain(&s.hi))
+                .copied()
+                .filter(|v| v.is_finite());
+            let (lo, hi) = vals.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+                (a.min(v), b.max(v))
+            });
+            let (ylo, yhi) = p.y_range.unwrap_or(if lo.is_finite() {
+                // Headroom above the data for the legend (upper right).
+                let pad = ((hi - lo.min(0.0)) * 0.3).max(0.5);
+                (lo.min(0.0) - pad * 0.05, hi + pad)
+            } else {
+                (0.0, 1.0)
+            });
+            let last = k + 1 == self.panels.len();
+            // Category labels horizontal when they fit their slot, else vertical.
+            let longest = self
+                .categories
+                .iter()
+                .map(|c| c.chars().count())
+                .max()
+                .unwrap_or(0);
+            let slot = area.dim_in_pixel().0.saturating_sub(120) / n.max(1) as u32;
+            let vertical = longest as u32 * 9 > slot;
+            let mut chart = ChartBuilder::on(area)
+                .margin(12)
+                .x_label_area_size(match (last, vertical) {
+                    (false, _) => 20,
+                    (true, false) => 40,
+                    (true, true) => 20 + 9 * longest as u32,
+                })
+                .y_label_area_size(90)
+                .build_cartesian_2d(0f64..n as f64, ylo..yhi)
+                .map_err(de)?;
+            let cats = &self.categories;
+            let xfmt = |v: &f64| {
+                let i = v.floor();
+                if last && i >= 0.0 && (v - i - 0.5).abs() < 1e-6 {
+                    cats.get(i as usize).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            };
+            let yfmt = |v: &f64| fmt_num(*v);
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .x_labels(2 * n + 1)
+                .x_label_formatter(&xfmt)
+                .y_label_formatter(&yfmt)
+                .y_desc(&p.y_label)
+                .axis_desc_style((FONT, 20))
+                .x_label_style(if vertical {
+                    (FONT, 15)
+                        .into_font()
+                        .transform(FontTransform::Rotate270)
+                        .into_text_style(area)
+                } else {
+                    (FONT, 15).into_font().into_text_style(area)
+                })
+                .y_label_style((FONT, 16))
+                .light_line_style(RGBColor(235, 235, 235))
+                .bold_line_style(RGBColor(210, 210, 210))
+                .draw()
+                .map_err(de)?;
+            let m = p.series.len().max(1) as f64;
+            for (si, s) in p.series.iter().enumerate() {
+                let color = series_color(si);
+                let dx = (si as f64 + 0.5) / m * 0.6 + 0.2;
+                let pts: Vec<(f64, f64, f64, f64)> = (0..n)
+                    .filter(|&i| s.y[i].is_finite())
+                    .map(|i| (i as f64 + dx, s.y[i], s.lo[i], s.hi[i]))
+                    .collect();
+                chart
+                    .draw_series(
+                        pts.iter()
+                            .filter(|p| p.2.is_finite() && p.3.is_finite())
+                            .map(|&(x, _, lo, hi)| {
+                                PathElement::new(vec![(x, lo), (x, hi)], color.stroke_width(3))
+                            }),
+                    )
+                    .map_err(de)?;
+                chart
+                    .draw_series(
+                        pts.iter()
+                            .map(|&(x, y, _, _)| Circle::new((x, y), 6, color.filled())),
+                    )
+                    .map_err(de)?
+                    .label(&s.name)
+                    .legend(move |(x, y)| Circle::new((x + 10, y), 6, color.filled()));
+            }
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(RGBColor(160, 160, 160))
+                .label_font((FONT, 16))
+                .draw()
+                .map_err(de)?;
+        }
+        Ok(())
+    }
+}
+
+/// One small panel of [`SmallMultiplesSpec`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct MiniPanel {
+    pub title: String,
+    pub series: Vec<BandSeries>,
+}
+
+/// A grid of small line plots with bands (same y range), e.g. accuracy by phase per
+/// design; the legend is drawn once, in the first panel.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SmallMultiplesSpec {
+    pub panels: Vec<MiniPanel>,
+    pub cols: usize,
+    pub title: String,
+    pub x_label: String,
+    pub y_label: String,
+    pub y_range: (f64, f64),
+}
+
+impl SmallMultiplesSpec {
+    fn rows(&self) -> usize {
+        self.panels.len().div_ceil(self.cols.max(1))
+    }
+}
+
+impl FigureSpec for SmallMultiplesSpec {
+    fn size(&self) -> (u32, u32) {
+        (
+            40 + 380 * self.cols.max(1) as u32,
+            90 + 300 * self.rows() as u32,
+        )
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        if self.panels.is_empty() {
+            return Err("no panels".into());
+        }
+        for p in &self.panels {
+            for s in &p.series {
+                let n = s.x.len();
+                if s.y.len() != n || s.lo.len() != n || s.hi.len() != n {
+                    return Err(format!(
+                        "panel `{}`, series `{}`: lengths differ",
+                        p.title, s.name
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
+        root.fill(&WHITE).map_err(de)?;
+        let root = root.titled(&self.title, (FONT, 28)).map_err(de)?;
+        let areas = root.split_evenly((self.rows(), self.cols.max(1)));
+        let (ylo, yhi) = self.y_range;
+        for (k, (area, p)) in areas.iter().zip(&self.panels).enumerate() {
+            let xmax = p
+                .series
+                .iter()
+                .flat_map(|s| s.x.iter().copied())
+                .fold(0f64, f64::max);
+            let mut chart = ChartBuilder::on(area)
+                .caption(&p.title, (FONT, 19))
+                .margin(8)
+                .x_label_area_size(42)
+                .y_label_area_size(52)
+                .build_cartesian_2d(-0.3f64..xmax + 0.3, ylo..yhi)
+                .map_err(de)?;
+            let fmt = |v: &f64| fmt_num(*v);
+            chart
+                .configure_mesh()
+                .x_labels((xmax as usize + 1).min(13))
+                .y_labels(6)
+                .x_label_formatter(&fmt)
+                .y_label_formatter(&fmt)
+                .x_desc(&self.x_label)
+                .y_desc(if k % self.cols.max(1) == 0 {
+                    self.y_label.as_str()
+                } else {
+                    ""
+                })
+                .axis_desc_style((FONT, 15))
+                .label_style((FONT, 13))
+                .light_line_style(RGBColor(238, 238, 238))
+                .bold_line_style(RGBColor(215, 215, 215))
+                .draw()
+                .map_err(de)?;
+            for (si, s) in p.series.iter().enumerate() {
+                let color = series_color(si);
+                let band: Vec<usize> = (0..s.x.len())
+                    .filter(|&i| s.lo[i].is_finite() && s.hi[i].is_finite())
+                    .collect();
+                if band.len() >= 2 {
+                    let mut poly: Vec<(f64, f64)> =
+                        band.iter().map(|&i| (s.x[i], s.hi[i])).collect();
+                    poly.extend(band.iter().rev().map(|&i| (s.x[i], s.lo[i])));
+                    chart
+                        .draw_series(std::iter::once(Polygon::new(
+                            poly,
+                            color.mix(0.18).filled(),
+                        )))
+                        .map_err(de)?;
+                }
+                let pts: Vec<(f64, f64)> = (0..s.x.len())
+                    .filter(|&i| s.y[i].is_finite())
+                    .map(|i| (s.x[i], s.y[i]))
+                    .collect();
+                let line = chart
+                    .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+                    .map_err(de)?;
+                if k == 0 {
+                    line.label(&s.name).legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                    });
+                }
+                chart
+                    .draw_series(pts.iter().map(|&q| Circle::new(q, 3, color.filled())))
+                    .map_err(de)?;
+            }
+            if k == 0 {
+                chart
+                    .configure_series_labels()
+                    .position(SeriesLabelPosition::LowerRight)
+                    .background_style(WHITE.mix(0.85))
+                    .border_style(RGBColor(160, 160, 160))
+                    .label_font((FONT, 13))
+                    .draw()
+                    .map_err(de)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn ferr(e: crate::output::FigureError) -> Error {
+    Error::Figure(e)
+}
+
+/// The final-query summary row of `design` for `protocol`.
+pub fn final_row<'a>(m: &'a Merged, design: &str, protocol: &str) -> Option<&'a SummaryRow> {
+    m.summary
+        .iter()
+        .find(|r| r.design == design && r.eval == "final" && r.protocol == protocol)
+}
+
+/// The protocols of the final sweeps, prefix padding first.
+fn protocols(m: &Merged) -> Vec<String> {
+    let mut v: Vec<String> = Vec::new();
+    for r in m.summary.iter().filter(|r| r.eval == "final") {
+        if !v.contains(&r.protocol) {
+            v.push(r.protocol.clone());
+        }
+    }
+    v.sort_by_key(|p| (p != "prefix", p.clone()));
+    v
+}
+
+fn profile(rows: &[&PhaseRow], name: &str) -> BandSeries {
+    let mut rows: Vec<&&PhaseRow> = rows.iter().collect();
+    rows.sort_by_key(|r| r.phase);
+    BandSeries {
+        name: name.into(),
+        x: rows.iter().map(|r| r.phase as f64).collect(),
+        y: rows.iter().map(|r| r.accuracy).collect(),
+        lo: rows.iter().map(|r| r.wilson_lo).collect(),
+        hi: rows.iter().map(|r| r.wilson_hi).collect(),
+    }
+}
+
+fn final_phases<'a>(m: &'a Merged, design: &str, protocol: &str) -> Vec<&'a PhaseRow> {
+    m.phases
+        .iter()
+        .filter(|r| r.design == design && r.eval == "final" && r.protocol == protocol)
+        .collect()
+}
+
+/// Groups of merged designs that differ only in `seed` (two or more members), named
+/// by their other keys.
+pub fn seed_groups(grid: &Grid, m: &Merged) -> Vec<(String, Vec<String>)> {
+    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+    for name in &m.designs {
+        let Ok(d) = grid.design(name) else { continue };
+        if d.value("seed").is_none() {
+            continue;
+        }
+        let others: Vec<String> = grid
+            .columns
+            .iter()
+            .filter(|c| c.as_str() != "seed")
+            .map(|c| format!("{c}={}", d.value(c).map_or("-".into(), |v| v.to_string())))
+            .collect();
+        let key = others.join(" ");
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(name.clone()),
+            None => groups.push((key, vec![name.clone()])),
+        }
+    }
+    groups.retain(|(_, v)| v.len() >= 2);
+    groups
+}
+
+/// Draw every grid figure into `dir` (PNG + SVG); returns the PNG paths.
+pub fn draw(grid: &Grid, m: &Merged, dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    if m.designs.is_empty() {
+        return Ok(out);
+    }
+    let protos = protocols(m);
+    let cats: Vec<String> = m
+        .designs
+        .iter()
+        .filter(|d| protos.iter().any(|p| final_row(m, d, p).is_some()))
+        .cloned()
+        .collect();
+    if !cats.is_empty() {
+        let series = |f: &dyn Fn(&SummaryRow) -> (f64, f64, f64)| -> Vec<PointSeries> {
+            protos
+                .iter()
+                .map(|p| {
+                    let v: Vec<(f64, f64, f64)> = cats
+                        .iter()
+                        .map(|d| final_row(m, d, p).map_or((f64::NAN, f64::NAN, f64::NAN), f))
+                        .collect();
+                    PointSeries {
+                        name: format!("{p} padding"),
+                        y: v.iter().map(|t| t.0).collect(),
+                        lo: v.iter().map(|t| t.1).collect(),
+                        hi: v.iter().map(|t| t.2).collect(),
+                    }
+                })
+                .collect()
+        };
+        let spec = PointRangeSpec {
+            categories: cats.clone(),
+            title: format!(
+                "{}: phase gap and mean accuracy, final query (95% CI)",
+                grid.name
+            ),
+            panels: vec![
+                PointPanel {
+                    y_label: "phase gap (pp)".into(),
+                    series: series(&|r| (r.gap_pp, r.gap_ci.0, r.gap_ci.1)),
+                    y_range: None,
+                },
+                PointPanel {
+                    y_label: "mean accuracy".into(),
+                    series: series(&|r| (r.mean_accuracy, r.mean_ci.0, r.mean_ci.1)),
+                    y_range: Some((0.0, 1.05)),
+                },
+            ],
+        };
+        out.push(render(dir.join("phase_gap"), &spec).map_err(ferr)?.png);
+
+        let panels = cats
+            .iter()
+            .map(|d| MiniPanel {
+                title: d.clone(),
+                series: protos
+                    .iter()
+                    .map(|p| profile(&final_phases(m, d, p), p))
+                    .filter(|s| !s.x.is_empty())
+                    .collect(),
+            })
+            .collect();
+        let spec = SmallMultiplesSpec {
+            panels,
+            cols: 4.min(cats.len()),
+            title: format!(
+                "{}: accuracy by phase of the target key (final query, 95% Wilson)",
+                grid.name
+            ),
+            x_label: "phase (t_K mod P)".into(),
+            y_label: "accuracy".into(),
+            y_range: (0.0, 1.02),
+        };
+        out.push(
+            render(dir.join("accuracy_by_phase"), &spec)
+                .map_err(ferr)?
+                .png,
+        );
+    }
+
+    let groups = seed_groups(grid, m);
+    for (gi, (key, members)) in groups.iter().enumerate() {
+        let p = protos.first().cloned().unwrap_or_else(|| "prefix".into());
+        let gaps: Vec<f64> = members
+            .iter()
+            .filter_map(|d| final_row(m, d, &p).map(|r| r.gap_pp))
+            .collect();
+        let (mean, sd) = mean_sd(&gaps);
+        let spec = LinePlotSpec {
+            series: members
+                .iter()
+                .map(|d| profile(&final_phases(m, d, &p), d))
+                .filter(|s| !s.x.is_empty())
+                .collect(),
+            title: format!(
+                "seeds of {}: accuracy by phase ({p}); gap {mean:.1} +- {sd:.1} pp (mean +- sd)",
+                if key.is_empty() {
+                    grid.name.as_str()
+                } else {
+                    key.as_str()
+                }
+            ),
+            x_label: "phase (t_K mod P)".into(),
+            y_label: "accuracy (final query)".into(),
+            y_range: Some((0.0, 1.02)),
+            size: None,
+        };
+        if spec.series.is_empty() {
+            continue;
+        }
+        let base = if groups.len() == 1 {
+            "seed_variance".to_string()
+        } else {
+            format!("seed_variance_{gi}")
+        };
+        out.push(line_with_bands(dir.join(base), &spec).map_err(ferr)?.png);
+    }
+
+    for (eval, x_of, file, x_label, title) in [
+        (
+            "slot",
+            (|r: &SummaryRow| r.query_slot) as fn(&SummaryRow) -> i64,
+            "accuracy_by_slot",
+            "query slot of the final query (k - 1 queries before it)",
+            "accuracy by query slot (a flat line: no gain from the queries before)",
+        ),
+        (
+            "bindings",
+            |r: &SummaryRow| r.n_bindings,
+            "accuracy_by_bindings",
+            "bindings in the prompt",
+            "accuracy of a single final query by number of bindings",
+        ),
+    ] {
+        let series: Vec<BandSeries> = m
+            .designs
+            .iter()
+            .filter_map(|d| {
+                let detail = m
+                    .summary
+                    .iter()
+                    .find(|r| r.design == *d && r.eval == eval)?
+                    .protocol
+                    .clone();
+                let mut rows: Vec<&SummaryRow> = m
+                    .summary
+                    .iter()
+                    .filter(|r| {
+                        r.design == *d
+                            && r.protocol == detail
+                            && (r.eval == eval || r.eval == "final")
+                    })
+                    .collect();
+                rows.sort_by_key(|r| x_of(r));
+                rows.dedup_by_key(|r| x_of(r));
+                Some(BandSeries {
+                    name: d.clone(),
+                    x: rows.iter().map(|r| x_of(r) as f64).collect(),
+                    y: rows.iter().map(|r| r.mean_accuracy).collect(),
+                    lo: rows.iter().map(|r| r.mean_ci.0).collect(),
+                    hi: rows.iter().map(|r| r.mean_ci.1).collect(),
+                })
+            })
+            .collect();
+        if series.is_empty() {
+            continue;
+        }
+        let spec = LinePlotSpec {
+            series,
+            title: format!("{}: {title}", grid.name),
+            x_label: x_label.into(),
+            y_label: "mean accuracy (95% CI)".into(),
+            y_range: Some((0.0, 1.02)),
+            size: Some((1200, 760)),
+        };
+        out.push(line_with_bands(dir.join(file), &spec).map_err(ferr)?.png);
+    }
+    Ok(out)
+}
+
+/// Mean and sample standard deviation (0 for fewer than two values).
+pub fn mean_sd(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let sd = if v.len() > 1 {
+        (v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+    } else {
+        0.0
+    };
+    (mean, sd)
+}

@@ -1,0 +1,84 @@
+//! `phaselens grid GRID.toml`: train and phase-sweep a matrix of controlled designs,
+//! on this machine or as a Slurm job array, and merge the sweeps into one table,
+//! figures and a report.
+//!
+//! ```text
+//! grid TOML --spec--> designs (each: a recipe = base recipe + keys)
+//!   --task (per design: `train` + `phase-sweep` experiments, resumable)-->
+//!       local: one design after another | slurm: one array task per design
+//!   --merge (polars)--> grid.arrow / grid_summary.arrow (+ Parquet)
+//!   --figures, report--> reports/grids/<grid>/
+//! ```
+//!
+//! | file | role |
+//! |---|---|
+//! | [`spec`] | the grid TOML, design expansion, validation with file:line:key errors |
+//! | [`keys`] | recipe key paths, aliases (`W`, `S`, `kv_heads`, `seed`, ...), design names |
+//! | [`task`] | one design: recipe, training, sweeps, its `design.json` record |
+//! | [`slurm`] | `sbatch --array` + a dependent merge job, `status` from squeue/sacct, `--resume` |
+//! | [`merge`] | every design's sweeps into long tables (polars), resumable |
+//! | [`figures`] | phase gap per design, accuracy-by-phase small multiples, seed variance, slots, bindings |
+//! | [`report`] | the designs side by side with the paper's numbers, what each learned |
+
+pub mod figures;
+pub mod keys;
+pub mod merge;
+pub mod report;
+pub mod slurm;
+pub mod spec;
+pub mod task;
+
+use crate::error::{Error, Result};
+
+pub use merge::{MergeSummary, merge};
+pub use spec::{Design, EvalConfig, Grid, SlurmConfig};
+pub use task::{DesignRecord, GridOptions, finished, run_design, write_recipes};
+
+/// Run designs one after another on this machine (all of them, or those named in
+/// `only`), then merge. Finished designs are skipped, interrupted ones resume. With
+/// `keep_going` a failing design is reported and the next one runs.
+pub fn run_local(
+    grid: &Grid,
+    opts: &GridOptions,
+    only: &[String],
+    keep_going: bool,
+) -> Result<Vec<DesignRecord>> {
+    for n in only {
+        grid.design(n)?;
+    }
+    write_recipes(grid)?;
+    let todo: Vec<&Design> = grid
+        .designs
+        .iter()
+        .filter(|d| only.is_empty() || only.contains(&d.name))
+        .collect();
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    for (i, d) in todo.iter().enumerate() {
+        if !opts.fresh
+            && let Some(r) = finished(grid, d, opts)
+        {
+            eprintln!("[{}/{}] {}: done", i + 1, todo.len(), d.name);
+            done.push(r);
+            continue;
+        }
+        eprintln!("[{}/{}] {}", i + 1, todo.len(), d.name);
+        match run_design(grid, d, opts) {
+            Ok(r) => done.push(r),
+            Err(e) if keep_going => {
+                eprintln!("error: {e}");
+                failed.push(d.name.clone());
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    merge(grid, opts)?;
+    if !failed.is_empty() {
+        return Err(Error::Other(format!(
+            "{} design(s) failed: {}",
+            failed.len(),
+            failed.join(", ")
+        )));
+    }
+    Ok(done)
+}

@@ -1,0 +1,741 @@
+//! The Slurm executor: one `sbatch --array` job with a task per design (each task runs
+//! `phaselens grid task GRID --index $SLURM_ARRAY_TASK_ID`), and a merge job that
+//! depends on it (`--dependency=afterany`, so it merges whatever finished). Slurm does
+//! all the distribution; phaselens only writes the job scripts, records the job ids in
+//! `<grid dir>/slurm/jobs.json`, reads `squeue` (pending, running), `sacct` (finished,
+//! failed) and, without accounting, `scontrol show job` for `status`, and on `--resume`
+//! resubmits the designs that are neither finished nor queued.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::output::write_bytes_atomic;
+use crate::train::{OrganismFile, latest_checkpoint};
+
+use super::spec::{Design, Grid, SlurmConfig};
+use super::task::{GridOptions, eval_specs, finished, write_recipes};
+
+/// Resources of the array tasks: the command line over the grid file's `[slurm]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Resources {
+    pub partition: Option<String>,
+    pub cpus_per_task: Option<u32>,
+    pub mem: Option<String>,
+    pub time: Option<String>,
+    pub max_parallel: Option<usize>,
+    pub sbatch_args: Vec<String>,
+}
+
+impl Resources {
+    /// These settings, each falling back to the grid file's.
+    pub fn over(self, file: &SlurmConfig) -> Resources {
+        Resources {
+            partition: self.partition.or_else(|| file.partition.clone()),
+            cpus_per_task: self.cpus_per_task.or(file.cpus_per_task),
+            mem: self.mem.or_else(|| file.mem.clone()),
+            time: self.time.or_else(|| file.time.clone()),
+            max_parallel: self.max_parallel.or(file.max_parallel),
+            sbatch_args: if self.sbatch_args.is_empty() {
+                file.sbatch_args.clone()
+            } else {
+                self.sbatch_args
+            },
+        }
+    }
+
+    fn directives(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(p) = &self.partition {
+            v.push(format!("--partition={p}"));
+        }
+        v.push(format!(
+            "--cpus-per-task={}",
+            self.cpus_per_task.unwrap_or(1)
+        ));
+        if let Some(m) = &self.mem {
+            v.push(format!("--mem={m}"));
+        }
+        if let Some(t) = &self.time {
+            v.push(format!("--time={t}"));
+        }
+        v.extend(self.sbatch_args.iter().cloned());
+        v
+    }
+}
+
+/// One `phaselens grid --slurm` submission.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Submission {
+    /// The array job.
+    pub array_job: String,
+    /// The merge job (depends on the array job).
+    pub merge_job: String,
+    /// Array indices (= design indices) submitted.
+    pub indices: Vec<usize>,
+    /// Their design names.
+    pub designs: Vec<String>,
+    /// Unix time of the submission.
+    pub submitted_unix: u64,
+    /// The array script and its logs.
+    pub script: PathBuf,
+    pub logs: PathBuf,
+}
+
+impl fmt::Display for Submission {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "submitted array job {} ({} task(s): {}) and merge job {} (after the array)",
+            self.array_job,
+            self.indices.len(),
+            self.designs.join(", "),
+            self.merge_job
+        )?;
+        writeln!(f, "logs: {}", self.logs.display())
+    }
+}
+
+/// What `submit` did (or would do, with `dry_run`).
+#[derive(Debug, Clone)]
+pub enum Submitted {
+    Jobs(Submission),
+    /// Nothing to run: every selected design is finished or already queued.
+    Nothing {
+        queued: Vec<String>,
+    },
+    DryRun {
+        commands: Vec<String>,
+    },
+}
+
+impl fmt::Display for Submitted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Submitted::Jobs(s) => write!(f, "{s}"),
+            Submitted::Nothing { queued } if queued.is_empty() => {
+                writeln!(f, "nothing to submit: every design is finished")
+            }
+            Submitted::Nothing { queued } => writeln!(
+                f,
+                "nothing to submit: the unfinished designs are queued or running: {}",
+                queued.join(", ")
+            ),
+            Submitted::DryRun { commands } => {
+                for c in commands {
+                    writeln!(f, "{c}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// `<grid dir>/slurm/`: job scripts, `jobs.json`, `logs/`.
+pub fn state_dir(grid: &Grid) -> PathBuf {
+    grid.dir.join("slurm")
+}
+
+fn jobs_path(grid: &Grid) -> PathBuf {
+    state_dir(grid).join("jobs.json")
+}
+
+/// Every submission of this grid, oldest first.
+pub fn submissions(grid: &Grid) -> Result<Vec<Submission>> {
+    let p = jobs_path(grid);
+    match std::fs::read_to_string(&p) {
+        Ok(t) => serde_json::from_str(&t).map_err(|e| Error::Config {
+            path: p,
+            message: format!("corrupt job record: {e}"),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(Error::io(p, e)),
+    }
+}
+
+fn absolute(p: &Path) -> Result<PathBuf> {
+    std::path::absolute(p).map_err(|e| Error::io(p, e))
+}
+
+fn quote(p: &Path) -> String {
+    format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
+}
+
+/// The two job scripts (array task, merge).
+fn scripts(grid: &Grid, opts: &GridOptions, res: &Resources) -> Result<(String, String)> {
+    let bin = std::env::current_exe().map_err(|e| Error::io("<this phaselens executable>", e))?;
+    let cwd = std::env::current_dir().map_err(|e| Error::io("<current directory>", e))?;
+    let state = absolute(&state_dir(grid))?;
+    let common = format!(
+        "--plain --device {} --data-dir {} --reports-dir {}",
+        opts.device,
+        quote(&absolute(&opts.data_root)?),
+        quote(&absolute(&opts.reports_root)?)
+    );
+    let gridp = quote(&absolute(&grid.path)?);
+    let head = |what: &str, name: &str, out: &str, directives: &[String]| {
+        let mut s = format!(
+            "#!/bin/bash\n# Generated by `phaselens grid --slurm` for grid `{}` ({}): {what}.\n",
+            grid.name,
+            grid.path.display()
+        );
+        s.push_str(&format!("#SBATCH --job-name={name}\n"));
+        s.push_str(&format!(
+            "#SBATCH --output={}/logs/{out}\n",
+            state.display()
+        ));
+        s.push_str(&format!("#SBATCH --chdir={}\n", cwd.display()));
+        for d in directives {
+            s.push_str(&format!("#SBATCH {d}\n"));
+        }
+        s.push_str("set -euo pipefail\n");
+        s
+    };
+    let mut array = head(
+        "one array task per design",
+        &format!("phaselens-grid-{}", grid.name),
+        "%A_%a.out",
+        &res.directives(),
+    );
+    array.push_str(&format!(
+        "exec {} grid task {gridp} --index \"$SLURM_ARRAY_TASK_ID\" {common}\n",
+        quote(&bin)
+    ));
+    let mut merge = head(
+        "merge every finished design",
+        &format!("phaselens-grid-{}-merge", grid.name),
+        "merge-%j.out",
+        &res.directives()
+            .into_iter()
+            .filter(|d| !d.starts_with("--cpus-per-task"))
+            .collect::<Vec<_>>(),
+    );
+    merge.push_str(&format!(
+        "exec {} grid merge {gridp} {common}\n",
+        quote(&bin)
+    ));
+    Ok((array, merge))
+}
+
+fn run_tool(cmd: &mut Command) -> Result<String> {
+    let name = cmd.get_program().to_string_lossy().into_owned();
+    let out = cmd.output().map_err(|e| {
+        Error::Other(if e.kind() == std::io::ErrorKind::NotFound {
+            format!(
+                "`{name}` not found: --slurm needs a Slurm cluster (scripts/slurm/start.sh starts a single-node one)"
+            )
+        } else {
+            format!("running {name}: {e}")
+        })
+    })?;
+    if !out.status.success() {
+        return Err(Error::Other(format!(
+            "{name} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `sbatch --parsable` prints `JOBID` or `JOBID;CLUSTER`.
+fn job_id(out: &str) -> Result<String> {
+    let id = out.trim().split(';').next().unwrap_or("").to_string();
+    if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
+        return Err(Error::Other(format!("sbatch printed no job id: {out:?}")));
+    }
+    Ok(id)
+}
+
+/// Submit the unfinished designs (all selected ones, or with `resume` those that are
+/// neither finished nor queued/running) as one array job, plus a merge job after it.
+pub fn submit(
+    grid: &Grid,
+    opts: &GridOptions,
+    res: &Resources,
+    only: &[String],
+    resume: bool,
+    dry_run: bool,
+) -> Result<Submitted> {
+    for n in only {
+        grid.design(n)?;
+    }
+    write_recipes(grid)?;
+    let queued = if resume {
+        queued_designs(grid)?
+    } else {
+        Default::default()
+    };
+    let mut waiting = Vec::new();
+    let todo: Vec<&Design> = grid
+        .designs
+        .iter()
+        .filter(|d| only.is_empty() || only.contains(&d.name))
+        .filter(|d| opts.fresh || finished(grid, d, opts).is_none())
+        .filter(|d| {
+            let q = queued.contains(&d.index);
+            if q {
+                waiting.push(d.name.clone());
+            }
+            !q
+        })
+        .collect();
+    if todo.is_empty() {
+        return Ok(Submitted::Nothing { queued: waiting });
+    }
+    let state = state_dir(grid);
+    std::fs::create_dir_all(state.join("logs")).map_err(|e| Error::io(&state, e))?;
+    let (array, merge) = scripts(grid, opts, res)?;
+    let array_path = state.join("array.sbatch");
+    let merge_path = state.join("merge.sbatch");
+    write_bytes_atomic(&array_path, array.as_bytes()).map_err(|e| Error::io(&array_path, e))?;
+    write_bytes_atomic(&merge_path, merge.as_bytes()).map_err(|e| Error::io(&merge_path, e))?;
+    let indices: Vec<usize> = todo.iter().map(|d| d.index).collect();
+    let mut spec = indices
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    if let Some(m) = res.max_parallel.filter(|&m| m > 0) {
+        spec.push_str(&format!("%{m}"));
+    }
+    if dry_run {
+        return Ok(Submitted::DryRun {
+            commands: vec![
+                format!("sbatch --parsable --array={spec} {}", array_path.display()),
+                format!(
+                    "sbatch --parsable --dependency=afterany:<array job> {}",
+                    merge_path.display()
+                ),
+            ],
+        });
+    }
+    let array_job = job_id(&run_tool(
+        Command::new("sbatch")
+            .arg("--parsable")
+            .arg(format!("--array={spec}"))
+            .arg(&array_path),
+    )?)?;
+    let merge_job = job_id(&run_tool(
+        Command::new("sbatch")
+            .arg("--parsable")
+            .arg(format!("--dependency=afterany:{array_job}"))
+            .arg(&merge_path),
+    )?)?;
+    let sub = Submission {
+        array_job,
+        merge_job,
+        indices,
+        designs: todo.iter().map(|d| d.name.clone()).collect(),
+        submitted_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        script: array_path,
+        logs: absolute(&state.join("logs"))?,
+    };
+    let mut all = submissions(grid)?;
+    all.push(sub.clone());
+    let p = jobs_path(grid);
+    write_bytes_atomic(
+        &p,
+        serde_json::to_string_pretty(&all)
+            .expect("serialises")
+            .as_bytes(),
+    )
+    .map_err(|e| Error::io(&p, e))?;
+    Ok(Submitted::Jobs(sub))
+}
+
+/// One job (or array task) as Slurm reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobState {
+    /// `123`, `123_4`.
+    pub id: String,
+    /// PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ...
+    pub state: String,
+    pub elapsed: String,
+    /// Where it came from: `squeue`, `sacct` or `scontrol`.
+    pub source: &'static str,
+}
+
+/// Pending and running jobs among `ids` (`squeue -r`, one line per array task).
+fn squeue(ids: &[String]) -> Vec<JobState> {
+    if ids.is_empty() {
+        return Vec::new();
+    }
+    let out = Command::new("squeue")
+        .args(["-h", "-r", "-o", "%i|%T|%M", "-j"])
+        .arg(ids.join(","))
+        .output();
+    let Ok(out) = out else { return Vec::new() };
+    // squeue exits non-zero when every id has left the queue.
+    parse_rows(&String::from_utf8_lossy(&out.stdout), "squeue")
+}
+
+/// Recent jobs among `ids` as slurmctld still holds them (`scontrol -o show job`, for
+/// `MinJobAge` seconds after they end), one entry per array task (`123_4`).
+fn scontrol(ids: &[String]) -> Vec<JobState> {
+    let mut out = Vec::new();
+    for id in ids {
+        let Ok(o) = Command::new("scontrol")
+            .args(["-o", "show", "job", id])
+            .output()
+        else {
+            return out;
+        };
+        for line in String::from_utf8_lossy(&o.stdout).lines() {
+            out.extend(parse_scontrol(line));
+        }
+    }
+    out
+}
+
+fn parse_scontrol(line: &str) -> Option<JobState> {
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|t| t.strip_prefix(k)?.strip_prefix('='))
+            .map(str::to_string)
+    };
+    let id = match (field("ArrayJobId"), field("ArrayTaskId")) {
+        (Some(a), Some(t)) if t.chars().all(|c| c.is_ascii_digit()) => format!("{a}_{t}"),
+        (Some(a), Some(t)) => format!("{a}_[{t}]"),
+        _ => field("JobId")?,
+    };
+    Some(JobState {
+        id,
+        state: field("JobState")?,
+        elapsed: field("RunTime").unwrap_or_default(),
+        source: "scontrol",
+    })
+}
+
+/// Jobs among `ids` from Slurm's accounting (`sacct`), if the cluster keeps it.
+fn sacct(ids: &[String]) -> (Vec<JobState>, Option<String>) {
+    if ids.is_empty() {
+        return (Vec::new(), None);
+    }
+    match Command::new("sacct")
+        .args(["-n", "-P", "-X", "-o", "JobID,State,Elapsed", "-j"])
+        .arg(ids.join(","))
+        .output()
+    {
+        Ok(o) if o.status.success() => (
+            parse_rows(&String::from_utf8_lossy(&o.stdout), "sacct"),
+            None,
+        ),
+        Ok(o) => (
+            Vec::new(),
+            Some(String::from_utf8_lossy(&o.stderr).trim().to_string()),
+        ),
+        Err(e) => (Vec::new(), Some(format!("sacct: {e}"))),
+    }
+}
+
+fn parse_rows(text: &str, source: &'static str) -> Vec<JobState> {
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.trim().split('|');
+            let id = f.next()?.trim().to_string();
+            let state = f.next()?.split_whitespace().next()?.to_string();
+            let elapsed = f.next().unwrap_or("").trim().to_string();
+            (!id.is_empty()).then_some(JobState {
+                id,
+                state,
+                elapsed,
+                source,
+            })
+        })
+        .collect()
+}
+
+/// The array index of a task id `123_4` of job `123`.
+fn task_index(id: &str, job: &str) -> Option<usize> {
+    id.strip_prefix(job)?.strip_prefix('_')?.parse().ok()
+}
+
+/// Design indices with a pending or running task in any of this grid's submissions.
+/// A pending array shows as `123_[4-6]` in squeue even with -r until it starts, so
+/// bracket ranges are expanded.
+fn queued_designs(grid: &Grid) -> Result<std::collections::BTreeSet<usize>> {
+    let subs = submissions(grid)?;
+    let ids: Vec<String> = subs.iter().map(|s| s.array_job.clone()).collect();
+    let mut out = std::collections::BTreeSet::new();
+    for j in squeue(&ids) {
+        for s in &subs {
+            if let Some(i) = task_index(&j.id, &s.array_job) {
+                out.insert(i);
+            } else if let Some(rest) =
+                j.id.strip_prefix(&s.array_job)
+                    .and_then(|r| r.strip_prefix("_["))
+            {
+                out.extend(expand_ranges(rest.trim_end_matches(']')));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `1,3-5%2` -> 1, 3, 4, 5.
+fn expand_ranges(s: &str) -> Vec<usize> {
+    let s = s.split('%').next().unwrap_or("");
+    let mut v = Vec::new();
+    for part in s.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+                    v.extend(a..=b);
+                }
+            }
+            None => v.extend(part.parse::<usize>().ok()),
+        }
+    }
+    v
+}
+
+/// How far a design got, from its files: `done`, `sweeps 2/7`, `step 750/2000`,
+/// `not started`.
+pub fn design_progress(grid: &Grid, d: &Design, opts: &GridOptions) -> String {
+    if finished(grid, d, opts).is_some() {
+        return "done".into();
+    }
+    let recipe = d.recipe_path(&grid.dir);
+    let Ok(file) = d.organism(&grid.dir) else {
+        return "invalid recipe".into();
+    };
+    let steps = file.train.steps;
+    let trained = file.model_dir(&recipe).join("training.json").exists();
+    if trained {
+        let data = opts.design_data_dir(grid, d);
+        let specs = eval_specs(grid, &file);
+        let n = specs
+            .iter()
+            .filter(|s| data.join(&s.name).join("done.json").exists())
+            .count();
+        return format!("trained; sweeps {n}/{}", specs.len());
+    }
+    match latest_checkpoint(&OrganismFile::run_dir(&file, &recipe)) {
+        Ok(Some((_, m))) => format!("step {}/{steps}", m.step),
+        _ => "not started".into(),
+    }
+}
+
+/// `phaselens grid status`: each design's Slurm state and progress.
+#[derive(Debug, Clone)]
+pub struct StatusReport {
+    pub rows: Vec<(usize, String, String, String)>,
+    pub merge: Vec<(String, String)>,
+    pub notes: Vec<String>,
+}
+
+impl fmt::Display for StatusReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{:>3}  {:<24} {:<22} progress", "idx", "design", "slurm")?;
+        for (i, name, state, progress) in &self.rows {
+            writeln!(f, "{i:>3}  {name:<24} {state:<22} {progress}")?;
+        }
+        for (id, state) in &self.merge {
+            writeln!(f, "merge job {id}: {state}")?;
+        }
+        for n in &self.notes {
+            writeln!(f, "note: {n}")?;
+        }
+        Ok(())
+    }
+}
+
+const FAILED: [&str; 7] = [
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+];
+
+/// Whether `id` (`123_4` or `123`) is one of `jobs`' rows: the same id, or a task of a
+/// pending array line `123_[2-5]`.
+fn row_of<'a>(jobs: &'a [JobState], id: &str) -> Option<&'a JobState> {
+    jobs.iter().find(|j| j.id == id).or_else(|| {
+        let (job, task) = id.split_once('_')?;
+        let task: usize = task.parse().ok()?;
+        jobs.iter().find(|j| {
+            j.id.strip_prefix(job)
+                .and_then(|r| r.strip_prefix("_["))
+                .is_some_and(|r| expand_ranges(r.trim_end_matches(']')).contains(&task))
+        })
+    })
+}
+
+/// Each design's Slurm state, read in this order: `squeue` (pending and running tasks),
+/// `sacct` (finished, failed and cancelled ones, where the cluster keeps accounting),
+/// and, for the ids neither knows (a cluster without accounting), `scontrol show job`
+/// (which holds finished jobs for slurmctld's `MinJobAge`). The latest submission of a
+/// design decides its state.
+pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
+    let subs = submissions(grid)?;
+    let mut latest: BTreeMap<usize, &Submission> = BTreeMap::new();
+    for s in &subs {
+        for &i in &s.indices {
+            latest.insert(i, s);
+        }
+    }
+    // The ids status needs: each design's latest task and every merge job.
+    let task_id = |i: usize| latest.get(&i).map(|s| format!("{}_{i}", s.array_job));
+    let mut wanted: Vec<String> = grid
+        .designs
+        .iter()
+        .filter_map(|d| task_id(d.index))
+        .collect();
+    wanted.extend(subs.iter().map(|s| s.merge_job.clone()));
+    let mut jobs: Vec<String> = Vec::new();
+    for s in &subs {
+        for j in [&s.array_job, &s.merge_job] {
+            if !jobs.contains(j) {
+                jobs.push(j.clone());
+            }
+        }
+    }
+    let queue = squeue(&jobs);
+    let (acct, acct_error) = sacct(&jobs);
+    let unresolved = |id: &String| row_of(&queue, id).is_none() && row_of(&acct, id).is_none();
+    let mut fallback: Vec<String> = Vec::new();
+    for id in wanted.iter().filter(|id| unresolved(id)) {
+        let job = id.split('_').next().unwrap_or(id).to_string();
+        if !fallback.contains(&job) {
+            fallback.push(job);
+        }
+    }
+    let recent = scontrol(&fallback);
+    let state_of = |id: &str| -> Option<String> {
+        let j = row_of(&queue, id)
+            .or_else(|| row_of(&acct, id))
+            .or_else(|| row_of(&recent, id))?;
+        Some(if j.elapsed.is_empty() || j.id != id {
+            j.state.clone()
+        } else {
+            format!("{} {}", j.state, j.elapsed)
+        })
+    };
+    let mut rows = Vec::new();
+    let mut failed = Vec::new();
+    let mut no_record = 0;
+    for d in &grid.designs {
+        let state = match task_id(d.index) {
+            None => "not submitted".to_string(),
+            Some(id) => match state_of(&id) {
+                Some(st) => format!("{id} {st}"),
+                None => {
+                    no_record += 1;
+                    format!("{id} (no record)")
+                }
+            },
+        };
+        let progress = design_progress(grid, d, opts);
+        if FAILED.iter().any(|f| state.contains(f)) && progress != "done" {
+            failed.push(d.name.clone());
+        }
+        rows.push((d.index, d.name.clone(), state, progress));
+    }
+    let merge = subs
+        .iter()
+        .map(|s| {
+            (
+                s.merge_job.clone(),
+                state_of(&s.merge_job).unwrap_or_else(|| {
+                    no_record += 1;
+                    "(no record)".into()
+                }),
+            )
+        })
+        .collect();
+    let mut notes = Vec::new();
+    if let Some(e) = acct_error.filter(|_| !subs.is_empty()) {
+        notes.push(if no_record > 0 {
+            format!(
+                "no accounting ({e}): finished jobs come from scontrol, which forgets them after slurmctld's MinJobAge; the others show as (no record), their progress column still holds"
+            )
+        } else {
+            format!("no accounting ({e}): finished jobs read from scontrol")
+        });
+    }
+    if !failed.is_empty() {
+        notes.push(format!(
+            "{} design(s) failed or were cancelled ({}): resubmit them with `phaselens grid {} --slurm --resume`",
+            failed.len(),
+            failed.join(", "),
+            grid.path.display()
+        ));
+    }
+    Ok(StatusReport { rows, merge, notes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slurm_output_parsing() {
+        assert_eq!(job_id("4242\n").unwrap(), "4242");
+        assert_eq!(job_id("4242;cluster\n").unwrap(), "4242");
+        assert!(job_id("Submitted batch job 1").is_err());
+        assert_eq!(expand_ranges("1,3-5%2"), vec![1, 3, 4, 5]);
+        assert_eq!(task_index("12_7", "12"), Some(7));
+        assert_eq!(task_index("123_7", "12"), None);
+        let rows = parse_rows(
+            "12_0|COMPLETED|00:00:09\n12_1|CANCELLED by 0|00:00:03\n",
+            "sacct",
+        );
+        assert_eq!(rows[1].state, "CANCELLED");
+        assert_eq!(rows[0].elapsed, "00:00:09");
+        let j = parse_scontrol("JobId=3 ArrayJobId=1 ArrayTaskId=1 JobName=t UserId=root(0) JobState=CANCELLED Reason=None RunTime=00:00:02").unwrap();
+        assert_eq!(
+            (j.id.as_str(), j.state.as_str(), j.elapsed.as_str()),
+            ("1_1", "CANCELLED", "00:00:02")
+        );
+        let j =
+            parse_scontrol("JobId=7 JobName=m JobState=PENDING Reason=Dependency RunTime=00:00:00")
+                .unwrap();
+        assert_eq!(j.id, "7");
+        assert_eq!(
+            parse_scontrol("JobId=9 ArrayJobId=9 ArrayTaskId=2-4 JobState=PENDING")
+                .unwrap()
+                .id,
+            "9_[2-4]"
+        );
+        // A task is found by its own line or inside a pending array line.
+        let q = parse_rows("9_[2-4%2]|PENDING|0:00\n9_1|RUNNING|0:07\n", "squeue");
+        assert_eq!(row_of(&q, "9_1").unwrap().state, "RUNNING");
+        assert_eq!(row_of(&q, "9_3").unwrap().state, "PENDING");
+        assert!(row_of(&q, "9_5").is_none() && row_of(&q, "19_3").is_none());
+        assert!(row_of(&q, "9").is_none());
+    }
+
+    #[test]
+    fn command_line_resources_override_the_grid_file() {
+        let file = SlurmConfig {
+            partition: Some("cpu".into()),
+            mem: Some("4G".into()),
+            sbatch_args: vec!["--qos=low".into()],
+            ..SlurmConfig::default()
+        };
+        let r = Resources {
+            mem: Some("8G".into()),
+            ..Resources::default()
+        }
+        .over(&file);
+        assert_eq!(
+            r.directives(),
+            vec![
+                "--partition=cpu",
+                "--cpus-per-task=1",
+                "--mem=8G",
+                "--qos=low"
+            ]
+        );
+    }
+}
