@@ -11,6 +11,7 @@
 //! | [`effects`] | normalised logit difference for patching; relative change (%) for ablations |
 //! | [`gates`] | gate-profile statistics g(r), exp(H(E\[a\])), E\[exp(H(a))\] |
 //! | [`agreement`] | Spearman rank correlation and top-k recall of an estimate against a reference (attribution vs exact patching) |
+//! | [`retrieval`] | where attention lands in the `hook_pattern` key layout (needle slots, top hit); indexer ranks |
 //!
 //! Conventions: a *phase* is an index `r` in `0..P`; accuracies are fractions in
 //! `[0, 1]` and gaps are reported in percentage points (pp, `100 x` a difference of
@@ -24,6 +25,7 @@ pub mod effects;
 pub mod gates;
 pub mod intervals;
 pub mod profile;
+pub mod retrieval;
 pub mod specialization;
 
 pub use agreement::{average_ranks, spearman, topk_recall};
@@ -40,6 +42,7 @@ pub use profile::{
     ProfileCluster, ProfileFit, concatenated_mae, concatenated_profiles, concatenated_r2, mae,
     pooled_mae, profile_fit, r_squared,
 };
+pub use retrieval::{EntryAlign, SlotLayout, best_rank, top_hit};
 pub use specialization::{RankedHead, Specialization, rank_specialized, specialization};
 
 /// Errors of the statistics functions. Each names the offending input.

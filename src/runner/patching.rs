@@ -169,6 +169,12 @@ pub enum Edit {
         action: Action,
         heads: Option<Vec<usize>>,
     },
+    /// Apply its own action at each point during the forward (e.g. add each layer's
+    /// rolled-minus-learned gate bias to its gate logits), within `heads`.
+    TransformEach {
+        actions: Vec<(HookPoint, Action)>,
+        heads: Option<Vec<usize>>,
+    },
 }
 
 impl Edit {
@@ -184,17 +190,26 @@ impl Edit {
         };
         match self {
             Edit::Replace { point, .. } => layer(point),
-            Edit::Transform { points, .. } => {
-                let mut m = usize::MAX;
-                for p in points {
-                    m = m.min(layer(p)?);
-                }
-                if m == usize::MAX {
-                    return Err(Error::Other("a transform edit without points".into()));
-                }
-                Ok(m)
+            Edit::Transform { points, .. } => Self::first_layer(points.iter(), layer),
+            Edit::TransformEach { actions, .. } => {
+                Self::first_layer(actions.iter().map(|(p, _)| p), layer)
             }
         }
+    }
+
+    /// The smallest layer of `points`.
+    fn first_layer<'p>(
+        points: impl Iterator<Item = &'p HookPoint>,
+        layer: impl Fn(&HookPoint) -> Result<usize>,
+    ) -> Result<usize> {
+        let mut m = usize::MAX;
+        for p in points {
+            m = m.min(layer(p)?);
+        }
+        if m == usize::MAX {
+            return Err(Error::Other("a transform edit without points".into()));
+        }
+        Ok(m)
     }
 }
 
@@ -912,6 +927,16 @@ pub fn run_chunk_with(
                     spec = spec.intervene_point(*p, action.clone(), scope);
                 }
             }
+            Edit::TransformEach { actions, heads } => {
+                for (p, action) in actions {
+                    let scope = Scope {
+                        batch: Some(rows.clone().collect()),
+                        heads: heads.clone(),
+                        positions: None,
+                    };
+                    spec = spec.intervene_point(*p, action.clone(), scope);
+                }
+            }
         }
     }
     let suffix = match (path, &base.state) {
@@ -1043,6 +1068,15 @@ pub fn run_cell_naive(
             heads,
         } => {
             for p in points {
+                let scope = Scope {
+                    heads: heads.clone(),
+                    ..Scope::all()
+                };
+                spec = spec.intervene_point(*p, action.clone(), scope);
+            }
+        }
+        Edit::TransformEach { actions, heads } => {
+            for (p, action) in actions {
                 let scope = Scope {
                     heads: heads.clone(),
                     ..Scope::all()

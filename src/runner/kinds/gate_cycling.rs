@@ -1,11 +1,21 @@
-//! `gate-cycling`: roll the learned compressor gates by delta offsets
-//! (`Action::Roll` on axis 2, the offset axis, of `hook_key_gate` / `hook_value_gate`
-//! of the selected layers, all at once) and compare the observed accuracy profile
-//! with the prediction "the baseline profile shifted by delta":
+//! `gate-cycling`: shift the learned compressor gates by delta offsets, in the selected
+//! layers all at once, and compare the observed accuracy profile with the prediction
+//! "the baseline profile shifted by delta". Two ways to shift (`roll`):
+//!
+//! - `bias` (default): only the per-offset gate bias rolls (kvc `key_gate_bias` /
+//!   `value_gate_bias`, DeepSeek-V4 `position_bias`, read from the model's weights):
+//!   `Action::Add` of `roll(bias, delta) - bias` at `hook_key_gate_logits` /
+//!   `hook_value_gate_logits`; every token keeps its own content gate;
+//! - `logits`: each token's whole gate (content + bias) rolls across offsets
+//!   (`Action::Roll` on axis 2, the offset axis, of `hook_key_gate` / `hook_value_gate`).
+//!
+//! The prediction:
 //! `predicted(r) = acc(r - delta)`. R^2 and MAE per delta and pooled over deltas,
 //! with cluster-bootstrap intervals ([`crate::analysis::profile_fit`]).
 
-use std::collections::{BTreeMap};
+use std::collections::BTreeMap;
+
+use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::{
@@ -14,7 +24,7 @@ use crate::analysis::{
 };
 use crate::analysis::{Est, accuracy_clusters, per_phase, phase_clusters};
 use crate::error::Result;
-use crate::hooks::{Action, HookPoint, Site};
+use crate::hooks::{Act, Action, HookPoint, Site};
 use crate::model::LayerKind;
 use crate::output::{Headline, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed};
 
@@ -32,6 +42,17 @@ pub fn delta_suffix(d: i64) -> String {
     format!("_d{d:+}")
 }
 
+/// What a shift rolls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Roll {
+    /// Only the per-offset gate bias (the phase handle). Default.
+    #[default]
+    Bias,
+    /// Each token's whole gate (content gate + bias).
+    Logits,
+}
+
 /// `[cycling]` (gate-cycling).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -42,6 +63,8 @@ pub struct GateCycling {
     pub deltas: Vec<i64>,
     /// Which gates are rolled. Default both.
     pub gates: Vec<GateKind>,
+    /// Roll the per-offset bias only (default) or each token's whole gate.
+    pub roll: Roll,
 }
 
 impl Default for GateCycling {
@@ -50,6 +73,7 @@ impl Default for GateCycling {
             layers: Selection::All,
             deltas: vec![-3, -2, -1, 1, 2, 3],
             gates: vec![GateKind::Key, GateKind::Value],
+            roll: Roll::Bias,
         }
     }
 }
@@ -105,16 +129,24 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "cycling", &cfg.layers, &ctx.info, true)?;
     let p = ctx.p();
     for &l in &layers {
-        if let LayerKind::Compressed { window, .. } = ctx.info.layers[l].kind
-            && window != p
-        {
-            let w = format!(
-                "layer {l} pools windows of {window} offsets but P = {p}: rolling the gates by delta offsets shifts phases by delta only when the window equals the period"
-            );
-            eprintln!("warning: {w}");
-            ctx.notes.push(w);
+        if let LayerKind::Compressed { window, stride, .. } = ctx.info.layers[l].kind {
+            // The offsets a shift moves: the window's (whole gates, kvc bias) or, for a
+            // DeepSeek-V4 bias, the rate's (position_bias has one row per offset in the stride).
+            let ds = ctx.info.arch == crate::model::deepseek_v4::MODEL_TYPE;
+            let offsets = if cfg.roll == Roll::Bias && ds { stride } else { window };
+            if offsets != p {
+                let w = format!(
+                    "layer {l} rolls over {offsets} offsets but P = {p}: rolling by delta offsets shifts phases by delta only when they are equal"
+                );
+                eprintln!("warning: {w}");
+                ctx.notes.push(w);
+            }
         }
     }
+    let biases = match cfg.roll {
+        Roll::Bias => gate_biases(ctx, &layers, &cfg.gates)?,
+        Roll::Logits => Vec::new(),
+    };
     let mut points = Vec::new();
     for &l in &layers {
         for g in &cfg.gates {
@@ -127,6 +159,24 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
             ));
         }
     }
+    let edits: Vec<Edit> = cfg
+        .deltas
+        .iter()
+        .map(|&d| match cfg.roll {
+            Roll::Logits => Edit::Transform {
+                points: points.clone(),
+                action: Action::Roll { axis: 2, shift: d },
+                heads: None,
+            },
+            Roll::Bias => Edit::TransformEach {
+                actions: biases
+                    .iter()
+                    .map(|b| (b.point, Action::Add(b.delta(d))))
+                    .collect(),
+                heads: None,
+            },
+        })
+        .collect();
     let set = ctx.eval_set()?;
     let mut groups = Vec::new();
     let mut metas = Vec::new();
@@ -134,15 +184,10 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
         let ex = ctx.examples(&set, r);
         let (prompts, meta) = clean_prompts(&ex, |_| 0);
         let all: Vec<usize> = (0..prompts.n()).collect();
-        let cells = cfg
-            .deltas
+        let cells = edits
             .iter()
-            .map(|&d| Cell {
-                edit: Edit::Transform {
-                    points: points.clone(),
-                    action: Action::Roll { axis: 2, shift: d },
-                    heads: None,
-                },
+            .map(|e| Cell {
+                edit: e.clone(),
                 prompts: all.clone(),
             })
             .collect();
@@ -257,6 +302,104 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
     })
 }
 
+/// One layer's learned per-offset gate bias and where it lands in the gate logits.
+struct GateBias {
+    /// `hook_key_gate_logits` / `hook_value_gate_logits` of the layer.
+    point: HookPoint,
+    /// `[offsets, columns]`: kvc `[W, kv_heads]`; DeepSeek-V4 `[rate, halves * dim]`.
+    bias: Tensor<2>,
+    /// kvc vector gates (a channel axis after the KV-head axis).
+    vector: bool,
+    /// DeepSeek-V4: `Some((halves, dim))` (CSA: 2 halves, slots 0..m read the A half).
+    deepseek: Option<(usize, usize)>,
+}
+
+impl GateBias {
+    /// `roll(bias, delta) - bias` along the offset axis, shaped to broadcast over the
+    /// gate logits `[batch, entry, slot, kv_head (, channel)]`.
+    fn delta(&self, d: i64) -> Act {
+        let diff = self.bias.clone().roll_dim(d, 0) - self.bias.clone();
+        let [m, c] = diff.dims();
+        match self.deepseek {
+            Some((2, dim)) => {
+                let slots = Tensor::cat(
+                    vec![diff.clone().slice_dim(1, 0..dim), diff.slice_dim(1, dim..2 * dim)],
+                    0,
+                );
+                Act::new(slots.reshape([1, 1, 2 * m, 1, dim]))
+            }
+            Some(_) => Act::new(diff.reshape([1, 1, m, 1, c])),
+            None if self.vector => Act::new(diff.reshape([1, 1, m, c, 1])),
+            None => Act::new(diff.reshape([1, 1, m, c])),
+        }
+    }
+}
+
+/// The learned gate biases of `layers` x `gates`, read from the model's weights (the
+/// model directory is loaded a second time, as its concrete type).
+fn gate_biases(ctx: &Ctx, layers: &[usize], gates: &[GateKind]) -> Result<Vec<GateBias>> {
+    let dir = &ctx.mref.dir;
+    let point = |l: usize, g: &GateKind| {
+        HookPoint::block(
+            l,
+            match g {
+                GateKind::Key => Site::KeyGateLogits,
+                GateKind::Value => Site::ValueGateLogits,
+            },
+        )
+    };
+    let mut out = Vec::new();
+    if ctx.info.arch == crate::model::deepseek_v4::MODEL_TYPE {
+        let m = crate::model::deepseek_v4::load(dir, &ctx.device)?;
+        for &l in layers {
+            let Some(c) = m.model.layers[l].self_attn.compressor.as_ref() else {
+                return Err(ctx.exp.err("cycling", "layers", format!("layer {l} has no compressor")));
+            };
+            let p = &c.pooler;
+            for g in gates {
+                out.push(GateBias {
+                    point: point(l, g),
+                    bias: p.position_bias.val(),
+                    vector: true,
+                    deepseek: Some((if p.overlap { 2 } else { 1 }, p.dim)),
+                });
+            }
+        }
+        return Ok(out);
+    }
+    let m = crate::model::load_kvc(dir, &ctx.device)?;
+    let vector = matches!(
+        m.config.compression.as_ref().map(|c| c.gate),
+        Some(crate::model::kvc::GateMode::Vector)
+    );
+    for &l in layers {
+        for g in gates {
+            let c = m.blocks[l].attn.compressor.as_ref();
+            let bias = c.and_then(|c| match g {
+                GateKind::Key => c.key_gate_bias.as_ref(),
+                GateKind::Value => c.value_gate_bias.as_ref(),
+            });
+            let Some(bias) = bias else {
+                return Err(ctx.exp.err(
+                    "cycling",
+                    "roll",
+                    format!(
+                        "layer {l} has no learned {} gate bias (uniform gates or gate_bias = false): nothing to roll; roll = \"logits\" rolls the whole gates",
+                        g.name()
+                    ),
+                ));
+            };
+            out.push(GateBias {
+                point: point(l, g),
+                bias: bias.val(),
+                vector,
+                deepseek: None,
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// This kind's figures and report section, from its tables alone.
 fn draw(cfg: &GateCycling, f: &mut Figures) -> Result<()> {
     let (d, m, phases, dir) = (f.data, f.model.as_str(), &f.phases[..], f.dir);
@@ -264,7 +407,12 @@ fn draw(cfg: &GateCycling, f: &mut Figures) -> Result<()> {
     let deltas = cfg.deltas.clone();
     report.section("Gate cycling");
     report.paragraph(
-        "The learned gates of the selected layers are rolled by delta offsets. Prediction: the baseline \
+        match cfg.roll {
+            Roll::Bias => "Only the per-offset gate bias of the selected layers is rolled by delta offsets (each token keeps its own content gate; roll = \"bias\"). ",
+            Roll::Logits => "Each token's whole gate (content + bias) in the selected layers is rolled by delta offsets (roll = \"logits\"). ",
+        }
+        .to_string()
+            + "Prediction: the baseline \
          accuracy profile shifted by delta, predicted(r) = acc(r - delta). R^2 (of the prediction itself, \
          no fitted slope) and MAE with 95% cluster-bootstrap intervals. R^2 divides by the spread of \
          the observed profile: when shifted gates flatten the profile (e.g. the model fails at every \

@@ -366,4 +366,7 @@ kinds! {
     long_context::LongContext,
     attribution_patching::AttributionPatching,
     path_patching::PathPatching,
+    retrieval_heads::RetrievalHeads,
+    filler_probe::FillerProbe,
+    indexer_diagnostics::IndexerDiagnostics,
 }

@@ -1,0 +1,524 @@
+//! `indexer-diagnostics` (DeepSeek-V4 CSA): did the lightning indexer select the
+//! entry holding the needle, and does forcing that choice change the answer?
+//!
+//! For every scored query (the first target position of each clean prompt) and every
+//! selected CSA layer: the needle is the value token being copied; its entries are the
+//! closed compressed entries whose window holds it (CSA entries overlap: two hold each
+//! token, [`crate::analysis::SlotLayout`]). From `attn.indexer.hook_scores` the rank
+//! of the best of them among the closed entries (top-k rule: higher score first,
+//! lower index among ties; [`crate::analysis::best_rank`]), from `hook_topk` whether
+//! one was kept. A wrong answer is a *selection miss* at a layer when the needle's
+//! entry was closed but not kept there, a *read miss* when it was kept (the heads did
+//! not read it); prompts whose needle entry is not closed yet count as neither.
+//!
+//! Causal check: `attn.indexer.hook_selected` (1.0 = kept) gets `Action::Add` of +1
+//! (force in) or -1 (force out) at the needle's entries, at every target position, in
+//! every selected layer at once; accuracy per phase and its change against the clean
+//! run, with cluster-bootstrap intervals.
+
+use serde::{Deserialize, Serialize};
+
+use crate::analysis::{Clusters, EntryAlign, SlotLayout, accuracy_clusters, best_rank, per_phase};
+use crate::error::{Error, Result};
+use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
+use crate::model::LayerKind;
+use crate::output::{BandSeries, Headline, LinePlotSpec, LongRow, line_with_bands};
+use crate::tasks::KvExample;
+
+use super::super::experiment::{Experiment, Selection};
+use super::super::patching::{Outcome, Prompts, Target, readout};
+use super::super::prompts::clean_prompts;
+use super::super::report::{Figures, ci_text, push};
+use super::super::rows::baseline_rows;
+use super::retrieval_heads::{PromptShards, entry_align};
+use super::{Ctx, Kind, KindOutput, empty_list};
+
+/// Direction of the forced selection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Force {
+    /// The needle's entries are read (added to the kept set).
+    In,
+    /// The needle's entries are not read.
+    Out,
+}
+
+impl Force {
+    /// Metric suffix (`_force_in`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Force::In => "_force_in",
+            Force::Out => "_force_out",
+        }
+    }
+
+    fn delta(self) -> f32 {
+        match self {
+            Force::In => 1.0,
+            Force::Out => -1.0,
+        }
+    }
+}
+
+/// `[indexer]` (indexer-diagnostics).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IndexerDiagnostics {
+    /// CSA layers (with a lightning indexer). Default all of them.
+    pub layers: Selection,
+    /// Causal checks. Default both.
+    pub force: Vec<Force>,
+}
+
+impl Default for IndexerDiagnostics {
+    fn default() -> Self {
+        IndexerDiagnostics {
+            layers: Selection::All,
+            force: vec![Force::In, Force::Out],
+        }
+    }
+}
+
+impl Kind for IndexerDiagnostics {
+    fn name(&self) -> &'static str {
+        "indexer-diagnostics"
+    }
+
+    fn section(&self) -> &'static str {
+        "indexer"
+    }
+
+    fn default_n_logical(&self) -> usize {
+        64
+    }
+
+    fn check(&self, exp: &Experiment) -> Result<()> {
+        let mut f = self.force.clone();
+        f.dedup();
+        if f.len() != self.force.len() {
+            return Err(exp.err("indexer", "force", "duplicate entries"));
+        }
+        Ok(())
+    }
+
+    fn accuracy_series(&self) -> Vec<(&'static str, String)> {
+        let mut v = vec![("clean", "accuracy".to_string())];
+        for f in &self.force {
+            let label = match f {
+                Force::In => "needle entry forced in",
+                Force::Out => "needle entry forced out",
+            };
+            v.push((label, format!("accuracy{}", f.suffix())));
+        }
+        v
+    }
+
+    fn run(&self, ctx: &mut Ctx) -> Result<KindOutput> {
+        run(self, ctx)
+    }
+
+    fn figures(&self, f: &mut Figures) -> Result<()> {
+        draw(self, f)
+    }
+}
+
+/// The CSA layers (overlapping compression of a DeepSeek-V4 model) of the selection.
+fn csa_layers(cfg: &IndexerDiagnostics, ctx: &Ctx) -> Result<Vec<(usize, usize, usize)>> {
+    let is_csa = |l: usize| match ctx.info.layers[l].kind {
+        LayerKind::Compressed { window, stride, .. } if window > stride => Some((window, stride)),
+        _ => None,
+    };
+    if entry_align(&ctx.info) != EntryAlign::End {
+        return Err(ctx.exp.err(
+            "model",
+            "",
+            format!(
+                "indexer-diagnostics needs a DeepSeek-V4 model with CSA layers (a lightning indexer); {} is {}",
+                ctx.mref.name, ctx.info.arch
+            ),
+        ));
+    }
+    let all = cfg
+        .layers
+        .resolve(ctx.info.n_layers(), "layers")
+        .map_err(|e| ctx.exp.err("indexer", "layers", e))?;
+    let mut out = Vec::new();
+    for l in all {
+        match (is_csa(l), &cfg.layers) {
+            (Some((w, s)), _) => out.push((l, w, s)),
+            (None, Selection::Only(_)) => {
+                return Err(ctx.exp.err(
+                    "indexer",
+                    "layers",
+                    format!(
+                        "layer {l} is not a CSA layer ({:?}): it has no indexer",
+                        ctx.info.layers[l].kind
+                    ),
+                ));
+            }
+            (None, Selection::All) => {}
+        }
+    }
+    empty_list(ctx.exp, "indexer", "layers", out.is_empty())?;
+    Ok(out)
+}
+
+/// Per prompt and target position j, the token being copied.
+fn needles(ex: &[&KvExample], key_len: usize, assign: usize) -> Vec<Vec<usize>> {
+    ex.iter()
+        .map(|e| {
+            let b = &e.bindings[e.scored_query().binding];
+            let v0 = b.key_pos + key_len + assign;
+            (0..e.target_positions.len()).map(|j| v0 + j).collect()
+        })
+        .collect()
+}
+
+/// The closed entries of `layout` holding `needle` for the query at `q`.
+fn needle_entries(layout: &SlotLayout, needle: usize, q: usize) -> Vec<usize> {
+    let closed = (q + 1) / layout.stride;
+    layout
+        .entries_holding(needle)
+        .into_iter()
+        .filter(|&e| e < closed)
+        .collect()
+}
+
+fn read_f32(act: &Act, what: &str) -> Result<Vec<f32>> {
+    let v = act.to_vec();
+    if v.is_empty() && act.shape().iter().product::<usize>() != 0 {
+        return Err(Error::hook(what, "empty activation"));
+    }
+    Ok(v)
+}
+
+/// One chunk: the clean outcome; per layer (kept?, rank) and (closed?, closed entries);
+/// per force direction the forced outcome.
+fn chunk_outcomes(
+    ctx: &Ctx,
+    cfg: &IndexerDiagnostics,
+    prompts: &Prompts,
+    rows: &[usize],
+    layers: &[(usize, usize, usize)],
+    needles: &[Vec<usize>],
+) -> Result<Vec<Vec<Outcome>>> {
+    let mut spec = HookSpec::new();
+    for &(l, _, _) in layers {
+        for s in [
+            Site::IndexerScores,
+            Site::IndexerTopk,
+            Site::IndexerSelected,
+        ] {
+            spec = spec.capture_point(HookPoint::block(l, s));
+        }
+    }
+    let tokens = prompts.tokens_of(rows, &ctx.device);
+    let out = ctx.model.forward(tokens.clone(), &spec)?;
+    let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
+    let mut res = vec![readout(out.logits, &targets)?];
+    let t = prompts.len;
+    let mut forced_shapes = Vec::new();
+    for &(l, w, s) in layers {
+        let get = |site: Site| {
+            let p = HookPoint::block(l, site);
+            out.cache
+                .get(&p)
+                .ok_or_else(|| Error::hook(p.to_string(), "not produced (is this a CSA layer?)"))
+        };
+        let (scores, topk, sel) = (
+            get(Site::IndexerScores)?,
+            get(Site::IndexerTopk)?,
+            get(Site::IndexerSelected)?,
+        );
+        let (ss, ks) = (scores.shape().to_vec(), topk.shape().to_vec());
+        if ss.len() != 3 || ks.len() != 3 || ss[1] != t || ks[1] != t {
+            return Err(Error::hook(
+                format!("blocks.{l}.attn.indexer"),
+                format!("hook_scores {ss:?} / hook_topk {ks:?} do not cover {t} query positions"),
+            ));
+        }
+        let (n, k) = (ss[2], ks[2]);
+        let layout = SlotLayout {
+            entries: n,
+            window: w,
+            stride: s,
+            align: EntryAlign::End,
+            raw: 0,
+            sink: false,
+        };
+        let (sv, kv) = (
+            read_f32(scores, "hook_scores")?,
+            read_f32(topk, "hook_topk")?,
+        );
+        let mut kept = Vec::with_capacity(rows.len());
+        let mut closed = Vec::with_capacity(rows.len());
+        for (i, &r) in rows.iter().enumerate() {
+            let q = targets[i].positions[0];
+            let ne = needle_entries(&layout, needles[r][0], q);
+            let row_s = &sv[(i * t + q) * n..][..n];
+            let row_k = &kv[(i * t + q) * k..][..k];
+            let rank = best_rank(row_s, (q + 1) / s, &ne);
+            let is_kept = ne
+                .iter()
+                .any(|&e| row_k.iter().any(|&x| x >= 0.0 && x as usize == e));
+            kept.push(Outcome {
+                correct: is_kept,
+                ld: rank.map_or(f32::NAN, |x| x as f32),
+            });
+            closed.push(Outcome {
+                correct: !ne.is_empty(),
+                ld: ((q + 1) / s).min(n) as f32,
+            });
+        }
+        res.push(kept);
+        res.push(closed);
+        forced_shapes.push((l, layout, sel.shape().to_vec()));
+    }
+    for f in &cfg.force {
+        let mut spec = HookSpec::new();
+        for (l, layout, shape) in &forced_shapes {
+            let n = shape[2];
+            let mut delta = vec![0.0f32; shape.iter().product()];
+            for (i, &r) in rows.iter().enumerate() {
+                for (j, &q) in targets[i].positions.iter().enumerate() {
+                    for e in needle_entries(layout, needles[r][j], q) {
+                        delta[(i * t + q) * n + e] = f.delta();
+                    }
+                }
+            }
+            let act = Act::from_vec(delta, shape.clone(), &ctx.device)?;
+            spec = spec.intervene_point(
+                HookPoint::block(*l, Site::IndexerSelected),
+                Action::Add(act),
+                Scope::all(),
+            );
+        }
+        let o = ctx.model.forward(tokens.clone(), &spec)?;
+        res.push(readout(o.logits, &targets)?);
+    }
+    Ok(res)
+}
+
+fn run(cfg: &IndexerDiagnostics, ctx: &mut Ctx) -> Result<KindOutput> {
+    let layers = csa_layers(cfg, ctx)?;
+    let set = ctx.eval_set()?;
+    let p = ctx.p();
+    let assign = if ctx.task.prompt.assign {
+        ctx.task.space.assign().len()
+    } else {
+        0
+    };
+    let key_len = ctx.task.prompt.key_len;
+    let phases = ctx.task.phases.clone();
+    let total: u64 = phases
+        .iter()
+        .map(|&r| ctx.examples(&set, r).len() as u64)
+        .sum();
+    let mut shards = PromptShards::new(ctx, &format!("{} indexer-diagnostics", ctx.mref.name), total);
+    let nq = 1 + 2 * layers.len() + cfg.force.len();
+    let mut groups = Vec::new();
+    for &r in &phases {
+        let ex = ctx.examples(&set, r);
+        let (mut prompts, meta) = clean_prompts(&ex, |_| 0);
+        // A competing value token per prompt, so that every run also reports the
+        // logit difference answer - other (a continuous measure of the forced change).
+        let atoms = ctx.task.space.value_atoms();
+        for t in &mut prompts.targets {
+            t.alt = atoms.iter().copied().find(|&a| a != t.answers[0]);
+        }
+        let need = needles(&ex, key_len, assign);
+        let res = shards.run(
+            &format!("p{r}-indexer"),
+            prompts.n(),
+            nq,
+            ctx.max_rows.min(32),
+            |rows| chunk_outcomes(ctx, cfg, &prompts, rows, &layers, &need),
+        )?;
+        groups.push((meta, res));
+    }
+    shards.finish(ctx);
+    let (reps, seed) = (ctx.reps(), ctx.seed());
+    let rc = ctx.rows.clone();
+    // (logical, phase, per-quantity outcomes) per prompt.
+    let obs: Vec<(u64, u32, Vec<Outcome>)> = groups
+        .iter()
+        .flat_map(|(meta, res)| {
+            meta.iter()
+                .enumerate()
+                .map(|(i, m)| (m.logical, m.phase, res.iter().map(|q| q[i]).collect()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let acc = accuracy_clusters(p, obs.iter().map(|(l, r, o)| (*l, *r, o[0].correct)));
+    let mut rows: Vec<LongRow> = baseline_rows(&rc, "", &acc, &phases, reps, seed);
+    let frac = |s: &[f64; 1], n: u64| s[0] / n as f64;
+    let add = |metric: &str, layer: Option<u32>, f: &dyn Fn(&[Outcome]) -> Option<f64>| {
+        let mut c = Clusters::<1>::new(p);
+        for (l, r, o) in &obs {
+            if let Some(v) = f(o) {
+                c.add(*l, *r, [v]);
+            }
+        }
+        let (per, pooled) = per_phase(&c, frac, reps, seed);
+        rc.phase_rows(metric, layer.map(|l| (l, None)), &phases, &per, pooled)
+    };
+    let b = |x: bool| f64::from(u8::from(x));
+    for (li, &(l, _, _)) in layers.iter().enumerate() {
+        let (kq, cq) = (1 + 2 * li, 2 + 2 * li);
+        let l = Some(l as u32);
+        rows.extend(add("needle_selected", l, &|o| {
+            o[cq].correct.then(|| b(o[kq].correct))
+        }));
+        rows.extend(add("needle_rank", l, &|o| {
+            o[cq].correct.then(|| f64::from(o[kq].ld))
+        }));
+        rows.extend(add("needle_open", l, &|o| Some(b(!o[cq].correct))));
+        rows.extend(add("selection_miss", l, &|o| {
+            Some(b(!o[0].correct && o[cq].correct && !o[kq].correct))
+        }));
+        rows.extend(add("read_miss", l, &|o| {
+            Some(b(!o[0].correct && o[cq].correct && o[kq].correct))
+        }));
+    }
+    for (fi, f) in cfg.force.iter().enumerate() {
+        let q = 1 + 2 * layers.len() + fi;
+        rows.extend(add(&format!("accuracy{}", f.suffix()), None, &|o| {
+            Some(b(o[q].correct))
+        }));
+        let mut c = Clusters::<2>::new(p);
+        for (l, r, o) in &obs {
+            c.add(*l, *r, [b(o[0].correct), b(o[q].correct)]);
+        }
+        let (per, pooled) = per_phase(&c, |s, n| 100.0 * (s[1] - s[0]) / n as f64, reps, seed);
+        rows.extend(rc.phase_rows(
+            &format!("acc_change_pp{}", f.suffix()),
+            None,
+            &phases,
+            &per,
+            pooled,
+        ));
+        let mut c = Clusters::<1>::new(p);
+        for (l, r, o) in &obs {
+            let d = f64::from(o[q].ld) - f64::from(o[0].ld);
+            if d.is_finite() {
+                c.add(*l, *r, [d]);
+            }
+        }
+        let (per, pooled) = per_phase(&c, frac, reps, seed);
+        rows.extend(rc.phase_rows(
+            &format!("logit_diff_change{}", f.suffix()),
+            None,
+            &phases,
+            &per,
+            pooled,
+        ));
+    }
+    Ok(KindOutput {
+        tables: vec![("indexer".into(), rows)],
+    })
+}
+
+/// Per-phase rows of `metric` at `layer` as a band series.
+fn layer_series(f: &Figures, metric: &str, layer: u32, name: String) -> Option<BandSeries> {
+    let mut pts: Vec<(u32, f64, f64, f64)> = f
+        .data
+        .find(&f.model, metric)
+        .filter(|r| r.layer == Some(layer) && r.head.is_none())
+        .filter_map(|r| {
+            Some((
+                r.phase?,
+                r.value,
+                r.ci_lo.unwrap_or(r.value),
+                r.ci_hi.unwrap_or(r.value),
+            ))
+        })
+        .collect();
+    if pts.is_empty() {
+        return None;
+    }
+    pts.sort_by_key(|p| p.0);
+    Some(BandSeries {
+        name,
+        x: pts.iter().map(|p| f64::from(p.0)).collect(),
+        y: pts.iter().map(|p| p.1).collect(),
+        lo: pts.iter().map(|p| p.2).collect(),
+        hi: pts.iter().map(|p| p.3).collect(),
+    })
+}
+
+/// This kind's figures and report section, from its tables alone.
+fn draw(cfg: &IndexerDiagnostics, f: &mut Figures) -> Result<()> {
+    let m = f.model.clone();
+    let mut layers: Vec<u32> = f
+        .data
+        .find(&m, "needle_selected")
+        .filter_map(|r| r.layer)
+        .collect();
+    layers.sort_unstable();
+    layers.dedup();
+    f.report.section("Indexer diagnostics");
+    f.report.paragraph(
+        "Per CSA layer, for the query that reads the answer: whether the lightning indexer kept a \
+         closed entry holding the token being copied (needle_selected, over prompts whose needle \
+         entry is closed), the rank of the best such entry among the closed entries (0 = top), and \
+         the errors split into selection misses (closed but not kept) and read misses (kept, still \
+         wrong), as fractions of all prompts. Causal check: hook_selected forced to keep (in) or \
+         drop (out) the needle's entries in every selected layer at once; accuracy change in pp.",
+    );
+    for fo in &cfg.force {
+        if let Some(r) = f.data.scalar(&m, &format!("acc_change_pp{}", fo.suffix())) {
+            let label = match fo {
+                Force::In => "Accuracy change, needle entry forced in",
+                Force::Out => "Accuracy change, needle entry forced out",
+            };
+            let detail = ci_text(r, |v| format!("{v:.1}"));
+            f.report
+                .headline(Headline::new(label, format!("{:+.1} pp", r.value)).with_detail(detail));
+        }
+    }
+    for &l in &layers {
+        let series: Vec<BandSeries> = [
+            ("needle_selected", "needle entry kept"),
+            ("selection_miss", "selection miss"),
+            ("read_miss", "read miss"),
+        ]
+        .iter()
+        .filter_map(|(metric, name)| layer_series(f, metric, l, name.to_string()))
+        .collect();
+        if !series.is_empty() {
+            let spec = LinePlotSpec {
+                series,
+                title: format!("{m}: indexer, layer {l}"),
+                x_label: "phase of the target key (t_K mod P)".into(),
+                y_label: "fraction of prompts (95% CI)".into(),
+                y_range: Some((0.0, 1.0)),
+                size: None,
+            };
+            let fig = line_with_bands(f.dir.join(format!("indexer_misses_L{l}")), &spec)?;
+            push(
+                &mut f.files,
+                &mut f.report,
+                &format!("Layer {l}: needle kept, selection and read misses by phase"),
+                fig,
+            );
+        }
+        if let Some(s) = layer_series(f, "needle_rank", l, format!("layer {l}")) {
+            let spec = LinePlotSpec {
+                series: vec![s],
+                title: format!("{m}: rank of the needle's entry, layer {l}"),
+                x_label: "phase of the target key (t_K mod P)".into(),
+                y_label: "mean rank among closed entries (0 = top)".into(),
+                y_range: None,
+                size: None,
+            };
+            let fig = line_with_bands(f.dir.join(format!("needle_rank_L{l}")), &spec)?;
+            push(
+                &mut f.files,
+                &mut f.report,
+                &format!("Layer {l}: rank of the needle's entry by phase"),
+                fig,
+            );
+        }
+    }
+    Ok(())
+}
