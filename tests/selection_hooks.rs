@@ -107,18 +107,12 @@ fn changing_hook_selected_changes_what_later_queries_read() {
     let point = HookPoint::block(l, Site::IndexerSelected);
     let base = logits(&m, &tokens, &HookSpec::new());
     let captured = m
-        .forward(
-            tokens.clone(),
-            &HookSpec::new().capture_point(point),
-        )
+        .forward(tokens.clone(), &HookSpec::new().capture_point(point))
         .unwrap()
         .cache;
     // Patching the choice with itself is the identity.
-    let same = HookSpec::new().intervene_point(
-        point,
-        Action::Patch(Arc::new(captured)),
-        Scope::all(),
-    );
+    let same =
+        HookSpec::new().intervene_point(point, Action::Patch(Arc::new(captured)), Scope::all());
     assert!(max_rel(&logits(&m, &tokens, &same), &base) < 1e-5);
     // Dropping every entry from position p on changes the logits there, never before.
     let p = t / 2;
@@ -226,7 +220,10 @@ fn kvc_bias_roll_through_the_gate_logits_equals_a_rolled_bias() {
     let rolled = |l: usize| {
         let b = bias(l);
         Tensor::cat(
-            vec![b.clone().slice_dim(0, w - shift..w), b.slice_dim(0, 0..w - shift)],
+            vec![
+                b.clone().slice_dim(0, w - shift..w),
+                b.slice_dim(0, 0..w - shift),
+            ],
             0,
         )
     };

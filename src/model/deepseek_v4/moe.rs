@@ -163,13 +163,37 @@ impl Moe {
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
         let [b, t, h] = y.dims();
+        let flat = y.reshape([b * t, h]);
+        let (idx, weights) = self.route(layer, flat.clone(), [b, t], tokens, hooks)?;
+        let routed = self.routed(flat.clone(), idx, weights)?;
+        let s = &self.shared_experts;
+        let shared = row_chunks(flat, |x| {
+            s.down_proj.forward(clamped_swiglu(
+                s.gate_proj.forward(x.clone()),
+                s.up_proj.forward(x),
+                self.limit,
+            ))
+        });
+        Ok((routed + shared).reshape([b, t, h]))
+    }
+
+    /// The router: the experts each of the `b * t` tokens of `flat: [b * t, d]` goes to
+    /// (`[b * t, top_k]`; hash table or score top-k) and their weights (`[b * t *
+    /// top_k]`), through the router hook points.
+    fn route(
+        &self,
+        layer: usize,
+        flat: Tensor<2>,
+        [b, t]: [usize; 2],
+        tokens: &[i64],
+        hooks: &mut HookRun,
+    ) -> Result<(Tensor<2, Int>, Tensor<1>)> {
         let nt = b * t;
         let k = self.top_k;
-        let device = y.device();
-        let flat = y.clone().reshape([nt, h]);
+        let device = flat.device();
         let w = self.gate.weight.val();
         let e = w.dims()[0];
-        let logits = flat.clone().matmul(w.transpose());
+        let logits = flat.matmul(w.transpose());
         let scores = match self.scoring {
             ScoringFunc::Sqrtsoftplus => softplus(logits, 1.0).sqrt(),
             ScoringFunc::Sigmoid => sigmoid(logits),
@@ -207,8 +231,21 @@ impl Moe {
         hooks.record(HookPoint::block(layer, Site::RouterTopk), || {
             idx.clone().float().reshape([b, t, k])
         });
+        Ok((idx, weights))
+    }
 
-        // Dispatch: the tokens (and top-k slots) each expert serves.
+    /// The routed experts' output `[b * t, d]`: each expert runs on the tokens (and
+    /// top-k slots) it serves, weighted, summed per token.
+    fn routed(
+        &self,
+        flat: Tensor<2>,
+        idx: Tensor<2, Int>,
+        weights: Tensor<1>,
+    ) -> Result<Tensor<2>> {
+        let [nt, h] = flat.dims();
+        let k = self.top_k;
+        let device = flat.device();
+        let e = self.gate.weight.val().dims()[0];
         let host: Vec<i64> = idx
             .into_data()
             .convert::<i64>()
@@ -255,14 +292,6 @@ impl Moe {
                 .reshape([toks.len(), 1]);
             routed = routed.select_assign(0, ti, out * wsel, IndexingUpdateOp::Add);
         }
-        let s = &self.shared_experts;
-        let shared = row_chunks(flat, |x| {
-            s.down_proj.forward(clamped_swiglu(
-                s.gate_proj.forward(x.clone()),
-                s.up_proj.forward(x),
-                self.limit,
-            ))
-        });
-        Ok((routed + shared).reshape([b, t, h]))
+        Ok(routed)
     }
 }
