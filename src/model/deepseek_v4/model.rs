@@ -57,96 +57,14 @@ impl DeepseekV4Model {
     pub fn new(config: &DeepseekV4Config, vb: &Vb) -> Result<Self> {
         config.validate()?;
         let c = config;
-        let (h, nh, dh, q) = (
-            c.hidden_size,
-            c.num_attention_heads,
-            c.head_dim,
-            c.q_lora_rank,
-        );
-        let eps = c.rms_norm_eps;
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let vm = vb.pp("model");
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for (l, &kind) in c.layer_types.iter().enumerate() {
-            let vl = vm.pp("layers").pp(l);
-            let va = vl.pp("self_attn");
-            let vc = va.pp("compressor");
-            let compressor = match kind {
-                AttnType::Sliding => None,
-                AttnType::Hca => Some(Compressor {
-                    pooler: Pooler::new(&vc, h, dh, c.hca_rate, false, eps)?,
-                    indexer: None,
-                }),
-                AttnType::Csa => Some(Compressor {
-                    pooler: Pooler::new(&vc, h, dh, c.csa_rate, true, eps)?,
-                    indexer: Some(Indexer::new(
-                        &vc.pp("indexer"),
-                        h,
-                        q,
-                        c.index_n_heads,
-                        c.index_head_dim,
-                        c.csa_rate,
-                        c.index_topk,
-                        eps,
-                    )?),
-                }),
-            };
-            let s = |d_in: usize| 1.0 / (d_in as f64).sqrt();
-            let gr = c.o_groups * c.o_lora_rank;
-            let self_attn = Attention {
-                q_a_proj: Linear::new(&va.pp("q_a_proj"), h, q, s(h))?,
-                q_a_norm: RmsNorm::new(&va.pp("q_a_norm"), q, eps)?,
-                q_b_proj: Linear::new(&va.pp("q_b_proj"), q, nh * dh, s(q))?,
-                kv_proj: Linear::new(&va.pp("kv_proj"), h, dh, s(h))?,
-                kv_norm: RmsNorm::new(&va.pp("kv_norm"), dh, eps)?,
-                o_a_proj: Linear::new(
-                    &va.pp("o_a_proj"),
-                    nh * dh / c.o_groups,
-                    gr,
-                    s(nh * dh / c.o_groups),
-                )?,
-                o_b_proj: Linear::new(&va.pp("o_b_proj"), gr, h, s(gr))?,
-                sinks: va.param("sinks", [nh], Init::Zeros)?,
-                compressor,
-                kind,
-                n_heads: nh,
-                head_dim: dh,
-                o_groups: c.o_groups,
-                eps,
-            };
-            let dims = MoeDims {
-                d_model: h,
-                d_ff: c.moe_intermediate_size,
-                n_experts: c.n_routed_experts,
-                top_k: c.num_experts_per_tok,
-                vocab: c.vocab_size,
-            };
-            let hc = |name: &str| {
-                HyperConnection::new(
-                    &vl.pp(name),
-                    h,
-                    c.hc_mult,
-                    c.hc_sinkhorn_iters,
-                    c.hc_eps,
-                    eps,
-                )
-            };
-            layers.push(DecoderLayer {
-                self_attn,
-                mlp: Moe::new(
-                    &vl.pp("mlp"),
-                    &dims,
-                    c.mlp_layer_types[l],
-                    c.scoring_func,
-                    c.routed_scaling_factor,
-                    c.swiglu_limit,
-                    c.mlp_bias,
-                )?,
-                input_layernorm: RmsNorm::new(&vl.pp("input_layernorm"), h, eps)?,
-                post_attention_layernorm: RmsNorm::new(&vl.pp("post_attention_layernorm"), h, eps)?,
-                attn_hc: hc("attn_hc")?,
-                ffn_hc: hc("ffn_hc")?,
-            });
-        }
+        let layers = c
+            .layer_types
+            .iter()
+            .enumerate()
+            .map(|(l, &kind)| decoder_layer(c, &vm.pp("layers").pp(l), l, kind))
+            .collect::<Result<Vec<_>>>()?;
         Ok(DeepseekV4Model {
             model: Backbone {
                 embed_tokens: Embedding::new(&vm.pp("embed_tokens"), c.vocab_size, h, 1.0)?,
@@ -416,4 +334,102 @@ impl crate::model::LanguageModel for DeepseekV4Model {
     ) -> Result<ForwardOutput> {
         DeepseekV4Model::forward_suffix(self, start, state, suffix, resid.get::<4>()?, spec)
     }
+}
+
+/// Decoder layer `l` (attention `kind`) under `vl` (`model.layers.{l}`).
+fn decoder_layer(c: &DeepseekV4Config, vl: &Vb, l: usize, kind: AttnType) -> Result<DecoderLayer> {
+    let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+    let dims = MoeDims {
+        d_model: h,
+        d_ff: c.moe_intermediate_size,
+        n_experts: c.n_routed_experts,
+        top_k: c.num_experts_per_tok,
+        vocab: c.vocab_size,
+    };
+    let hc = |name: &str| {
+        HyperConnection::new(
+            &vl.pp(name),
+            h,
+            c.hc_mult,
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            eps,
+        )
+    };
+    Ok(DecoderLayer {
+        self_attn: attention(c, &vl.pp("self_attn"), kind)?,
+        mlp: Moe::new(
+            &vl.pp("mlp"),
+            &dims,
+            c.mlp_layer_types[l],
+            c.scoring_func,
+            c.routed_scaling_factor,
+            c.swiglu_limit,
+            c.mlp_bias,
+        )?,
+        input_layernorm: RmsNorm::new(&vl.pp("input_layernorm"), h, eps)?,
+        post_attention_layernorm: RmsNorm::new(&vl.pp("post_attention_layernorm"), h, eps)?,
+        attn_hc: hc("attn_hc")?,
+        ffn_hc: hc("ffn_hc")?,
+    })
+}
+
+/// The attention of a layer of type `kind` under `va` (`model.layers.{l}.self_attn`).
+fn attention(c: &DeepseekV4Config, va: &Vb, kind: AttnType) -> Result<Attention> {
+    let (h, nh, dh, q) = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.head_dim,
+        c.q_lora_rank,
+    );
+    let eps = c.rms_norm_eps;
+    let s = |d_in: usize| 1.0 / (d_in as f64).sqrt();
+    let gr = c.o_groups * c.o_lora_rank;
+    Ok(Attention {
+        q_a_proj: Linear::new(&va.pp("q_a_proj"), h, q, s(h))?,
+        q_a_norm: RmsNorm::new(&va.pp("q_a_norm"), q, eps)?,
+        q_b_proj: Linear::new(&va.pp("q_b_proj"), q, nh * dh, s(q))?,
+        kv_proj: Linear::new(&va.pp("kv_proj"), h, dh, s(h))?,
+        kv_norm: RmsNorm::new(&va.pp("kv_norm"), dh, eps)?,
+        o_a_proj: Linear::new(
+            &va.pp("o_a_proj"),
+            nh * dh / c.o_groups,
+            gr,
+            s(nh * dh / c.o_groups),
+        )?,
+        o_b_proj: Linear::new(&va.pp("o_b_proj"), gr, h, s(gr))?,
+        sinks: va.param("sinks", [nh], Init::Zeros)?,
+        compressor: compressor(c, &va.pp("compressor"), kind)?,
+        kind,
+        n_heads: nh,
+        head_dim: dh,
+        o_groups: c.o_groups,
+        eps,
+    })
+}
+
+/// The compressor (and, for CSA, the lightning indexer) of a layer of type `kind` under
+/// `vc` (`...self_attn.compressor`); `None` for sliding layers.
+fn compressor(c: &DeepseekV4Config, vc: &Vb, kind: AttnType) -> Result<Option<Compressor>> {
+    let (h, dh, eps) = (c.hidden_size, c.head_dim, c.rms_norm_eps);
+    Ok(match kind {
+        AttnType::Sliding => None,
+        AttnType::Hca => Some(Compressor {
+            pooler: Pooler::new(vc, h, dh, c.hca_rate, false, eps)?,
+            indexer: None,
+        }),
+        AttnType::Csa => Some(Compressor {
+            pooler: Pooler::new(vc, h, dh, c.csa_rate, true, eps)?,
+            indexer: Some(Indexer::new(
+                &vc.pp("indexer"),
+                h,
+                c.q_lora_rank,
+                c.index_n_heads,
+                c.index_head_dim,
+                c.csa_rate,
+                c.index_topk,
+                eps,
+            )?),
+        }),
+    })
 }
