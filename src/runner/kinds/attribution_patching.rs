@@ -202,7 +202,7 @@ pub fn atp_terms(
     directions: &[Direction],
 ) -> Result<AtpTerms> {
     let n2 = prompts.n();
-    if n2 == 0 || n2 % 2 != 0 {
+    if n2 == 0 || !n2.is_multiple_of(2) {
         return Err(Error::Other(format!(
             "attribution patching needs clean/corrupted pairs, got {n2} prompts"
         )));
@@ -817,14 +817,15 @@ fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
                 let e = cell_map(d, m, &am, kind);
                 let x = cell_map(d, m, xm, kind);
                 for ((l, h, ph), v) in &e {
-                    if let (Some(ph), Some(o)) = (ph, x.get(&(*l, *h, *ph))) {
-                        if v.is_finite() && o.is_finite() {
-                            let name = match kind {
-                                HeadKind::Query => format!("L{l}.H{h}"),
-                                HeadKind::Kv => format!("L{l}.KV{h}"),
-                            };
-                            worst.push(((v - o).abs(), format!("{name} at phase {ph}: AtP {v:.3}, exact {o:.3}")));
-                        }
+                    if let (Some(ph), Some(o)) = (ph, x.get(&(*l, *h, *ph)))
+                        && v.is_finite()
+                        && o.is_finite()
+                    {
+                        let name = match kind {
+                            HeadKind::Query => format!("L{l}.H{h}"),
+                            HeadKind::Kv => format!("L{l}.KV{h}"),
+                        };
+                        worst.push(((v - o).abs(), format!("{name} at phase {ph}: AtP {v:.3}, exact {o:.3}")));
                     }
                 }
             }

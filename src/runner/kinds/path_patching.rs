@@ -311,8 +311,8 @@ pub fn path_group(
                 let mut blocks = Vec::new();
                 let k = recv.len();
                 for (ci, &si) in chunk.iter().enumerate() {
-                    let b = base_z.clone().slice([ci * k..(ci + 1) * k]);
-                    let f = fill.clone().slice([ci * k..(ci + 1) * k]);
+                    let b = base_z.clone().slice_dim(0, ci * k..(ci + 1) * k);
+                    let f = fill.clone().slice_dim(0, ci * k..(ci + 1) * k);
                     let pos: Vec<Option<Vec<usize>>> = recv.iter().map(|&p| pos_of(p)).collect();
                     blocks.push(splice(b, f, &[senders[si].head], &pos)?);
                 }
