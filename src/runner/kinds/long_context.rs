@@ -17,11 +17,10 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::accuracy_clusters;
-use crate::analysis::{Z95, wilson};
 use crate::error::Result;
 use crate::output::figure::{HeatmapSpec, heatmap};
 use crate::output::table::{ColumnData, Table};
-use crate::output::write_parquet_copy;
+use crate::output::{PhaseAccuracyRow, write_parquet_copy};
 use crate::tasks::{HaystackConfig, HaystackExample, HaystackFiller, KvExample, Protocol};
 
 use super::super::exec::Group;
@@ -299,43 +298,36 @@ fn cell_table(model: &str, obs: &[Obs]) -> Table {
         c.2 += u64::from(o.correct);
         c.3 += o.needle_depth;
     }
-    let mut cols: Vec<ColumnData> = vec![
-        ColumnData::Utf8(Vec::new()),
-        ColumnData::Utf8(Vec::new()),
-        ColumnData::UInt64(Vec::new()),
-        ColumnData::Float64(Vec::new()),
-        ColumnData::Float64(Vec::new()),
-        ColumnData::UInt64(Vec::new()),
-        ColumnData::UInt64(Vec::new()),
-        ColumnData::UInt64(Vec::new()),
-        ColumnData::Float64(Vec::new()),
-        ColumnData::Float64(Vec::new()),
-        ColumnData::Float64(Vec::new()),
+    // Accuracy and its Wilson interval as in `phase_accuracy/v1`.
+    let rows: Vec<(PhaseAccuracyRow, usize, f64, f64)> = cells
+        .into_iter()
+        .map(|((proto, length, _, phase), (depth, n, correct, needle))| {
+            let acc = PhaseAccuracyRow::new(model, proto, phase, n, correct);
+            (acc, length, depth, needle / n as f64)
+        })
+        .collect();
+    let utf8 = |f: &dyn Fn(&PhaseAccuracyRow) -> &str| {
+        ColumnData::Utf8(rows.iter().map(|r| Some(f(&r.0).to_string())).collect())
+    };
+    let uint = |f: &dyn Fn(&(PhaseAccuracyRow, usize, f64, f64)) -> u64| {
+        ColumnData::UInt64(rows.iter().map(|r| Some(f(r))).collect())
+    };
+    let float = |f: &dyn Fn(&(PhaseAccuracyRow, usize, f64, f64)) -> f64| {
+        ColumnData::Float64(rows.iter().map(|r| Some(f(r))).collect())
+    };
+    let cols = vec![
+        utf8(&|a| &a.model),
+        utf8(&|a| &a.protocol),
+        uint(&|r| r.1 as u64),
+        float(&|r| r.2),
+        float(&|r| r.3),
+        uint(&|r| u64::from(r.0.phase)),
+        uint(&|r| r.0.n),
+        uint(&|r| r.0.correct),
+        float(&|r| r.0.accuracy),
+        float(&|r| r.0.wilson_lo),
+        float(&|r| r.0.wilson_hi),
     ];
-    for ((proto, length, _, phase), (depth, n, correct, needle)) in cells {
-        let (lo, hi) = wilson(correct, n, Z95);
-        let values = [
-            Value::S(model.to_string()),
-            Value::S(proto.to_string()),
-            Value::U(length as u64),
-            Value::F(depth),
-            Value::F(needle / n as f64),
-            Value::U(u64::from(phase)),
-            Value::U(n),
-            Value::U(correct),
-            Value::F(correct as f64 / n as f64),
-            Value::F(lo),
-            Value::F(hi),
-        ];
-        for (col, v) in cols.iter_mut().zip(values) {
-            match (col, v) {
-                (ColumnData::Utf8(c), Value::S(s)) => c.push(Some(s)),
-                (ColumnData::UInt64(c), Value::U(u)) => c.push(Some(u)),
-                (ColumnData::Float64(c), Value::F(f)) => c.push(Some(f)),
-                _ => unreachable!("the column types above match the values"),
-            }
-        }
-    }
     let mut t = Table::new("long_context")
         .with_metadata(crate::output::table::META_SCHEMA, LONG_CONTEXT_SCHEMA_ID);
     for (name, data) in LONG_CONTEXT_COLUMNS.iter().zip(cols) {
@@ -343,12 +335,6 @@ fn cell_table(model: &str, obs: &[Obs]) -> Table {
             .expect("distinct, equally long columns");
     }
     t
-}
-
-enum Value {
-    S(String),
-    U(u64),
-    F(f64),
 }
 
 /// One cell read back from `long_context.arrow`.
@@ -406,8 +392,11 @@ fn draw(_cfg: &LongContext, f: &mut Figures) -> Result<()> {
             "Per-cell counts: `{m}/long_context.arrow` (schema `long_context/v1`: protocol x \
              length x depth x phase, accuracy with 95% Wilson intervals; docs/tables.md)."
         ));
-        for proto in ["prefix", "in-sequence"] {
-            let mine: Vec<&Cell> = cells.iter().filter(|c| c.protocol == proto).collect();
+        for proto in Protocol::ALL {
+            let mine: Vec<&Cell> = cells
+                .iter()
+                .filter(|c| c.protocol == protocol_label(proto))
+                .collect();
             if mine.is_empty() {
                 continue;
             }
@@ -423,7 +412,7 @@ type Keep<'k> = Box<dyn Fn(&Cell) -> bool + 'k>;
 /// The cells of one model and protocol, with their sorted axes.
 struct Grid<'c> {
     m: &'c str,
-    proto: &'c str,
+    proto: Protocol,
     cells: &'c [&'c Cell],
     lengths: Vec<u64>,
     phases: Vec<u64>,
@@ -431,7 +420,7 @@ struct Grid<'c> {
 }
 
 impl<'c> Grid<'c> {
-    fn new(m: &'c str, proto: &'c str, cells: &'c [&'c Cell]) -> Self {
+    fn new(m: &'c str, proto: Protocol, cells: &'c [&'c Cell]) -> Self {
         let sorted = |mut v: Vec<u64>| {
             v.sort_unstable();
             v.dedup();
@@ -464,11 +453,7 @@ impl<'c> Grid<'c> {
     /// CIs (long rows), best and worst phase, and accuracy by depth.
     fn headline_table(&self, f: &mut Figures) {
         let (d, m) = (f.data, self.m);
-        let suffix = if self.proto == "prefix" {
-            "_prefix"
-        } else {
-            "_in_sequence"
-        };
+        let suffix = protocol_suffix(self.proto);
         let cell = |metric: String, scale: f64| {
             d.scalar(m, &metric)
                 .map(|r| match (r.ci_lo, r.ci_hi) {
@@ -508,7 +493,7 @@ impl<'c> Grid<'c> {
                 "{} padding: accuracy (%) and phase gap (pp) by prompt length, 95% \
                  cluster-bootstrap CIs over logical examples; last column: accuracy at needle \
                  depths {}",
-                self.proto,
+                protocol_label(self.proto),
                 depth_list.join(" / ")
             ),
             [
@@ -534,7 +519,7 @@ impl<'c> Grid<'c> {
         y_label: &str,
         rows: Vec<(String, Keep<'_>)>,
     ) -> Result<()> {
-        let (m, proto) = (self.m, self.proto);
+        let (m, proto) = (self.m, protocol_label(self.proto));
         let n_rows = rows.len() as u32;
         let (labels, keeps): (Vec<String>, Vec<_>) = rows.into_iter().unzip();
         let matrix = keeps
@@ -567,7 +552,7 @@ impl<'c> Grid<'c> {
     }
 }
 
-fn draw_protocol(f: &mut Figures, m: &str, proto: &str, cells: &[&Cell]) -> Result<()> {
+fn draw_protocol(f: &mut Figures, m: &str, proto: Protocol, cells: &[&Cell]) -> Result<()> {
     let g = Grid::new(m, proto, cells);
     g.headline_table(f);
     let by_phase = g
