@@ -4,19 +4,22 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 # Cargo profile shared by tests and runs (dependencies optimised, one warm target/).
 bin := env_var_or_default("CARGO_TARGET_DIR", "target") + "/debug/phaselens"
+# Backends compiled in: all three (flex, LibTorch, wgpu; the device is chosen at run
+# time). `PHASELENS_FEATURES=flex just ...` builds the pure-Rust CPU backend only.
+features := env_var_or_default("PHASELENS_FEATURES", "all-backends")
 
 default:
     @just --list
 
 # Build the CLI.
 build:
-    cargo build --bin phaselens
+    cargo build --bin phaselens --features {{features}}
 
-# Run the whole test suite (what CI runs), plus a compile check of the wgpu backend.
+# Run the whole test suite (what CI runs): one build with every backend; the backend
+# equivalence tests run on each device this machine has (flex, tch-cpu, wgpu).
 test:
-    cargo check --features wgpu --lib
-    cargo test --doc
-    cargo nextest run --no-fail-fast
+    cargo test --doc --features {{features}}
+    cargo nextest run --no-fail-fast --features {{features}}
 
 # List hook points.
 hooks: build

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian machine for phaselens: `just` (from PyPI's
-# rust-just wheel), cargo-nextest, fonts for figures. Rust itself comes from rustup.
+# rust-just wheel), cargo-nextest, fonts for figures, Slurm + munge (grid tests), PyTorch
+# 2.9.0 (LibTorch for the tch backend) and Mesa's software Vulkan (wgpu). Rust itself
+# comes from rustup.
 set -euo pipefail
 # Figures (plotters + font-kit) need fontconfig at build time (pkg-config, headers) and
 # at run time (a font).
@@ -23,4 +25,5 @@ fi
 command -v just >/dev/null 2>&1 || { echo "setup: 'just' is not on PATH after installing rust-just" >&2; exit 1; }
 cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
 bash "$(dirname "$0")/setup-slurm.sh"
+bash "$(dirname "$0")/setup-backends.sh"
 echo "setup: ok ($(just --version), $(cargo --version))"

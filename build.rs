@@ -1,0 +1,48 @@
+//! Build script: with the `tch` feature, put LibTorch's `lib/` folder on the run-time
+//! library path of every binary and test (an rpath), so `phaselens --device tch-cpu` and
+//! `cargo nextest` find `libtorch_cpu.so` without `LD_LIBRARY_PATH`.
+//!
+//! The folder is the one torch-sys links against: `$LIBTORCH/lib` when `LIBTORCH` is set,
+//! else (with `LIBTORCH_USE_PYTORCH=1`) the `lib/` folder of the `torch` package that the
+//! active Python (`python` in a virtualenv, `python3` otherwise) imports.
+
+use std::env;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_USE_PYTORCH");
+    println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
+    if env::var_os("CARGO_FEATURE_TCH").is_none() {
+        return;
+    }
+    if let Some(dir) = libtorch_lib_dir() {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
+    } else {
+        println!(
+            "cargo:warning=phaselens: the tch feature is on but LibTorch's lib/ folder was not found \
+             (set LIBTORCH, or LIBTORCH_USE_PYTORCH=1 with torch installed); binaries will need \
+             LD_LIBRARY_PATH"
+        );
+    }
+}
+
+fn libtorch_lib_dir() -> Option<PathBuf> {
+    if let Some(root) = env::var_os("LIBTORCH") {
+        let lib = PathBuf::from(root).join("lib");
+        return lib.is_dir().then_some(lib);
+    }
+    env::var_os("LIBTORCH_USE_PYTORCH")?;
+    let python = if env::var_os("VIRTUAL_ENV").is_some() { "python" } else { "python3" };
+    let out = Command::new(python)
+        .args(["-c", "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let lib = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+    lib.is_dir().then_some(lib)
+}
