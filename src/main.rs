@@ -12,7 +12,8 @@ Examples:
   phaselens forward --model experiments/organisms/kvc-w8s8 --input ids.json --out out.safetensors
   phaselens train experiments/organisms/kvc-w8s8.toml
   phaselens run experiments/v4pro.toml             # what `just patch-heads exp/v4pro.toml` runs
-  phaselens figures                                # redraw every figure from the tables")]
+  phaselens figures                                # redraw every figure from the tables
+  phaselens backends                               # check every backend against flex")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -40,6 +41,8 @@ enum Command {
     Figures(cli::figures::FiguresArgs),
     /// Train and phase-sweep a grid of designs, locally or as a Slurm job array.
     Grid(Box<cli::grid::GridArgs>),
+    /// Check every backend against flex on this machine (device x check matrix).
+    Backends(cli::backends::BackendsArgs),
 }
 
 fn main() {
@@ -53,6 +56,7 @@ fn main() {
         Command::Run(a) => cli::run::run(a),
         Command::Figures(a) => cli::figures::run(a),
         Command::Grid(a) => cli::grid::run(*a),
+        Command::Backends(a) => cli::backends::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", error_chain(&e));

@@ -88,6 +88,7 @@ fn suffix_forward_equals_forward_from_at_its_positions() {
                                 batch: Some(vec![i]),
                                 heads: Some(vec![1]),
                                 positions: Some((f..f + len).collect()),
+                                rows: None,
                             },
                         );
                     }

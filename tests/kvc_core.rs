@@ -578,6 +578,7 @@ fn suffix_forward_equals_forward_from_at_its_positions() {
                                 batch: Some(vec![r]),
                                 heads: Some(vec![1]),
                                 positions: Some((f..f + sfx.len).collect()),
+                                rows: None,
                             },
                         );
                     }

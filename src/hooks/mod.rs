@@ -17,4 +17,4 @@ pub mod spec;
 
 pub use cache::{Act, ActivationCache};
 pub use point::{HeadKind, HookPoint, PointPattern, PosCounts, Site, SiteInfo};
-pub use spec::{Action, HookRun, HookSpec, Intervention, Scope};
+pub use spec::{Action, HookRun, HookSpec, Intervention, RowScope, Scope};

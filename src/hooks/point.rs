@@ -105,6 +105,13 @@ pub struct SiteInfo {
     pub pos_counts: PosCounts,
     /// Axis indexed by a head scope, and which heads it counts.
     pub head_axis: Option<(usize, HeadKind)>,
+    /// A per-token point of a block's stream: its value at token position p is computed
+    /// from the block's input at p and the keys and values of positions <= p, so an
+    /// edit at positions >= f leaves every earlier position of the same forward
+    /// unchanged, and a suffix forward (recomputing positions f.. over a base run's
+    /// keys and values) can apply it (the residual stream, queries, keys, values, z,
+    /// per-head results, attention and MLP outputs).
+    pub per_token: bool,
 }
 
 macro_rules! sites {
@@ -124,6 +131,19 @@ macro_rules! sites {
                         pos_axis: $pos,
                         pos_counts: PosCounts::$counts,
                         head_axis: $head,
+                        per_token: matches!(
+                            Site::$v,
+                            Site::ResidPre
+                                | Site::ResidMid
+                                | Site::ResidPost
+                                | Site::AttnQ
+                                | Site::AttnK
+                                | Site::AttnV
+                                | Site::AttnZ
+                                | Site::AttnResult
+                                | Site::AttnOut
+                                | Site::MlpOut
+                        ),
                     },)*
                 }
             }

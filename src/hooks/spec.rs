@@ -50,6 +50,17 @@ pub struct Scope {
     pub heads: Option<Vec<usize>>,
     /// Positions along the point's position axis (tokens, or compressed entries).
     pub positions: Option<Vec<usize>>,
+    /// Per batch row, its own heads and positions ([`Scope::rows`]); rows not listed
+    /// are untouched. Not combined with the three fields above.
+    pub rows: Option<Vec<RowScope>>,
+}
+
+/// One batch row of a per-row [`Scope`]: `None` = every head / position of the row.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RowScope {
+    pub row: usize,
+    pub heads: Option<Vec<usize>>,
+    pub positions: Option<Vec<usize>>,
 }
 
 impl Scope {
@@ -61,6 +72,14 @@ impl Scope {
     pub fn heads(heads: impl Into<Vec<usize>>) -> Self {
         Scope {
             heads: Some(heads.into()),
+            ..Self::default()
+        }
+    }
+    /// Each listed batch row with its own heads and positions (e.g. batched patching,
+    /// where every row patches another head at its own answer position).
+    pub fn rows(rows: Vec<RowScope>) -> Self {
+        Scope {
+            rows: Some(rows),
             ..Self::default()
         }
     }
@@ -80,7 +99,7 @@ impl Scope {
         self
     }
     fn is_all(&self) -> bool {
-        self.batch.is_none() && self.heads.is_none() && self.positions.is_none()
+        self.batch.is_none() && self.heads.is_none() && self.positions.is_none() && self.rows.is_none()
     }
 }
 
@@ -308,6 +327,15 @@ fn scope_mask<const D: usize>(
     dims: [usize; D],
     device: &burn::tensor::Device,
 ) -> Result<Tensor<D, Bool>> {
+    if let Some(rows) = &scope.rows {
+        if scope.batch.is_some() || scope.heads.is_some() || scope.positions.is_some() {
+            return Err(Error::hook(
+                point.to_string(),
+                "a per-row scope cannot be combined with batch, head or position scopes",
+            ));
+        }
+        return row_scope_mask(point, rows, dims, device);
+    }
     let info = point.site.info();
     let mut axes: Vec<(usize, &Vec<usize>)> = Vec::new();
     if let Some(rows) = &scope.batch {
@@ -377,4 +405,123 @@ fn scope_mask<const D: usize>(
     }
     let mask = Tensor::<D, Bool>::from_data(TensorData::new(values, mshape), device);
     Ok(mask.expand(dims))
+}
+
+/// The mask of a per-row scope: `[rows, pos?, head?]` over the point's batch, position
+/// and head axes (size 1 where no row restricts that axis), broadcast to `dims`.
+fn row_scope_mask<const D: usize>(
+    point: &HookPoint,
+    rows: &[RowScope],
+    dims: [usize; D],
+    device: &burn::tensor::Device,
+) -> Result<Tensor<D, Bool>> {
+    let info = point.site.info();
+    let bad = |msg: String| Error::hook(point.to_string(), msg);
+    let mut mshape = [1usize; D];
+    mshape[0] = dims[0];
+    let head_axis = info.head_axis.map(|(a, _)| a).filter(|&a| a < D);
+    let pos_axis = info.pos_axis.filter(|&a| a < D);
+    if rows.iter().any(|r| r.heads.is_some()) {
+        let a = head_axis.ok_or_else(|| bad("this point has no head axis; drop the head scope".into()))?;
+        mshape[a] = dims[a];
+    }
+    if rows.iter().any(|r| r.positions.is_some()) {
+        let a = pos_axis.ok_or_else(|| bad("this point has no position axis".into()))?;
+        mshape[a] = dims[a];
+    }
+    // The indices of one row along an axis: its own list, else the whole (mask) axis.
+    let along = |sel: &Option<Vec<usize>>, axis: Option<usize>, what: &str| -> Result<Vec<usize>> {
+        match (sel, axis) {
+            (Some(v), Some(a)) => match v.iter().find(|&&i| i >= dims[a]) {
+                Some(i) => Err(bad(format!("{what} {i} out of range 0..{}", dims[a]))),
+                None => Ok(v.clone()),
+            },
+            (_, Some(a)) => Ok((0..mshape[a]).collect()),
+            (_, None) => Ok(vec![0]),
+        }
+    };
+    let mut strides = [0usize; D];
+    let mut total = 1;
+    for a in (0..D).rev() {
+        strides[a] = total;
+        total *= mshape[a];
+    }
+    let mut values = vec![false; total];
+    for r in rows {
+        if r.row >= dims[0] {
+            return Err(bad(format!("batch row {} out of range 0..{}", r.row, dims[0])));
+        }
+        let positions = along(&r.positions, pos_axis, "position")?;
+        let heads = along(&r.heads, head_axis, "head")?;
+        for &p in &positions {
+            for &h in &heads {
+                let mut i = r.row * strides[0];
+                if let Some(a) = pos_axis {
+                    i += p * strides[a];
+                }
+                if let Some(a) = head_axis {
+                    i += h * strides[a];
+                }
+                values[i] = true;
+            }
+        }
+    }
+    let mask = Tensor::<D, Bool>::from_data(TensorData::new(values, mshape), device);
+    Ok(mask.expand(dims))
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use super::*;
+    use crate::hooks::Site;
+    use burn::tensor::Device;
+
+    fn zeroed(point: HookPoint, scope: Scope, dims: [usize; 4]) -> Result<Vec<f32>> {
+        let x = Tensor::<4>::ones(dims, &Device::flex());
+        let spec = HookSpec::new().intervene_point(point, Action::Zero, scope);
+        let y = spec.run().apply(point, x)?;
+        Ok(y.into_data().try_into_vec::<f32>().unwrap())
+    }
+
+    #[test]
+    fn a_per_row_scope_touches_exactly_its_rows_heads_and_positions() {
+        let z = HookPoint::block(0, Site::AttnZ); // [batch, pos, head, d_head]
+        let scope = Scope::rows(vec![
+            RowScope { row: 0, heads: Some(vec![1]), positions: Some(vec![2, 4]) },
+            RowScope { row: 2, heads: None, positions: Some(vec![0]) },
+        ]);
+        let v = zeroed(z, scope, [3, 5, 2, 4]).unwrap();
+        let mut i = 0;
+        for b in 0..3 {
+            for p in 0..5 {
+                for h in 0..2 {
+                    for _ in 0..4 {
+                        let hit = (b == 0 && h == 1 && (p == 2 || p == 4)) || (b == 2 && p == 0);
+                        assert_eq!(v[i], if hit { 0.0 } else { 1.0 }, "b {b} p {p} h {h}");
+                        i += 1;
+                    }
+                }
+            }
+        }
+        // A row with no restriction at all: the whole row.
+        let v = zeroed(z, Scope::rows(vec![RowScope { row: 1, ..RowScope::default() }]), [2, 3, 2, 2]).unwrap();
+        assert!(v[..12].iter().all(|&x| x == 1.0) && v[12..].iter().all(|&x| x == 0.0), "{v:?}");
+    }
+
+    #[test]
+    fn per_row_scopes_name_what_is_wrong() {
+        let z = HookPoint::block(0, Site::AttnZ);
+        let err = |p: HookPoint, s: Scope| zeroed(p, s, [2, 3, 2, 2]).unwrap_err().to_string();
+        let row = |row, heads: Option<Vec<usize>>, positions: Option<Vec<usize>>| RowScope { row, heads, positions };
+        assert!(err(z, Scope::rows(vec![row(2, None, None)])).contains("batch row 2 out of range 0..2"));
+        assert!(err(z, Scope::rows(vec![row(0, Some(vec![5]), None)])).contains("head 5 out of range 0..2"));
+        assert!(err(z, Scope::rows(vec![row(0, None, Some(vec![3]))])).contains("position 3 out of range 0..3"));
+        let combined = Scope { heads: Some(vec![0]), ..Scope::rows(vec![row(0, None, None)]) };
+        assert!(err(z, combined).contains("cannot be combined"));
+        let resid = HookPoint::block(0, Site::ResidPre); // [batch, pos, d_model]: no head axis
+        let x = Tensor::<3>::ones([2, 3, 4], &Device::flex());
+        let spec = HookSpec::new().intervene_point(resid, Action::Zero, Scope::rows(vec![row(0, Some(vec![0]), None)]));
+        let e = spec.run().apply(resid, x).unwrap_err().to_string();
+        assert!(e.contains("no head axis"), "{e}");
+    }
 }

@@ -35,11 +35,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, PosCounts, Scope, Site};
+use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, PosCounts, RowScope, Scope, Site};
 use crate::model::{LanguageModel, PrefixState, Suffix};
 
 /// Which query positions an edit touches, per prompt. `{ final = 0 }` (a band of no
@@ -552,168 +552,70 @@ fn group_mean<const D: usize>(act: &Act, members: &[usize]) -> Result<Tensor<D>>
     Ok(act.select_batch(members)?.get::<D>()?.mean_dim(0))
 }
 
-/// Build the merged replacement for one point: `[rows, ...]`, the receiving
-/// activation with each edited row's heads x positions taken from its fill.
-fn replacement<const D: usize>(
-    point: &HookPoint,
+/// The value a fill puts into `edits` (all of one fill), over every row of the chunk:
+/// `[rows, ...]` (rows without an edit take their own activation; the per-row scope
+/// decides what is replaced).
+fn fill_value<const D: usize>(
+    fill: Fill,
     base: &Act,
     prompts: &Prompts,
     row_prompt: &[usize],
-    edits: &[RowEdit],
+    edits: &[&RowEdit],
 ) -> Result<Tensor<D>> {
-    let info = point.site.info();
-    let receiving = base.select_batch(row_prompt)?.get::<D>()?;
-    let dims = receiving.dims();
-    let device = receiving.device();
-    let mut out = receiving;
-    let mut fills: Vec<Fill> = edits.iter().map(|e| e.fill).collect();
-    fills.sort();
-    fills.dedup();
-    for fill in fills {
-        let rows: Vec<&RowEdit> = edits.iter().filter(|e| e.fill == fill).collect();
-        let value: Tensor<D> = match fill {
-            Fill::Zero => Tensor::zeros(dims, &device),
-            Fill::Source => {
-                let mut idx = row_prompt.to_vec();
-                for e in &rows {
-                    idx[e.row] = prompts.partner(e.prompt)?;
-                }
-                base.select_batch(&idx)?.get::<D>()?
-            }
-            Fill::Resample => {
-                let partner = prompts.resample_partner();
-                let mut idx = row_prompt.to_vec();
-                for e in &rows {
-                    idx[e.row] = partner[e.prompt];
-                }
-                base.select_batch(&idx)?.get::<D>()?
-            }
-            Fill::Mean => {
-                let mut groups: Vec<usize> = rows.iter().map(|e| prompts.group[e.prompt]).collect();
-                groups.sort_unstable();
-                groups.dedup();
-                let mut means = Vec::with_capacity(groups.len());
-                for g in &groups {
-                    let members: Vec<usize> = (0..prompts.n())
-                        .filter(|&p| prompts.group[p] == *g)
-                        .collect();
-                    means.push(group_mean::<D>(base, &members)?);
-                }
-                let means = Tensor::cat(means, 0);
-                let sel: Vec<i64> = row_prompt
-                    .iter()
-                    .map(|&p| {
-                        groups
-                            .iter()
-                            .position(|g| *g == prompts.group[p])
-                            .unwrap_or(0) as i64
-                    })
-                    .collect();
-                let n = sel.len();
-                means.select(
-                    0,
-                    Tensor::<1, Int>::from_data(TensorData::new(sel, [n]), &device),
-                )
-            }
-        };
-        // Host mask over [rows, pos?, head?] with size-1 feature axes, then broadcast.
-        let mut mshape = [1usize; D];
-        mshape[0] = dims[0];
-        let pos_axis = info.pos_axis.filter(|&a| a < D);
-        let head_axis = info.head_axis.map(|(a, _)| a).filter(|&a| a < D);
-        if let Some(a) = pos_axis {
-            mshape[a] = dims[a];
+    let pick = |partner: &dyn Fn(usize) -> Result<usize>| -> Result<Tensor<D>> {
+        let mut idx = row_prompt.to_vec();
+        for e in edits {
+            idx[e.row] = partner(e.prompt)?;
         }
-        if let Some(a) = head_axis {
-            mshape[a] = dims[a];
+        base.select_batch(&idx)?.get::<D>()
+    };
+    Ok(match fill {
+        Fill::Zero => {
+            let mut dims = [0usize; D];
+            dims.copy_from_slice(base.shape());
+            dims[0] = row_prompt.len();
+            Tensor::zeros(dims, &base.get::<D>()?.device())
         }
-        let mut strides = [0usize; D];
-        let mut s = 1;
-        for a in (0..D).rev() {
-            strides[a] = s;
-            s *= mshape[a];
+        Fill::Source => pick(&|p| prompts.partner(p))?,
+        Fill::Resample => {
+            let partner = prompts.resample_partner();
+            pick(&|p| Ok(partner[p]))?
         }
-        let mut mask = vec![false; s];
-        for e in &rows {
-            if e.heads.is_some() && head_axis.is_none() {
-                return Err(Error::hook(
-                    point.to_string(),
-                    "this point has no head axis; a head-level edit cannot target it",
-                ));
+        Fill::Mean => {
+            let mut groups: Vec<usize> = edits.iter().map(|e| prompts.group[e.prompt]).collect();
+            groups.sort_unstable();
+            groups.dedup();
+            let mut means = Vec::with_capacity(groups.len());
+            for g in &groups {
+                let members: Vec<usize> = (0..prompts.n()).filter(|&p| prompts.group[p] == *g).collect();
+                means.push(group_mean::<D>(base, &members)?);
             }
-            if e.positions.is_some() && (pos_axis.is_none() || !positions_allowed(point)) {
-                return Err(Error::hook(
-                    point.to_string(),
-                    "positions other than \"all\" need a point indexed by token position",
-                ));
-            }
-            let all_pos: Vec<usize>;
-            let pos: &[usize] = match (&e.positions, pos_axis) {
-                (Some(p), _) => p,
-                (None, Some(a)) => {
-                    all_pos = (0..dims[a]).collect();
-                    &all_pos
-                }
-                (None, None) => &[0],
-            };
-            let all_heads: Vec<usize>;
-            let heads: &[usize] = match (e.heads, head_axis) {
-                (Some(h), _) => h,
-                (None, Some(a)) => {
-                    all_heads = (0..dims[a]).collect();
-                    &all_heads
-                }
-                (None, None) => &[0],
-            };
-            for &p in pos {
-                if let Some(a) = pos_axis
-                    && p >= dims[a]
-                {
-                    return Err(Error::hook(
-                        point.to_string(),
-                        format!("position {p} out of range 0..{}", dims[a]),
-                    ));
-                }
-                for &h in heads {
-                    if let Some(a) = head_axis
-                        && h >= dims[a]
-                    {
-                        return Err(Error::hook(
-                            point.to_string(),
-                            format!("head {h} out of range 0..{}", dims[a]),
-                        ));
-                    }
-                    let mut i = e.row * strides[0];
-                    if let Some(a) = pos_axis {
-                        i += p * strides[a];
-                    }
-                    if let Some(a) = head_axis {
-                        i += h * strides[a];
-                    }
-                    mask[i] = true;
-                }
-            }
+            let means = Tensor::cat(means, 0);
+            let sel: Vec<i64> = row_prompt
+                .iter()
+                .map(|&p| groups.iter().position(|g| *g == prompts.group[p]).unwrap_or(0) as i64)
+                .collect();
+            let n = sel.len();
+            let device = means.device();
+            means.select(0, Tensor::<1, Int>::from_data(TensorData::new(sel, [n]), &device))
         }
-        let mask =
-            Tensor::<D, Bool>::from_data(TensorData::new(mask, mshape), &device).expand(dims);
-        out = out.mask_where(mask, value);
-    }
-    Ok(out)
+    })
 }
 
-fn replacement_act(
+fn fill_value_act(
     point: &HookPoint,
+    fill: Fill,
     base: &Act,
     prompts: &Prompts,
     row_prompt: &[usize],
-    edits: &[RowEdit],
+    edits: &[&RowEdit],
 ) -> Result<Act> {
     Ok(match base.rank() {
-        2 => Act::new(replacement::<2>(point, base, prompts, row_prompt, edits)?),
-        3 => Act::new(replacement::<3>(point, base, prompts, row_prompt, edits)?),
-        4 => Act::new(replacement::<4>(point, base, prompts, row_prompt, edits)?),
-        5 => Act::new(replacement::<5>(point, base, prompts, row_prompt, edits)?),
-        6 => Act::new(replacement::<6>(point, base, prompts, row_prompt, edits)?),
+        2 => Act::new(fill_value::<2>(fill, base, prompts, row_prompt, edits)?),
+        3 => Act::new(fill_value::<3>(fill, base, prompts, row_prompt, edits)?),
+        4 => Act::new(fill_value::<4>(fill, base, prompts, row_prompt, edits)?),
+        5 => Act::new(fill_value::<5>(fill, base, prompts, row_prompt, edits)?),
+        6 => Act::new(fill_value::<6>(fill, base, prompts, row_prompt, edits)?),
         r => {
             return Err(Error::hook(
                 point.to_string(),
@@ -721,6 +623,49 @@ fn replacement_act(
             ));
         }
     })
+}
+
+/// Position scopes of the patching routine count tokens: an edit at given positions
+/// needs a point whose position axis counts tokens (the `sites!` table's fact), and
+/// the positions must lie in the prompt.
+fn check_edit_positions(point: &HookPoint, base: &Act, edits: &[RowEdit]) -> Result<()> {
+    let info = point.site.info();
+    for e in edits {
+        let Some(pos) = &e.positions else { continue };
+        let Some(axis) = info.pos_axis.filter(|_| positions_allowed(point)) else {
+            return Err(Error::hook(
+                point.to_string(),
+                "positions other than \"all\" need a point indexed by token position",
+            ));
+        };
+        let n = base.shape().get(axis).copied().unwrap_or(0);
+        if let Some(p) = pos.iter().find(|&&p| p >= n) {
+            return Err(Error::hook(point.to_string(), format!("position {p} out of range 0..{n}")));
+        }
+    }
+    Ok(())
+}
+
+/// The per-row scope of `edits`: each edited row with its heads and positions;
+/// positions relative to each row's first recomputed one when the chunk runs as a
+/// suffix (positions outside the suffix cannot reach the logits read and are dropped).
+fn edits_scope(edits: &[&RowEdit], suffix: Option<&Suffix>) -> Scope {
+    Scope::rows(
+        edits
+            .iter()
+            .map(|e| RowScope {
+                row: e.row,
+                heads: e.heads.map(<[usize]>::to_vec),
+                positions: match (&e.positions, suffix) {
+                    (Some(p), Some(s)) => {
+                        let from = s.from[e.row];
+                        Some(p.iter().filter(|&&q| q >= from && q < from + s.len).map(|&q| q - from).collect())
+                    }
+                    (p, _) => p.clone(),
+                },
+            })
+            .collect(),
+    )
 }
 
 /// How [`run_chunk_with`] runs the blocks from the start layer on.
@@ -732,31 +677,13 @@ pub enum ChunkPath {
     Full,
 }
 
-/// Sites whose activations are per token position (axis 1), so that an edit at some
-/// positions leaves every earlier position of the same forward untouched.
-fn per_token_site(site: Site) -> bool {
-    matches!(
-        site,
-        Site::ResidPre
-            | Site::ResidMid
-            | Site::ResidPost
-            | Site::AttnQ
-            | Site::AttnK
-            | Site::AttnV
-            | Site::AttnZ
-            | Site::AttnResult
-            | Site::AttnOut
-            | Site::MlpOut
-    )
-}
-
 /// Whether a cell's edit can run as a suffix forward: it replaces a per-token
 /// activation at given positions (not "all").
 fn suffix_edit(cell: &Cell) -> bool {
     matches!(
         &cell.edit,
         Edit::Replace { point, positions, .. }
-            if per_token_site(point.site) && *positions != Positions::All
+            if point.site.info().per_token && *positions != Positions::All
     )
 }
 
@@ -922,7 +849,7 @@ pub fn run_chunk_with(
                     let scope = Scope {
                         batch: Some(rows.clone().collect()),
                         heads: heads.clone(),
-                        positions: None,
+                        ..Scope::all()
                     };
                     spec = spec.intervene_point(*p, action.clone(), scope);
                 }
@@ -932,7 +859,7 @@ pub fn run_chunk_with(
                     let scope = Scope {
                         batch: Some(rows.clone().collect()),
                         heads: heads.clone(),
-                        positions: None,
+                        ..Scope::all()
                     };
                     spec = spec.intervene_point(*p, action.clone(), scope);
                 }
@@ -945,16 +872,19 @@ pub fn run_chunk_with(
     };
     for (point, edits) in &per_point {
         let base_act = act_at(&base.cache, point)?;
-        let mut new = replacement_act(point, base_act, prompts, &row_prompt, edits)?;
-        if let Some(sfx) = &suffix {
-            new = slice_positions(&new, &sfx.from, sfx.len)?;
+        check_edit_positions(point, base_act, edits)?;
+        let mut fills: Vec<Fill> = edits.iter().map(|e| e.fill).collect();
+        fills.sort();
+        fills.dedup();
+        for fill in fills {
+            let of_fill: Vec<&RowEdit> = edits.iter().filter(|e| e.fill == fill).collect();
+            let mut value = fill_value_act(point, fill, base_act, prompts, &row_prompt, &of_fill)?;
+            if let Some(sfx) = &suffix {
+                value = slice_positions(&value, &sfx.from, sfx.len)?;
+            }
+            let scope = edits_scope(&of_fill, suffix.as_ref());
+            spec = spec.intervene_point(*point, Action::Replace(value), scope);
         }
-        let scope = if edits.len() == row_prompt.len() {
-            Scope::all()
-        } else {
-            Scope::all().with_batch(edits.iter().map(|e| e.row).collect::<Vec<_>>())
-        };
-        spec = spec.intervene_point(*point, Action::Replace(new), scope);
     }
     let outcomes = match (&suffix, &base.state) {
         (Some(sfx), Some(state)) => {
@@ -1038,6 +968,7 @@ pub fn run_cell_naive(
                     batch: Some(members),
                     heads: heads.clone(),
                     positions: pos,
+                    ..Scope::all()
                 };
                 let action = match fill {
                     Fill::Zero => Action::Zero,

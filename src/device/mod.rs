@@ -10,6 +10,11 @@ use burn::tensor::Device;
 
 use crate::error::{Error, Result};
 
+mod checks;
+pub mod matrix;
+
+pub use matrix::{Cell, Check, MatrixOptions, Status, default_devices, render, run_matrix};
+
 /// A device specification as given on the command line.
 ///
 /// | text          | backend                         | cargo feature |
@@ -96,6 +101,65 @@ impl DeviceSpec {
             DeviceSpec::TchCpu => tch_device(self, None),
             DeviceSpec::TchCuda(n) => tch_device(self, Some(*n)),
             DeviceSpec::Cuda(n) => cuda_device(self, *n),
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// The cargo feature that compiles this device's backend in.
+    pub fn feature(&self) -> &'static str {
+        match self {
+            DeviceSpec::Cpu => "flex",
+            DeviceSpec::Wgpu(_) => "wgpu",
+            DeviceSpec::TchCpu | DeviceSpec::TchCuda(_) => "tch",
+            DeviceSpec::Cuda(_) => "cuda",
+        }
+    }
+
+    /// Whether this binary has the device's backend compiled in.
+    pub fn is_built(&self) -> bool {
+        match self.feature() {
+            "flex" => cfg!(feature = "flex"),
+            "wgpu" => cfg!(feature = "wgpu"),
+            "tch" => cfg!(feature = "tch"),
+            _ => cfg!(feature = "cuda"),
+        }
+    }
+}
+
+/// The device, after checking that it works on this machine: a small computation runs on
+/// it and its result reads back correctly. Backends panic when their hardware or driver is
+/// missing (no CUDA GPU, no Vulkan adapter): the panic is caught and becomes
+/// [`Status::Unavailable`] with its message (the panic hook is silenced meanwhile).
+pub fn probe(spec: &DeviceSpec) -> std::result::Result<Device, Status> {
+    if !spec.is_built() {
+        return Err(Status::NotBuilt {
+            feature: spec.feature().to_string(),
+        });
+    }
+    let device = spec.device().map_err(|e| Status::Unavailable {
+        message: e.to_string(),
+    })?;
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let t = burn::tensor::Tensor::<1>::from_floats([1.0, 2.0, 3.5], &device);
+        t.clone().mul(t).sum().into_scalar::<f32>()
+    }));
+    std::panic::set_hook(hook);
+    match tried {
+        Ok(v) if (v - 17.25).abs() < 1e-4 => Ok(device),
+        Ok(v) => Err(Status::Unavailable {
+            message: format!("a test computation read back {v} instead of 17.25"),
+        }),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the backend panicked".to_string());
+            let first = msg.lines().next().unwrap_or_default().to_string();
+            Err(Status::Unavailable { message: first })
         }
     }
 }
