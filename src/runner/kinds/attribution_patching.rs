@@ -75,6 +75,11 @@ pub struct AttributionPatching {
     pub validate_positions: bool,
     /// k of the top-k recall. Default 3.
     pub top_k: usize,
+    /// Also estimate the query and key nodes of every head (hook_q per query head,
+    /// key slots per KV head) with AtP and with AtP* (the exact attention-pattern
+    /// change; [`super::atp_star`]), checked against exact patching of hook_q / hook_k.
+    /// Default false.
+    pub qk_fix: bool,
 }
 
 impl Default for AttributionPatching {
@@ -90,6 +95,7 @@ impl Default for AttributionPatching {
             validate: true,
             validate_positions: false,
             top_k: 3,
+            qk_fix: false,
         }
     }
 }
@@ -370,7 +376,7 @@ fn group_terms(
     Ok(got)
 }
 
-fn nld(s: &[f64; 3], n: u64) -> f64 {
+pub(super) fn nld(s: &[f64; 3], n: u64) -> f64 {
     let k = n as f64;
     normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
 }
@@ -637,6 +643,18 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
         }
     }
 
+    if cfg.qk_fix {
+        let inp = super::atp_star::QkInput {
+            cfg,
+            layers: &layers,
+            heads: &heads,
+            metas: &metas,
+            prompts: &all_prompts,
+            phases_run: &phases_run,
+        };
+        super::atp_star::rows(ctx, &inp, &mut rows)?;
+    }
+
     // Speed: head x position cells per second, AtP against exact patching.
     let n_groups = phases_run.len().max(1) as f64;
     let atp_cells = (heads.len() * dirs.len() * all_prompts.first().map_or(0, |p| p.len)) as f64 * n_groups;
@@ -892,5 +910,5 @@ fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
             }
         }
     }
-    Ok(())
+    super::atp_star::draw(cfg, f)
 }
