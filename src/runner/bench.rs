@@ -447,12 +447,12 @@ pub fn bench_atp(
             let ci = o * per_offset + hi;
             let mut e = 0.0;
             let mut x = 0.0;
-            for i in 0..n {
+            for (i, o_i) in out[ci].iter().enumerate().take(n) {
                 let tg = &prompts.targets[n + i].positions;
                 let pos = Positions::Offset(o).resolve(tg).unwrap_or_default();
                 e += terms.sum(0, *l, i, heads, &pos);
                 // Clean-orientation LD change of the corrupted prompt.
-                x += -(out[ci][i].ld as f64) + base.outcomes[n + i].ld as f64;
+                x += -(o_i.ld as f64) + base.outcomes[n + i].ld as f64;
             }
             est.push(e);
             exact.push(x);

@@ -130,6 +130,9 @@ pub struct QkTerms {
     pub k_atp: AtpTerms,
     /// AtP* summed over every key slot of each KV head: `[n, 1, n_kv_heads]`.
     pub k_star: AtpTerms,
+    /// Per layer: (query rows at a prompt's read position whose largest attention
+    /// probability exceeds 0.99, such rows), over every prompt and query head.
+    pub saturated: Vec<(usize, usize)>,
 }
 
 impl QkTerms {
@@ -419,6 +422,7 @@ pub fn qk_terms(
     let nd = directions.len();
     let mut t = [vec![Vec::new(); nd], vec![Vec::new(); nd], vec![Vec::new(); nd], vec![Vec::new(); nd]];
     let (mut q_heads, mut kv_heads) = (Vec::new(), Vec::new());
+    let mut saturated = Vec::with_capacity(layers.len());
     for (li, (&l, a)) in layers.iter().zip(&acts).enumerate() {
         let (h, kvh) = (info.layers[l].n_heads, info.layers[l].n_kv_heads.max(1));
         let group = h / kvh;
@@ -447,6 +451,16 @@ pub fn qk_terms(
                 }
             }
         }
+        let mut sat = (0, 0);
+        for (r, tg) in prompts.targets.iter().enumerate() {
+            for hh in 0..h {
+                let at = ((r * h + hh) * len + tg.positions[0]) * j;
+                let top = row_softmax(&a.scores[at..at + j]).into_iter().fold(0.0, f64::max);
+                sat.0 += (top > 0.99) as usize;
+                sat.1 += 1;
+            }
+        }
+        saturated.push(sat);
         for (di, d) in directions.iter().enumerate() {
             let rows = match d {
                 Direction::Denoise => n..n2,
@@ -473,6 +487,7 @@ pub fn qk_terms(
         q_star: terms(qs, len, &q_heads),
         k_atp: terms(ka, 1, &kv_heads),
         k_star: terms(ks, 1, &kv_heads),
+        saturated,
     })
 }
 
@@ -535,6 +550,12 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
         terms.push(qk_terms(ctx.model, prompts, inp.layers, &dirs)?);
     }
     let star_seconds = t0.elapsed().as_secs_f64();
+    let rc = ctx.rows.clone();
+    for (li, &l) in inp.layers.iter().enumerate() {
+        let (k, n) = terms.iter().fold((0, 0), |(k, n), t| (k + t.saturated[li].0, n + t.saturated[li].1));
+        let frac = if n == 0 { f64::NAN } else { k as f64 / n as f64 };
+        rows.push(rc.row("saturated_read_rows", Est { value: frac, ci: None, n: n as u64 }).at_layer(l as u32));
+    }
     ctx.stats.forwards += (inp.prompts.len() * (2 + inp.layers.len())) as u64;
     let exact = if cfg.validate {
         let groups: Vec<Group> = inp
@@ -553,7 +574,6 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
     } else {
         None
     };
-    let rc = ctx.rows.clone();
     let (p, reps, seed) = (ctx.p(), ctx.reps(), ctx.seed());
     let phases = ctx.task.phases.clone();
     let layer_index: BTreeMap<usize, usize> = inp.layers.iter().enumerate().map(|(i, &l)| (l, i)).collect();
@@ -583,9 +603,21 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
     }
     let n_groups = inp.prompts.len().max(1) as u64;
     let cells = (inp.heads.len() * dirs.len()) as f64 * n_groups as f64;
+    // The terms cover every query head x position node (as atp_cells_per_s counts
+    // head x position cells) and every KV head.
+    let len = inp.prompts.first().map_or(0, |p| p.len);
+    let nodes: usize = inp
+        .heads
+        .iter()
+        .map(|h| if h.kind == HeadKind::Query { len } else { 1 })
+        .sum();
+    let node_cells = (nodes * dirs.len()) as f64 * n_groups as f64;
     let speed = |v: f64, n: u64| Est { value: v, ci: None, n };
     rows.push(rc.row("atpstar_seconds", speed(star_seconds, n_groups)));
-    rows.push(rc.row("atpstar_cells_per_s", speed(cells / star_seconds.max(1e-9), cells as u64)));
+    rows.push(rc.row(
+        "atpstar_cells_per_s",
+        speed(node_cells / star_seconds.max(1e-9), node_cells as u64),
+    ));
     if let Some((_, secs)) = &exact {
         rows.push(rc.row("exact_qk_seconds", speed(*secs, n_groups)));
         rows.push(rc.row("exact_qk_cells_per_s", speed(cells / secs.max(1e-9), cells as u64)));
@@ -610,7 +642,7 @@ fn estimate_clusters(
     for ((meta, qk), prompts) in inp.metas.iter().zip(terms).zip(inp.prompts) {
         let t = qk.get(site, method);
         let n = t.n;
-        for i in 0..n {
+        for (i, mi) in meta.iter().enumerate().take(n) {
             let (row, sign) = match d {
                 Direction::Denoise => (n + i, -1.0),
                 Direction::Noise => (i, 1.0),
@@ -625,8 +657,8 @@ fn estimate_clusters(
             };
             let ld_base = sign * t.base[row].ld as f64;
             c.add(
-                meta[i].logical,
-                meta[i].phase,
+                mi.logical,
+                mi.phase,
                 [ld_base + delta, t.base[i].ld as f64, -t.base[n + i].ld as f64],
             );
         }
@@ -735,10 +767,23 @@ pub fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
     );
     if let (Some(a), Some(x)) = (d.scalar(m, "atpstar_cells_per_s"), d.scalar(m, "exact_qk_cells_per_s")) {
         f.report.paragraph(format!(
-            "Speed: AtP* + AtP {:.1} q/k head cells/s, exact patching {:.1} cells/s ({:.1}x).",
+            "Speed: AtP* + AtP {:.1} cells/s (query head x position and KV head cells), exact patching \
+             {:.1} head cells/s (query heads at the kind's positions, KV heads at every position; {:.1}x).",
             a.value,
             x.value,
             a.value / x.value
+        ));
+    }
+    let sat: Vec<String> = d
+        .find(m, "saturated_read_rows")
+        .filter_map(|r| Some(format!("L{} {:.0}%", r.layer?, 100.0 * r.value)))
+        .collect();
+    if !sat.is_empty() {
+        f.report.paragraph(format!(
+            "Saturation: share of the query rows at the read position (every prompt and query head) whose \
+             largest attention probability exceeds 0.99: {}. Where a row is not saturated the softmax is \
+             close to linear over the patch and AtP and AtP* of q agree; they part where it is.",
+            sat.join(", ")
         ));
     }
     let recall = format!("recall_top{}", cfg.top_k);
@@ -850,6 +895,60 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
         return;
     }
     let mut text = format!("{}.", parts.join("; "));
+    // Pooled over the phases: does the fix help?
+    for site in [QkSite::Q, QkSite::K] {
+        let pooled = |method, stat: &str| qk_val(f, m, &agreement_qk_metric(stat, method, site, dirn), None);
+        let mean_mae = |method| {
+            let v: Vec<f64> = phases
+                .iter()
+                .map(|&p| qk_val(f, m, &agreement_qk_metric("mae", method, site, dirn), Some(p)))
+                .filter(|v| v.is_finite())
+                .collect();
+            if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 }
+        };
+        let (sa, ss) = (pooled(QkMethod::Atp, "spearman"), pooled(QkMethod::AtpStar, "spearman"));
+        if sa.is_nan() && ss.is_nan() {
+            continue;
+        }
+        let (ma, ms) = (mean_mae(QkMethod::Atp), mean_mae(QkMethod::AtpStar));
+        let verdict = if ms < 0.8 * ma {
+            "AtP* is closer to the exact values"
+        } else if ms > 1.25 * ma {
+            "AtP* is further from the exact values"
+        } else {
+            "AtP and AtP* are about equally close"
+        };
+        let n = f
+            .data
+            .find(m, &agreement_qk_metric("spearman", QkMethod::AtpStar, site, dirn))
+            .find(|r| r.phase.is_none())
+            .map_or(0, |r| r.n);
+        let mut caveat = Vec::new();
+        if n < 6 {
+            caveat.push(format!("over {n} heads only: these rank statistics are coarse"));
+        }
+        // No effect is NLD 0 (denoising) or 1 (noising).
+        let none = match dirn {
+            Direction::Denoise => 0.0,
+            Direction::Noise => 1.0,
+        };
+        let largest = cell_map(f.data, m, &exact_qk_metric(site, dirn), site.kind())
+            .values()
+            .filter(|v| v.is_finite())
+            .fold(0.0f64, |a, v| a.max((v - none).abs()));
+        if largest < 0.05 {
+            caveat.push(format!(
+                "the exact effects are small (largest |NLD change| {largest:.4}), so the rankings order near-noise differences"
+            ));
+        }
+        let caveat = if caveat.is_empty() { String::new() } else { format!(" ({})", caveat.join("; ")) };
+        text.push_str(&format!(
+            " {} nodes: pooled Spearman AtP {}, AtP* {}; mean absolute NLD error over the phases AtP {ma:.4}, AtP* {ms:.4}: {verdict}{caveat}.",
+            site.as_str(),
+            fmt3(sa),
+            fmt3(ss),
+        ));
+    }
     // The largest errors of each estimate, with the other estimate next to it.
     let mut worst: Vec<(f64, String)> = Vec::new();
     for site in [QkSite::Q, QkSite::K] {
