@@ -48,7 +48,8 @@ On one phase group of the experiment's model and prompts: one AtP forward + back
 the estimate for every query and KV head x every position x both directions; the runner's
 exact batched patching then patches every head at each of the last --band positions (one
 position per cell, both directions). Prints both cells/s, their ratio and the Spearman
-correlation of the two over the head x position cells.")]
+correlation of the two over the head x position cells, and the cells/s of AtP* of the
+query and key nodes (query head x position and KV head cells, both directions).")]
 pub struct AtpBench {
     /// Experiment TOML whose model and prompts to use.
     #[arg(default_value = "experiments/w8s8-atp.toml")]

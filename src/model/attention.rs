@@ -7,10 +7,10 @@
 //!   gather of the `k` entries each query's selector kept;
 //! - the sink is one more logit per head.
 //!
-//! When the `hook_pattern` of the layer is captured or intervened on, the layer runs
-//! as ONE block over every query with the full key layout of that hook point
-//! (`[entries (all n) ; raw tokens (all T) ; sink]`, invisible slots 0): the pattern is
-//! `[T, n + T]` by definition. Both paths compute the same function (tests compare them).
+//! When the `hook_pattern` (or `hook_attn_scores`) of the layer is captured or
+//! intervened on, the layer runs as ONE block over every query with the full key layout
+//! of that hook point (`[entries (all n) ; raw tokens (all T) ; sink]`, invisible slots
+//! 0): the pattern is `[T, n + T]` by definition. Both paths compute the same function (tests compare them).
 //!
 //! GQA without copies: query head `h` reads KV head `h / (n_heads / n_kv_heads)`, so the
 //! queries are viewed as `[b, kv_heads, group * block, d_head]` against
@@ -22,7 +22,7 @@ use super::kv_state::Queries;
 use super::layers::{int_tensor, masked_softmax};
 use super::topk::selected_indices;
 use crate::error::Result;
-use crate::hooks::{HookPoint, HookRun};
+use crate::hooks::{HookPoint, HookRun, Site};
 
 /// Raw per-token keys and values over every position of the prompts.
 pub struct Raw {
@@ -141,7 +141,7 @@ pub fn attend(
         queries,
         device: q.device(),
     };
-    if force_dense || hooks.touches(&pattern) {
+    if force_dense || hooks.touches(&pattern) || hooks.touches(&scores_point(pattern)) {
         return g.dense(q, &mut keys, pattern, hooks);
     }
     let block = g.block_size(&keys);
@@ -506,8 +506,26 @@ impl Geometry<'_> {
         hooks: &mut HookRun,
     ) -> Result<Tensor<4>> {
         let lq = self.queries.len();
-        let parts = self.parts(&q, 0, lq, keys, true, hooks)?;
+        let mut parts = self.parts(&q, 0, lq, keys, true, hooks)?;
         let widths: Vec<usize> = parts.iter().map(|p| p.scores.dims()[3]).collect();
+        let scores = scores_point(pattern);
+        if hooks.touches(&scores) && !parts.is_empty() {
+            // The logits of every slot (invisible ones at -1e30, what the softmax sees)
+            // through `hook_attn_scores`, split back per part; the mask still applies.
+            let all = Tensor::cat(
+                parts
+                    .iter()
+                    .map(|p| p.scores.clone().mask_fill(p.mask.clone().bool_not(), MASKED))
+                    .collect(),
+                3,
+            );
+            let all = hooks.apply(scores, all)?;
+            let mut at = 0;
+            for (part, w) in parts.iter_mut().zip(&widths) {
+                part.scores = all.clone().slice_dim(3, at..at + w);
+                at += w;
+            }
+        }
         let (p, values) = softmax_parts(parts);
         let p = if p.is_empty() {
             Tensor::<4>::zeros([self.b, self.nh, lq, 0], &self.device)
@@ -522,6 +540,17 @@ impl Geometry<'_> {
             at += w;
         }
         Ok(self.combine(split, values, lq))
+    }
+}
+
+/// The logit `hook_attn_scores` shows at an invisible slot (as `masked_softmax` fills).
+pub const MASKED: f32 = -1.0e30;
+
+/// The layer's `hook_attn_scores` point, next to its `hook_pattern` point.
+fn scores_point(pattern: HookPoint) -> HookPoint {
+    HookPoint {
+        site: Site::AttnScores,
+        ..pattern
     }
 }
 

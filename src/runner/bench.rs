@@ -293,6 +293,10 @@ pub struct AtpBenchResult {
     /// Spearman correlation of the AtP and exact effects (the LD change summed over the
     /// prompts of a cell) over the denoising head x offset cells.
     pub spearman_positions: f64,
+    /// AtP + AtP* of the query and key nodes (`qk_fix`): every query head x position and
+    /// every KV head (all key slots), both directions.
+    pub star_seconds: f64,
+    pub star_cells: usize,
 }
 
 impl std::fmt::Display for AtpBenchResult {
@@ -318,6 +322,13 @@ impl std::fmt::Display for AtpBenchResult {
             self.exact_cells as f64 / self.exact_seconds
         )?;
         writeln!(f, "AtP speed-up in cells/s: {:.1}x", self.ratio)?;
+        writeln!(
+            f,
+            "AtP* of q / k (query head x position + KV head cells):     {:.2} s, {} cells, {:.1} cells/s",
+            self.star_seconds,
+            self.star_cells,
+            self.star_cells as f64 / self.star_seconds
+        )?;
         write!(
             f,
             "Spearman(AtP, exact) over head x offset cells (denoising LD change): {:.3}",
@@ -383,6 +394,14 @@ pub fn bench_atp(
     let terms = atp_terms(model.as_ref(), &prompts, &layers, &dirs)?;
     let atp_seconds = t.elapsed().as_secs_f64();
     let atp_cells = head_sets.len() * dirs.len() * prompts.len;
+    let t = Instant::now();
+    super::kinds::atp_star::qk_terms(model.as_ref(), &prompts, &layers, &dirs)?;
+    let star_seconds = t.elapsed().as_secs_f64();
+    let star_cells: usize = info
+        .layers
+        .iter()
+        .map(|s| (s.n_heads * prompts.len + s.n_kv_heads) * dirs.len())
+        .sum();
 
     let mut cells = Vec::new();
     for o in 0..band {
@@ -428,12 +447,12 @@ pub fn bench_atp(
             let ci = o * per_offset + hi;
             let mut e = 0.0;
             let mut x = 0.0;
-            for i in 0..n {
+            for (i, o_i) in out[ci].iter().enumerate().take(n) {
                 let tg = &prompts.targets[n + i].positions;
                 let pos = Positions::Offset(o).resolve(tg).unwrap_or_default();
                 e += terms.sum(0, *l, i, heads, &pos);
                 // Clean-orientation LD change of the corrupted prompt.
-                x += -(out[ci][i].ld as f64) + base.outcomes[n + i].ld as f64;
+                x += -(o_i.ld as f64) + base.outcomes[n + i].ld as f64;
             }
             est.push(e);
             exact.push(x);
@@ -456,5 +475,7 @@ pub fn bench_atp(
         exact_cells,
         ratio: (atp_cells as f64 / atp_seconds) / (exact_cells as f64 / exact_seconds),
         spearman_positions,
+        star_seconds,
+        star_cells,
     })
 }

@@ -75,6 +75,11 @@ pub struct AttributionPatching {
     pub validate_positions: bool,
     /// k of the top-k recall. Default 3.
     pub top_k: usize,
+    /// Also estimate the query and key nodes of every head (hook_q per query head,
+    /// key slots per KV head) with AtP and with AtP* (the exact attention-pattern
+    /// change; [`super::atp_star`]), checked against exact patching of hook_q / hook_k.
+    /// Default false.
+    pub qk_fix: bool,
 }
 
 impl Default for AttributionPatching {
@@ -90,6 +95,7 @@ impl Default for AttributionPatching {
             validate: true,
             validate_positions: false,
             top_k: 3,
+            qk_fix: false,
         }
     }
 }
@@ -370,7 +376,10 @@ fn group_terms(
     Ok(got)
 }
 
-fn nld(s: &[f64; 3], n: u64) -> f64 {
+/// (direction, head cell, offset or None) -> per-phase values and the pooled value.
+type CellVals = BTreeMap<(usize, usize, Option<usize>), (Vec<f64>, f64)>;
+
+pub(super) fn nld(s: &[f64; 3], n: u64) -> f64 {
     let k = n as f64;
     normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
 }
@@ -492,8 +501,8 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
     let layer_index: BTreeMap<usize, usize> =
         layers.iter().enumerate().map(|(i, &l)| (l, i)).collect();
     // (direction, head cell, offset or None) -> per phase value, pooled value.
-    let mut est_vals: BTreeMap<(usize, usize, Option<usize>), (Vec<f64>, f64)> = BTreeMap::new();
-    let mut exact_vals: BTreeMap<(usize, usize, Option<usize>), (Vec<f64>, f64)> = BTreeMap::new();
+    let mut est_vals: CellVals = BTreeMap::new();
+    let mut exact_vals: CellVals = BTreeMap::new();
     let n_pos_sets = 1 + if cfg.validate_positions { offsets.len() } else { 0 };
     for (di, d) in dirs.iter().enumerate() {
         for (hi, h) in heads.iter().enumerate() {
@@ -505,7 +514,7 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
                 let mut c = Clusters::<3>::new(p);
                 for ((meta, terms), prompts) in metas.iter().zip(&all_terms).zip(&all_prompts) {
                     let n = terms.n;
-                    for i in 0..n {
+                    for (i, mi) in meta.iter().enumerate().take(n) {
                         let (row, sign) = match d {
                             Direction::Denoise => (n + i, -1.0),
                             Direction::Noise => (i, 1.0),
@@ -519,7 +528,7 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
                         let ld_clean = terms.base[i].ld as f64;
                         let ld_corr = -terms.base[n + i].ld as f64;
                         let ld_base = sign * terms.base[row].ld as f64;
-                        c.add(meta[i].logical, meta[i].phase, [ld_base + delta, ld_clean, ld_corr]);
+                        c.add(mi.logical, mi.phase, [ld_base + delta, ld_clean, ld_corr]);
                     }
                 }
                 let (per, pooled) = per_phase(&c, nld, reps, seed);
@@ -593,7 +602,7 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
                     let at_phase = |ph: Option<usize>| -> (Vec<f64>, Vec<f64>) {
                         keys.iter()
                             .map(|&(h, o)| {
-                                let pick = |m: &BTreeMap<_, (Vec<f64>, f64)>| {
+                                let pick = |m: &CellVals| {
                                     let (per, pooled) = &m[&(di, h, o)];
                                     ph.map_or(*pooled, |ph| per[ph])
                                 };
@@ -635,6 +644,18 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
                 }
             }
         }
+    }
+
+    if cfg.qk_fix {
+        let inp = super::atp_star::QkInput {
+            cfg,
+            layers: &layers,
+            heads: &heads,
+            metas: &metas,
+            prompts: &all_prompts,
+            phases_run: &phases_run,
+        };
+        super::atp_star::rows(ctx, &inp, &mut rows)?;
     }
 
     // Speed: head x position cells per second, AtP against exact patching.
@@ -892,5 +913,5 @@ fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
             }
         }
     }
-    Ok(())
+    super::atp_star::draw(cfg, f)
 }

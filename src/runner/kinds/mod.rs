@@ -356,6 +356,9 @@ pub fn base_obs<'m>(
         .map(|(m, o)| (m.logical, m.phase, o.correct))
 }
 
+/// AtP* of the query and key nodes (`[atp] qk_fix`), part of attribution-patching.
+pub mod atp_star;
+
 kinds! {
     phase_sweep::PhaseSweep,
     patch_heads::PatchHeads,
