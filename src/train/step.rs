@@ -10,7 +10,7 @@ use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde::Serialize;
 
-use super::{TrainConfig, lr_at};
+use super::{TrainConfig, answer_positions, lr_at, rows_loss};
 use crate::error::Result;
 use crate::model::LanguageModel;
 use crate::tasks::KvTrainSampler;
@@ -101,8 +101,12 @@ impl Stepper<'_> {
         let t0 = Instant::now();
         let (tokens, labels) = self.batch(step);
         let t1 = Instant::now();
-        let logits = model.forward(tokens.clone(), &crate::hooks::HookSpec::new())?.logits;
-        let (loss, acc) = super::answer_loss(logits, &labels);
+        let (idx, targets) = answer_positions(&labels);
+        let n = idx.len();
+        let rows = Tensor::<1, Int>::from_data(TensorData::new(idx, [n]), &self.device);
+        // The LM head at the answer positions only (the loss reads nothing else).
+        let logits = model.forward_logit_rows(tokens.clone(), rows)?;
+        let (loss, acc) = rows_loss(logits, targets);
         let loss_v = loss.clone().into_scalar::<f32>() as f64;
         let accuracy = acc.into_scalar::<f32>() as f64;
         let t2 = Instant::now();
