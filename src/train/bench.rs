@@ -100,6 +100,7 @@ fn run<M: Module + LanguageModel>(
     }
     let tc = &file.train;
     let sampler = training_sampler(path, file)?;
+    super::step::tune_allocator();
     let ad = device.clone().autodiff();
     let stepper = Stepper {
         sampler: &sampler,

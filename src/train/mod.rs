@@ -218,6 +218,7 @@ fn train_model<M: Module + LanguageModel>(
 ) -> Result<TrainSummary> {
     let tc = &file.train;
     let sampler = training_sampler(path, file)?;
+    step::tune_allocator();
     let run = file.run_dir(path);
     let hash = config_hash(file);
     // One training of an organism at a time; then remove what killed writers left.
