@@ -279,6 +279,14 @@ def main() -> None:
     print(f"forward check: max |logits - phaselens logits| = {diff:.2e} (tol {a.tol:.0e})")
     if not diff <= a.tol:
         raise SystemExit(f"forward logits differ from phaselens' by {diff:.3e} > {a.tol:.0e}")
+    # Inference forward speed on the same batch (no autograd), median of 5.
+    times = []
+    with torch.no_grad():
+        for _ in range(5):
+            t0 = time.perf_counter()
+            model(ids[0])
+            times.append(time.perf_counter() - t0)
+    fwd_s = sorted(times)[2]
     o = tj["optimizer"]
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=tj["lr"][0], betas=(o["beta1"], o["beta2"]),
@@ -331,6 +339,8 @@ def main() -> None:
         "base_rss_bytes": base,
         "losses": losses,
         "logits_max_abs_diff": diff,
+        "forward_seconds": fwd_s,
+        "forward_tokens_per_second": B * T / fwd_s,
         "loss_abs_diff_first3": max(ldiff[:3]),
         "loss_abs_diff_max": max(ldiff),
     }
@@ -342,6 +352,7 @@ def main() -> None:
     ph = out["phases"]
     print(f"  per step: forward + loss {1e3 * ph['forward']:.1f} ms, backward "
           f"{1e3 * ph['backward']:.1f} ms, optimiser {1e3 * ph['optimizer']:.1f} ms")
+    print(f"  inference forward (no autograd): {B * T / fwd_s:.0f} tokens/s")
     print(f"  losses vs phaselens: max |diff| {out['loss_abs_diff_first3']:.2e} over steps 0-2, "
           f"{out['loss_abs_diff_max']:.2e} over all {len(ldiff)}")
     if a.json:

@@ -40,6 +40,20 @@ for recipe in "${recipes[@]}"; do
       --json "$out/$name-torch-$r.json" | sed -n 3p | sed "s/^/$name torch r$r:/"
   done
 done
+# Forward tokens/s (the trained organism's model, the training batch shape) and patching
+# cells/s on each phaselens backend; PATCHING=none skips the patching bench.
+patching=${PATCHING:-experiments/v4pro.toml}
+for dev in cpu tch-cpu; do
+  for recipe in "${recipes[@]}"; do
+    name=$(basename "$recipe" .toml)
+    seq_len=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1]))['seq_len'])" "$out/$name-flex-1.json")
+    "$bin" bench forward --model "${recipe%.toml}" --tokens "$seq_len" --batch 32 --reps 5 \
+      --device "$dev" --json "$out/$name-forward-$dev.json" | tail -1 | sed "s/^/$name forward $dev: /"
+  done
+  if [ "$patching" != none ]; then
+    "$bin" bench patching "$patching" --device "$dev" | tee "$out/patching-$dev.txt" | grep -i "runner"
+  fi
+done
 echo "end: $(date -u +%FT%TZ), uptime: $(uptime)"
 "$py" - "$out" "$rounds" "${recipes[@]}" <<'PY'
 import json, os, statistics, sys
@@ -73,6 +87,19 @@ for recipe in recipes:
               f"{1e3 * ph['forward']:.0f} / {1e3 * ph['backward']:.0f} / {1e3 * ph['optimizer']:.0f} | "
               f"{rss} | {ratio} |")
     if ref:
+        fwd = statistics.median(r["forward_tokens_per_second"] for r in ref)
+        print(f"| {name} | PyTorch inference forward | {fwd:.0f} tokens/s | | | | |")
+    for dev in ["cpu", "tch-cpu"]:
+        p = os.path.join(out, f"{name}-forward-{dev}.json")
+        if os.path.exists(p):
+            f = json.load(open(p))[0]
+            print(f"| {name} | phaselens {dev} inference forward | {f['tokens_per_second']:.0f} tokens/s | | | | |")
+    if ref:
         print(f"| {name} | loss check | PyTorch vs phaselens: max abs diff {max(r['loss_abs_diff_first3'] for r in ref):.1e} "
               f"(steps 0-2), {max(r['loss_abs_diff_max'] for r in ref):.1e} (all); logits {max(r['logits_max_abs_diff'] for r in ref):.1e} | | | | |")
+for dev in ["cpu", "tch-cpu"]:
+    p = os.path.join(out, f"patching-{dev}.txt")
+    if os.path.exists(p):
+        line = next((l for l in open(p) if l.startswith("runner")), "").strip()
+        print(f"\npatching on {dev}: {line}")
 PY
