@@ -132,7 +132,7 @@ fn export_holds_the_weights_batches_and_first_logits() {
         .unwrap()
         .logits
         .into_data()
-        .to_vec()
+        .try_to_vec::<f32>()
         .unwrap();
     let (lshape, want) = SafetensorsReader::open(&out.join("logits0.safetensors"))
         .unwrap()

@@ -184,6 +184,9 @@ pub fn attend(
     })
 }
 
+/// The position of key slot `j` of batch row `r` in a raw part.
+type KeyPos<'a> = Box<dyn Fn(usize, usize) -> i64 + 'a>;
+
 struct Geometry<'q> {
     b: usize,
     nh: usize,
@@ -345,7 +348,7 @@ impl Geometry<'_> {
         let bq = i1 - i0;
         let rows = self.mask_rows();
         // Key position of slot `j` of row `r`.
-        let (k, v, n, kpos): (_, _, usize, Box<dyn Fn(usize, usize) -> i64 + '_>) =
+        let (k, v, n, kpos): (_, _, usize, KeyPos<'_>) =
             if dense || raw.window.is_none() || self.queries.shared() {
                 let last = (0..self.b).map(|r| self.qpos(r, i1 - 1)).max().unwrap_or(0);
                 let hi = if dense { total } else { last + 1 };
