@@ -36,6 +36,44 @@ pub enum BenchWhat {
     /// Cells/s of attribution patching (AtP: one forward + one backward for every head x
     /// position) vs the runner's exact patching of every head x position cell.
     Atp(AtpBench),
+    /// Steps/s, tokens/s and peak RSS of the optimiser steps `phaselens train` runs on a
+    /// recipe (same model, sampler and optimiser; no checkpoints), split by phase.
+    Train(TrainBenchArgs),
+}
+
+/// `phaselens bench train`.
+#[derive(Args, Debug)]
+#[command(after_help = "\
+Examples:
+  phaselens bench train experiments/organisms/kvc-w8s8.toml --steps 10
+  phaselens bench train experiments/organisms/kvc-w8s8.toml --device tch-cpu --json out.json
+  phaselens bench train experiments/organisms/full-attn.toml --export runs/bench-train/full-attn
+
+Runs --warmup untimed steps, then --steps timed ones (steps 0, 1, ... of the recipe, from
+its random init, exactly as `phaselens train --fresh` would, without checkpoint writes), and
+prints steps/s, tokens/s, the peak resident set over the timed steps and the mean time per
+step of each phase (batch sampling, forward + loss, backward, clipping + AdamW).
+--export DIR writes what scripts/bench/train_ref.py (the PyTorch eager reference) replays:
+DIR/model/ (the initial weights and config.json), DIR/batches.safetensors, DIR/logits0.safetensors
+(the initial model's logits on the first batch) and DIR/train.json (optimiser, learning
+rates, the measured losses). See docs/performance.md.")]
+pub struct TrainBenchArgs {
+    /// Organism recipe (TOML).
+    pub recipe: std::path::PathBuf,
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// Timed optimiser steps.
+    #[arg(long, default_value_t = 10, value_parser = super::run::at_least_one)]
+    pub steps: usize,
+    /// Untimed steps before them.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Write the measurement as JSON.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Write the initial weights, batches and optimiser settings for the reference.
+    #[arg(long)]
+    pub export: Option<std::path::PathBuf>,
 }
 
 /// `phaselens bench atp`.
@@ -112,7 +150,52 @@ pub fn run(args: BenchArgs) -> Result<()> {
             println!("{r}");
             Ok(())
         }
+        BenchWhat::Train(b) => train(b),
     }
+}
+
+fn train(b: TrainBenchArgs) -> Result<()> {
+    use anyhow::Context;
+    use phaselens::train::bench::{BenchOptions, bench_train};
+    let file = phaselens::train::OrganismFile::load(&b.recipe)?;
+    let device = b.device.device()?;
+    let opts = BenchOptions {
+        steps: b.steps as u64,
+        warmup: b.warmup as u64,
+        export: b.export.clone(),
+    };
+    let r = bench_train(&b.recipe, &file, &device, &opts)
+        .with_context(|| format!("benchmarking training of {}", b.recipe.display()))?;
+    let mib = |x: Option<u64>| x.map_or("n/a".into(), |x| format!("{:.0}", x as f64 / (1 << 20) as f64));
+    let ms = |s: f64| s * 1e3;
+    println!(
+        "{}: batch {} x {} tokens, {} steps after {} warm-up, device {:?}, {} CPUs",
+        r.organism, r.batch_size, r.seq_len, r.steps, r.warmup, b.device, r.cpus
+    );
+    println!(
+        "  {:.3} steps/s  {:.0} tokens/s  {:.1} ms/step  peak RSS {} MiB (before: {} MiB)",
+        r.steps_per_second,
+        r.tokens_per_second,
+        ms(r.seconds / r.steps as f64),
+        mib(r.peak_rss_bytes),
+        mib(r.base_rss_bytes)
+    );
+    let p = &r.phases;
+    println!(
+        "  per step: sample {:.1} ms, forward + loss {:.1} ms, backward {:.1} ms, optimiser {:.1} ms",
+        ms(p.sample),
+        ms(p.forward),
+        ms(p.backward),
+        ms(p.optimizer)
+    );
+    let shown: Vec<String> = r.losses.iter().take(5).map(|l| format!("{l:.6}")).collect();
+    println!("  losses of steps 0..: {}", shown.join(" "));
+    if let Some(path) = &b.json {
+        let text = serde_json::to_string_pretty(&r)?;
+        phaselens::output::atomic::write_bytes_atomic(path, format!("{text}\n").as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -16,10 +16,10 @@
 //! queries are viewed as `[b, kv_heads, group * block, d_head]` against
 //! `[b, kv_heads, d_head, keys]`.
 
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 use super::kv_state::Queries;
-use super::layers::{int_tensor, masked_softmax};
+use super::layers::int_tensor;
 use super::topk::selected_indices;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
@@ -112,6 +112,20 @@ pub fn take_largest_block() -> usize {
     LARGEST.with(|l| l.replace(0))
 }
 
+/// `x: [b, total, a, c]` at the positions `pos` of every row -> `[b, pos.len(), a, c]`,
+/// as `x.select(1, pos)`, but as one select of whole rows of a `[b * total, a * c]` view:
+/// its backward (a scatter-add) then copies rows instead of locating every element.
+pub fn select_positions(x: Tensor<4>, pos: &[usize]) -> Tensor<4> {
+    let [b, total, a, c] = x.dims();
+    let idx: Vec<usize> = (0..b)
+        .flat_map(|r| pos.iter().map(move |&p| r * total + p))
+        .collect();
+    let idx = int_tensor(&idx, &x.device());
+    x.reshape([b * total, a * c])
+        .select(0, idx)
+        .reshape([b, pos.len(), a, c])
+}
+
 /// `q: [b, lq, n_heads, d_head]` (rotated) at the positions `queries` names -> `z: [b, lq,
 /// n_heads, d_head]`. `pattern` is the layer's `hook_pattern` point; the layer runs as
 /// one dense block when that point is hooked or `force_dense` (another hook of the layer
@@ -141,8 +155,22 @@ pub fn attend(
         queries,
         device: q.device(),
     };
-    if force_dense || hooks.touches(&pattern) || hooks.touches(&scores_point(pattern)) {
+    if force_dense || hooks.touches(&scores_point(pattern)) {
         return g.dense(q, &mut keys, pattern, hooks);
+    }
+    if hooks.touches(&pattern) {
+        let intervened = hooks
+            .spec()
+            .interventions()
+            .iter()
+            .any(|i| i.target.matches_point(&pattern));
+        if intervened || keys.selector.is_some() {
+            return g.dense(q, &mut keys, pattern, hooks);
+        }
+        // Captured only: the pattern in the dense layout for the capture, the output
+        // through the blocked path below, so that capturing leaves every number as in a
+        // forward without hooks.
+        g.capture_pattern(&q, &mut keys, pattern, hooks)?;
     }
     let block = g.block_size(&keys);
     let mut parts = Vec::with_capacity(lq.div_ceil(block));
@@ -159,6 +187,9 @@ pub fn attend(
     })
 }
 
+/// The position of key slot `j` of batch row `r` in a raw part.
+type KeyPos<'a> = Box<dyn Fn(usize, usize) -> i64 + 'a>;
+
 struct Geometry<'q> {
     b: usize,
     nh: usize,
@@ -173,8 +204,29 @@ struct Geometry<'q> {
 /// turn probabilities into output.
 struct Part {
     scores: Tensor<4>,
-    mask: Tensor<4, Bool>,
+    /// Visibility as an additive constant `[1 or b, 1, bq, n]`: 0 where visible,
+    /// [`HIDDEN`] where not (the same for every head).
+    bias: Tensor<4>,
     values: PartValues,
+}
+
+/// The additive mask value of an invisible slot: `score + HIDDEN == HIDDEN` exactly for
+/// any finite attention score, so its probability is exactly 0 (as with a mask fill).
+const HIDDEN: f32 = -1.0e30;
+
+/// `[rows, 1, bq, n]` additive mask from host visibility (row-major `[rows, bq, n]`).
+fn bias_from_host(visible: &[bool], rows: usize, bq: usize, n: usize, device: &Device) -> Tensor<4> {
+    let v: Vec<f32> = visible
+        .iter()
+        .map(|&s| if s { 0.0 } else { HIDDEN })
+        .collect();
+    Tensor::from_data(TensorData::new(v, [rows, 1, bq, n]), device)
+}
+
+/// `[b, bq, n]` visibility computed on the device -> `[b, 1, bq, n]` additive mask.
+fn bias_from_mask(m: Tensor<3, Bool>) -> Tensor<4> {
+    let [b, bq, n] = m.dims();
+    m.bool_not().float().mul_scalar(HIDDEN).reshape([b, 1, bq, n])
 }
 
 enum PartValues {
@@ -201,7 +253,12 @@ impl Geometry<'_> {
             Some(s) if n > 0 => (s.k(), s.cost_per_entry() * n),
             _ => (n, 0),
         };
+        let shared = self.queries.shared();
         let raw = |bq: usize| match &keys.raw {
+            // Shared positions: each query's own `w` keys, gathered.
+            Some(Raw {
+                window: Some(w), ..
+            }) if shared => (*w).min(total),
             Some(Raw {
                 window: Some(w), ..
             }) => (bq + w).min(total),
@@ -217,21 +274,14 @@ impl Geometry<'_> {
         bq
     }
 
-    /// Positions of queries `i0..i1`: `[1 or b, bq, 1]`.
-    fn query_pos(&self, i0: usize, i1: usize, device: &Device) -> Tensor<3, Int> {
-        let bq = i1 - i0;
-        if self.queries.shared() {
-            let f = self.queries.first(0);
-            int_tensor(&(f + i0..f + i1).collect::<Vec<_>>(), device).reshape([1, bq, 1])
-        } else {
-            let pos: Vec<usize> = (0..self.b)
-                .flat_map(|r| {
-                    let f = self.queries.first(r);
-                    f + i0..f + i1
-                })
-                .collect();
-            int_tensor(&pos, device).reshape([self.b, bq, 1])
-        }
+    /// Rows whose query positions differ: 1 when every row computes the same positions.
+    fn mask_rows(&self) -> usize {
+        if self.queries.shared() { 1 } else { self.b }
+    }
+
+    /// Position of query `i` (an index into the computed positions) of row `r`.
+    fn qpos(&self, r: usize, i: usize) -> usize {
+        self.queries.first(r) + i
     }
 
     /// `[b, n, kvh, dh]` keys shared by the block's queries -> scores `[b, nh, bq, n]`.
@@ -277,96 +327,106 @@ impl Geometry<'_> {
         }
     }
 
-    /// The sink column.
+    /// The sink column (always visible).
     fn sink(&self, sink: &Tensor<1>, bq: usize) -> Part {
         let (b, nh) = (self.b, self.nh);
         let scores = sink.clone().reshape([1, nh, 1, 1]).expand([b, nh, bq, 1]);
-        let mask = Tensor::<4, Int>::ones([b, nh, bq, 1], &self.device).equal_elem(1);
         Part {
             scores,
-            mask,
+            bias: Tensor::zeros([1, 1, bq, 1], &self.device),
             values: PartValues::Sink,
         }
     }
 
-    /// Raw keys `lo..hi` for queries `i0..i1` (shared positions: a slice), or a band
-    /// per row (`len` keys from each row's own start, gathered), with the mask.
+    /// Raw keys for queries `i0..i1`: with shared positions and a window, each query's
+    /// own `window` keys (gathered, [`Geometry::raw_band`]); otherwise keys `lo..hi`
+    /// (shared positions or dense: a slice) or a band per row (`len` keys from each
+    /// row's own start, gathered). Visibility: `q - window < j <= q`, `j >= 0`.
     fn raw(&self, q: &Tensor<4>, raw: &Raw, i0: usize, i1: usize, dense: bool) -> Part {
+        if let (Some(w), false, true) = (raw.window, dense, self.queries.shared()) {
+            return self.raw_band(q, raw, w, i0, i1);
+        }
         let device = q.device();
         let total = self.queries.total();
-        let qpos = self.query_pos(i0, i1, &device);
         let bq = i1 - i0;
-        let (k, v, kpos) = if dense || raw.window.is_none() || self.queries.shared() {
-            let last = (0..self.b)
-                .map(|r| self.queries.first(r) + i1 - 1)
-                .max()
-                .unwrap_or(0);
-            let hi = if dense { total } else { last + 1 };
-            let lo = match raw.window {
-                Some(w) if !dense && self.queries.shared() => {
-                    (self.queries.first(0) + i0 + 1).saturating_sub(w)
-                }
-                _ => 0,
+        let rows = self.mask_rows();
+        // Key position of slot `j` of row `r`.
+        let (k, v, n, kpos): (_, _, usize, KeyPos<'_>) =
+            if dense || raw.window.is_none() || self.queries.shared() {
+                let last = (0..self.b).map(|r| self.qpos(r, i1 - 1)).max().unwrap_or(0);
+                let hi = if dense { total } else { last + 1 };
+                (
+                    raw.k.clone().slice_dim(1, 0..hi),
+                    raw.v.clone().slice_dim(1, 0..hi),
+                    hi,
+                    Box::new(|_, j| j as i64),
+                )
+            } else {
+                // Rows at different positions, banded keys: gather each row's own band.
+                let Some(w) = raw.window else {
+                    unreachable!("the first branch takes every unbanded case")
+                };
+                let len = bq + w - 1;
+                let start = move |r: usize| self.qpos(r, i0) as i64 - (w as i64 - 1);
+                let idx: Vec<usize> = (0..self.b)
+                    .flat_map(|r| {
+                        (0..len as i64)
+                            .map(move |j| r * total + (start(r) + j).clamp(0, total as i64 - 1) as usize)
+                    })
+                    .collect();
+                let idx = int_tensor(&idx, &device);
+                let [_, _, kvh, dh] = raw.k.dims();
+                let gather = |x: &Tensor<4>| {
+                    x.clone()
+                        .reshape([self.b * total, kvh * dh])
+                        .select(0, idx.clone())
+                        .reshape([self.b, len, kvh, dh])
+                };
+                (gather(&raw.k), gather(&raw.v), len, Box::new(move |r, j| start(r) + j as i64))
             };
-            let kpos = int_tensor(&(lo..hi).collect::<Vec<_>>(), &device).reshape([1, 1, hi - lo]);
-            (
-                raw.k.clone().slice_dim(1, lo..hi),
-                raw.v.clone().slice_dim(1, lo..hi),
-                kpos,
-            )
-        } else {
-            // Rows at different positions, banded keys: gather each row's own band.
-            let Some(w) = raw.window else {
-                unreachable!("the first branch takes every unbanded case")
-            };
-            let len = bq + w - 1;
-            let mut idx = Vec::with_capacity(self.b * len);
-            let mut pos = Vec::with_capacity(self.b * len);
-            for r in 0..self.b {
-                let start = (self.queries.first(r) + i0) as i64 - (w as i64 - 1);
-                for j in 0..len as i64 {
-                    let p = start + j;
-                    pos.push(p);
-                    idx.push(r * total + p.clamp(0, total as i64 - 1) as usize);
+        let mut visible = Vec::with_capacity(rows * bq * n);
+        for r in 0..rows {
+            for i in i0..i1 {
+                let qp = self.qpos(r, i) as i64;
+                for j in 0..n {
+                    let kp = kpos(r, j);
+                    let in_window = raw.window.is_none_or(|w| kp + w as i64 > qp);
+                    visible.push(kp >= 0 && kp <= qp && in_window);
                 }
             }
-            let idx = int_tensor(&idx, &device);
-            let [_, _, kvh, dh] = raw.k.dims();
-            let gather = |x: &Tensor<4>| {
-                x.clone()
-                    .reshape([self.b * total, kvh * dh])
-                    .select(0, idx.clone())
-                    .reshape([self.b, len, kvh, dh])
-            };
-            let kpos = Tensor::<1, Int>::from_data(
-                burn::tensor::TensorData::new(pos, [self.b * len]),
-                &device,
-            )
-            .reshape([self.b, 1, len]);
-            (gather(&raw.k), gather(&raw.v), kpos)
-        };
-        let n = k.dims()[1];
-        let shape = [self.b, bq, n];
-        let qe = qpos.expand(shape);
-        let ke = kpos.expand(shape);
-        let mut mask = ke
-            .clone()
-            .lower_equal(qe.clone())
-            .bool_and(ke.clone().greater_equal_elem(0));
-        if let Some(w) = raw.window {
-            mask = mask.bool_and(ke.add_scalar(w as i64).greater(qe));
         }
         Part {
             scores: self.shared_scores(q, k),
-            mask: self.head_mask(mask),
+            bias: bias_from_host(&visible, rows, bq, n, &device),
             values: PartValues::Shared(v),
         }
     }
 
-    /// `[b, bq, n]` -> `[b, nh, bq, n]`.
-    fn head_mask(&self, m: Tensor<3, Bool>) -> Tensor<4, Bool> {
-        let [b, bq, n] = m.dims();
-        m.reshape([b, 1, bq, n]).expand([b, self.nh, bq, n])
+    /// Shared positions, window `w`: query `i` reads the keys at positions `p - w + 1
+    /// ..= p` (`p` its position; those before 0 invisible), gathered per query, so that
+    /// a block scores `w` raw keys per query instead of a band of `bq + w - 1`.
+    fn raw_band(&self, q: &Tensor<4>, raw: &Raw, w: usize, i0: usize, i1: usize) -> Part {
+        let device = q.device();
+        let bq = i1 - i0;
+        let [b, total, kvh, dh] = raw.k.dims();
+        let mut idx = Vec::with_capacity(bq * w);
+        let mut visible = Vec::with_capacity(bq * w);
+        for i in i0..i1 {
+            let p = self.qpos(0, i) as i64;
+            for j in 0..w as i64 {
+                let kp = p - (w as i64 - 1) + j;
+                visible.push(kp >= 0);
+                idx.push(kp.clamp(0, total as i64 - 1) as usize);
+            }
+        }
+        let gather = |x: &Tensor<4>| {
+            select_positions(x.clone(), &idx).reshape([b, bq, w, kvh, dh])
+        };
+        Part {
+            scores: self.per_query_scores(q, gather(&raw.k)),
+            bias: bias_from_host(&visible, 1, bq, w, &device),
+            values: PartValues::PerQuery(gather(&raw.v)),
+        }
     }
 
     /// Entries for queries `i0..i1`: those closed by the last query (all `n` when dense),
@@ -385,35 +445,34 @@ impl Geometry<'_> {
     ) -> Result<Option<Part>> {
         let device = q.device();
         let n_all = e.k.dims()[1];
-        let last = (0..self.b)
-            .map(|r| self.queries.first(r) + i1 - 1)
-            .max()
-            .unwrap_or(0);
+        let last = (0..self.b).map(|r| self.qpos(r, i1 - 1)).max().unwrap_or(0);
         let n = if dense { n_all } else { e.visible_at(last) };
         if n == 0 {
             return Ok(None);
         }
         let bq = i1 - i0;
-        let shape = [self.b, bq, n];
-        let closes: Vec<usize> = (0..n).map(|i| i * e.stride + e.close).collect();
-        let closed = int_tensor(&closes, &device)
-            .reshape([1, 1, n])
-            .expand(shape)
-            .lower_equal(self.query_pos(i0, i1, &device).expand(shape));
+        let rows = self.mask_rows();
+        let closed: Vec<bool> = (0..rows)
+            .flat_map(|r| (i0..i1).map(move |i| (r, i)))
+            .flat_map(|(r, i)| (0..n).map(move |c| c * e.stride + e.close <= self.qpos(r, i)))
+            .collect();
         let k = e.k.clone().slice_dim(1, 0..n);
         let v = e.v.clone().slice_dim(1, 0..n);
         let Some(sel) = selector else {
             return Ok(Some(Part {
                 scores: self.shared_scores(q, k),
-                mask: self.head_mask(closed),
+                bias: bias_from_host(&closed, rows, bq, n, &device),
                 values: PartValues::Shared(v),
             }));
         };
+        let closed = Tensor::<1, Bool>::from_data(TensorData::new(closed, [rows * bq * n]), &device)
+            .reshape([rows, bq, n])
+            .expand([self.b, bq, n]);
         let kept = sel.select(i0, i1, n, hooks)?.bool_and(closed);
         if dense {
             return Ok(Some(Part {
                 scores: self.shared_scores(q, k),
-                mask: self.head_mask(kept),
+                bias: bias_from_mask(kept),
                 values: PartValues::Shared(v),
             }));
         }
@@ -433,7 +492,7 @@ impl Geometry<'_> {
         let (kg, vg) = (gather(k), gather(v));
         Ok(Some(Part {
             scores: self.per_query_scores(q, kg),
-            mask: self.head_mask(valid),
+            bias: bias_from_mask(valid),
             values: PartValues::PerQuery(vg),
         }))
     }
@@ -495,6 +554,27 @@ impl Geometry<'_> {
             }
         }
         z.unwrap_or_else(|| Tensor::zeros([self.b, bq, self.nh, self.dh], &self.device))
+    }
+
+    /// The dense pattern `[b, nh, lq, n + T (+ 1)]` of every query, through the pattern
+    /// hook (a capture: its result is not used).
+    fn capture_pattern(
+        &self,
+        q: &Tensor<4>,
+        keys: &mut Keys,
+        pattern: HookPoint,
+        hooks: &mut HookRun,
+    ) -> Result<()> {
+        let lq = self.queries.len();
+        let parts = self.parts(q, 0, lq, keys, true, hooks)?;
+        let (p, _) = softmax_parts(parts);
+        let p = if p.is_empty() {
+            Tensor::<4>::zeros([self.b, self.nh, lq, 0], &self.device)
+        } else {
+            Tensor::cat(p, 3)
+        };
+        hooks.apply(pattern, p)?;
+        Ok(())
     }
 
     /// Every query in one block over the full key layout, through the pattern hook.
@@ -560,15 +640,33 @@ fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
         return (Vec::new(), Vec::new());
     }
     let widths: Vec<usize> = parts.iter().map(|p| p.scores.dims()[3]).collect();
+    // A sink is visible to every query: then no row can be empty.
+    let has_sink = parts.iter().any(|p| matches!(p.values, PartValues::Sink));
+    let rows = parts.iter().map(|p| p.bias.dims()[0]).max().unwrap_or(1);
     let mut scores = Vec::with_capacity(parts.len());
-    let mut masks = Vec::with_capacity(parts.len());
+    let mut biases = Vec::with_capacity(parts.len());
     let mut values = Vec::with_capacity(parts.len());
     for p in parts {
+        let [r, _, bq, n] = p.bias.dims();
         scores.push(p.scores);
-        masks.push(p.mask);
+        biases.push(if r == rows {
+            p.bias
+        } else {
+            p.bias.expand([rows, 1, bq, n])
+        });
         values.push(p.values);
     }
-    let p = masked_softmax(Tensor::cat(scores, 3), Tensor::cat(masks, 3));
+    let cat = |mut v: Vec<Tensor<4>>| {
+        if v.len() == 1 {
+            v.pop().expect("one part")
+        } else {
+            Tensor::cat(v, 3)
+        }
+    };
+    let p = biased_softmax(cat(scores), cat(biases), !has_sink);
+    if widths.len() == 1 {
+        return (vec![p], values);
+    }
     let mut out = Vec::with_capacity(widths.len());
     let mut at = 0;
     for w in widths {
@@ -576,4 +674,20 @@ fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
         at += w;
     }
     (out, values)
+}
+
+/// Softmax over the last axis of `scores: [b, nh, bq, K]` plus the additive mask `bias:
+/// [1 or b, 1, bq, K]` (0 visible, [`HIDDEN`] not). With `check_empty`, rows with nothing
+/// visible give all zeros instead of a uniform row (without it the caller knows every
+/// row sees a slot). The same numbers as a mask fill with [`HIDDEN`].
+fn biased_softmax(scores: Tensor<4>, bias: Tensor<4>, check_empty: bool) -> Tensor<4> {
+    let masked = scores + bias.clone();
+    let max = masked.clone().max_dim(3).detach();
+    let mut e = (masked - max).exp();
+    if check_empty {
+        let seen = bias.max_dim(3).greater_elem(HIDDEN / 2.0).float();
+        e = e * seen;
+    }
+    let denom = e.clone().sum_dim(3).clamp_min(1e-30);
+    e / denom
 }

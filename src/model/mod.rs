@@ -132,6 +132,15 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<(ForwardOutput, Option<PrefixState>)> {
         Ok((self.forward(tokens, spec)?, None))
     }
+    /// Logits at the flat positions `rows` only (indices into `[batch * pos]`,
+    /// row-major): `[rows, vocab]`, the rows of [`forward`](Self::forward)'s logits
+    /// (training reads the answer positions; models may skip the LM head elsewhere). The
+    /// default runs `forward` and selects the rows.
+    fn forward_logit_rows(&self, tokens: Tensor<2, Int>, rows: Tensor<1, Int>) -> Result<Tensor<2>> {
+        let logits = self.forward(tokens, &HookSpec::new())?.logits;
+        let [b, t, v] = logits.dims();
+        Ok(logits.reshape([b * t, v]).select(0, rows))
+    }
     /// Run blocks `start..` over only the positions `suffix` names, given the residual
     /// entering block `start` at those positions (`[rows, len, ...]`) and the state of a
     /// base forward for every other position. When nothing upstream of block `start`

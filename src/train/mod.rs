@@ -7,32 +7,32 @@
 //! rename), so a run killed at any moment (even `kill -9`) resumes from the latest
 //! complete checkpoint and loses at most one interval.
 
+pub mod bench;
 pub mod organism;
 pub mod schedule;
+pub mod step;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::grad_clipping::GradientClippingConfig;
-use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result, ResultExt};
-use crate::hooks::HookSpec;
 use crate::model::deepseek_v4::DeepseekV4Model;
 use crate::model::deepseek_v4::V4Checkpoint;
 use crate::model::safetensors_io::write_atomic;
 use crate::model::weights::{CheckpointSource, RandomInit, Vb, WeightSource};
 use crate::model::{KvcModel, LanguageModel, save_kvc};
-use crate::tasks::{IGNORE_INDEX, KvTrainSampler, TrainBatch};
+use crate::tasks::{IGNORE_INDEX, KvTrainSampler};
 
 pub use organism::{ModelConfig, OrganismFile, TrainConfig};
 pub use schedule::lr_at;
+pub use step::{PhaseTimes, StepOutcome, Stepper, optimizer};
 
 /// One logged training step.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -61,24 +61,32 @@ pub struct CheckpointMeta {
 pub fn answer_loss(logits: Tensor<3>, labels: &[i64]) -> (Tensor<1>, Tensor<1>) {
     let [b, t, v] = logits.dims();
     let device = logits.device();
-    let idx: Vec<i64> = labels
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| **l != IGNORE_INDEX)
-        .map(|(i, _)| i as i64)
-        .collect();
-    let tgt: Vec<i64> = labels
-        .iter()
-        .copied()
-        .filter(|l| *l != IGNORE_INDEX)
-        .collect();
+    let (idx, tgt) = answer_positions(labels);
     let n = idx.len();
-    let flat = logits.reshape([b * t, v]);
-    let rows = flat.select(
+    let rows = logits.reshape([b * t, v]).select(
         0,
         Tensor::<1, Int>::from_data(TensorData::new(idx, [n]), &device),
     );
-    let tgt_t = Tensor::<2, Int>::from_data(TensorData::new(tgt, [n, 1]), &device);
+    rows_loss(rows, tgt)
+}
+
+/// The flat indices (into row-major `[batch, pos]`) of the positions whose label is not
+/// [`IGNORE_INDEX`], and those labels.
+pub fn answer_positions(labels: &[i64]) -> (Vec<i64>, Vec<i64>) {
+    labels
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l != IGNORE_INDEX)
+        .map(|(i, l)| (i as i64, *l))
+        .unzip()
+}
+
+/// Mean cross-entropy and top-1 accuracy of `rows: [n, vocab]` logits against `targets`
+/// (`n` token ids).
+pub fn rows_loss(rows: Tensor<2>, targets: Vec<i64>) -> (Tensor<1>, Tensor<1>) {
+    let n = targets.len();
+    let device = rows.device();
+    let tgt_t = Tensor::<2, Int>::from_data(TensorData::new(targets, [n, 1]), &device);
     let logp = log_softmax(rows.clone(), 1);
     let nll = logp.gather(1, tgt_t.clone()).neg().mean();
     let hit = rows.detach().argmax(1).equal(tgt_t).float().mean();
@@ -170,20 +178,13 @@ pub fn train(
     }
 }
 
-type Build<'a, M> = &'a dyn Fn(&Vb) -> Result<M>;
-type Save<'a, M> = &'a dyn Fn(&M, &Path) -> Result<()>;
+pub(crate) type Build<'a, M> = &'a dyn Fn(&Vb) -> Result<M>;
+pub(crate) type Save<'a, M> = &'a dyn Fn(&M, &Path) -> Result<()>;
 type Open<'a> = &'a dyn Fn(&Path) -> Result<Box<dyn WeightSource>>;
 
-fn train_model<M: Module + LanguageModel>(
-    path: &Path,
-    file: &OrganismFile,
-    device: &Device,
-    opts: &TrainOptions,
-    build: Build<M>,
-    open: Open,
-    save: Save<M>,
-) -> Result<TrainSummary> {
-    let tc = &file.train;
+/// The recipe's training sampler, checked against `[model] vocab_size` and the
+/// machine's memory (the training estimate at the sampler's prompt length).
+pub fn training_sampler(path: &Path, file: &OrganismFile) -> Result<KvTrainSampler> {
     let space = file
         .task
         .vocab
@@ -201,10 +202,25 @@ fn train_model<M: Module + LanguageModel>(
             ),
         });
     }
-    let run = file.run_dir(path);
-    let hash = config_hash(file);
     crate::model::memory::check_training(file, sampler.seq_len())
         .context_with(|| path.display().to_string())?;
+    Ok(sampler)
+}
+
+fn train_model<M: Module + LanguageModel>(
+    path: &Path,
+    file: &OrganismFile,
+    device: &Device,
+    opts: &TrainOptions,
+    build: Build<M>,
+    open: Open,
+    save: Save<M>,
+) -> Result<TrainSummary> {
+    let tc = &file.train;
+    let sampler = training_sampler(path, file)?;
+    step::tune_allocator();
+    let run = file.run_dir(path);
+    let hash = config_hash(file);
     // One training of an organism at a time; then remove what killed writers left.
     let _lock = crate::output::lock::RunLock::acquire(
         &run.join(".lock"),
@@ -215,12 +231,7 @@ fn train_model<M: Module + LanguageModel>(
         crate::output::clean_stale_temps(dir, depth).map_err(|e| Error::io(dir, e))?;
     }
     let ad = device.clone().autodiff();
-    let mut optim = AdamWConfig::new()
-        .with_beta_2(tc.beta2)
-        .with_epsilon(1e-8)
-        .with_weight_decay(tc.weight_decay)
-        .with_grad_clipping(Some(GradientClippingConfig::Norm(tc.grad_clip)))
-        .init();
+    let mut optim = optimizer(tc);
 
     let latest = if opts.fresh {
         None
@@ -278,34 +289,22 @@ fn train_model<M: Module + LanguageModel>(
     // `--fresh`: the old checkpoints go only when the first new one is saved, after
     // every check passed and the model was built.
     let mut drop_old = opts.fresh;
+    let stepper = Stepper {
+        sampler: &sampler,
+        tc,
+        device: ad.clone(),
+    };
     for step in start..total {
-        let batch: TrainBatch = sampler.batch(step, tc.batch_size);
-        let ids: Vec<i64> = batch.input_ids().into_iter().map(|x| x as i64).collect();
-        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [tc.batch_size, seq]), &ad);
-        let logits = model.forward(tokens.clone(), &HookSpec::new())?.logits;
-        let (loss, acc) = answer_loss(logits, &batch.labels());
-        let lr = lr_at(tc, step);
-        let loss_v: f64 = loss.clone().into_scalar::<f32>() as f64;
-        if !loss_v.is_finite() {
-            // Before the step: the weights that produced it are still there to diagnose.
-            return Err(crate::model::diagnose::non_finite_error(
-                &model,
-                tokens,
-                &format!(
-                    "training loss became {loss_v} at step {step} (lower [train] lr, now {})",
-                    tc.lr
-                ),
-            ));
-        }
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr, model, grads);
+        let (next, out) = stepper.step(model, &mut optim, step)?;
+        model = next;
+        let (loss_v, lr) = (out.loss, out.lr);
         tokens_seen += tokens_per_step;
         history.push(LogRow {
             step,
             loss: loss_v,
             lr,
             tokens_seen,
-            accuracy: acc.into_scalar::<f32>() as f64,
+            accuracy: out.accuracy,
         });
         let e = ema.map_or(loss_v, |e| 0.95 * e + 0.05 * loss_v);
         ema = Some(e);

@@ -53,7 +53,7 @@ impl Tables {
             _ => at(&queries.positions()),
         };
         let windows = match (&c.compression, c.attention) {
-            (Some(cc), AttentionKind::Compressed) => Some(Windows::new(cc, total, device)),
+            (Some(cc), AttentionKind::Compressed) => Some(Windows::new(cc, total)),
             _ => None,
         };
         let entries = match (&c.compression, &windows) {

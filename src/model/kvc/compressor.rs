@@ -5,12 +5,13 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::Tensor;
 
 use super::config::{CompressionConfig, GateMode};
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
-use crate::model::layers::{Linear, int_tensor};
+use crate::model::attention::select_positions;
+use crate::model::layers::Linear;
 use crate::model::weights::{Init, Vb};
 
 /// The compressor of one attention layer.
@@ -28,22 +29,19 @@ pub struct Compressor {
 /// (entry, offset).
 pub struct Windows {
     pub n_entries: usize,
-    /// `[n_entries * W]`; `None` when no window has closed.
-    idx: Option<Tensor<1, Int>>,
+    /// `n_entries * W` token positions, entry-major.
+    idx: Vec<usize>,
 }
 
 impl Windows {
     /// Windows of `cc` over prompts of `total` tokens.
-    pub fn new(cc: &CompressionConfig, total: usize, device: &Device) -> Self {
+    pub fn new(cc: &CompressionConfig, total: usize) -> Self {
         let (w, s) = (cc.window, cc.stride);
         let n_entries = if total >= w { (total - w) / s + 1 } else { 0 };
         let idx: Vec<usize> = (0..n_entries)
             .flat_map(|i| (0..w).map(move |o| i * s + o))
             .collect();
-        Windows {
-            n_entries,
-            idx: (n_entries > 0).then(|| int_tensor(&idx, device)),
-        }
+        Windows { n_entries, idx }
     }
 }
 
@@ -110,12 +108,10 @@ impl Compressor {
     ) -> Result<Tensor<4>> {
         let [b, _, kvh, dh] = x.dims();
         let n = windows.n_entries;
-        let idx = windows
-            .idx
-            .clone()
-            .expect("pool is called only when entries exist");
-        let w = idx.dims()[0] / n;
-        let xw = x.select(1, idx.clone()).reshape([b, n, w, kvh, dh]);
+        assert!(n > 0, "pool is called only when entries exist");
+        let idx = &windows.idx;
+        let w = idx.len() / n;
+        let xw = select_positions(x, idx).reshape([b, n, w, kvh, dh]);
         let (bias, site, logit_site) = if value {
             (
                 &self.value_gate_bias,
@@ -129,7 +125,7 @@ impl Compressor {
             None => Tensor::full([b, n, w, kvh, 1], 1.0 / w as f32, &xw.device()),
             Some(s) => {
                 let g = s.dims()[3];
-                let mut s = s.select(1, idx).reshape([b, n, w, kvh, g]);
+                let mut s = select_positions(s, idx).reshape([b, n, w, kvh, g]);
                 if let Some(bias) = bias {
                     s = s + bias.val().reshape([1, 1, w, kvh, 1]);
                 }

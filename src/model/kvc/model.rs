@@ -185,11 +185,26 @@ impl KvcModel {
 
     fn run_blocks(
         &self,
-        mut x: Tensor<3>,
+        x: Tensor<3>,
         start: usize,
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<ForwardOutput> {
+        let x = self.final_hidden(x, start, flow, hooks)?;
+        Ok(ForwardOutput {
+            logits: self.head(x),
+            cache: hooks.finish(),
+        })
+    }
+
+    /// Blocks `start..` and the final norm (through `hook_final_norm`).
+    fn final_hidden(
+        &self,
+        mut x: Tensor<3>,
+        start: usize,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<3>> {
         let tables = Tables::new(&self.config, flow.queries(), &x.device());
         for (l, block) in self.blocks.iter().enumerate().skip(start) {
             x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
@@ -206,22 +221,37 @@ impl KvcModel {
             x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
         }
         let x = self.final_norm.forward(x);
-        let x = hooks.apply(HookPoint::global(Site::FinalNorm), x)?;
-        let logits = match &self.lm_head {
+        hooks.apply(HookPoint::global(Site::FinalNorm), x)
+    }
+
+    /// The LM head (or the tied embedding) on the last axis of `x`.
+    fn head<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match &self.lm_head {
             Some(h) => h.forward(x),
             None => {
-                let [b, t, d] = x.dims();
+                let mut dims = x.dims();
+                let d = dims[D - 1];
+                let rows = dims[..D - 1].iter().product();
                 let w = self.embed.weight.val();
-                let v = w.dims()[0];
-                x.reshape([b * t, d])
-                    .matmul(w.transpose())
-                    .reshape([b, t, v])
+                dims[D - 1] = w.dims()[0];
+                x.reshape([rows, d]).matmul(w.transpose()).reshape(dims)
             }
-        };
-        Ok(ForwardOutput {
-            logits,
-            cache: hooks.finish(),
-        })
+        }
+    }
+
+    /// [`LanguageModel::forward_logit_rows`]: the LM head only at `rows`.
+    pub fn forward_logit_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        rows: Tensor<1, Int>,
+    ) -> Result<Tensor<2>> {
+        let [b, t] = self.check_tokens(&tokens)?;
+        let spec = HookSpec::new();
+        let mut hooks = spec.run();
+        let x = self.embed.forward(tokens);
+        let x = self.final_hidden(x, 0, &mut TokenFlow::plain(b, t), &mut hooks)?;
+        let d = self.config.d_model;
+        Ok(self.head(x.reshape([b * t, d]).select(0, rows)))
     }
 }
 
@@ -237,6 +267,9 @@ impl LanguageModel for KvcModel {
     }
     fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
         KvcModel::forward(self, tokens, spec)
+    }
+    fn forward_logit_rows(&self, tokens: Tensor<2, Int>, rows: Tensor<1, Int>) -> Result<Tensor<2>> {
+        KvcModel::forward_logit_rows(self, tokens, rows)
     }
     fn forward_from(
         &self,
