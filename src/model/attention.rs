@@ -155,16 +155,16 @@ pub fn attend(
         queries,
         device: q.device(),
     };
-    if force_dense || hooks.touches(&scores_point(pattern)) {
+    if force_dense {
         return g.dense(q, &mut keys, pattern, hooks);
     }
-    if hooks.touches(&pattern) {
+    if hooks.touches(&pattern) || hooks.touches(&scores_point(pattern)) {
         let intervened = hooks
             .spec()
             .interventions()
             .iter()
-            .any(|i| i.target.matches_point(&pattern));
-        if intervened || keys.selector.is_some() {
+            .any(|i| i.target.matches_point(&pattern) || i.target.matches_point(&scores_point(pattern)));
+        if force_dense || intervened || keys.selector.is_some() {
             return g.dense(q, &mut keys, pattern, hooks);
         }
         // Captured only: the pattern in the dense layout for the capture, the output
@@ -567,6 +567,12 @@ impl Geometry<'_> {
     ) -> Result<()> {
         let lq = self.queries.len();
         let parts = self.parts(q, 0, lq, keys, true, hooks)?;
+        let scores = scores_point(pattern);
+        if hooks.touches(&scores) && !parts.is_empty() {
+            // Captured only: the logits every slot shows (invisible ones at -1e30).
+            let all = Tensor::cat(parts.iter().map(|p| p.scores.clone() + p.bias.clone()).collect(), 3);
+            hooks.apply(scores, all)?;
+        }
         let (p, _) = softmax_parts(parts);
         let p = if p.is_empty() {
             Tensor::<4>::zeros([self.b, self.nh, lq, 0], &self.device)
@@ -595,7 +601,7 @@ impl Geometry<'_> {
             let all = Tensor::cat(
                 parts
                     .iter()
-                    .map(|p| p.scores.clone().mask_fill(p.mask.clone().bool_not(), MASKED))
+                    .map(|p| p.scores.clone() + p.bias.clone())
                     .collect(),
                 3,
             );
