@@ -15,8 +15,8 @@ default:
 build:
     cargo build --bin phaselens --features {{features}}
 
-# Run the whole test suite (what CI runs): one build with every backend; the backend
-# equivalence tests run on each device this machine has (flex, tch-cpu, wgpu).
+# One build with every backend; the backend matrix runs on flex, tch-cpu and wgpu.
+# Run the whole test suite (what CI runs).
 test:
     cargo test --doc --features {{features}}
     cargo nextest run --no-fail-fast --features {{features}}
@@ -56,3 +56,11 @@ figures: build
 # Batched patching vs one forward per cell (cells/s and their ratio).
 bench-patching EXP="exp/v4pro.toml": build
     {{bin}} bench patching {{EXP}}
+
+# The backend equivalence matrix on this machine (device x check; docs/backends.md).
+backends: build
+    {{bin}} backends
+
+# Training steps/s of a recipe (flex; add --device tch-cpu on the binary for LibTorch).
+bench-train RECIPE="experiments/organisms/kvc-w8s8.toml": build
+    {{bin}} bench train {{RECIPE}}
