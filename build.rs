@@ -35,9 +35,16 @@ fn libtorch_lib_dir() -> Option<PathBuf> {
         return lib.is_dir().then_some(lib);
     }
     env::var_os("LIBTORCH_USE_PYTORCH")?;
-    let python = if env::var_os("VIRTUAL_ENV").is_some() { "python" } else { "python3" };
+    let python = if env::var_os("VIRTUAL_ENV").is_some() {
+        "python"
+    } else {
+        "python3"
+    };
     let out = Command::new(python)
-        .args(["-c", "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))"])
+        .args([
+            "-c",
+            "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))",
+        ])
         .output()
         .ok()?;
     if !out.status.success() {

@@ -11,7 +11,10 @@ use phaselens::device::{Check, DeviceSpec, MatrixOptions, Status, render, run_ma
 
 fn matrix_on(spec: DeviceSpec, required: bool) {
     if !spec.is_built() {
-        eprintln!("{spec}: not built in this test binary (feature `{}`); nothing to check", spec.feature());
+        eprintln!(
+            "{spec}: not built in this test binary (feature `{}`); nothing to check",
+            spec.feature()
+        );
         return;
     }
     let scratch = tempfile::tempdir().unwrap();
@@ -57,7 +60,13 @@ fn matrix_wgpu() {
 #[test]
 fn cli_prints_the_matrix_and_names_missing_backends() {
     let out = Command::new(env!("CARGO_BIN_EXE_phaselens"))
-        .args(["backends", "--devices", "cpu,cuda:0", "--checks", "kvc-contract"])
+        .args([
+            "backends",
+            "--devices",
+            "cpu,cuda:0",
+            "--checks",
+            "kvc-contract",
+        ])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
@@ -68,12 +77,23 @@ fn cli_prints_the_matrix_and_names_missing_backends() {
         .lines()
         .find(|l| l.starts_with("kvc-contract"))
         .unwrap_or_else(|| panic!("no kvc-contract row:\n{stdout}"));
-    let cols: Vec<&str> = row.split("  ").map(str::trim).filter(|s| !s.is_empty()).collect();
+    let cols: Vec<&str> = row
+        .split("  ")
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
     assert!(cols[1].starts_with("ok "), "{stdout}");
-    let cuda = if cfg!(feature = "cuda") { "" } else { "not built" };
+    let cuda = if cfg!(feature = "cuda") {
+        ""
+    } else {
+        "not built"
+    };
     assert!(cols[2].contains(cuda), "{stdout}");
     if !cfg!(feature = "cuda") {
-        assert!(stdout.contains("cuda:0: not built: built without the `cuda` feature"), "{stdout}");
+        assert!(
+            stdout.contains("cuda:0: not built: built without the `cuda` feature"),
+            "{stdout}"
+        );
     }
 }
 

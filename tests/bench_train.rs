@@ -87,14 +87,28 @@ fn bench_losses_are_the_losses_of_train() {
         let want: Vec<f64> = trained.history.iter().map(|r| r.loss).collect();
         assert_eq!(bench.losses.len(), 5);
         for (s, (a, b)) in bench.losses.iter().zip(&want).enumerate() {
-            assert!((a - b).abs() <= 1e-6, "{attention}: step {s}: bench {a} vs train {b}");
+            assert!(
+                (a - b).abs() <= 1e-6,
+                "{attention}: step {s}: bench {a} vs train {b}"
+            );
         }
-        assert!(bench.losses.iter().all(|l| l.is_finite() && *l > 0.0), "{:?}", bench.losses);
+        assert!(
+            bench.losses.iter().all(|l| l.is_finite() && *l > 0.0),
+            "{:?}",
+            bench.losses
+        );
         assert!(bench.steps_per_second > 0.0 && bench.tokens_per_second > 0.0);
         assert_eq!(bench.tokens_per_step, 3 * bench.seq_len);
         let p = bench.phases;
-        assert!(p.forward > 0.0 && p.backward > 0.0 && p.optimizer > 0.0, "{p:?}");
-        assert!(p.total() <= bench.seconds / 3.0 * 1.001, "{p:?} vs {}", bench.seconds);
+        assert!(
+            p.forward > 0.0 && p.backward > 0.0 && p.optimizer > 0.0,
+            "{p:?}"
+        );
+        assert!(
+            p.total() <= bench.seconds / 3.0 * 1.001,
+            "{p:?} vs {}",
+            bench.seconds
+        );
     }
 }
 
@@ -126,7 +140,8 @@ fn export_holds_the_weights_batches_and_first_logits() {
     assert_eq!(answers, 3 * b * 3, "3 steps x 3 prompts x 3 queries");
     // The exported logits are the exported model's forward on the first batch.
     let model = phaselens::model::load_model(&out.join("model"), &dev()).unwrap();
-    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids[..b * t].to_vec(), [b, t]), &dev());
+    let tokens =
+        Tensor::<2, Int>::from_data(TensorData::new(ids[..b * t].to_vec(), [b, t]), &dev());
     let logits: Vec<f32> = model
         .forward(tokens, &HookSpec::new())
         .unwrap()
@@ -168,7 +183,8 @@ fn cli_writes_json() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(stdout.contains("steps/s"), "{stdout}");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert!(v["steps_per_second"].as_f64().unwrap() > 0.0);
     assert_eq!(v["steps"], 1);
     // No checkpoint or model directory is written.

@@ -296,7 +296,11 @@ fn rows_of<const D: usize>(t: Tensor<D>, rows: &[usize]) -> Tensor<D> {
 
 /// `dLD/dA` of layer `l`'s pattern, every prompt in the clean orientation (clean
 /// prompts +LD, corrupted -LD), by its own backward; and the clean pattern.
-fn pattern_and_gradient(model: &dyn LanguageModel, prompts: &Prompts, l: usize) -> (Vec<f32>, Vec<f32>, [usize; 4]) {
+fn pattern_and_gradient(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    l: usize,
+) -> (Vec<f32>, Vec<f32>, [usize; 4]) {
     let p = HookPoint::block(l, Site::AttnPattern);
     let n2 = prompts.n();
     let all: Vec<usize> = (0..n2).collect();
@@ -311,7 +315,8 @@ fn pattern_and_gradient(model: &dyn LanguageModel, prompts: &Prompts, l: usize) 
         .unwrap();
     let dims = a.dims();
     let leaf = Tensor::<4>::zeros(dims, &dev().autodiff()).require_grad();
-    let spec = HookSpec::new().intervene_point(p, Action::Add(Act::new(leaf.clone())), Scope::all());
+    let spec =
+        HookSpec::new().intervene_point(p, Action::Add(Act::new(leaf.clone())), Scope::all());
     let logits = model.forward(toks, &spec).unwrap().logits;
     let mut loss: Option<Tensor<1>> = None;
     let [_, t, v] = logits.dims();
@@ -319,7 +324,11 @@ fn pattern_and_gradient(model: &dyn LanguageModel, prompts: &Prompts, l: usize) 
         let at = |tok: u32| {
             logits
                 .clone()
-                .slice([r..r + 1, tg.positions[0]..tg.positions[0] + 1, tok as usize..tok as usize + 1])
+                .slice([
+                    r..r + 1,
+                    tg.positions[0]..tg.positions[0] + 1,
+                    tok as usize..tok as usize + 1,
+                ])
                 .reshape([1])
         };
         assert!(tg.positions[0] < t && (tg.answers[0] as usize) < v);
@@ -335,14 +344,25 @@ fn pattern_and_gradient(model: &dyn LanguageModel, prompts: &Prompts, l: usize) 
 }
 
 /// Row `r`'s `sum (A' - A) . G` over its whole pattern `[head, query, slot]`.
-fn pattern_change_times_gradient(a: &[f32], a2: &[f32], g: &[f32], dims: [usize; 4], r: usize) -> f64 {
+fn pattern_change_times_gradient(
+    a: &[f32],
+    a2: &[f32],
+    g: &[f32],
+    dims: [usize; 4],
+    r: usize,
+) -> f64 {
     let per = dims[1] * dims[2] * dims[3];
     (r * per..(r + 1) * per)
         .map(|i| (a2[i] as f64 - a[i] as f64) * g[i] as f64)
         .sum()
 }
 
-fn capture4(model: &dyn LanguageModel, prompts: &Prompts, spec: HookSpec, p: HookPoint) -> Tensor<4> {
+fn capture4(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    spec: HookSpec,
+    p: HookPoint,
+) -> Tensor<4> {
     let all: Vec<usize> = (0..prompts.n()).collect();
     model
         .forward(prompts.tokens_of(&all, &dev()), &spec.capture_point(p))
@@ -368,7 +388,13 @@ fn atp_star_terms_are_the_exact_pattern_change_times_the_gradient() {
     let model = random_model(&cfg, 5);
     let prompts = pair_prompts(12);
     let partner: Vec<usize> = prompts.source.iter().map(|s| s.unwrap()).collect();
-    let qk = qk_terms(&model, &prompts, &[0, 1], &[Direction::Denoise, Direction::Noise]).unwrap();
+    let qk = qk_terms(
+        &model,
+        &prompts,
+        &[0, 1],
+        &[Direction::Denoise, Direction::Noise],
+    )
+    .unwrap();
     let mut nonzero = 0;
     for l in 0..2 {
         let (a, g, dims) = pattern_and_gradient(&model, &prompts, l);
@@ -407,7 +433,11 @@ fn atp_star_terms_are_the_exact_pattern_change_times_the_gradient() {
         let ckx = capture4(
             &model,
             &prompts,
-            HookSpec::new().intervene_point(kp, Action::Replace(Act::new(kx.clone())), Scope::all()),
+            HookSpec::new().intervene_point(
+                kp,
+                Action::Replace(Act::new(kx.clone())),
+                Scope::all(),
+            ),
             ckp,
         );
         let n_entries = ck.dims()[1];
@@ -426,7 +456,11 @@ fn atp_star_terms_are_the_exact_pattern_change_times_the_gradient() {
             }
             for s in 0..12 {
                 let spec = HookSpec::new()
-                    .intervene_point(kp, Action::Replace(Act::new(kx.clone())), Scope::heads(vec![kvh]).with_positions(vec![s]))
+                    .intervene_point(
+                        kp,
+                        Action::Replace(Act::new(kx.clone())),
+                        Scope::heads(vec![kvh]).with_positions(vec![s]),
+                    )
                     .intervene_point(ckp, Action::Replace(Act::new(ck.clone())), Scope::all());
                 let a2 = vals(capture4(&model, &prompts, spec, pat));
                 for (r, w) in want.iter_mut().enumerate() {
@@ -501,8 +535,14 @@ fn atp_star_recovers_what_saturated_attention_hides_from_atp() {
         let at = ((r * 4 + h) * len + t) * slots;
         a[at..at + slots].iter().fold(0f32, |m, x| m.max(*x))
     };
-    let saturated: usize = (0..2 * n).map(|r| (0..4).filter(|&h| top(r, h) > 0.999).count()).sum();
-    assert!(saturated >= 6 * n, "too few saturated read rows ({saturated} of {})", 8 * n);
+    let saturated: usize = (0..2 * n)
+        .map(|r| (0..4).filter(|&h| top(r, h) > 0.999).count())
+        .sum();
+    assert!(
+        saturated >= 6 * n,
+        "too few saturated read rows ({saturated} of {})",
+        8 * n
+    );
     let qk = qk_terms(&model, &prompts, &[0], &[Direction::Denoise]).unwrap();
     // Exact: patch one head's query at the read position of the corrupted prompts.
     let qp = HookPoint::block(0, Site::AttnQ);
@@ -511,7 +551,14 @@ fn atp_star_recovers_what_saturated_attention_hides_from_atp() {
     let all: Vec<usize> = (0..2 * n).collect();
     let toks = prompts.tokens_of(&all, &dev());
     let targets: Vec<&Target> = prompts.targets.iter().collect();
-    let base = readout(model.forward(toks.clone(), &HookSpec::new()).unwrap().logits, &targets).unwrap();
+    let base = readout(
+        model
+            .forward(toks.clone(), &HookSpec::new())
+            .unwrap()
+            .logits,
+        &targets,
+    )
+    .unwrap();
     let mut big = Vec::new();
     for h in 0..4 {
         let spec = HookSpec::new().intervene_point(
@@ -532,7 +579,10 @@ fn atp_star_recovers_what_saturated_attention_hides_from_atp() {
         }
     }
     eprintln!("(head, pair, exact, AtP, AtP*): {big:?}");
-    assert!(big.len() >= 2, "the construction should give large exact effects: {big:?}");
+    assert!(
+        big.len() >= 2,
+        "the construction should give large exact effects: {big:?}"
+    );
     for &(h, i, exact, atp, star) in &big {
         assert!(
             atp.abs() < 0.05 * exact.abs(),
@@ -581,8 +631,14 @@ fn attribution_patching_with_qk_fix_end_to_end() {
     assert!(metric_rows(&rows, "exact_qk_cells_per_s")[0].value > 0.0);
     let md = std::fs::read_to_string(d.join("reports/qk/report.md")).unwrap();
     assert!(md.contains("AtP* of the query and key nodes"), "{md}");
-    assert!(md.contains("Agreement of AtP / AtP* with exact patching of q and k"), "{md}");
-    assert!(d.join("reports/qk/atpstar_qk_nld_denoise_vs_exact.png").exists());
+    assert!(
+        md.contains("Agreement of AtP / AtP* with exact patching of q and k"),
+        "{md}"
+    );
+    assert!(
+        d.join("reports/qk/atpstar_qk_nld_denoise_vs_exact.png")
+            .exists()
+    );
     // Resume: the exact q/k cells come from the store, the estimates are the same.
     let again = run_experiment(&exp, &opts(d)).unwrap();
     assert_eq!(again.stats.cells_computed, 0);

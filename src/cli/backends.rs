@@ -41,10 +41,15 @@ pub struct BackendsArgs {
 }
 
 fn source_root(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
-    let has = |p: &Path| p.join("tests/fixtures/deepseek_v4").is_dir() && p.join("experiments/organisms").is_dir();
+    let has = |p: &Path| {
+        p.join("tests/fixtures/deepseek_v4").is_dir() && p.join("experiments/organisms").is_dir()
+    };
     if let Some(r) = given {
         if !has(&r) {
-            bail!("--root {}: no tests/fixtures/deepseek_v4 and experiments/organisms there", r.display());
+            bail!(
+                "--root {}: no tests/fixtures/deepseek_v4 and experiments/organisms there",
+                r.display()
+            );
         }
         return Ok(r);
     }
@@ -56,22 +61,30 @@ fn source_root(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     if has(&built) {
         return Ok(built);
     }
-    bail!("run from the phaselens source tree or pass --root (the fixtures and the shipped organism are read from it)")
+    bail!(
+        "run from the phaselens source tree or pass --root (the fixtures and the shipped organism are read from it)"
+    )
 }
 
 pub fn run(a: BackendsArgs) -> anyhow::Result<()> {
     let devices = match a.devices {
         None => default_devices(),
-        Some(v) => v.iter().map(|s| s.parse::<DeviceSpec>()).collect::<Result<_, _>>()?,
+        Some(v) => v
+            .iter()
+            .map(|s| s.parse::<DeviceSpec>())
+            .collect::<Result<_, _>>()?,
     };
     let checks = match a.checks {
         None => Check::ALL.to_vec(),
-        Some(v) => v.iter().map(|s| s.parse::<Check>()).collect::<Result<_, _>>()?,
+        Some(v) => v
+            .iter()
+            .map(|s| s.parse::<Check>())
+            .collect::<Result<_, _>>()?,
     };
     let temporary = a.scratch.is_none();
-    let scratch = a
-        .scratch
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("phaselens-backends-{}", std::process::id())));
+    let scratch = a.scratch.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("phaselens-backends-{}", std::process::id()))
+    });
     let opts = MatrixOptions {
         devices,
         checks,

@@ -166,7 +166,11 @@ fn train(b: TrainBenchArgs) -> Result<()> {
     };
     let r = bench_train(&b.recipe, &file, &device, &opts)
         .with_context(|| format!("benchmarking training of {}", b.recipe.display()))?;
-    let mib = |x: Option<u64>| x.map_or("n/a".into(), |x| format!("{:.0}", x as f64 / (1 << 20) as f64));
+    let mib = |x: Option<u64>| {
+        x.map_or("n/a".into(), |x| {
+            format!("{:.0}", x as f64 / (1 << 20) as f64)
+        })
+    };
     let ms = |s: f64| s * 1e3;
     println!(
         "{}: batch {} x {} tokens, {} steps after {} warm-up, device {:?}, {} CPUs",

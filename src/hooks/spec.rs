@@ -99,7 +99,10 @@ impl Scope {
         self
     }
     fn is_all(&self) -> bool {
-        self.batch.is_none() && self.heads.is_none() && self.positions.is_none() && self.rows.is_none()
+        self.batch.is_none()
+            && self.heads.is_none()
+            && self.positions.is_none()
+            && self.rows.is_none()
     }
 }
 
@@ -422,7 +425,8 @@ fn row_scope_mask<const D: usize>(
     let head_axis = info.head_axis.map(|(a, _)| a).filter(|&a| a < D);
     let pos_axis = info.pos_axis.filter(|&a| a < D);
     if rows.iter().any(|r| r.heads.is_some()) {
-        let a = head_axis.ok_or_else(|| bad("this point has no head axis; drop the head scope".into()))?;
+        let a = head_axis
+            .ok_or_else(|| bad("this point has no head axis; drop the head scope".into()))?;
         mshape[a] = dims[a];
     }
     if rows.iter().any(|r| r.positions.is_some()) {
@@ -449,7 +453,10 @@ fn row_scope_mask<const D: usize>(
     let mut values = vec![false; total];
     for r in rows {
         if r.row >= dims[0] {
-            return Err(bad(format!("batch row {} out of range 0..{}", r.row, dims[0])));
+            return Err(bad(format!(
+                "batch row {} out of range 0..{}",
+                r.row, dims[0]
+            )));
         }
         let positions = along(&r.positions, pos_axis, "position")?;
         let heads = along(&r.heads, head_axis, "head")?;
@@ -487,8 +494,16 @@ mod tests {
     fn a_per_row_scope_touches_exactly_its_rows_heads_and_positions() {
         let z = HookPoint::block(0, Site::AttnZ); // [batch, pos, head, d_head]
         let scope = Scope::rows(vec![
-            RowScope { row: 0, heads: Some(vec![1]), positions: Some(vec![2, 4]) },
-            RowScope { row: 2, heads: None, positions: Some(vec![0]) },
+            RowScope {
+                row: 0,
+                heads: Some(vec![1]),
+                positions: Some(vec![2, 4]),
+            },
+            RowScope {
+                row: 2,
+                heads: None,
+                positions: Some(vec![0]),
+            },
         ]);
         let v = zeroed(z, scope, [3, 5, 2, 4]).unwrap();
         let mut i = 0;
@@ -504,23 +519,53 @@ mod tests {
             }
         }
         // A row with no restriction at all: the whole row.
-        let v = zeroed(z, Scope::rows(vec![RowScope { row: 1, ..RowScope::default() }]), [2, 3, 2, 2]).unwrap();
-        assert!(v[..12].iter().all(|&x| x == 1.0) && v[12..].iter().all(|&x| x == 0.0), "{v:?}");
+        let v = zeroed(
+            z,
+            Scope::rows(vec![RowScope {
+                row: 1,
+                ..RowScope::default()
+            }]),
+            [2, 3, 2, 2],
+        )
+        .unwrap();
+        assert!(
+            v[..12].iter().all(|&x| x == 1.0) && v[12..].iter().all(|&x| x == 0.0),
+            "{v:?}"
+        );
     }
 
     #[test]
     fn per_row_scopes_name_what_is_wrong() {
         let z = HookPoint::block(0, Site::AttnZ);
         let err = |p: HookPoint, s: Scope| zeroed(p, s, [2, 3, 2, 2]).unwrap_err().to_string();
-        let row = |row, heads: Option<Vec<usize>>, positions: Option<Vec<usize>>| RowScope { row, heads, positions };
-        assert!(err(z, Scope::rows(vec![row(2, None, None)])).contains("batch row 2 out of range 0..2"));
-        assert!(err(z, Scope::rows(vec![row(0, Some(vec![5]), None)])).contains("head 5 out of range 0..2"));
-        assert!(err(z, Scope::rows(vec![row(0, None, Some(vec![3]))])).contains("position 3 out of range 0..3"));
-        let combined = Scope { heads: Some(vec![0]), ..Scope::rows(vec![row(0, None, None)]) };
+        let row = |row, heads: Option<Vec<usize>>, positions: Option<Vec<usize>>| RowScope {
+            row,
+            heads,
+            positions,
+        };
+        assert!(
+            err(z, Scope::rows(vec![row(2, None, None)])).contains("batch row 2 out of range 0..2")
+        );
+        assert!(
+            err(z, Scope::rows(vec![row(0, Some(vec![5]), None)]))
+                .contains("head 5 out of range 0..2")
+        );
+        assert!(
+            err(z, Scope::rows(vec![row(0, None, Some(vec![3]))]))
+                .contains("position 3 out of range 0..3")
+        );
+        let combined = Scope {
+            heads: Some(vec![0]),
+            ..Scope::rows(vec![row(0, None, None)])
+        };
         assert!(err(z, combined).contains("cannot be combined"));
         let resid = HookPoint::block(0, Site::ResidPre); // [batch, pos, d_model]: no head axis
         let x = Tensor::<3>::ones([2, 3, 4], &Device::flex());
-        let spec = HookSpec::new().intervene_point(resid, Action::Zero, Scope::rows(vec![row(0, Some(vec![0]), None)]));
+        let spec = HookSpec::new().intervene_point(
+            resid,
+            Action::Zero,
+            Scope::rows(vec![row(0, Some(vec![0]), None)]),
+        );
         let e = spec.run().apply(resid, x).unwrap_err().to_string();
         assert!(e.contains("no head axis"), "{e}");
     }

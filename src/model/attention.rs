@@ -159,11 +159,9 @@ pub fn attend(
         return g.dense(q, &mut keys, pattern, hooks);
     }
     if hooks.touches(&pattern) || hooks.touches(&scores_point(pattern)) {
-        let intervened = hooks
-            .spec()
-            .interventions()
-            .iter()
-            .any(|i| i.target.matches_point(&pattern) || i.target.matches_point(&scores_point(pattern)));
+        let intervened = hooks.spec().interventions().iter().any(|i| {
+            i.target.matches_point(&pattern) || i.target.matches_point(&scores_point(pattern))
+        });
         if force_dense || intervened || keys.selector.is_some() {
             return g.dense(q, &mut keys, pattern, hooks);
         }
@@ -215,7 +213,13 @@ struct Part {
 const HIDDEN: f32 = -1.0e30;
 
 /// `[rows, 1, bq, n]` additive mask from host visibility (row-major `[rows, bq, n]`).
-fn bias_from_host(visible: &[bool], rows: usize, bq: usize, n: usize, device: &Device) -> Tensor<4> {
+fn bias_from_host(
+    visible: &[bool],
+    rows: usize,
+    bq: usize,
+    n: usize,
+    device: &Device,
+) -> Tensor<4> {
     let v: Vec<f32> = visible
         .iter()
         .map(|&s| if s { 0.0 } else { HIDDEN })
@@ -226,7 +230,10 @@ fn bias_from_host(visible: &[bool], rows: usize, bq: usize, n: usize, device: &D
 /// `[b, bq, n]` visibility computed on the device -> `[b, 1, bq, n]` additive mask.
 fn bias_from_mask(m: Tensor<3, Bool>) -> Tensor<4> {
     let [b, bq, n] = m.dims();
-    m.bool_not().float().mul_scalar(HIDDEN).reshape([b, 1, bq, n])
+    m.bool_not()
+        .float()
+        .mul_scalar(HIDDEN)
+        .reshape([b, 1, bq, n])
 }
 
 enum PartValues {
@@ -370,8 +377,9 @@ impl Geometry<'_> {
                 let start = move |r: usize| self.qpos(r, i0) as i64 - (w as i64 - 1);
                 let idx: Vec<usize> = (0..self.b)
                     .flat_map(|r| {
-                        (0..len as i64)
-                            .map(move |j| r * total + (start(r) + j).clamp(0, total as i64 - 1) as usize)
+                        (0..len as i64).map(move |j| {
+                            r * total + (start(r) + j).clamp(0, total as i64 - 1) as usize
+                        })
                     })
                     .collect();
                 let idx = int_tensor(&idx, &device);
@@ -382,7 +390,12 @@ impl Geometry<'_> {
                         .select(0, idx.clone())
                         .reshape([self.b, len, kvh, dh])
                 };
-                (gather(&raw.k), gather(&raw.v), len, Box::new(move |r, j| start(r) + j as i64))
+                (
+                    gather(&raw.k),
+                    gather(&raw.v),
+                    len,
+                    Box::new(move |r, j| start(r) + j as i64),
+                )
             };
         let mut visible = Vec::with_capacity(rows * bq * n);
         for r in 0..rows {
@@ -419,9 +432,7 @@ impl Geometry<'_> {
                 idx.push(kp.clamp(0, total as i64 - 1) as usize);
             }
         }
-        let gather = |x: &Tensor<4>| {
-            select_positions(x.clone(), &idx).reshape([b, bq, w, kvh, dh])
-        };
+        let gather = |x: &Tensor<4>| select_positions(x.clone(), &idx).reshape([b, bq, w, kvh, dh]);
         Part {
             scores: self.per_query_scores(q, gather(&raw.k)),
             bias: bias_from_host(&visible, 1, bq, w, &device),
@@ -465,9 +476,10 @@ impl Geometry<'_> {
                 values: PartValues::Shared(v),
             }));
         };
-        let closed = Tensor::<1, Bool>::from_data(TensorData::new(closed, [rows * bq * n]), &device)
-            .reshape([rows, bq, n])
-            .expand([self.b, bq, n]);
+        let closed =
+            Tensor::<1, Bool>::from_data(TensorData::new(closed, [rows * bq * n]), &device)
+                .reshape([rows, bq, n])
+                .expand([self.b, bq, n]);
         let kept = sel.select(i0, i1, n, hooks)?.bool_and(closed);
         if dense {
             return Ok(Some(Part {
@@ -570,7 +582,13 @@ impl Geometry<'_> {
         let scores = scores_point(pattern);
         if hooks.touches(&scores) && !parts.is_empty() {
             // Captured only: the logits every slot shows (invisible ones at -1e30).
-            let all = Tensor::cat(parts.iter().map(|p| p.scores.clone() + p.bias.clone()).collect(), 3);
+            let all = Tensor::cat(
+                parts
+                    .iter()
+                    .map(|p| p.scores.clone() + p.bias.clone())
+                    .collect(),
+                3,
+            );
             hooks.apply(scores, all)?;
         }
         let (p, _) = softmax_parts(parts);

@@ -136,7 +136,11 @@ pub trait LanguageModel: Send + Sync {
     /// row-major): `[rows, vocab]`, the rows of [`forward`](Self::forward)'s logits
     /// (training reads the answer positions; models may skip the LM head elsewhere). The
     /// default runs `forward` and selects the rows.
-    fn forward_logit_rows(&self, tokens: Tensor<2, Int>, rows: Tensor<1, Int>) -> Result<Tensor<2>> {
+    fn forward_logit_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        rows: Tensor<1, Int>,
+    ) -> Result<Tensor<2>> {
         let logits = self.forward(tokens, &HookSpec::new())?.logits;
         let [b, t, v] = logits.dims();
         Ok(logits.reshape([b * t, v]).select(0, rows))

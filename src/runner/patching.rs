@@ -39,7 +39,9 @@ use burn::tensor::{Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, PosCounts, RowScope, Scope, Site};
+use crate::hooks::{
+    Act, Action, ActivationCache, HookPoint, HookSpec, PosCounts, RowScope, Scope, Site,
+};
 use crate::model::{LanguageModel, PrefixState, Suffix};
 
 /// Which query positions an edit touches, per prompt. `{ final = 0 }` (a band of no
@@ -587,17 +589,27 @@ fn fill_value<const D: usize>(
             groups.dedup();
             let mut means = Vec::with_capacity(groups.len());
             for g in &groups {
-                let members: Vec<usize> = (0..prompts.n()).filter(|&p| prompts.group[p] == *g).collect();
+                let members: Vec<usize> = (0..prompts.n())
+                    .filter(|&p| prompts.group[p] == *g)
+                    .collect();
                 means.push(group_mean::<D>(base, &members)?);
             }
             let means = Tensor::cat(means, 0);
             let sel: Vec<i64> = row_prompt
                 .iter()
-                .map(|&p| groups.iter().position(|g| *g == prompts.group[p]).unwrap_or(0) as i64)
+                .map(|&p| {
+                    groups
+                        .iter()
+                        .position(|g| *g == prompts.group[p])
+                        .unwrap_or(0) as i64
+                })
                 .collect();
             let n = sel.len();
             let device = means.device();
-            means.select(0, Tensor::<1, Int>::from_data(TensorData::new(sel, [n]), &device))
+            means.select(
+                0,
+                Tensor::<1, Int>::from_data(TensorData::new(sel, [n]), &device),
+            )
         }
     })
 }
@@ -640,7 +652,10 @@ fn check_edit_positions(point: &HookPoint, base: &Act, edits: &[RowEdit]) -> Res
         };
         let n = base.shape().get(axis).copied().unwrap_or(0);
         if let Some(p) = pos.iter().find(|&&p| p >= n) {
-            return Err(Error::hook(point.to_string(), format!("position {p} out of range 0..{n}")));
+            return Err(Error::hook(
+                point.to_string(),
+                format!("position {p} out of range 0..{n}"),
+            ));
         }
     }
     Ok(())
@@ -659,7 +674,12 @@ fn edits_scope(edits: &[&RowEdit], suffix: Option<&Suffix>) -> Scope {
                 positions: match (&e.positions, suffix) {
                     (Some(p), Some(s)) => {
                         let from = s.from[e.row];
-                        Some(p.iter().filter(|&&q| q >= from && q < from + s.len).map(|&q| q - from).collect())
+                        Some(
+                            p.iter()
+                                .filter(|&&q| q >= from && q < from + s.len)
+                                .map(|&q| q - from)
+                                .collect(),
+                        )
                     }
                     (p, _) => p.clone(),
                 },

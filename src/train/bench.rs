@@ -187,9 +187,19 @@ fn export_inputs<M: Module + LanguageModel>(
     let mask: Vec<i64> = labels.iter().map(|&l| (l != IGNORE_INDEX) as i64).collect();
     let shape = vec![total as usize, b, t];
     let mut tensors = BTreeMap::new();
-    for (name, values) in [("input_ids", ids.clone()), ("labels", labels), ("loss_mask", mask)] {
+    for (name, values) in [
+        ("input_ids", ids.clone()),
+        ("labels", labels),
+        ("loss_mask", mask),
+    ] {
         let data = TensorValues::I64(values);
-        tensors.insert(name.to_string(), OwnedTensor { shape: shape.clone(), data });
+        tensors.insert(
+            name.to_string(),
+            OwnedTensor {
+                shape: shape.clone(),
+                data,
+            },
+        );
     }
     write_safetensors(&dir.join("batches.safetensors"), &tensors, None)?;
     let first = TensorData::new(ids[..b * t].to_vec(), [b, t]);
@@ -232,8 +242,5 @@ fn export_settings(dir: &Path, file: &OrganismFile, bench: &TrainBench) -> Resul
         "seq_len": bench.seq_len,
         "bench": bench,
     });
-    write_atomic(
-        &dir.join("train.json"),
-        format!("{json:#}\n").as_bytes(),
-    )
+    write_atomic(&dir.join("train.json"), format!("{json:#}\n").as_bytes())
 }

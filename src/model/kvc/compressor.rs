@@ -4,8 +4,8 @@
 //! `uniform`: the mean).
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::softmax;
 use burn::tensor::Tensor;
+use burn::tensor::activation::softmax;
 
 use super::config::{CompressionConfig, GateMode};
 use crate::error::Result;

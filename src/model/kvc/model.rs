@@ -268,7 +268,11 @@ impl LanguageModel for KvcModel {
     fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
         KvcModel::forward(self, tokens, spec)
     }
-    fn forward_logit_rows(&self, tokens: Tensor<2, Int>, rows: Tensor<1, Int>) -> Result<Tensor<2>> {
+    fn forward_logit_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        rows: Tensor<1, Int>,
+    ) -> Result<Tensor<2>> {
         KvcModel::forward_logit_rows(self, tokens, rows)
     }
     fn forward_from(

@@ -48,8 +48,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use crate::analysis::{Clusters, Est, per_phase, spearman, topk_recall};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
-use crate::model::{ForwardOutput, LanguageModel};
 use crate::model::attention::MASKED;
+use crate::model::{ForwardOutput, LanguageModel};
 use crate::output::{HeadKind, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed};
 
 use super::super::exec::{Group, GroupResult};
@@ -151,11 +151,18 @@ impl QkTerms {
 /// nothing is visible (as the model's softmax).
 pub fn row_softmax(s: &[f32]) -> Vec<f64> {
     let vis = |x: f32| x > MASKED / 2.0;
-    let m = s.iter().copied().filter(|&x| vis(x)).fold(f64::NEG_INFINITY, |a, x| a.max(x as f64));
+    let m = s
+        .iter()
+        .copied()
+        .filter(|&x| vis(x))
+        .fold(f64::NEG_INFINITY, |a, x| a.max(x as f64));
     if m == f64::NEG_INFINITY {
         return vec![0.0; s.len()];
     }
-    let e: Vec<f64> = s.iter().map(|&x| if vis(x) { (x as f64 - m).exp() } else { 0.0 }).collect();
+    let e: Vec<f64> = s
+        .iter()
+        .map(|&x| if vis(x) { (x as f64 - m).exp() } else { 0.0 })
+        .collect();
     let z: f64 = e.iter().sum();
     e.into_iter().map(|x| x / z).collect()
 }
@@ -163,7 +170,11 @@ pub fn row_softmax(s: &[f32]) -> Vec<f64> {
 /// AtP* of a query node: `sum_j (softmax(s_patched) - softmax(s))_j g_j`.
 pub fn query_row(s: &[f32], s_patched: &[f32], g: &[f32]) -> f64 {
     let (a, b) = (row_softmax(s), row_softmax(s_patched));
-    a.iter().zip(&b).zip(g).map(|((a, b), g)| (b - a) * *g as f64).sum()
+    a.iter()
+        .zip(&b)
+        .zip(g)
+        .map(|((a, b), g)| (b - a) * *g as f64)
+        .sum()
 }
 
 /// AtP* of every key slot of one query row, summed: slot j's logit moves to
@@ -172,11 +183,18 @@ pub fn query_row(s: &[f32], s_patched: &[f32], g: &[f32]) -> f64 {
 /// the row is saturated on slot j.
 pub fn key_row(s: &[f32], s_patched: &[f32], g: &[f32]) -> f64 {
     let vis = |x: f32| x > MASKED / 2.0;
-    let m = s.iter().copied().filter(|&x| vis(x)).fold(f64::NEG_INFINITY, |a, x| a.max(x as f64));
+    let m = s
+        .iter()
+        .copied()
+        .filter(|&x| vis(x))
+        .fold(f64::NEG_INFINITY, |a, x| a.max(x as f64));
     if m == f64::NEG_INFINITY {
         return 0.0;
     }
-    let e: Vec<f64> = s.iter().map(|&x| if vis(x) { (x as f64 - m).exp() } else { 0.0 }).collect();
+    let e: Vec<f64> = s
+        .iter()
+        .map(|&x| if vis(x) { (x as f64 - m).exp() } else { 0.0 })
+        .collect();
     let n = e.len();
     let mut pre = vec![0.0f64; n + 1];
     for j in 0..n {
@@ -221,7 +239,10 @@ fn host<const D: usize>(t: Tensor<D>) -> Result<Vec<f32>> {
 fn rows_of<const D: usize>(t: Tensor<D>, rows: &[usize]) -> Tensor<D> {
     let idx: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
     let device = t.device();
-    t.select(0, Tensor::<1, Int>::from_data(TensorData::new(idx, [rows.len()]), &device))
+    t.select(
+        0,
+        Tensor::<1, Int>::from_data(TensorData::new(idx, [rows.len()]), &device),
+    )
 }
 
 fn captured<const D: usize>(out: &ForwardOutput, p: HookPoint) -> Result<Tensor<D>> {
@@ -253,7 +274,9 @@ fn weighted_ld(logits: Tensor<3>, prompts: &Prompts, w: Vec<f32>) -> Result<Tens
     let mut pairs = Vec::with_capacity(2 * n2);
     for (i, tg) in prompts.targets.iter().enumerate() {
         let alt = tg.alt.ok_or_else(|| {
-            Error::Other(format!("prompt {i} has no competing answer (alt) for the logit difference"))
+            Error::Other(format!(
+                "prompt {i} has no competing answer (alt) for the logit difference"
+            ))
         })?;
         if tg.answers[0] as usize >= v || alt as usize >= v {
             return Err(Error::Input(format!(
@@ -339,8 +362,16 @@ fn gradients(
         let lq = Tensor::<4>::zeros([n2, t, h, dh], &ad).require_grad();
         let lk = Tensor::<4>::zeros([n2, t, kv, dh], &ad).require_grad();
         let lp = Tensor::<4>::zeros([n2, h, t, a.slots], &ad).require_grad();
-        for (site, leaf) in [(Site::AttnQ, &lq), (Site::AttnK, &lk), (Site::AttnPattern, &lp)] {
-            spec = spec.intervene_point(HookPoint::block(l, site), Action::Add(Act::new(leaf.clone())), Scope::all());
+        for (site, leaf) in [
+            (Site::AttnQ, &lq),
+            (Site::AttnK, &lk),
+            (Site::AttnPattern, &lp),
+        ] {
+            spec = spec.intervene_point(
+                HookPoint::block(l, site),
+                Action::Add(Act::new(leaf.clone())),
+                Scope::all(),
+            );
         }
         leaves.push([lq, lk, lp]);
     }
@@ -386,8 +417,16 @@ fn patched_scores(
     let k = Tensor::cat(vec![a.k.clone(), kp], 0);
     let sp = HookPoint::block(l, Site::AttnScores);
     let spec = HookSpec::new()
-        .intervene_point(HookPoint::block(l, Site::AttnQ), Action::Replace(Act::new(q)), Scope::all())
-        .intervene_point(HookPoint::block(l, Site::AttnK), Action::Replace(Act::new(k)), Scope::all())
+        .intervene_point(
+            HookPoint::block(l, Site::AttnQ),
+            Action::Replace(Act::new(q)),
+            Scope::all(),
+        )
+        .intervene_point(
+            HookPoint::block(l, Site::AttnK),
+            Action::Replace(Act::new(k)),
+            Scope::all(),
+        )
         .capture_point(sp);
     let rows: Vec<usize> = (0..n2).chain(0..n2).collect();
     let out = model.forward(prompts.tokens_of(&rows, &device), &spec)?;
@@ -420,7 +459,12 @@ pub fn qk_terms(
     let grads = gradients(model, prompts, layers, &acts, directions)?;
     let info = model.info();
     let nd = directions.len();
-    let mut t = [vec![Vec::new(); nd], vec![Vec::new(); nd], vec![Vec::new(); nd], vec![Vec::new(); nd]];
+    let mut t = [
+        vec![Vec::new(); nd],
+        vec![Vec::new(); nd],
+        vec![Vec::new(); nd],
+        vec![Vec::new(); nd],
+    ];
     let (mut q_heads, mut kv_heads) = (Vec::new(), Vec::new());
     let mut saturated = Vec::with_capacity(layers.len());
     for (li, (&l, a)) in layers.iter().zip(&acts).enumerate() {
@@ -455,7 +499,9 @@ pub fn qk_terms(
         for (r, tg) in prompts.targets.iter().enumerate() {
             for hh in 0..h {
                 let at = ((r * h + hh) * len + tg.positions[0]) * j;
-                let top = row_softmax(&a.scores[at..at + j]).into_iter().fold(0.0, f64::max);
+                let top = row_softmax(&a.scores[at..at + j])
+                    .into_iter()
+                    .fold(0.0, f64::max);
                 sat.0 += (top > 0.99) as usize;
                 sat.1 += 1;
             }
@@ -469,7 +515,12 @@ pub fn qk_terms(
             t[0][di].push(qa[rows.start * len * h..rows.end * len * h].to_vec());
             t[1][di].push(qs[rows.start * len * h..rows.end * len * h].to_vec());
             t[2][di].push(ka[rows.start * kvh..rows.end * kvh].to_vec());
-            t[3][di].push(ks[rows.start * kvh..rows.end * kvh].iter().map(|&x| x as f32).collect());
+            t[3][di].push(
+                ks[rows.start * kvh..rows.end * kvh]
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect(),
+            );
         }
         q_heads.push(h);
         kv_heads.push(kvh);
@@ -493,7 +544,12 @@ pub fn qk_terms(
 
 /// The exact cells of the query/key sites: per direction, every query-head cell patches
 /// its `hook_q` at `positions`, every KV-head cell its `hook_k` at every position.
-fn exact_cells(heads: &[HeadCell], dirs: &[Direction], positions: &Positions, n: usize) -> Vec<Cell> {
+fn exact_cells(
+    heads: &[HeadCell],
+    dirs: &[Direction],
+    positions: &Positions,
+    n: usize,
+) -> Vec<Cell> {
     let mut cells = Vec::new();
     for d in dirs {
         let receivers: Vec<usize> = match d {
@@ -552,9 +608,25 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
     let star_seconds = t0.elapsed().as_secs_f64();
     let rc = ctx.rows.clone();
     for (li, &l) in inp.layers.iter().enumerate() {
-        let (k, n) = terms.iter().fold((0, 0), |(k, n), t| (k + t.saturated[li].0, n + t.saturated[li].1));
-        let frac = if n == 0 { f64::NAN } else { k as f64 / n as f64 };
-        rows.push(rc.row("saturated_read_rows", Est { value: frac, ci: None, n: n as u64 }).at_layer(l as u32));
+        let (k, n) = terms.iter().fold((0, 0), |(k, n), t| {
+            (k + t.saturated[li].0, n + t.saturated[li].1)
+        });
+        let frac = if n == 0 {
+            f64::NAN
+        } else {
+            k as f64 / n as f64
+        };
+        rows.push(
+            rc.row(
+                "saturated_read_rows",
+                Est {
+                    value: frac,
+                    ci: None,
+                    n: n as u64,
+                },
+            )
+            .at_layer(l as u32),
+        );
     }
     ctx.stats.forwards += (inp.prompts.len() * (2 + inp.layers.len())) as u64;
     let exact = if cfg.validate {
@@ -576,7 +648,12 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
     };
     let (p, reps, seed) = (ctx.p(), ctx.reps(), ctx.seed());
     let phases = ctx.task.phases.clone();
-    let layer_index: BTreeMap<usize, usize> = inp.layers.iter().enumerate().map(|(i, &l)| (l, i)).collect();
+    let layer_index: BTreeMap<usize, usize> = inp
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (l, i))
+        .collect();
     let mut est: BTreeMap<(usize, usize, QkMethod), PhaseVals> = BTreeMap::new();
     let mut ex: BTreeMap<(usize, usize), PhaseVals> = BTreeMap::new();
     for (di, d) in dirs.iter().enumerate() {
@@ -584,17 +661,39 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
             let site = site_of(h.kind);
             let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
             for method in [QkMethod::Atp, QkMethod::AtpStar] {
-                let c = estimate_clusters(inp, &terms, site, method, *d, di, layer_index[&h.layer], h, p);
+                let c = estimate_clusters(
+                    inp,
+                    &terms,
+                    site,
+                    method,
+                    *d,
+                    di,
+                    layer_index[&h.layer],
+                    h,
+                    p,
+                );
                 let (per, pooled) = per_phase(&c, nld, reps, seed);
-                rows.extend(rc.phase_rows(&est_qk_metric(method, site, *d), at, &phases, &per, pooled));
-                est.insert((di, hi, method), (per.iter().map(|e| e.value).collect(), pooled.value));
+                rows.extend(rc.phase_rows(
+                    &est_qk_metric(method, site, *d),
+                    at,
+                    &phases,
+                    &per,
+                    pooled,
+                ));
+                est.insert(
+                    (di, hi, method),
+                    (per.iter().map(|e| e.value).collect(), pooled.value),
+                );
             }
             if let Some((res, _)) = &exact {
                 let ci = di * inp.heads.len() + hi;
                 let c = exact_clusters(inp.metas, res, ci, *d, p);
                 let (per, pooled) = per_phase(&c, nld, reps, seed);
                 rows.extend(rc.phase_rows(&exact_qk_metric(site, *d), at, &phases, &per, pooled));
-                ex.insert((di, hi), (per.iter().map(|e| e.value).collect(), pooled.value));
+                ex.insert(
+                    (di, hi),
+                    (per.iter().map(|e| e.value).collect(), pooled.value),
+                );
             }
         }
     }
@@ -612,7 +711,11 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
         .map(|h| if h.kind == HeadKind::Query { len } else { 1 })
         .sum();
     let node_cells = (nodes * dirs.len()) as f64 * n_groups as f64;
-    let speed = |v: f64, n: u64| Est { value: v, ci: None, n };
+    let speed = |v: f64, n: u64| Est {
+        value: v,
+        ci: None,
+        n,
+    };
     rows.push(rc.row("atpstar_seconds", speed(star_seconds, n_groups)));
     rows.push(rc.row(
         "atpstar_cells_per_s",
@@ -620,7 +723,10 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
     ));
     if let Some((_, secs)) = &exact {
         rows.push(rc.row("exact_qk_seconds", speed(*secs, n_groups)));
-        rows.push(rc.row("exact_qk_cells_per_s", speed(cells / secs.max(1e-9), cells as u64)));
+        rows.push(rc.row(
+            "exact_qk_cells_per_s",
+            speed(cells / secs.max(1e-9), cells as u64),
+        ));
     }
     Ok(())
 }
@@ -650,7 +756,11 @@ fn estimate_clusters(
             let delta = match site {
                 QkSite::Q => {
                     let tg = &prompts.targets[row].positions;
-                    let pos = inp.cfg.positions.resolve(tg).unwrap_or_else(|| (0..prompts.len).collect());
+                    let pos = inp
+                        .cfg
+                        .positions
+                        .resolve(tg)
+                        .unwrap_or_else(|| (0..prompts.len).collect());
                     t.sum(di, li, i, &h.query_heads, &pos)
                 }
                 QkSite::K => t.sum(di, li, i, &[h.head], &[0]),
@@ -659,7 +769,11 @@ fn estimate_clusters(
             c.add(
                 mi.logical,
                 mi.phase,
-                [ld_base + delta, t.base[i].ld as f64, -t.base[n + i].ld as f64],
+                [
+                    ld_base + delta,
+                    t.base[i].ld as f64,
+                    -t.base[n + i].ld as f64,
+                ],
             );
         }
     }
@@ -667,7 +781,13 @@ fn estimate_clusters(
 }
 
 /// The exact patched LD of cell `ci`, clustered like [`estimate_clusters`].
-fn exact_clusters(metas: &[Vec<PromptMeta>], res: &[GroupResult], ci: usize, d: Direction, p: usize) -> Clusters<3> {
+fn exact_clusters(
+    metas: &[Vec<PromptMeta>],
+    res: &[GroupResult],
+    ci: usize,
+    d: Direction,
+    p: usize,
+) -> Clusters<3> {
     let sign = match d {
         Direction::Denoise => -1.0,
         Direction::Noise => 1.0,
@@ -679,7 +799,11 @@ fn exact_clusters(metas: &[Vec<PromptMeta>], res: &[GroupResult], ci: usize, d: 
             c.add(
                 meta[i].logical,
                 meta[i].phase,
-                [sign * o.ld as f64, g.base[i].ld as f64, -g.base[n + i].ld as f64],
+                [
+                    sign * o.ld as f64,
+                    g.base[i].ld as f64,
+                    -g.base[n + i].ld as f64,
+                ],
             );
         }
     }
@@ -700,7 +824,9 @@ fn agreement_rows(
     let top_k = inp.cfg.top_k;
     for (di, d) in dirs.iter().enumerate() {
         for site in [QkSite::Q, QkSite::K] {
-            let hs: Vec<usize> = (0..inp.heads.len()).filter(|&i| inp.heads[i].kind == site.kind()).collect();
+            let hs: Vec<usize> = (0..inp.heads.len())
+                .filter(|&i| inp.heads[i].kind == site.kind())
+                .collect();
             if hs.is_empty() {
                 continue;
             }
@@ -723,8 +849,19 @@ fn agreement_rows(
                     } else {
                         e.iter().zip(&x).map(|(a, b)| (a - b).abs()).sum::<f64>() / n as f64
                     };
-                    for (stat, v) in [("spearman".to_string(), sp), (format!("recall_top{top_k}"), rec), ("mae".to_string(), mae)] {
-                        let mut row = rc.row(agreement_qk_metric(&stat, method, site, *d), Est { value: v, ci: None, n });
+                    for (stat, v) in [
+                        ("spearman".to_string(), sp),
+                        (format!("recall_top{top_k}"), rec),
+                        ("mae".to_string(), mae),
+                    ] {
+                        let mut row = rc.row(
+                            agreement_qk_metric(&stat, method, site, *d),
+                            Est {
+                                value: v,
+                                ci: None,
+                                n,
+                            },
+                        );
                         if let Some(ph) = ph {
                             row = row.at_phase(ph);
                         }
@@ -737,7 +874,11 @@ fn agreement_rows(
 }
 
 fn fmt3(v: f64) -> String {
-    if v.is_finite() { format!("{v:.3}") } else { "n/a".into() }
+    if v.is_finite() {
+        format!("{v:.3}")
+    } else {
+        "n/a".into()
+    }
 }
 
 /// The report section of the query/key estimates: agreement tables, scatter plots, and
@@ -765,7 +906,10 @@ pub fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
          hook_k at every position. atp_* is plain AtP of the same nodes ((x_partner - x) . dLD/dx), \
          atpstar_* the fix, q_nld_* / k_nld_* the exact patching.",
     );
-    if let (Some(a), Some(x)) = (d.scalar(m, "atpstar_cells_per_s"), d.scalar(m, "exact_qk_cells_per_s")) {
+    if let (Some(a), Some(x)) = (
+        d.scalar(m, "atpstar_cells_per_s"),
+        d.scalar(m, "exact_qk_cells_per_s"),
+    ) {
         f.report.paragraph(format!(
             "Speed: AtP* + AtP {:.1} cells/s (query head x position and KV head cells), exact patching \
              {:.1} head cells/s (query heads at the kind's positions, KV heads at every position; {:.1}x).",
@@ -788,7 +932,10 @@ pub fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
     }
     let recall = format!("recall_top{}", cfg.top_k);
     for dirn in &cfg.directions {
-        f.report.subsection(format!("{}: AtP and AtP* of q / k against exact", dirn.metric()));
+        f.report.subsection(format!(
+            "{}: AtP and AtP* of q / k against exact",
+            dirn.metric()
+        ));
         let mut series = Vec::new();
         for site in [QkSite::Q, QkSite::K] {
             let x = cell_map(d, m, &exact_qk_metric(site, *dirn), site.kind());
@@ -821,7 +968,14 @@ pub fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
                     size: None,
                 },
             )?;
-            push(&mut f.files, &mut f.report, &format!("AtP and AtP* of hook_q / key slots vs exact {xm}, every head x source phase"), fig);
+            push(
+                &mut f.files,
+                &mut f.report,
+                &format!(
+                    "AtP and AtP* of hook_q / key slots vs exact {xm}, every head x source phase"
+                ),
+                fig,
+            );
         }
         agreement_table(f, m, &phases, *dirn, &recall)?;
         disagreement_text(f, m, &phases, *dirn, &recall);
@@ -830,10 +984,19 @@ pub fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
 }
 
 fn qk_val(f: &Figures, m: &str, metric: &str, ph: Option<u32>) -> f64 {
-    f.data.find(m, metric).find(|r| r.phase == ph).map_or(f64::NAN, |r| r.value)
+    f.data
+        .find(m, metric)
+        .find(|r| r.phase == ph)
+        .map_or(f64::NAN, |r| r.value)
 }
 
-fn agreement_table(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, recall: &str) -> Result<()> {
+fn agreement_table(
+    f: &mut Figures,
+    m: &str,
+    phases: &[u32],
+    dirn: Direction,
+    recall: &str,
+) -> Result<()> {
     let mut header = vec!["phase".to_string()];
     let mut cols = Vec::new();
     for site in [QkSite::Q, QkSite::K] {
@@ -857,7 +1020,10 @@ fn agreement_table(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, re
         body.push(row);
     }
     f.report.table(
-        format!("Agreement of AtP / AtP* with exact patching of q and k ({}; top-k recall over |NLD|)", dirn.metric()),
+        format!(
+            "Agreement of AtP / AtP* with exact patching of q and k ({}; top-k recall over |NLD|)",
+            dirn.metric()
+        ),
         header,
         body,
     );
@@ -881,7 +1047,13 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
                     let (s, r) = (qk_val(f, m, &sp, Some(p)), qk_val(f, m, &rq, Some(p)));
                     s.is_nan() || s < 0.5 || r < 1.0
                 })
-                .map(|&p| format!("{p} ({}, {})", fmt3(qk_val(f, m, &sp, Some(p))), fmt3(qk_val(f, m, &rq, Some(p)))))
+                .map(|&p| {
+                    format!(
+                        "{p} ({}, {})",
+                        fmt3(qk_val(f, m, &sp, Some(p))),
+                        fmt3(qk_val(f, m, &rq, Some(p)))
+                    )
+                })
                 .collect();
             let what = format!("{} of {}", method.as_str(), site.as_str());
             parts.push(if bad.is_empty() {
@@ -897,16 +1069,31 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
     let mut text = format!("{}.", parts.join("; "));
     // Pooled over the phases: does the fix help?
     for site in [QkSite::Q, QkSite::K] {
-        let pooled = |method, stat: &str| qk_val(f, m, &agreement_qk_metric(stat, method, site, dirn), None);
+        let pooled =
+            |method, stat: &str| qk_val(f, m, &agreement_qk_metric(stat, method, site, dirn), None);
         let mean_mae = |method| {
             let v: Vec<f64> = phases
                 .iter()
-                .map(|&p| qk_val(f, m, &agreement_qk_metric("mae", method, site, dirn), Some(p)))
+                .map(|&p| {
+                    qk_val(
+                        f,
+                        m,
+                        &agreement_qk_metric("mae", method, site, dirn),
+                        Some(p),
+                    )
+                })
                 .filter(|v| v.is_finite())
                 .collect();
-            if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 }
+            if v.is_empty() {
+                f64::NAN
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
         };
-        let (sa, ss) = (pooled(QkMethod::Atp, "spearman"), pooled(QkMethod::AtpStar, "spearman"));
+        let (sa, ss) = (
+            pooled(QkMethod::Atp, "spearman"),
+            pooled(QkMethod::AtpStar, "spearman"),
+        );
         if sa.is_nan() && ss.is_nan() {
             continue;
         }
@@ -920,12 +1107,17 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
         };
         let n = f
             .data
-            .find(m, &agreement_qk_metric("spearman", QkMethod::AtpStar, site, dirn))
+            .find(
+                m,
+                &agreement_qk_metric("spearman", QkMethod::AtpStar, site, dirn),
+            )
             .find(|r| r.phase.is_none())
             .map_or(0, |r| r.n);
         let mut caveat = Vec::new();
         if n < 6 {
-            caveat.push(format!("over {n} heads only: these rank statistics are coarse"));
+            caveat.push(format!(
+                "over {n} heads only: these rank statistics are coarse"
+            ));
         }
         // No effect is NLD 0 (denoising) or 1 (noising).
         let none = match dirn {
@@ -941,7 +1133,11 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
                 "the exact effects are small (largest |NLD change| {largest:.4}), so the rankings order near-noise differences"
             ));
         }
-        let caveat = if caveat.is_empty() { String::new() } else { format!(" ({})", caveat.join("; ")) };
+        let caveat = if caveat.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", caveat.join("; "))
+        };
         text.push_str(&format!(
             " {} nodes: pooled Spearman AtP {}, AtP* {}; mean absolute NLD error over the phases AtP {ma:.4}, AtP* {ms:.4}: {verdict}{caveat}.",
             site.as_str(),
@@ -953,8 +1149,18 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
     let mut worst: Vec<(f64, String)> = Vec::new();
     for site in [QkSite::Q, QkSite::K] {
         let x = cell_map(f.data, m, &exact_qk_metric(site, dirn), site.kind());
-        let a = cell_map(f.data, m, &est_qk_metric(QkMethod::Atp, site, dirn), site.kind());
-        let s = cell_map(f.data, m, &est_qk_metric(QkMethod::AtpStar, site, dirn), site.kind());
+        let a = cell_map(
+            f.data,
+            m,
+            &est_qk_metric(QkMethod::Atp, site, dirn),
+            site.kind(),
+        );
+        let s = cell_map(
+            f.data,
+            m,
+            &est_qk_metric(QkMethod::AtpStar, site, dirn),
+            site.kind(),
+        );
         for (k, o) in &x {
             let (Some(ph), Some(av), Some(sv)) = (k.2, a.get(k), s.get(k)) else {
                 continue;
@@ -967,7 +1173,10 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
                 QkSite::K => format!("L{}.KV{} k", k.0, k.1),
             };
             let err = (av - o).abs().max((sv - o).abs());
-            worst.push((err, format!("{name} at phase {ph}: exact {o:.3}, AtP {av:.3}, AtP* {sv:.3}")));
+            worst.push((
+                err,
+                format!("{name} at phase {ph}: exact {o:.3}, AtP {av:.3}, AtP* {sv:.3}"),
+            ));
         }
     }
     worst.sort_by(|a, b| b.0.total_cmp(&a.0));
