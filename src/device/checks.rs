@@ -75,7 +75,10 @@ impl References {
                 .map_err(|e| e.to_string());
             self.kvc_logits = Some(got);
         }
-        reference(self.kvc_logits.as_ref().expect("set above"), "kvc logits on flex")
+        reference(
+            self.kvc_logits.as_ref().expect("set above"),
+            "kvc logits on flex",
+        )
     }
 
     fn patch_tables(&mut self) -> Result<BTreeMap<String, Table>> {
@@ -84,7 +87,10 @@ impl References {
                 .map_err(|e| e.to_string());
             self.patch_tables = Some(got);
         }
-        reference(self.patch_tables.as_ref().expect("set above"), "patching run on flex")
+        reference(
+            self.patch_tables.as_ref().expect("set above"),
+            "patching run on flex",
+        )
     }
 
     /// The uninterrupted 20-step loss curve on `spec` (trained once per device).
@@ -101,7 +107,8 @@ impl References {
 }
 
 fn reference<T: Clone>(r: &std::result::Result<T, String>, what: &str) -> Result<T> {
-    r.clone().map_err(|e| Error::Input(format!("{what} failed: {e}")))
+    r.clone()
+        .map_err(|e| Error::Input(format!("{what} failed: {e}")))
 }
 
 /// A folder name for a device (`tch-cuda:0` -> `tch-cuda-0`).
@@ -110,53 +117,57 @@ fn dir_name(spec: &DeviceSpec) -> String {
 }
 
 /// Run `check` on `device`; a panic inside the backend becomes an error cell.
-pub(super) fn run(check: Check, spec: &DeviceSpec, device: &Device, refs: &mut References) -> Status {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match check {
+pub(super) fn run(
+    check: Check,
+    spec: &DeviceSpec,
+    device: &Device,
+    refs: &mut References,
+) -> Status {
+    let got = super::quietly(|| match check {
         Check::V4Parity => v4_parity(&refs.root, device),
         Check::KvcContract => kvc_contract(device, refs),
         Check::PatchingTable => patching_table(spec, refs),
         Check::Training => training(spec, device, refs),
         Check::Checkpoint => checkpoint(spec, device, refs),
-    }));
-    std::panic::set_hook(hook);
+    });
     match got {
         Ok(Ok(measures)) => status_of(measures),
         Ok(Err(e)) => Status::Error {
             message: e.to_string(),
         },
         Err(panic) => Status::Error {
-            message: format!(
-                "the backend panicked: {}",
-                panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default()
-            ),
+            message: format!("the backend panicked: {panic}"),
         },
     }
 }
 
 fn status_of(measures: Vec<Measure>) -> Status {
-    let score = |m: &Measure| if m.err.is_nan() { f64::INFINITY } else { m.err / m.tol };
-    let Some(worst) = measures
-        .iter()
-        .max_by(|a, b| score(a).total_cmp(&score(b)))
-    else {
+    let score = |m: &Measure| {
+        if m.err.is_nan() {
+            f64::INFINITY
+        } else {
+            m.err / m.tol
+        }
+    };
+    let Some(worst) = measures.iter().max_by(|a, b| score(a).total_cmp(&score(b))) else {
         return Status::Error {
             message: "nothing was measured".into(),
         };
     };
     if score(worst) <= 1.0 {
         let max_err = measures.iter().map(|m| m.err).fold(0.0, f64::max);
-        Status::Ok { max_err, tol: worst.tol }
+        Status::Ok {
+            max_err,
+            tol: worst.tol,
+        }
     } else {
         Status::Wrong {
             max_err: worst.err,
             tol: worst.tol,
-            detail: format!("{}: error {:.3e} > tolerance {:.0e}", worst.what, worst.err, worst.tol),
+            detail: format!(
+                "{}: error {:.3e} > tolerance {:.0e}",
+                worst.what, worst.err, worst.tol
+            ),
         }
     }
 }
@@ -172,7 +183,11 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     let (mut d, mut m) = (0f64, 0f64);
     for (x, y) in a.iter().zip(b) {
         let diff = (*x as f64 - *y as f64).abs();
-        d = if diff.is_nan() { f64::INFINITY } else { d.max(diff) };
+        d = if diff.is_nan() {
+            f64::INFINITY
+        } else {
+            d.max(diff)
+        };
         m = m.max((*y as f64).abs());
     }
     d / m.max(1e-30)
@@ -232,7 +247,11 @@ fn v4_parity(root: &Path, device: &Device) -> Result<Vec<Measure>> {
         let t = Tensor::<2, Int>::from_data(TensorData::new(ids, [shape[0], shape[1]]), device);
         let got = host(m.forward(t, &HookSpec::new())?.logits)?;
         let (_, want) = r.read_f32("logits")?;
-        out.push(measure(format!("fixture {name}: logits vs transformers"), rel(&got, &want), 1e-4));
+        out.push(measure(
+            format!("fixture {name}: logits vs transformers"),
+            rel(&got, &want),
+            1e-4,
+        ));
     }
     Ok(out)
 }
@@ -260,18 +279,30 @@ fn kvc_contract(device: &Device, refs: &mut References) -> Result<Vec<Measure>> 
     }
     out.push(measure(
         format!("patching all {} points from the clean cache", cache.len()),
-        rel(&host(m.forward(tokens(&rows, device), &spec)?.logits)?, &plain),
+        rel(
+            &host(m.forward(tokens(&rows, device), &spec)?.logits)?,
+            &plain,
+        ),
         1e-5,
     ));
 
     out.push(suffix_measure(&m, &rows, &plain, device)?);
-    out.push(measure("logits vs flex", rel(&plain, &refs.kvc_logits()?), 1e-4));
+    out.push(measure(
+        "logits vs flex",
+        rel(&plain, &refs.kvc_logits()?),
+        1e-4,
+    ));
     Ok(out)
 }
 
 /// A suffix forward from the middle layer over the last positions of two rows, against
 /// the plain forward's logits there.
-fn suffix_measure(m: &dyn LanguageModel, rows: &[Vec<i64>], plain: &[f32], device: &Device) -> Result<Measure> {
+fn suffix_measure(
+    m: &dyn LanguageModel,
+    rows: &[Vec<i64>],
+    plain: &[f32],
+    device: &Device,
+) -> Result<Measure> {
     let n_layers = m.info().n_layers();
     let (t, vocab) = (rows[0].len(), m.info().vocab_size);
     let mut spec = HookSpec::new();
@@ -279,9 +310,12 @@ fn suffix_measure(m: &dyn LanguageModel, rows: &[Vec<i64>], plain: &[f32], devic
         spec = spec.capture_point(HookPoint::block(l, Site::ResidPre));
     }
     let (base, state) = m.forward_with_state(tokens(rows, device), &spec)?;
-    let state = state.ok_or_else(|| Error::Input("the kvc model returned no prefix state".into()))?;
+    let state =
+        state.ok_or_else(|| Error::Input("the kvc model returned no prefix state".into()))?;
     let start = n_layers / 2;
-    let resid = base.cache.get_name(&format!("blocks.{start}.hook_resid_pre"))?;
+    let resid = base
+        .cache
+        .get_name(&format!("blocks.{start}.hook_resid_pre"))?;
     let sfx = Suffix {
         rows: vec![0, 2],
         from: vec![t - 9, t - 4],
@@ -301,7 +335,10 @@ fn suffix_measure(m: &dyn LanguageModel, rows: &[Vec<i64>], plain: &[f32], devic
     s[0] = sfx.rows.len();
     s[1] = sfx.len;
     let act = Act::from_vec(sliced, s, device)?;
-    let got = host(m.forward_suffix(start, &state, &sfx, &act, &HookSpec::new())?.logits)?;
+    let got = host(
+        m.forward_suffix(start, &state, &sfx, &act, &HookSpec::new())?
+            .logits,
+    )?;
     Ok(measure(
         format!("suffix forward from layer {start} vs the plain forward"),
         rel(&got, &want),
@@ -325,7 +362,8 @@ fn run_patching(root: &Path, scratch: &Path, spec: &DeviceSpec) -> Result<BTreeM
          positions = \"answer\"\n"
     );
     let path = dir.join("backends-patch.toml");
-    crate::output::atomic::write_bytes_atomic(&path, text.as_bytes()).map_err(|e| Error::io(&path, e))?;
+    crate::output::atomic::write_bytes_atomic(&path, text.as_bytes())
+        .map_err(|e| Error::io(&path, e))?;
     let summary = run_experiment(
         &path,
         &RunOptions {
@@ -339,7 +377,9 @@ fn run_patching(root: &Path, scratch: &Path, spec: &DeviceSpec) -> Result<BTreeM
     )?;
     let mut out = BTreeMap::new();
     for t in &summary.tables {
-        let name = t.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        let name = t
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         out.insert(name, Table::read_arrow(t)?);
     }
     Ok(out)
@@ -351,7 +391,11 @@ fn patching_table(spec: &DeviceSpec, refs: &mut References) -> Result<Vec<Measur
     let mut out = Vec::new();
     for (name, w) in &want {
         let Some(g) = got.get(name) else {
-            out.push(measure(format!("table {name} is missing"), f64::INFINITY, 1e-4));
+            out.push(measure(
+                format!("table {name} is missing"),
+                f64::INFINITY,
+                1e-4,
+            ));
             continue;
         };
         out.push(compare_tables(name, g, w));
@@ -397,7 +441,10 @@ fn compare_tables(name: &str, got: &Table, want: &Table) -> Measure {
             }
             (a, b) if a != b => {
                 return measure(
-                    format!("table {name}: column {} differs (not a float column)", g.name),
+                    format!(
+                        "table {name}: column {} differs (not a float column)",
+                        g.name
+                    ),
                     f64::INFINITY,
                     1e-4,
                 );
@@ -456,7 +503,8 @@ fn train_curve(dir: &Path, device: &Device, legs: &[Option<u64>]) -> Result<Vec<
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let path = dir.join("recipe.toml");
-    crate::output::atomic::write_bytes_atomic(&path, RECIPE.as_bytes()).map_err(|e| Error::io(&path, e))?;
+    crate::output::atomic::write_bytes_atomic(&path, RECIPE.as_bytes())
+        .map_err(|e| Error::io(&path, e))?;
     let file = OrganismFile::parse(&path, RECIPE)?;
     let mut history = Vec::new();
     for (i, &max_steps) in legs.iter().enumerate() {
@@ -477,7 +525,11 @@ fn train_curve(dir: &Path, device: &Device, legs: &[Option<u64>]) -> Result<Vec<
 
 fn curve_measure(what: &str, got: &[f64], want: &[f64], tol: f64) -> Measure {
     if got.len() != want.len() {
-        return measure(format!("{what}: {} steps vs {}", got.len(), want.len()), f64::INFINITY, tol);
+        return measure(
+            format!("{what}: {} steps vs {}", got.len(), want.len()),
+            f64::INFINITY,
+            tol,
+        );
     }
     let (step, err) = got
         .iter()
@@ -508,8 +560,16 @@ fn checkpoint(spec: &DeviceSpec, device: &Device, refs: &mut References) -> Resu
     let model_dir = dir.join("model");
     let flex = References::flex()?;
     let rows = prompts(128);
-    let on_device = host(load_kvc(&model_dir, device)?.forward(tokens(&rows, device), &HookSpec::new())?.logits)?;
-    let on_flex = host(load_kvc(&model_dir, &flex)?.forward(tokens(&rows, &flex), &HookSpec::new())?.logits)?;
+    let on_device = host(
+        load_kvc(&model_dir, device)?
+            .forward(tokens(&rows, device), &HookSpec::new())?
+            .logits,
+    )?;
+    let on_flex = host(
+        load_kvc(&model_dir, &flex)?
+            .forward(tokens(&rows, &flex), &HookSpec::new())?
+            .logits,
+    )?;
     out.push(measure(
         "the saved model's logits on the device vs on flex",
         rel(&on_device, &on_flex),
@@ -524,9 +584,15 @@ mod tests {
 
     fn table(values: Vec<f64>, labels: Vec<&str>) -> Table {
         Table::new("t")
-            .with_column("metric", ColumnData::Utf8(labels.into_iter().map(|s| Some(s.to_string())).collect()))
+            .with_column(
+                "metric",
+                ColumnData::Utf8(labels.into_iter().map(|s| Some(s.to_string())).collect()),
+            )
             .unwrap()
-            .with_column("value", ColumnData::Float64(values.into_iter().map(Some).collect()))
+            .with_column(
+                "value",
+                ColumnData::Float64(values.into_iter().map(Some).collect()),
+            )
             .unwrap()
     }
 
@@ -539,7 +605,9 @@ mod tests {
 
         let off = table(vec![0.5, -1.2498, 3.0], vec!["a", "b", "c"]);
         match status_of(vec![compare_tables("heads.arrow", &off, &want)]) {
-            Status::Wrong { max_err, detail, .. } => {
+            Status::Wrong {
+                max_err, detail, ..
+            } => {
                 assert!((max_err - 2e-4).abs() < 1e-9, "{max_err}");
                 assert!(detail.contains("column value row 1"), "{detail}");
             }
@@ -547,7 +615,10 @@ mod tests {
         }
         let relabelled = table(vec![0.5, -1.25, 3.0], vec!["a", "x", "c"]);
         let s = status_of(vec![compare_tables("heads.arrow", &relabelled, &want)]);
-        assert!(matches!(&s, Status::Wrong { detail, .. } if detail.contains("column metric")), "{s:?}");
+        assert!(
+            matches!(&s, Status::Wrong { detail, .. } if detail.contains("column metric")),
+            "{s:?}"
+        );
         let nan = table(vec![f64::NAN, -1.25, 3.0], vec!["a", "b", "c"]);
         assert!(status_of(vec![compare_tables("heads.arrow", &nan, &want)]).is_failure());
     }
@@ -568,7 +639,11 @@ mod tests {
         }
         assert!(matches!(status_of(vec![]), Status::Error { .. }));
         let curve = curve_measure("c", &[1.0, 2.0, 3.0], &[1.0, 2.002, 3.0], 1e-3);
-        assert!(curve.err > 1e-3 && curve.what.contains("step 1"), "{}", curve.what);
+        assert!(
+            curve.err > 1e-3 && curve.what.contains("step 1"),
+            "{}",
+            curve.what
+        );
         assert!(rel(&[1.0, f32::NAN], &[1.0, 2.0]).is_infinite());
     }
 }

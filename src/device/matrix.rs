@@ -82,7 +82,11 @@ pub enum Status {
     /// Within tolerance: the worst error and its tolerance.
     Ok { max_err: f64, tol: f64 },
     /// Outside tolerance: the worst error, its tolerance and where it was seen.
-    Wrong { max_err: f64, tol: f64, detail: String },
+    Wrong {
+        max_err: f64,
+        tol: f64,
+        detail: String,
+    },
     /// The check could not run (the message says why).
     Error { message: String },
     /// This binary was built without the device's backend feature.
@@ -240,14 +244,20 @@ fn details(cells: &[Cell]) -> String {
         };
         // A device that is not built or not available says so once, not per check.
         let key = match &c.status {
-            Status::NotBuilt { .. } | Status::Unavailable { .. } => (c.device.clone(), String::new()),
+            Status::NotBuilt { .. } | Status::Unavailable { .. } => {
+                (c.device.clone(), String::new())
+            }
             _ => (c.device.clone(), c.check.name().to_string()),
         };
         if said.contains(&key) {
             continue;
         }
         said.push(key.clone());
-        let what = if key.1.is_empty() { String::new() } else { format!(" {}", key.1) };
+        let what = if key.1.is_empty() {
+            String::new()
+        } else {
+            format!(" {}", key.1)
+        };
         out += &format!("{}{what}: {}: {why}\n", c.device, c.status.short());
     }
     out

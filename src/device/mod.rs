@@ -140,28 +140,35 @@ pub fn probe(spec: &DeviceSpec) -> std::result::Result<Device, Status> {
     let device = spec.device().map_err(|e| Status::Unavailable {
         message: e.to_string(),
     })?;
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    let tried = quietly(|| {
         let t = burn::tensor::Tensor::<1>::from_floats([1.0, 2.0, 3.5], &device);
         t.clone().mul(t).sum().into_scalar::<f32>()
-    }));
-    std::panic::set_hook(hook);
+    });
     match tried {
         Ok(v) if (v - 17.25).abs() < 1e-4 => Ok(device),
         Ok(v) => Err(Status::Unavailable {
             message: format!("a test computation read back {v} instead of 17.25"),
         }),
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "the backend panicked".to_string());
-            let first = msg.lines().next().unwrap_or_default().to_string();
-            Err(Status::Unavailable { message: first })
-        }
+        Err(msg) => Err(Status::Unavailable {
+            message: msg.lines().next().unwrap_or_default().to_string(),
+        }),
     }
+}
+
+/// Run `f`, turning a panic (backends panic on missing hardware, drivers or unsupported
+/// ops) into its message; the panic hook is silenced meanwhile.
+pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    got.map_err(|panic| {
+        panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "the backend panicked".to_string())
+    })
 }
 
 #[cfg(feature = "flex")]
