@@ -45,7 +45,7 @@ use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor, TensorData};
 
-use crate::analysis::{Clusters, Est, per_phase, spearman, topk_recall};
+use crate::analysis::{Clusters, Est};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
 use crate::model::attention::MASKED;
@@ -57,7 +57,7 @@ use super::super::patching::{Cell, Edit, Fill, Positions, Prompts, Target, reado
 use super::super::prompts::PromptMeta;
 use super::super::report::{Figures, cell_map, push};
 use super::super::rows::RowCtx;
-use super::attribution_patching::{AtpTerms, AttributionPatching, nld};
+use super::attribution_patching::{AtpTerms, AttributionPatching, NldRows, agreement_stats};
 use super::patch_heads::Direction;
 use super::{Ctx, HeadCell};
 
@@ -254,7 +254,7 @@ fn captured<const D: usize>(out: &ForwardOutput, p: HookPoint) -> Result<Tensor<
 
 /// The loss weights of the clean-orientation logit differences: denoising reads the
 /// corrupted prompts (weight -1), noising the clean ones (+1).
-fn weights(n: usize, directions: &[Direction]) -> Vec<f32> {
+pub(super) fn weights(n: usize, directions: &[Direction]) -> Vec<f32> {
     let mut w = vec![0f32; 2 * n];
     for d in directions {
         match d {
@@ -267,7 +267,7 @@ fn weights(n: usize, directions: &[Direction]) -> Vec<f32> {
 
 /// The summed weighted logit differences of `logits: [2n, T, V]` at every prompt's first
 /// target position.
-fn weighted_ld(logits: Tensor<3>, prompts: &Prompts, w: Vec<f32>) -> Result<Tensor<1>> {
+pub(super) fn weighted_ld(logits: Tensor<3>, prompts: &Prompts, w: Vec<f32>) -> Result<Tensor<1>> {
     let [n2, t, v] = logits.dims();
     let device = logits.device();
     let mut flat = Vec::with_capacity(n2);
@@ -433,6 +433,84 @@ fn patched_scores(
     host(captured::<4>(&out, sp)?)
 }
 
+/// The partner prompt of every prompt (its `source`).
+fn partners(prompts: &Prompts) -> Result<Vec<usize>> {
+    (0..prompts.n())
+        .map(|i| {
+            prompts.source[i]
+                .ok_or_else(|| Error::Other(format!("prompt {i} has no partner prompt (source)")))
+        })
+        .collect()
+}
+
+/// Sizes of one layer's terms: prompts (`2n`), tokens, query heads and KV heads.
+struct Dims {
+    n2: usize,
+    len: usize,
+    h: usize,
+    kvh: usize,
+}
+
+/// Plain AtP, `(x_partner - x) . dL/dx`, of every query node (`[2n, len, n_heads]`) and
+/// of the whole `hook_k` of every KV head (`[2n, kv_heads]`).
+fn atp_qk(
+    a: &LayerActs,
+    grad_q: Tensor<4>,
+    grad_k: Tensor<4>,
+    partner: &[usize],
+    s: &Dims,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let dq = (rows_of(a.q.clone(), partner) - a.q.clone()) * grad_q;
+    let qa = host(dq.sum_dim(3).reshape([s.n2 * s.len * s.h]))?;
+    let dk = (rows_of(a.k.clone(), partner) - a.k.clone()) * grad_k;
+    let ka = host(dk.sum_dim(3).sum_dim(1).reshape([s.n2 * s.kvh]))?;
+    Ok((qa, ka))
+}
+
+/// AtP*: per query row, the exact pattern change times `g = dL/dA`, for every query
+/// node (`[2n, len, n_heads]`) and summed over the key slots of every KV head
+/// (`[2n, kv_heads]`). `patched` holds the logits with patched queries (rows `0..2n`)
+/// and with patched keys (rows `2n..4n`).
+fn star_qk(a: &LayerActs, patched: &[f32], g: &[f32], dims: &Dims) -> (Vec<f32>, Vec<f64>) {
+    let (n2, len, h, kvh) = (dims.n2, dims.len, dims.h, dims.kvh);
+    let (j, group) = (a.slots, h / kvh);
+    let mut qs = vec![0f32; n2 * len * h];
+    let mut ks = vec![0f64; n2 * kvh];
+    for r in 0..n2 {
+        for hh in 0..h {
+            for tq in 0..len {
+                let at = ((r * h + hh) * len + tq) * j;
+                let s = &a.scores[at..at + j];
+                let gg = &g[at..at + j];
+                let sq = &patched[at..at + j];
+                let sk_at = ((n2 + r) * h + hh) * len * j + tq * j;
+                let sk = &patched[sk_at..sk_at + j];
+                qs[(r * len + tq) * h + hh] = query_row(s, sq, gg) as f32;
+                ks[r * kvh + hh / group] += key_row(s, sk, gg);
+            }
+        }
+    }
+    (qs, ks)
+}
+
+/// (query rows at a prompt's read position whose largest attention probability
+/// exceeds 0.99, such rows) of one layer, over every prompt and query head.
+fn saturation(prompts: &Prompts, a: &LayerActs, s: &Dims) -> (usize, usize) {
+    let j = a.slots;
+    let mut sat = (0, 0);
+    for (r, tg) in prompts.targets.iter().enumerate() {
+        for hh in 0..s.h {
+            let at = ((r * s.h + hh) * s.len + tg.positions[0]) * j;
+            let top = row_softmax(&a.scores[at..at + j])
+                .into_iter()
+                .fold(0.0, f64::max);
+            sat.0 += (top > 0.99) as usize;
+            sat.1 += 1;
+        }
+    }
+    sat
+}
+
 /// AtP and AtP* of the query and key nodes of `layers` (see the module docs). Prompts
 /// `0..n` must be clean and `n..2n` their partners, each with an `alt` answer.
 pub fn qk_terms(
@@ -449,12 +527,7 @@ pub fn qk_terms(
     }
     let n = n2 / 2;
     let len = prompts.len;
-    let partner: Vec<usize> = (0..n2)
-        .map(|i| {
-            prompts.source[i]
-                .ok_or_else(|| Error::Other(format!("prompt {i} has no partner prompt (source)")))
-        })
-        .collect::<Result<_>>()?;
+    let partner = partners(prompts)?;
     let (base, acts) = clean_acts(model, prompts, layers)?;
     let grads = gradients(model, prompts, layers, &acts, directions)?;
     let info = model.info();
@@ -469,58 +542,24 @@ pub fn qk_terms(
     let mut saturated = Vec::with_capacity(layers.len());
     for (li, (&l, a)) in layers.iter().zip(&acts).enumerate() {
         let (h, kvh) = (info.layers[l].n_heads, info.layers[l].n_kv_heads.max(1));
-        let group = h / kvh;
-        let j = a.slots;
+        let dims = Dims { n2, len, h, kvh };
         let patched = patched_scores(model, prompts, l, a, &partner)?;
-        let g = &grads.pattern[li];
-        // Plain AtP: (x_partner - x) . dL/dx.
-        let dq = (rows_of(a.q.clone(), &partner) - a.q.clone()) * grads.q[li].clone();
-        let qa = host(dq.sum_dim(3).reshape([n2 * len * h]))?;
-        let dk = (rows_of(a.k.clone(), &partner) - a.k.clone()) * grads.k[li].clone();
-        let ka = host(dk.sum_dim(3).sum_dim(1).reshape([n2 * kvh]))?;
-        // AtP*: per row, exact pattern change x dL/dA.
-        let mut qs = vec![0f32; n2 * len * h];
-        let mut ks = vec![0f64; n2 * kvh];
-        for r in 0..n2 {
-            for hh in 0..h {
-                for tq in 0..len {
-                    let at = ((r * h + hh) * len + tq) * j;
-                    let s = &a.scores[at..at + j];
-                    let gg = &g[at..at + j];
-                    let sq = &patched[at..at + j];
-                    let sk_at = ((n2 + r) * h + hh) * len * j + tq * j;
-                    let sk = &patched[sk_at..sk_at + j];
-                    qs[(r * len + tq) * h + hh] = query_row(s, sq, gg) as f32;
-                    ks[r * kvh + hh / group] += key_row(s, sk, gg);
-                }
-            }
-        }
-        let mut sat = (0, 0);
-        for (r, tg) in prompts.targets.iter().enumerate() {
-            for hh in 0..h {
-                let at = ((r * h + hh) * len + tg.positions[0]) * j;
-                let top = row_softmax(&a.scores[at..at + j])
-                    .into_iter()
-                    .fold(0.0, f64::max);
-                sat.0 += (top > 0.99) as usize;
-                sat.1 += 1;
-            }
-        }
-        saturated.push(sat);
+        let (qa, ka) = atp_qk(a, grads.q[li].clone(), grads.k[li].clone(), &partner, &dims)?;
+        let (qs, ks) = star_qk(a, &patched, &grads.pattern[li], &dims);
+        saturated.push(saturation(prompts, a, &dims));
         for (di, d) in directions.iter().enumerate() {
             let rows = match d {
                 Direction::Denoise => n..n2,
                 Direction::Noise => 0..n,
             };
-            t[0][di].push(qa[rows.start * len * h..rows.end * len * h].to_vec());
-            t[1][di].push(qs[rows.start * len * h..rows.end * len * h].to_vec());
-            t[2][di].push(ka[rows.start * kvh..rows.end * kvh].to_vec());
-            t[3][di].push(
-                ks[rows.start * kvh..rows.end * kvh]
-                    .iter()
-                    .map(|&x| x as f32)
-                    .collect(),
+            let (q, k) = (
+                rows.start * len * h..rows.end * len * h,
+                rows.start * kvh..rows.end * kvh,
             );
+            t[0][di].push(qa[q.clone()].to_vec());
+            t[1][di].push(qs[q].to_vec());
+            t[2][di].push(ka[k.clone()].to_vec());
+            t[3][di].push(ks[k].iter().map(|&x| x as f32).collect());
         }
         q_heads.push(h);
         kv_heads.push(kvh);
@@ -585,6 +624,12 @@ fn site_of(kind: HeadKind) -> QkSite {
 /// Per-phase and pooled values.
 type PhaseVals = (Vec<f64>, f64);
 
+/// (direction, head cell, method) -> the estimate's values.
+type EstVals = BTreeMap<(usize, usize, QkMethod), PhaseVals>;
+
+/// (direction, head cell) -> the exact values.
+type ExactVals = BTreeMap<(usize, usize), PhaseVals>;
+
 /// What [`rows`] needs from the kind's run.
 pub struct QkInput<'a> {
     pub cfg: &'a AttributionPatching,
@@ -598,16 +643,50 @@ pub struct QkInput<'a> {
 /// The query/key estimates (AtP and AtP*), their exact check and agreement, and the
 /// speed rows, appended to `rows`.
 pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()> {
-    let cfg = inp.cfg;
-    let dirs = cfg.directions.clone();
+    let dirs = inp.cfg.directions.clone();
     let t0 = std::time::Instant::now();
     let mut terms = Vec::with_capacity(inp.prompts.len());
     for prompts in inp.prompts {
         terms.push(qk_terms(ctx.model, prompts, inp.layers, &dirs)?);
     }
     let star_seconds = t0.elapsed().as_secs_f64();
-    let rc = ctx.rows.clone();
-    for (li, &l) in inp.layers.iter().enumerate() {
+    saturation_rows(&ctx.rows, inp.layers, &terms, rows);
+    ctx.stats.forwards += (inp.prompts.len() * (2 + inp.layers.len())) as u64;
+    let exact = if inp.cfg.validate {
+        Some(exact_patching(ctx, inp)?)
+    } else {
+        None
+    };
+    let nr = NldRows::new(ctx);
+    let estimates = Estimates {
+        inp,
+        terms,
+        layer_index: inp
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l, i))
+            .collect(),
+        p: ctx.p(),
+    };
+    let (est, ex) = estimates.cell_rows(&nr, exact.as_ref().map(|(res, _)| res.as_slice()), rows);
+    if exact.is_some() {
+        agreement_rows(&nr, inp, &est, &ex, rows);
+    }
+    speed_rows(
+        &nr.rc,
+        inp,
+        star_seconds,
+        exact.as_ref().map(|(_, secs)| *secs),
+        rows,
+    );
+    Ok(())
+}
+
+/// Per layer, the share of saturated query rows at the read position
+/// (`saturated_read_rows`) over every group.
+fn saturation_rows(rc: &RowCtx, layers: &[usize], terms: &[QkTerms], rows: &mut Vec<LongRow>) {
+    for (li, &l) in layers.iter().enumerate() {
         let (k, n) = terms.iter().fold((0, 0), |(k, n), t| {
             (k + t.saturated[li].0, n + t.saturated[li].1)
         });
@@ -628,80 +707,38 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
             .at_layer(l as u32),
         );
     }
-    ctx.stats.forwards += (inp.prompts.len() * (2 + inp.layers.len())) as u64;
-    let exact = if cfg.validate {
-        let groups: Vec<Group> = inp
-            .prompts
-            .iter()
-            .zip(inp.phases_run)
-            .map(|(p, r)| Group {
-                key: format!("p{r}-qk"),
-                prompts: p.clone(),
-                cells: exact_cells(inp.heads, &dirs, &cfg.positions, p.n() / 2),
-            })
-            .collect();
-        let t1 = std::time::Instant::now();
-        let res = ctx.execute(&format!("{} exact q/k patching", ctx.mref.name), &groups)?;
-        Some((res, t1.elapsed().as_secs_f64()))
-    } else {
-        None
-    };
-    let (p, reps, seed) = (ctx.p(), ctx.reps(), ctx.seed());
-    let phases = ctx.task.phases.clone();
-    let layer_index: BTreeMap<usize, usize> = inp
-        .layers
+}
+
+/// Exact patching of the query/key cells in every phase group, and its wall time.
+fn exact_patching(ctx: &mut Ctx, inp: &QkInput) -> Result<(Vec<GroupResult>, f64)> {
+    let cfg = inp.cfg;
+    let groups: Vec<Group> = inp
+        .prompts
         .iter()
-        .enumerate()
-        .map(|(i, &l)| (l, i))
+        .zip(inp.phases_run)
+        .map(|(p, r)| Group {
+            key: format!("p{r}-qk"),
+            prompts: p.clone(),
+            cells: exact_cells(inp.heads, &cfg.directions, &cfg.positions, p.n() / 2),
+        })
         .collect();
-    let mut est: BTreeMap<(usize, usize, QkMethod), PhaseVals> = BTreeMap::new();
-    let mut ex: BTreeMap<(usize, usize), PhaseVals> = BTreeMap::new();
-    for (di, d) in dirs.iter().enumerate() {
-        for (hi, h) in inp.heads.iter().enumerate() {
-            let site = site_of(h.kind);
-            let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
-            for method in [QkMethod::Atp, QkMethod::AtpStar] {
-                let c = estimate_clusters(
-                    inp,
-                    &terms,
-                    site,
-                    method,
-                    *d,
-                    di,
-                    layer_index[&h.layer],
-                    h,
-                    p,
-                );
-                let (per, pooled) = per_phase(&c, nld, reps, seed);
-                rows.extend(rc.phase_rows(
-                    &est_qk_metric(method, site, *d),
-                    at,
-                    &phases,
-                    &per,
-                    pooled,
-                ));
-                est.insert(
-                    (di, hi, method),
-                    (per.iter().map(|e| e.value).collect(), pooled.value),
-                );
-            }
-            if let Some((res, _)) = &exact {
-                let ci = di * inp.heads.len() + hi;
-                let c = exact_clusters(inp.metas, res, ci, *d, p);
-                let (per, pooled) = per_phase(&c, nld, reps, seed);
-                rows.extend(rc.phase_rows(&exact_qk_metric(site, *d), at, &phases, &per, pooled));
-                ex.insert(
-                    (di, hi),
-                    (per.iter().map(|e| e.value).collect(), pooled.value),
-                );
-            }
-        }
-    }
-    if exact.is_some() {
-        agreement_rows(&rc, inp, &dirs, &phases, &est, &ex, rows);
-    }
+    let t1 = std::time::Instant::now();
+    let res = ctx.execute(&format!("{} exact q/k patching", ctx.mref.name), &groups)?;
+    Ok((res, t1.elapsed().as_secs_f64()))
+}
+
+/// Speed rows of AtP* (query head x position and KV head nodes) and, with `exact_secs`,
+/// of the exact q/k patching.
+fn speed_rows(
+    rc: &RowCtx,
+    inp: &QkInput,
+    star_seconds: f64,
+    exact_secs: Option<f64>,
+    rows: &mut Vec<LongRow>,
+) {
+    let n_dirs = inp.cfg.directions.len();
     let n_groups = inp.prompts.len().max(1) as u64;
-    let cells = (inp.heads.len() * dirs.len()) as f64 * n_groups as f64;
+    let cells = (inp.heads.len() * n_dirs) as f64 * n_groups as f64;
     // The terms cover every query head x position node (as atp_cells_per_s counts
     // head x position cells) and every KV head.
     let len = inp.prompts.first().map_or(0, |p| p.len);
@@ -710,7 +747,7 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
         .iter()
         .map(|h| if h.kind == HeadKind::Query { len } else { 1 })
         .sum();
-    let node_cells = (nodes * dirs.len()) as f64 * n_groups as f64;
+    let node_cells = (nodes * n_dirs) as f64 * n_groups as f64;
     let speed = |v: f64, n: u64| Est {
         value: v,
         ci: None,
@@ -721,67 +758,98 @@ pub fn rows(ctx: &mut Ctx, inp: &QkInput, rows: &mut Vec<LongRow>) -> Result<()>
         "atpstar_cells_per_s",
         speed(node_cells / star_seconds.max(1e-9), node_cells as u64),
     ));
-    if let Some((_, secs)) = &exact {
-        rows.push(rc.row("exact_qk_seconds", speed(*secs, n_groups)));
+    if let Some(secs) = exact_secs {
+        rows.push(rc.row("exact_qk_seconds", speed(secs, n_groups)));
         rows.push(rc.row(
             "exact_qk_cells_per_s",
             speed(cells / secs.max(1e-9), cells as u64),
         ));
     }
-    Ok(())
 }
 
-/// `[LD estimate, LD clean, LD corrupted]` per pair, clustered by logical example.
-#[allow(clippy::too_many_arguments)]
-fn estimate_clusters(
-    inp: &QkInput,
-    terms: &[QkTerms],
-    site: QkSite,
-    method: QkMethod,
-    d: Direction,
-    di: usize,
-    li: usize,
-    h: &HeadCell,
+/// The query/key terms of every group, with what their estimate rows need.
+struct Estimates<'a> {
+    inp: &'a QkInput<'a>,
+    terms: Vec<QkTerms>,
+    /// Layer -> its index in the terms.
+    layer_index: BTreeMap<usize, usize>,
     p: usize,
-) -> Clusters<3> {
-    let mut c = Clusters::<3>::new(p);
-    for ((meta, qk), prompts) in inp.metas.iter().zip(terms).zip(inp.prompts) {
-        let t = qk.get(site, method);
-        let n = t.n;
-        for (i, mi) in meta.iter().enumerate().take(n) {
-            let (row, sign) = match d {
-                Direction::Denoise => (n + i, -1.0),
-                Direction::Noise => (i, 1.0),
-            };
-            let delta = match site {
-                QkSite::Q => {
-                    let tg = &prompts.targets[row].positions;
-                    let pos = inp
-                        .cfg
-                        .positions
-                        .resolve(tg)
-                        .unwrap_or_else(|| (0..prompts.len).collect());
-                    t.sum(di, li, i, &h.query_heads, &pos)
-                }
-                QkSite::K => t.sum(di, li, i, &[h.head], &[0]),
-            };
-            let ld_base = sign * t.base[row].ld as f64;
-            c.add(
-                mi.logical,
-                mi.phase,
-                [
-                    ld_base + delta,
-                    t.base[i].ld as f64,
-                    -t.base[n + i].ld as f64,
-                ],
-            );
-        }
-    }
-    c
 }
 
-/// The exact patched LD of cell `ci`, clustered like [`estimate_clusters`].
-fn exact_clusters(
+impl Estimates<'_> {
+    /// Estimate rows (AtP, AtP*) and, with `exact`, exact rows per direction x head; the
+    /// values of both.
+    fn cell_rows(
+        &self,
+        nr: &NldRows,
+        exact: Option<&[GroupResult]>,
+        rows: &mut Vec<LongRow>,
+    ) -> (EstVals, ExactVals) {
+        let inp = self.inp;
+        let mut est: EstVals = BTreeMap::new();
+        let mut ex: ExactVals = BTreeMap::new();
+        for (di, d) in inp.cfg.directions.iter().enumerate() {
+            for (hi, h) in inp.heads.iter().enumerate() {
+                let site = site_of(h.kind);
+                let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
+                for method in [QkMethod::Atp, QkMethod::AtpStar] {
+                    let c = self.clusters(method, *d, di, h);
+                    let metric = est_qk_metric(method, site, *d);
+                    est.insert((di, hi, method), nr.push(&c, &metric, at, rows));
+                }
+                if let Some(res) = exact {
+                    let ci = di * inp.heads.len() + hi;
+                    let c = exact_clusters(inp.metas, res, ci, *d, self.p);
+                    ex.insert((di, hi), nr.push(&c, &exact_qk_metric(site, *d), at, rows));
+                }
+            }
+        }
+        (est, ex)
+    }
+
+    /// `[LD estimate, LD clean, LD corrupted]` per pair of head `h` in direction `d`
+    /// (index `di`), clustered by logical example.
+    fn clusters(&self, method: QkMethod, d: Direction, di: usize, h: &HeadCell) -> Clusters<3> {
+        let (inp, site, li) = (self.inp, site_of(h.kind), self.layer_index[&h.layer]);
+        let mut c = Clusters::<3>::new(self.p);
+        for ((meta, qk), prompts) in inp.metas.iter().zip(&self.terms).zip(inp.prompts) {
+            let t = qk.get(site, method);
+            let n = t.n;
+            for (i, mi) in meta.iter().enumerate().take(n) {
+                let (row, sign) = match d {
+                    Direction::Denoise => (n + i, -1.0),
+                    Direction::Noise => (i, 1.0),
+                };
+                let delta = match site {
+                    QkSite::Q => {
+                        let tg = &prompts.targets[row].positions;
+                        let pos = inp
+                            .cfg
+                            .positions
+                            .resolve(tg)
+                            .unwrap_or_else(|| (0..prompts.len).collect());
+                        t.sum(di, li, i, &h.query_heads, &pos)
+                    }
+                    QkSite::K => t.sum(di, li, i, &[h.head], &[0]),
+                };
+                let ld_base = sign * t.base[row].ld as f64;
+                c.add(
+                    mi.logical,
+                    mi.phase,
+                    [
+                        ld_base + delta,
+                        t.base[i].ld as f64,
+                        -t.base[n + i].ld as f64,
+                    ],
+                );
+            }
+        }
+        c
+    }
+}
+
+/// The exact patched LD of cell `ci`, clustered like [`Estimates::clusters`].
+pub(super) fn exact_clusters(
     metas: &[Vec<PromptMeta>],
     res: &[GroupResult],
     ci: usize,
@@ -813,16 +881,13 @@ fn exact_clusters(
 /// Spearman, top-k recall and mean absolute error of each estimate against the exact
 /// values over the heads of each site, per phase and pooled.
 fn agreement_rows(
-    rc: &RowCtx,
+    nr: &NldRows,
     inp: &QkInput,
-    dirs: &[Direction],
-    phases: &[u32],
-    est: &BTreeMap<(usize, usize, QkMethod), PhaseVals>,
-    ex: &BTreeMap<(usize, usize), PhaseVals>,
+    est: &EstVals,
+    ex: &ExactVals,
     rows: &mut Vec<LongRow>,
 ) {
-    let top_k = inp.cfg.top_k;
-    for (di, d) in dirs.iter().enumerate() {
+    for (di, d) in inp.cfg.directions.iter().enumerate() {
         for site in [QkSite::Q, QkSite::K] {
             let hs: Vec<usize> = (0..inp.heads.len())
                 .filter(|&i| inp.heads[i].kind == site.kind())
@@ -838,35 +903,10 @@ fn agreement_rows(
                         .filter(|(a, b)| a.is_finite() && b.is_finite())
                         .unzip()
                 };
-                let sets = phases.iter().map(|&ph| Some(ph)).chain([None]);
-                for ph in sets {
+                let metric = |stat: &str| agreement_qk_metric(stat, method, site, *d);
+                for ph in nr.phases.iter().map(|&ph| Some(ph)).chain([None]) {
                     let (e, x) = at(ph.map(|p| p as usize));
-                    let n = e.len() as u64;
-                    let sp = spearman(&e, &x).ok().flatten().unwrap_or(f64::NAN);
-                    let rec = topk_recall(&e, &x, top_k).unwrap_or(f64::NAN);
-                    let mae = if e.is_empty() {
-                        f64::NAN
-                    } else {
-                        e.iter().zip(&x).map(|(a, b)| (a - b).abs()).sum::<f64>() / n as f64
-                    };
-                    for (stat, v) in [
-                        ("spearman".to_string(), sp),
-                        (format!("recall_top{top_k}"), rec),
-                        ("mae".to_string(), mae),
-                    ] {
-                        let mut row = rc.row(
-                            agreement_qk_metric(&stat, method, site, *d),
-                            Est {
-                                value: v,
-                                ci: None,
-                                n,
-                            },
-                        );
-                        if let Some(ph) = ph {
-                            row = row.at_phase(ph);
-                        }
-                        rows.push(row);
-                    }
+                    rows.extend(agreement_stats(&nr.rc, inp.cfg.top_k, metric, ph, &e, &x));
                 }
             }
         }
@@ -884,7 +924,7 @@ fn fmt3(v: f64) -> String {
 /// The report section of the query/key estimates: agreement tables, scatter plots, and
 /// where AtP and AtP* disagree with exact patching.
 pub fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
-    let (d, m, phases, dir) = (f.data, f.model.clone(), f.phases.clone(), f.dir);
+    let (d, m, phases) = (f.data, f.model.clone(), f.phases.clone());
     let m = m.as_str();
     let present = cfg.directions.iter().any(|x| {
         [QkSite::Q, QkSite::K]
@@ -894,6 +934,23 @@ pub fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
     if !present {
         return Ok(());
     }
+    intro(f, m);
+    let recall = format!("recall_top{}", cfg.top_k);
+    for dirn in &cfg.directions {
+        f.report.subsection(format!(
+            "{}: AtP and AtP* of q / k against exact",
+            dirn.metric()
+        ));
+        qk_scatter(f, m, *dirn)?;
+        agreement_table(f, m, &phases, *dirn, &recall)?;
+        disagreement_text(f, m, &phases, *dirn, &recall);
+    }
+    Ok(())
+}
+
+/// The section's heading and explanation, the speed and the saturation of the read rows.
+fn intro(f: &mut Figures, m: &str) {
+    let d = f.data;
     f.report.section("AtP* of the query and key nodes (qk_fix)");
     f.report.paragraph(
         "AtP linearises through the attention softmax; where the softmax is saturated its slope is ~0 \
@@ -930,56 +987,51 @@ pub fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
             sat.join(", ")
         ));
     }
-    let recall = format!("recall_top{}", cfg.top_k);
-    for dirn in &cfg.directions {
-        f.report.subsection(format!(
-            "{}: AtP and AtP* of q / k against exact",
-            dirn.metric()
-        ));
-        let mut series = Vec::new();
-        for site in [QkSite::Q, QkSite::K] {
-            let x = cell_map(d, m, &exact_qk_metric(site, *dirn), site.kind());
-            for method in [QkMethod::Atp, QkMethod::AtpStar] {
-                let e = cell_map(d, m, &est_qk_metric(method, site, *dirn), site.kind());
-                let (pe, po): (Vec<f64>, Vec<f64>) = e
-                    .iter()
-                    .filter(|((_, _, ph), _)| ph.is_some())
-                    .filter_map(|(k, v)| x.get(k).map(|o| (*v, *o)))
-                    .unzip();
-                if !pe.is_empty() {
-                    series.push(ScatterSeries {
-                        name: format!("{} {}", method.as_str(), site.as_str()),
-                        predicted: pe,
-                        observed: po,
-                    });
-                }
+}
+
+/// Scatter of AtP and AtP* of q and k against exact patching, every head x phase cell.
+fn qk_scatter(f: &mut Figures, m: &str, dirn: Direction) -> Result<()> {
+    let (d, dir) = (f.data, f.dir);
+    let mut series = Vec::new();
+    for site in [QkSite::Q, QkSite::K] {
+        let x = cell_map(d, m, &exact_qk_metric(site, dirn), site.kind());
+        for method in [QkMethod::Atp, QkMethod::AtpStar] {
+            let e = cell_map(d, m, &est_qk_metric(method, site, dirn), site.kind());
+            let (pe, po): (Vec<f64>, Vec<f64>) = e
+                .iter()
+                .filter(|((_, _, ph), _)| ph.is_some())
+                .filter_map(|(k, v)| x.get(k).map(|o| (*v, *o)))
+                .unzip();
+            if !pe.is_empty() {
+                series.push(ScatterSeries {
+                    name: format!("{} {}", method.as_str(), site.as_str()),
+                    predicted: pe,
+                    observed: po,
+                });
             }
         }
-        if !series.is_empty() {
-            let xm = dirn.metric();
-            let fig = scatter_predicted_vs_observed(
-                dir.join(format!("atpstar_qk_{xm}_vs_exact")),
-                &ScatterSpec {
-                    series,
-                    title: format!("{m}: AtP / AtP* of q and k vs exact {xm}, head x phase"),
-                    x_label: "estimate of NLD".into(),
-                    y_label: "exact NLD".into(),
-                    r2_text: None,
-                    size: None,
-                },
-            )?;
-            push(
-                &mut f.files,
-                &mut f.report,
-                &format!(
-                    "AtP and AtP* of hook_q / key slots vs exact {xm}, every head x source phase"
-                ),
-                fig,
-            );
-        }
-        agreement_table(f, m, &phases, *dirn, &recall)?;
-        disagreement_text(f, m, &phases, *dirn, &recall);
     }
+    if series.is_empty() {
+        return Ok(());
+    }
+    let xm = dirn.metric();
+    let fig = scatter_predicted_vs_observed(
+        dir.join(format!("atpstar_qk_{xm}_vs_exact")),
+        &ScatterSpec {
+            series,
+            title: format!("{m}: AtP / AtP* of q and k vs exact {xm}, head x phase"),
+            x_label: "estimate of NLD".into(),
+            y_label: "exact NLD".into(),
+            r2_text: None,
+            size: None,
+        },
+    )?;
+    push(
+        &mut f.files,
+        &mut f.report,
+        &format!("AtP and AtP* of hook_q / key slots vs exact {xm}, every head x source phase"),
+        fig,
+    );
     Ok(())
 }
 
@@ -1033,6 +1085,40 @@ fn agreement_table(
 /// Where each estimate's ranking fails, and the cells where AtP and AtP* differ most from
 /// the exact value.
 fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, recall: &str) {
+    let parts = ranking_parts(f, m, phases, dirn, recall);
+    if parts.is_empty() {
+        return;
+    }
+    let mut text = format!("{}.", parts.join("; "));
+    // Pooled over the phases: does the fix help?
+    for site in [QkSite::Q, QkSite::K] {
+        if let Some(verdict) = pooled_verdict(f, m, phases, dirn, site) {
+            text.push_str(&verdict);
+        }
+    }
+    // The largest errors of each estimate, with the other estimate next to it.
+    let worst = worst_qk_cells(f, m, dirn);
+    if !worst.is_empty() {
+        let list: Vec<String> = worst.iter().take(6).map(|w| w.1.clone()).collect();
+        text.push_str(&format!(" Largest errors: {}.", list.join("; ")));
+    }
+    text.push_str(
+        " AtP* removes only the softmax's curvature; what remains is the first-order step from the pattern \
+         to the logit difference (later layers, norms, a patch that switches the answer at once) and, for \
+         keys, the sum over slots that are in truth patched together.",
+    );
+    f.report.paragraph(text);
+}
+
+/// Per site and method with agreement rows: the phases where the ranking fails, or that
+/// it ranks well at every phase.
+fn ranking_parts(
+    f: &Figures,
+    m: &str,
+    phases: &[u32],
+    dirn: Direction,
+    recall: &str,
+) -> Vec<String> {
     let mut parts = Vec::new();
     for site in [QkSite::Q, QkSite::K] {
         for method in [QkMethod::Atp, QkMethod::AtpStar] {
@@ -1063,89 +1149,105 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
             });
         }
     }
-    if parts.is_empty() {
-        return;
+    parts
+}
+
+/// The mean of the finite values, NaN when there are none.
+fn mean_finite(values: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = values.filter(|v| v.is_finite()).collect();
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
     }
-    let mut text = format!("{}.", parts.join("; "));
-    // Pooled over the phases: does the fix help?
-    for site in [QkSite::Q, QkSite::K] {
-        let pooled =
-            |method, stat: &str| qk_val(f, m, &agreement_qk_metric(stat, method, site, dirn), None);
-        let mean_mae = |method| {
-            let v: Vec<f64> = phases
-                .iter()
-                .map(|&p| {
-                    qk_val(
-                        f,
-                        m,
-                        &agreement_qk_metric("mae", method, site, dirn),
-                        Some(p),
-                    )
-                })
-                .filter(|v| v.is_finite())
-                .collect();
-            if v.is_empty() {
-                f64::NAN
-            } else {
-                v.iter().sum::<f64>() / v.len() as f64
-            }
-        };
-        let (sa, ss) = (
-            pooled(QkMethod::Atp, "spearman"),
-            pooled(QkMethod::AtpStar, "spearman"),
-        );
-        if sa.is_nan() && ss.is_nan() {
-            continue;
-        }
-        let (ma, ms) = (mean_mae(QkMethod::Atp), mean_mae(QkMethod::AtpStar));
-        let verdict = if ms < 0.8 * ma {
-            "AtP* is closer to the exact values"
-        } else if ms > 1.25 * ma {
-            "AtP* is further from the exact values"
-        } else {
-            "AtP and AtP* are about equally close"
-        };
-        let n = f
-            .data
-            .find(
+}
+
+/// The `site` nodes pooled over the phases: Spearman of AtP and AtP*, their mean
+/// absolute NLD error, and whether the fix helps; None without pooled Spearman rows.
+fn pooled_verdict(
+    f: &Figures,
+    m: &str,
+    phases: &[u32],
+    dirn: Direction,
+    site: QkSite,
+) -> Option<String> {
+    let pooled =
+        |method, stat: &str| qk_val(f, m, &agreement_qk_metric(stat, method, site, dirn), None);
+    let mean_mae = |method| {
+        mean_finite(phases.iter().map(|&p| {
+            qk_val(
+                f,
                 m,
-                &agreement_qk_metric("spearman", QkMethod::AtpStar, site, dirn),
+                &agreement_qk_metric("mae", method, site, dirn),
+                Some(p),
             )
-            .find(|r| r.phase.is_none())
-            .map_or(0, |r| r.n);
-        let mut caveat = Vec::new();
-        if n < 6 {
-            caveat.push(format!(
-                "over {n} heads only: these rank statistics are coarse"
-            ));
-        }
-        // No effect is NLD 0 (denoising) or 1 (noising).
-        let none = match dirn {
-            Direction::Denoise => 0.0,
-            Direction::Noise => 1.0,
-        };
-        let largest = cell_map(f.data, m, &exact_qk_metric(site, dirn), site.kind())
-            .values()
-            .filter(|v| v.is_finite())
-            .fold(0.0f64, |a, v| a.max((v - none).abs()));
-        if largest < 0.05 {
-            caveat.push(format!(
-                "the exact effects are small (largest |NLD change| {largest:.4}), so the rankings order near-noise differences"
-            ));
-        }
-        let caveat = if caveat.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", caveat.join("; "))
-        };
-        text.push_str(&format!(
-            " {} nodes: pooled Spearman AtP {}, AtP* {}; mean absolute NLD error over the phases AtP {ma:.4}, AtP* {ms:.4}: {verdict}{caveat}.",
-            site.as_str(),
-            fmt3(sa),
-            fmt3(ss),
+        }))
+    };
+    let (sa, ss) = (
+        pooled(QkMethod::Atp, "spearman"),
+        pooled(QkMethod::AtpStar, "spearman"),
+    );
+    if sa.is_nan() && ss.is_nan() {
+        return None;
+    }
+    let (ma, ms) = (mean_mae(QkMethod::Atp), mean_mae(QkMethod::AtpStar));
+    let verdict = if ms < 0.8 * ma {
+        "AtP* is closer to the exact values"
+    } else if ms > 1.25 * ma {
+        "AtP* is further from the exact values"
+    } else {
+        "AtP and AtP* are about equally close"
+    };
+    let caveat = rank_caveat(f, m, dirn, site);
+    Some(format!(
+        " {} nodes: pooled Spearman AtP {}, AtP* {}; mean absolute NLD error over the phases AtP {ma:.4}, AtP* {ms:.4}: {verdict}{caveat}.",
+        site.as_str(),
+        fmt3(sa),
+        fmt3(ss),
+    ))
+}
+
+/// Why the `site` rank statistics may mislead (few heads, near-zero exact effects), as
+/// ` (...)`, or empty.
+fn rank_caveat(f: &Figures, m: &str, dirn: Direction, site: QkSite) -> String {
+    let n = f
+        .data
+        .find(
+            m,
+            &agreement_qk_metric("spearman", QkMethod::AtpStar, site, dirn),
+        )
+        .find(|r| r.phase.is_none())
+        .map_or(0, |r| r.n);
+    let mut caveat = Vec::new();
+    if n < 6 {
+        caveat.push(format!(
+            "over {n} heads only: these rank statistics are coarse"
         ));
     }
-    // The largest errors of each estimate, with the other estimate next to it.
+    // No effect is NLD 0 (denoising) or 1 (noising).
+    let none = match dirn {
+        Direction::Denoise => 0.0,
+        Direction::Noise => 1.0,
+    };
+    let largest = cell_map(f.data, m, &exact_qk_metric(site, dirn), site.kind())
+        .values()
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, |a, v| a.max((v - none).abs()));
+    if largest < 0.05 {
+        caveat.push(format!(
+            "the exact effects are small (largest |NLD change| {largest:.4}), so the rankings order near-noise differences"
+        ));
+    }
+    if caveat.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", caveat.join("; "))
+    }
+}
+
+/// Every q / k head x phase cell with finite exact, AtP and AtP* values, as (the larger
+/// error of the two, description), largest first.
+fn worst_qk_cells(f: &Figures, m: &str, dirn: Direction) -> Vec<(f64, String)> {
     let mut worst: Vec<(f64, String)> = Vec::new();
     for site in [QkSite::Q, QkSite::K] {
         let x = cell_map(f.data, m, &exact_qk_metric(site, dirn), site.kind());
@@ -1180,14 +1282,5 @@ fn disagreement_text(f: &mut Figures, m: &str, phases: &[u32], dirn: Direction, 
         }
     }
     worst.sort_by(|a, b| b.0.total_cmp(&a.0));
-    if !worst.is_empty() {
-        let list: Vec<String> = worst.iter().take(6).map(|w| w.1.clone()).collect();
-        text.push_str(&format!(" Largest errors: {}.", list.join("; ")));
-    }
-    text.push_str(
-        " AtP* removes only the softmax's curvature; what remains is the first-order step from the pattern \
-         to the logit difference (later layers, norms, a patch that switches the answer at once) and, for \
-         keys, the sum over slots that are in truth patched together.",
-    );
-    f.report.paragraph(text);
+    worst
 }

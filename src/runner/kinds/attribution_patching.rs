@@ -25,7 +25,7 @@
 
 use std::collections::BTreeMap;
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::{Clusters, Est, accuracy_clusters, normalized_logit_diff, per_phase, spearman, topk_recall};
@@ -37,15 +37,16 @@ use crate::output::{
     scatter_predicted_vs_observed,
 };
 
-use super::super::exec::Group;
+use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Outcome, Positions, Prompts, Target, readout};
 use super::super::prompts::{PromptMeta, paired_prompts};
-use super::super::report::{Figures, cell_map, head_axes, layer_head_heatmap, push, sym_range};
-use super::super::rows::baseline_rows;
+use super::super::report::{ExperimentData, Figures, cell_map, head_axes, layer_head_heatmap, sym_range};
+use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
+use super::atp_star::{exact_clusters, weighted_ld, weights};
 use super::patch_heads::Direction;
-use super::{Ctx, Kind, KindOutput, base_obs, empty_list, head_cells};
+use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells};
 
 /// `[atp]` (attribution-patching).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -237,40 +238,10 @@ pub fn atp_terms(
     let base = readout(out.logits.clone().inner(), &targets)?;
 
     // The LD of every prompt at its first target position, weighted by direction.
-    let [_, t, v] = out.logits.dims();
-    let mut flat = Vec::with_capacity(n2);
-    let mut pairs = Vec::with_capacity(2 * n2);
-    let mut weight = vec![0f32; n2];
-    for (i, tg) in prompts.targets.iter().enumerate() {
-        let alt = tg.alt.ok_or_else(|| {
-            Error::Other(format!("prompt {i} has no competing answer (alt) for the logit difference"))
-        })?;
-        flat.push((i * t + tg.positions[0]) as i64);
-        pairs.push(tg.answers[0] as i64);
-        pairs.push(alt as i64);
-        if tg.answers[0] as usize >= v || alt as usize >= v {
-            return Err(Error::Input(format!(
-                "answer token {} / {alt} is outside the model's vocabulary 0..{v}",
-                tg.answers[0]
-            )));
-        }
-    }
-    for d in directions {
-        match d {
-            // The corrupted prompt's LD in the clean orientation is -LD.
-            Direction::Denoise => weight[n..].iter_mut().for_each(|w| *w = -1.0),
-            Direction::Noise => weight[..n].iter_mut().for_each(|w| *w = 1.0),
-        }
-    }
-    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [n2]), &ad);
-    let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [n2, 2]), &ad);
-    let g = out.logits.reshape([n2 * t, v]).select(0, idx).gather(1, pairs);
-    let ld = g.clone().slice([0..n2, 0..1]) - g.slice([0..n2, 1..2]);
-    let w = Tensor::<2>::from_data(TensorData::new(weight, [n2, 1]), &ad);
-    let grads = (ld * w).sum().backward();
+    let grads = weighted_ld(out.logits, prompts, weights(n, directions))?.backward();
 
     let mut terms = vec![Vec::with_capacity(layers.len()); directions.len()];
-    for ((&l, leaf), &h) in layers.iter().zip(&leaves).zip(&heads) {
+    for (&l, leaf) in layers.iter().zip(&leaves) {
         let p = HookPoint::block(l, Site::AttnZ);
         let grad = leaf.grad(&grads).ok_or_else(|| {
             Error::hook(p.to_string(), "no gradient reached this point (does the model run it?)")
@@ -281,18 +252,8 @@ pub fn atp_terms(
             .ok_or_else(|| Error::hook(p.to_string(), "not captured"))?
             .get::<4>()?
             .inner();
-        let dh = info.d_head;
-        let (zc, zx) = (
-            z.clone().slice([0..n, 0..len, 0..h, 0..dh]),
-            z.slice([n..n2, 0..len, 0..h, 0..dh]),
-        );
-        for (di, d) in directions.iter().enumerate() {
-            let (delta, gr) = match d {
-                Direction::Denoise => (zc.clone() - zx.clone(), grad.clone().slice([n..n2, 0..len, 0..h, 0..dh])),
-                Direction::Noise => (zx.clone() - zc.clone(), grad.clone().slice([0..n, 0..len, 0..h, 0..dh])),
-            };
-            let term = (delta * gr).sum_dim(3).reshape([n * len * h]);
-            terms[di].push(term.try_into_vec_as::<f32>()?);
+        for (di, t) in z_terms(z, grad, directions)?.into_iter().enumerate() {
+            terms[di].push(t);
         }
     }
     Ok(AtpTerms {
@@ -302,6 +263,27 @@ pub fn atp_terms(
         terms,
         heads,
     })
+}
+
+/// One layer's first-order terms per direction, from its `hook_z` and the gradient
+/// there (both `[2n, len, heads, d_head]`): `[n, len, heads]` row-major each.
+fn z_terms(z: Tensor<4>, grad: Tensor<4>, directions: &[Direction]) -> Result<Vec<Vec<f32>>> {
+    let [n2, len, h, dh] = z.dims();
+    let n = n2 / 2;
+    let (zc, zx) = (
+        z.clone().slice([0..n, 0..len, 0..h, 0..dh]),
+        z.slice([n..n2, 0..len, 0..h, 0..dh]),
+    );
+    let mut out = Vec::with_capacity(directions.len());
+    for d in directions {
+        let (delta, gr) = match d {
+            Direction::Denoise => (zc.clone() - zx.clone(), grad.clone().slice([n..n2, 0..len, 0..h, 0..dh])),
+            Direction::Noise => (zx.clone() - zc.clone(), grad.clone().slice([0..n, 0..len, 0..h, 0..dh])),
+        };
+        let term = (delta * gr).sum_dim(3).reshape([n * len * h]);
+        out.push(term.try_into_vec_as::<f32>()?);
+    }
+    Ok(out)
 }
 
 /// The store key of a group's AtP terms.
@@ -379,28 +361,99 @@ fn group_terms(
 /// (direction, head cell, offset or None) -> per-phase values and the pooled value.
 type CellVals = BTreeMap<(usize, usize, Option<usize>), (Vec<f64>, f64)>;
 
+/// Where a row sits, as [`RowCtx::phase_rows`] takes it: layer and (head, kind).
+pub(super) type At = Option<(u32, Option<(u32, HeadKind)>)>;
+
 pub(super) fn nld(s: &[f64; 3], n: u64) -> f64 {
     let k = n as f64;
     normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
 }
 
-fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
-    let layers = setup::layers(ctx.exp, "atp", &cfg.layers, &ctx.info, false)?;
-    let heads = head_cells(ctx, "atp", &layers, &cfg.head_kinds, &cfg.heads, &cfg.kv_heads)?;
+/// The per-phase and pooled NLD rows of a run's clustered logit differences.
+pub(super) struct NldRows {
+    pub rc: RowCtx,
+    pub phases: Vec<u32>,
+    pub reps: usize,
+    pub seed: u64,
+}
+
+impl NldRows {
+    /// The run's row context, phases and bootstrap settings.
+    pub(super) fn new(ctx: &Ctx) -> Self {
+        NldRows {
+            rc: ctx.rows.clone(),
+            phases: ctx.task.phases.clone(),
+            reps: ctx.reps(),
+            seed: ctx.seed(),
+        }
+    }
+
+    /// Append the rows of `metric` (the NLD of `c` per phase and pooled) and return
+    /// their values.
+    pub(super) fn push(&self, c: &Clusters<3>, metric: &str, at: At, rows: &mut Vec<LongRow>) -> (Vec<f64>, f64) {
+        let (per, pooled) = per_phase(c, nld, self.reps, self.seed);
+        rows.extend(self.rc.phase_rows(metric, at, &self.phases, &per, pooled));
+        (per.iter().map(|e| e.value).collect(), pooled.value)
+    }
+}
+
+/// Spearman, top-k recall and mean absolute error of `est` against `exact` as rows
+/// named `metric(stat)`, at phase `ph` (None: pooled).
+pub(super) fn agreement_stats(
+    rc: &RowCtx,
+    top_k: usize,
+    metric: impl Fn(&str) -> String,
+    ph: Option<u32>,
+    est: &[f64],
+    exact: &[f64],
+) -> Vec<LongRow> {
+    let n = est.len() as u64;
+    let sp = spearman(est, exact).ok().flatten().unwrap_or(f64::NAN);
+    let rec = topk_recall(est, exact, top_k).unwrap_or(f64::NAN);
+    let mae = if est.is_empty() {
+        f64::NAN
+    } else {
+        est.iter().zip(exact).map(|(a, b)| (a - b).abs()).sum::<f64>() / n as f64
+    };
+    [
+        ("spearman".to_string(), sp),
+        (format!("recall_top{top_k}"), rec),
+        ("mae".to_string(), mae),
+    ]
+    .into_iter()
+    .map(|(stat, v)| {
+        let row = rc.row(metric(&stat), Est { value: v, ci: None, n });
+        match ph {
+            Some(ph) => row.at_phase(ph),
+            None => row,
+        }
+    })
+    .collect()
+}
+
+/// The AtP terms of every phase group, with the prompts and metadata they came from.
+struct AtpGroups {
+    metas: Vec<Vec<PromptMeta>>,
+    prompts: Vec<Prompts>,
+    terms: Vec<AtpTerms>,
+    /// Wall time of the AtP passes.
+    seconds: f64,
+}
+
+/// AtP: one forward + one backward per phase group (or its stored terms).
+fn atp_groups(ctx: &mut Ctx, layers: &[usize], dirs: &[Direction]) -> Result<AtpGroups> {
     let set = ctx.eval_set()?;
-    let p = ctx.p();
     let assign = if ctx.task.prompt.assign {
         ctx.task.space.assign().len()
     } else {
         0
     };
-    let offsets: Vec<usize> = (0..cfg.position_band).collect();
-    let dirs = cfg.directions.clone();
-
-    // AtP: one forward + one backward per phase group.
-    let mut metas: Vec<Vec<PromptMeta>> = Vec::new();
-    let mut all_prompts = Vec::new();
-    let mut all_terms = Vec::new();
+    let mut g = AtpGroups {
+        metas: Vec::new(),
+        prompts: Vec::new(),
+        terms: Vec::new(),
+        seconds: 0.0,
+    };
     let phases_run = ctx.task.phases.clone();
     let label = format!("{} attribution-patching (AtP)", ctx.mref.name);
     let mut progress = super::super::progress::Progress::new(
@@ -419,61 +472,74 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
             ctx.task.prompt.key_len,
             ctx.task.seed,
         )?;
-        let terms = group_terms(ctx, r, &prompts, &layers, &dirs)?;
+        let terms = group_terms(ctx, r, &prompts, layers, dirs)?;
         progress.inc(1);
-        metas.push(meta);
-        all_prompts.push(prompts);
-        all_terms.push(terms);
+        g.metas.push(meta);
+        g.prompts.push(prompts);
+        g.terms.push(terms);
     }
     progress.finish();
-    let atp_seconds = t0.elapsed().as_secs_f64();
+    g.seconds = t0.elapsed().as_secs_f64();
+    Ok(g)
+}
 
-    // Exact patching of the same cells (and, optionally, of every offset of the band).
-    let mut exact = None;
-    if cfg.validate {
-        let mut groups = Vec::new();
-        for (prompts, &r) in all_prompts.iter().zip(&phases_run) {
-            let n = prompts.n() / 2;
-            let mut cells = Vec::new();
-            let mut positions = vec![cfg.positions.clone()];
-            if cfg.validate_positions {
-                positions.extend(offsets.iter().map(|&o| Positions::Offset(o)));
-            }
-            for pos in &positions {
-                for d in &dirs {
-                    let receivers: Vec<usize> = match d {
-                        Direction::Denoise => (n..2 * n).collect(),
-                        Direction::Noise => (0..n).collect(),
-                    };
-                    for h in &heads {
-                        cells.push(Cell {
-                            edit: Edit::Replace {
-                                point: h.point(),
-                                heads: Some(h.query_heads.clone()),
-                                positions: pos.clone(),
-                                fill: Fill::Source,
-                            },
-                            prompts: receivers.clone(),
-                        });
-                    }
-                }
-            }
-            groups.push(Group {
-                key: format!("p{r}"),
-                prompts: prompts.clone(),
-                cells,
-            });
-        }
-        let t1 = std::time::Instant::now();
-        let res = ctx.execute(&format!("{} exact patching", ctx.mref.name), &groups)?;
-        exact = Some((res, t1.elapsed().as_secs_f64()));
+/// The exact cells of a group of `n` pairs: per position set (the kind's positions,
+/// then with `validate_positions` each offset of the band), direction and head.
+fn exact_cells(cfg: &AttributionPatching, heads: &[HeadCell], n: usize) -> Vec<Cell> {
+    let mut cells = Vec::new();
+    let mut positions = vec![cfg.positions.clone()];
+    if cfg.validate_positions {
+        positions.extend((0..cfg.position_band).map(Positions::Offset));
     }
+    for pos in &positions {
+        for d in &cfg.directions {
+            let receivers: Vec<usize> = match d {
+                Direction::Denoise => (n..2 * n).collect(),
+                Direction::Noise => (0..n).collect(),
+            };
+            for h in heads {
+                cells.push(Cell {
+                    edit: Edit::Replace {
+                        point: h.point(),
+                        heads: Some(h.query_heads.clone()),
+                        positions: pos.clone(),
+                        fill: Fill::Source,
+                    },
+                    prompts: receivers.clone(),
+                });
+            }
+        }
+    }
+    cells
+}
 
-    // Baselines (from the AtP forward's outcomes).
+/// Exact patching of the estimated cells in every phase group, and its wall time.
+fn exact_patching(
+    cfg: &AttributionPatching,
+    ctx: &mut Ctx,
+    heads: &[HeadCell],
+    prompts: &[Prompts],
+) -> Result<(Vec<GroupResult>, f64)> {
+    let groups: Vec<Group> = prompts
+        .iter()
+        .zip(&ctx.task.phases)
+        .map(|(prompts, &r)| Group {
+            key: format!("p{r}"),
+            prompts: prompts.clone(),
+            cells: exact_cells(cfg, heads, prompts.n() / 2),
+        })
+        .collect();
+    let t1 = std::time::Instant::now();
+    let res = ctx.execute(&format!("{} exact patching", ctx.mref.name), &groups)?;
+    Ok((res, t1.elapsed().as_secs_f64()))
+}
+
+/// Clean and corrupted accuracy rows, from the outcomes of the AtP forwards.
+fn baseline(ctx: &Ctx, g: &AtpGroups) -> Vec<LongRow> {
     let mut acc = Vec::new();
     let mut acc_corrupt = Vec::new();
-    for (meta, terms) in metas.iter().zip(&all_terms) {
-        let res = super::super::exec::GroupResult {
+    for (meta, terms) in g.metas.iter().zip(&g.terms) {
+        let res = GroupResult {
             base: terms.base.clone(),
             cells: Vec::new(),
         };
@@ -483,6 +549,7 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
             acc_corrupt.push((m.logical, m.phase, terms.base[n + i].correct));
         }
     }
+    let p = ctx.p();
     let phases = ctx.task.phases.clone();
     let (reps, seed) = (ctx.reps(), ctx.seed());
     let rc = ctx.rows.clone();
@@ -496,98 +563,102 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
         reps,
         seed,
     ));
+    rows
+}
 
-    // Estimates (and exact values) per direction x head (x offset).
-    let layer_index: BTreeMap<usize, usize> =
-        layers.iter().enumerate().map(|(i, &l)| (l, i)).collect();
-    // (direction, head cell, offset or None) -> per phase value, pooled value.
-    let mut est_vals: CellVals = BTreeMap::new();
-    let mut exact_vals: CellVals = BTreeMap::new();
-    let n_pos_sets = 1 + if cfg.validate_positions { offsets.len() } else { 0 };
-    for (di, d) in dirs.iter().enumerate() {
-        for (hi, h) in heads.iter().enumerate() {
-            let li = layer_index[&h.layer];
-            let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
-            let mut sets: Vec<(Option<usize>, String)> = vec![(None, String::new())];
-            sets.extend(offsets.iter().map(|&o| (Some(o), offset_suffix(o))));
-            for (off, suffix) in &sets {
-                let mut c = Clusters::<3>::new(p);
-                for ((meta, terms), prompts) in metas.iter().zip(&all_terms).zip(&all_prompts) {
-                    let n = terms.n;
-                    for (i, mi) in meta.iter().enumerate().take(n) {
-                        let (row, sign) = match d {
-                            Direction::Denoise => (n + i, -1.0),
-                            Direction::Noise => (i, 1.0),
-                        };
-                        let tg = &prompts.targets[row].positions;
-                        let pos: Vec<usize> = match off {
-                            None => cfg.positions.resolve(tg).unwrap_or_else(|| (0..prompts.len).collect()),
-                            Some(o) => Positions::Offset(*o).resolve(tg).unwrap_or_default(),
-                        };
-                        let delta = terms.sum(di, li, i, &h.query_heads, &pos);
-                        let ld_clean = terms.base[i].ld as f64;
-                        let ld_corr = -terms.base[n + i].ld as f64;
-                        let ld_base = sign * terms.base[row].ld as f64;
-                        c.add(mi.logical, mi.phase, [ld_base + delta, ld_clean, ld_corr]);
-                    }
+/// What the estimate, exact, agreement and speed rows of a run share.
+struct CellRows<'a> {
+    cfg: &'a AttributionPatching,
+    heads: &'a [HeadCell],
+    groups: &'a AtpGroups,
+    /// Layer -> its index in the terms.
+    layer_index: BTreeMap<usize, usize>,
+    /// Offsets of the position band.
+    offsets: Vec<usize>,
+    nld: NldRows,
+    p: usize,
+}
+
+impl CellRows<'_> {
+    /// Position sets patched exactly: the kind's positions, and the band's offsets with
+    /// `validate_positions`.
+    fn n_pos_sets(&self) -> usize {
+        1 + if self.cfg.validate_positions { self.offsets.len() } else { 0 }
+    }
+
+    /// Estimate rows (head level and every offset of the band) and, with `exact`, exact
+    /// rows per direction x head; the values of both.
+    fn cell_rows(&self, exact: Option<&[GroupResult]>, rows: &mut Vec<LongRow>) -> (CellVals, CellVals) {
+        let mut est_vals: CellVals = BTreeMap::new();
+        let mut exact_vals: CellVals = BTreeMap::new();
+        for (di, d) in self.cfg.directions.iter().enumerate() {
+            for (hi, h) in self.heads.iter().enumerate() {
+                let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
+                let mut sets: Vec<(Option<usize>, String)> = vec![(None, String::new())];
+                sets.extend(self.offsets.iter().map(|&o| (Some(o), offset_suffix(o))));
+                for (off, suffix) in &sets {
+                    let c = self.estimate(di, *d, h, *off);
+                    let metric = format!("{}{suffix}", atp_metric(*d));
+                    est_vals.insert((di, hi, *off), self.nld.push(&c, &metric, at, rows));
                 }
-                let (per, pooled) = per_phase(&c, nld, reps, seed);
-                let metric = format!("{}{suffix}", atp_metric(*d));
-                rows.extend(rc.phase_rows(&metric, at, &phases, &per, pooled));
-                est_vals.insert(
-                    (di, hi, *off),
-                    (per.iter().map(|e| e.value).collect(), pooled.value),
-                );
-            }
-            // Exact values from the executor's outcomes.
-            if let Some((res, _)) = &exact {
-                for ps in 0..n_pos_sets {
-                    let off = if ps == 0 { None } else { Some(offsets[ps - 1]) };
-                    let ci = (ps * dirs.len() + di) * heads.len() + hi;
-                    let mut c = Clusters::<3>::new(p);
-                    for (meta, g) in metas.iter().zip(res) {
-                        let n = meta.len() / 2;
-                        for (i, o) in g.cells[ci].iter().enumerate() {
-                            let sign = match d {
-                                Direction::Denoise => -1.0,
-                                Direction::Noise => 1.0,
-                            };
-                            c.add(
-                                meta[i].logical,
-                                meta[i].phase,
-                                [
-                                    sign * o.ld as f64,
-                                    g.base[i].ld as f64,
-                                    -g.base[n + i].ld as f64,
-                                ],
-                            );
-                        }
+                // Exact values from the executor's outcomes.
+                if let Some(res) = exact {
+                    for ps in 0..self.n_pos_sets() {
+                        let off = if ps == 0 { None } else { Some(self.offsets[ps - 1]) };
+                        let ci = (ps * self.cfg.directions.len() + di) * self.heads.len() + hi;
+                        let c = exact_clusters(&self.groups.metas, res, ci, *d, self.p);
+                        let metric = match off {
+                            None => d.metric().to_string(),
+                            Some(o) => format!("{}{}", d.metric(), offset_suffix(o)),
+                        };
+                        exact_vals.insert((di, hi, off), self.nld.push(&c, &metric, at, rows));
                     }
-                    let (per, pooled) = per_phase(&c, nld, reps, seed);
-                    let metric = match off {
-                        None => d.metric().to_string(),
-                        Some(o) => format!("{}{}", d.metric(), offset_suffix(o)),
-                    };
-                    rows.extend(rc.phase_rows(&metric, at, &phases, &per, pooled));
-                    exact_vals.insert(
-                        (di, hi, off),
-                        (per.iter().map(|e| e.value).collect(), pooled.value),
-                    );
                 }
             }
         }
+        (est_vals, exact_vals)
     }
 
-    // Agreement per phase (and pooled) over the heads of each kind.
-    if exact.is_some() {
-        for (di, d) in dirs.iter().enumerate() {
+    /// `[LD estimate, LD clean, LD corrupted]` per pair of head `h` in direction `d`
+    /// (index `di`), at the kind's positions (`off = None`) or at one offset.
+    fn estimate(&self, di: usize, d: Direction, h: &HeadCell, off: Option<usize>) -> Clusters<3> {
+        let li = self.layer_index[&h.layer];
+        let g = self.groups;
+        let mut c = Clusters::<3>::new(self.p);
+        for ((meta, terms), prompts) in g.metas.iter().zip(&g.terms).zip(&g.prompts) {
+            let n = terms.n;
+            for (i, mi) in meta.iter().enumerate().take(n) {
+                let (row, sign) = match d {
+                    Direction::Denoise => (n + i, -1.0),
+                    Direction::Noise => (i, 1.0),
+                };
+                let tg = &prompts.targets[row].positions;
+                let pos: Vec<usize> = match off {
+                    None => self.cfg.positions.resolve(tg).unwrap_or_else(|| (0..prompts.len).collect()),
+                    Some(o) => Positions::Offset(o).resolve(tg).unwrap_or_default(),
+                };
+                let delta = terms.sum(di, li, i, &h.query_heads, &pos);
+                let ld_clean = terms.base[i].ld as f64;
+                let ld_corr = -terms.base[n + i].ld as f64;
+                let ld_base = sign * terms.base[row].ld as f64;
+                c.add(mi.logical, mi.phase, [ld_base + delta, ld_clean, ld_corr]);
+            }
+        }
+        c
+    }
+
+    /// Agreement of estimate and exact values per direction and head kind, per phase and
+    /// pooled: over the heads, and with `validate_positions` over every head x offset
+    /// cell of the band (`_positions`).
+    fn agreement_rows(&self, est: &CellVals, exact: &CellVals, rows: &mut Vec<LongRow>) {
+        for (di, d) in self.cfg.directions.iter().enumerate() {
             for kind in [HeadKind::Query, HeadKind::Kv] {
-                let hs: Vec<usize> = (0..heads.len()).filter(|&i| heads[i].kind == kind).collect();
+                let hs: Vec<usize> = (0..self.heads.len()).filter(|&i| self.heads[i].kind == kind).collect();
                 if hs.is_empty() {
                     continue;
                 }
                 let mut offs: Vec<(Option<usize>, String)> = vec![(None, String::new())];
-                if cfg.validate_positions {
+                if self.cfg.validate_positions {
                     // Over every head x offset cell of the band.
                     offs.push((Some(usize::MAX), "_positions".to_string()));
                 }
@@ -596,85 +667,103 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
                         None => hs.iter().map(|&h| (h, None)).collect(),
                         Some(_) => hs
                             .iter()
-                            .flat_map(|&h| offsets.iter().map(move |&o| (h, Some(o))))
+                            .flat_map(|&h| self.offsets.iter().map(move |&o| (h, Some(o))))
                             .collect(),
                     };
-                    let at_phase = |ph: Option<usize>| -> (Vec<f64>, Vec<f64>) {
-                        keys.iter()
-                            .map(|&(h, o)| {
-                                let pick = |m: &CellVals| {
-                                    let (per, pooled) = &m[&(di, h, o)];
-                                    ph.map_or(*pooled, |ph| per[ph])
-                                };
-                                (pick(&est_vals), pick(&exact_vals))
-                            })
-                            .filter(|(a, b)| a.is_finite() && b.is_finite())
-                            .unzip()
-                    };
-                    let mut emit = |ph: Option<u32>, est: &[f64], ex: &[f64]| {
-                        let n = est.len() as u64;
-                        let sp = spearman(est, ex).ok().flatten().unwrap_or(f64::NAN);
-                        let rec = topk_recall(est, ex, cfg.top_k).unwrap_or(f64::NAN);
-                        let mae = if est.is_empty() {
-                            f64::NAN
-                        } else {
-                            est.iter().zip(ex).map(|(a, b)| (a - b).abs()).sum::<f64>() / n as f64
-                        };
-                        for (stat, v) in [
-                            ("spearman".to_string(), sp),
-                            (format!("recall_top{}", cfg.top_k), rec),
-                            ("mae".to_string(), mae),
-                        ] {
-                            let mut row = rc.row(
-                                format!("{}{suffix}", agreement_metric(&stat, *d, kind)),
-                                Est { value: v, ci: None, n },
-                            );
-                            if let Some(ph) = ph {
-                                row = row.at_phase(ph);
-                            }
-                            rows.push(row);
-                        }
-                    };
-                    for &ph in &phases {
-                        let (e, x) = at_phase(Some(ph as usize));
-                        emit(Some(ph), &e, &x);
+                    let metric = |stat: &str| format!("{}{suffix}", agreement_metric(stat, *d, kind));
+                    for ph in self.nld.phases.iter().map(|&p| Some(p)).chain([None]) {
+                        let (e, x) = finite_pairs(est, exact, di, &keys, ph.map(|p| p as usize));
+                        rows.extend(agreement_stats(&self.nld.rc, self.cfg.top_k, &metric, ph, &e, &x));
                     }
-                    let (e, x) = at_phase(None);
-                    emit(None, &e, &x);
                 }
             }
         }
     }
 
+    /// Speed: head x position cells per second, AtP against exact patching (`exact_secs`).
+    fn speed_rows(&self, exact_secs: Option<f64>, rows: &mut Vec<LongRow>) {
+        let (rc, g) = (&self.nld.rc, self.groups);
+        let n_dirs = self.cfg.directions.len();
+        let n_groups = g.prompts.len().max(1) as f64;
+        let atp_cells = (self.heads.len() * n_dirs * g.prompts.first().map_or(0, |p| p.len)) as f64 * n_groups;
+        rows.push(rc.row("atp_seconds", Est { value: g.seconds, ci: None, n: n_groups as u64 }));
+        rows.push(rc.row(
+            "atp_cells_per_s",
+            Est { value: atp_cells / g.seconds.max(1e-9), ci: None, n: atp_cells as u64 },
+        ));
+        if let Some(secs) = exact_secs {
+            let cells = (self.heads.len() * n_dirs * self.n_pos_sets()) as f64 * n_groups;
+            rows.push(rc.row("exact_seconds", Est { value: secs, ci: None, n: n_groups as u64 }));
+            rows.push(rc.row(
+                "exact_cells_per_s",
+                Est { value: cells / secs.max(1e-9), ci: None, n: cells as u64 },
+            ));
+        }
+    }
+}
+
+/// The finite (estimate, exact) value pairs of the `(head, offset)` cells `keys` in
+/// direction `di`, at phase `ph` (None: pooled).
+fn finite_pairs(
+    est: &CellVals,
+    exact: &CellVals,
+    di: usize,
+    keys: &[(usize, Option<usize>)],
+    ph: Option<usize>,
+) -> (Vec<f64>, Vec<f64>) {
+    keys.iter()
+        .map(|&(h, o)| {
+            let pick = |m: &CellVals| {
+                let (per, pooled) = &m[&(di, h, o)];
+                ph.map_or(*pooled, |ph| per[ph])
+            };
+            (pick(est), pick(exact))
+        })
+        .filter(|(a, b)| a.is_finite() && b.is_finite())
+        .unzip()
+}
+
+fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
+    let layers = setup::layers(ctx.exp, "atp", &cfg.layers, &ctx.info, false)?;
+    let heads = head_cells(ctx, "atp", &layers, &cfg.head_kinds, &cfg.heads, &cfg.kv_heads)?;
+    let groups = atp_groups(ctx, &layers, &cfg.directions)?;
+    // Exact patching of the same cells (and, optionally, of every offset of the band).
+    let exact = if cfg.validate {
+        Some(exact_patching(cfg, ctx, &heads, &groups.prompts)?)
+    } else {
+        None
+    };
+    // Baselines (from the AtP forward's outcomes).
+    let mut rows = baseline(ctx, &groups);
+    let cells = CellRows {
+        cfg,
+        heads: &heads,
+        groups: &groups,
+        layer_index: layers.iter().enumerate().map(|(i, &l)| (l, i)).collect(),
+        offsets: (0..cfg.position_band).collect(),
+        nld: NldRows::new(ctx),
+        p: ctx.p(),
+    };
+    // Estimates (and exact values) per direction x head (x offset).
+    let (est, ex) = cells.cell_rows(exact.as_ref().map(|(res, _)| res.as_slice()), &mut rows);
+    // Agreement per phase (and pooled) over the heads of each kind.
+    if exact.is_some() {
+        cells.agreement_rows(&est, &ex, &mut rows);
+    }
     if cfg.qk_fix {
+        let phases_run = ctx.task.phases.clone();
         let inp = super::atp_star::QkInput {
             cfg,
             layers: &layers,
             heads: &heads,
-            metas: &metas,
-            prompts: &all_prompts,
+            metas: &groups.metas,
+            prompts: &groups.prompts,
             phases_run: &phases_run,
         };
         super::atp_star::rows(ctx, &inp, &mut rows)?;
     }
-
-    // Speed: head x position cells per second, AtP against exact patching.
-    let n_groups = phases_run.len().max(1) as f64;
-    let atp_cells = (heads.len() * dirs.len() * all_prompts.first().map_or(0, |p| p.len)) as f64 * n_groups;
-    rows.push(rc.row("atp_seconds", Est { value: atp_seconds, ci: None, n: n_groups as u64 }));
-    rows.push(rc.row(
-        "atp_cells_per_s",
-        Est { value: atp_cells / atp_seconds.max(1e-9), ci: None, n: atp_cells as u64 },
-    ));
-    if let Some((_, secs)) = &exact {
-        let cells = (heads.len() * dirs.len() * n_pos_sets) as f64 * n_groups;
-        rows.push(rc.row("exact_seconds", Est { value: *secs, ci: None, n: n_groups as u64 }));
-        rows.push(rc.row(
-            "exact_cells_per_s",
-            Est { value: cells / secs.max(1e-9), ci: None, n: cells as u64 },
-        ));
-    }
-    ctx.stats.forwards += phases_run.len() as u64;
+    cells.speed_rows(exact.as_ref().map(|(_, secs)| *secs), &mut rows);
+    ctx.stats.forwards += groups.prompts.len() as u64;
     Ok(KindOutput {
         tables: vec![("atp".into(), rows)],
     })
@@ -684,9 +773,16 @@ fn fmt3(v: f64) -> String {
     if v.is_finite() { format!("{v:.3}") } else { "n/a".into() }
 }
 
+/// The value of `metric` at phase `ph` (None: pooled), NaN when absent.
+fn metric_val(d: &ExperimentData, m: &str, metric: &str, ph: Option<u32>) -> f64 {
+    d.find(m, metric)
+        .find(|r| r.phase == ph)
+        .map_or(f64::NAN, |r| r.value)
+}
+
 /// This kind's figures and report section, from its tables alone.
 fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
-    let (d, m, phases, dir) = (f.data, f.model.clone(), f.phases.clone(), f.dir);
+    let (d, m) = (f.data, f.model.clone());
     let m = m.as_str();
     f.report.section("Attribution patching (AtP) of hook_z");
     f.report.paragraph(
@@ -708,210 +804,261 @@ fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
         );
     }
     for dirn in &cfg.directions {
-        let am = atp_metric(*dirn);
-        let xm = dirn.metric();
-        if !d.has(m, &am) {
-            continue;
-        }
-        f.report.subsection(format!("{xm}: estimate against exact"));
-        let (layers, heads) = head_axes(d, m, &am, HeadKind::Query);
-        let est = cell_map(d, m, &am, HeadKind::Query);
-        let ex = cell_map(d, m, xm, HeadKind::Query);
-        let range = sym_range(est.values().chain(ex.values()).copied());
-        if !layers.is_empty() {
-            let fig = layer_head_heatmap(
-                &dir.join(format!("{am}_all_phases")),
-                &est,
-                &layers,
-                &heads,
-                None,
-                format!("{m}: AtP estimate of {xm}, all phases"),
-                "normalised logit difference (AtP)",
-                range,
-                "H",
-                true,
-            )?;
-            push(&mut f.files, &mut f.report, &format!("AtP estimate of {xm} per layer x query head, all phases"), fig);
-            if !ex.is_empty() {
-                let fig = layer_head_heatmap(
-                    &dir.join(format!("{xm}_all_phases")),
-                    &ex,
-                    &layers,
-                    &heads,
-                    None,
-                    format!("{m}: exact {xm}, all phases"),
-                    "normalised logit difference (exact)",
-                    range,
-                    "H",
-                    true,
-                )?;
-                push(&mut f.files, &mut f.report, &format!("Exact {xm} per layer x query head, all phases"), fig);
-            }
-        }
-        // Scatter: every head x phase cell, estimate against exact.
-        let mut series = Vec::new();
-        for kind in [HeadKind::Query, HeadKind::Kv] {
-            let e = cell_map(d, m, &am, kind);
-            let x = cell_map(d, m, xm, kind);
-            let (pe, po): (Vec<f64>, Vec<f64>) = e
-                .iter()
-                .filter(|((_, _, ph), _)| ph.is_some())
-                .filter_map(|(k, v)| x.get(k).map(|o| (*v, *o)))
-                .unzip();
-            if !pe.is_empty() {
-                series.push(ScatterSeries {
-                    name: format!("{} heads", kind.as_str()),
-                    predicted: pe,
-                    observed: po,
-                });
-            }
-        }
-        if !series.is_empty() {
-            let fig = scatter_predicted_vs_observed(
-                dir.join(format!("{am}_vs_exact")),
-                &ScatterSpec {
-                    series,
-                    title: format!("{m}: AtP estimate vs exact {xm}, head x phase"),
-                    x_label: "AtP estimate of NLD".into(),
-                    y_label: "exact NLD".into(),
-                    r2_text: None,
-                    size: None,
-                },
-            )?;
-            push(&mut f.files, &mut f.report, &format!("AtP estimate vs exact {xm}, every head x source phase"), fig);
-        }
-        // Agreement table per phase.
-        let recall = format!("recall_top{}", cfg.top_k);
-        let mut header = vec!["phase".to_string()];
-        let mut cols = Vec::new();
-        for kind in [HeadKind::Query, HeadKind::Kv] {
-            for stat in ["spearman", recall.as_str(), "mae"] {
-                let metric = agreement_metric(stat, *dirn, kind);
-                if d.has(m, &metric) {
-                    header.push(format!("{stat} ({})", kind.as_str()));
-                    cols.push(metric);
-                }
-            }
-        }
-        if !cols.is_empty() {
-            let val = |metric: &str, ph: Option<u32>| {
-                d.find(m, metric)
-                    .find(|r| r.phase == ph)
-                    .map_or(f64::NAN, |r| r.value)
-            };
-            let mut body = Vec::new();
-            for ph in phases.iter().map(|&p| Some(p)).chain([None]) {
-                let mut row = vec![ph.map_or("all".to_string(), |p| p.to_string())];
-                row.extend(cols.iter().map(|c| fmt3(val(c, ph))));
-                body.push(row);
-            }
-            f.report.table(
-                format!("Agreement of AtP with exact patching ({xm}; top-{} recall over |NLD|)", cfg.top_k),
-                header,
-                body,
-            );
-            // Where the estimate fails: phases with weak agreement and the worst heads.
-            let mut weak: Vec<String> = Vec::new();
-            for kind in [HeadKind::Query, HeadKind::Kv] {
-                let sp = agreement_metric("spearman", *dirn, kind);
-                let rq = agreement_metric(&recall, *dirn, kind);
-                if !d.has(m, &sp) {
-                    continue;
-                }
-                let bad: Vec<String> = phases
-                    .iter()
-                    .filter(|&&p| val(&sp, Some(p)) < 0.5 || val(&rq, Some(p)) < 1.0)
-                    .map(|p| {
-                        format!(
-                            "{p} (Spearman {}, recall {})",
-                            fmt3(val(&sp, Some(*p))),
-                            fmt3(val(&rq, Some(*p)))
-                        )
-                    })
-                    .collect();
-                if !bad.is_empty() {
-                    weak.push(format!("{} heads at phase {}", kind.as_str(), bad.join(", phase ")));
-                }
-            }
-            let mut worst: Vec<(f64, String)> = Vec::new();
-            for kind in [HeadKind::Query, HeadKind::Kv] {
-                let e = cell_map(d, m, &am, kind);
-                let x = cell_map(d, m, xm, kind);
-                for ((l, h, ph), v) in &e {
-                    if let (Some(ph), Some(o)) = (ph, x.get(&(*l, *h, *ph)))
-                        && v.is_finite()
-                        && o.is_finite()
-                    {
-                        let name = match kind {
-                            HeadKind::Query => format!("L{l}.H{h}"),
-                            HeadKind::Kv => format!("L{l}.KV{h}"),
-                        };
-                        worst.push(((v - o).abs(), format!("{name} at phase {ph}: AtP {v:.3}, exact {o:.3}")));
-                    }
-                }
-            }
-            worst.sort_by(|a, b| b.0.total_cmp(&a.0));
-            let large = worst.iter().filter(|w| w.0 > 0.25).count();
-            let mut text = if weak.is_empty() {
-                format!(
-                    "The ranking agrees at every phase for both head kinds (Spearman >= 0.5 and every top-{} head found).",
-                    cfg.top_k
-                )
-            } else {
-                format!(
-                    "Where the ranking fails (Spearman < 0.5 or a top-{} head missed): {}.",
-                    cfg.top_k,
-                    weak.join("; ")
-                )
-            };
-            text.push_str(&format!(
-                " {large} head x phase cells are off by more than 0.25 NLD (AtP is first order: a head whose \
-                 patch switches the answer all at once, through saturated attention or later layers, is \
-                 under- or over-estimated)."
-            ));
-            if !worst.is_empty() {
-                let list: Vec<String> = worst.iter().take(5).map(|w| w.1.clone()).collect();
-                text.push_str(&format!(" Largest errors: {}.", list.join("; ")));
-            }
-            f.report.paragraph(text);
-        }
-        // Per-position estimates: rows = query heads, columns = offsets, pooled.
-        if cfg.position_band > 0 {
-            let mut row_labels = Vec::new();
-            let mut matrix = Vec::new();
-            for &l in &layers {
-                for &h in &heads {
-                    let vals: Vec<f64> = (0..cfg.position_band)
-                        .map(|o| {
-                            d.find(m, &format!("{am}{}", offset_suffix(o)))
-                                .find(|r| r.layer == Some(l) && r.head == Some(h) && r.head_kind == Some(HeadKind::Query) && r.phase.is_none())
-                                .map_or(f64::NAN, |r| r.value)
-                        })
-                        .collect();
-                    if vals.iter().any(|v| v.is_finite()) {
-                        row_labels.push(format!("L{l}H{h}"));
-                        matrix.push(vals);
-                    }
-                }
-            }
-            if !matrix.is_empty() {
-                let spec = HeatmapSpec {
-                    range: sym_range(matrix.iter().flatten().copied()),
-                    matrix,
-                    row_labels,
-                    col_labels: (0..cfg.position_band).map(|o| format!("-{o}")).collect(),
-                    title: format!("{m}: AtP estimate of {xm} per query head x position, all phases"),
-                    x_label: "position relative to the read position".into(),
-                    y_label: "query head".into(),
-                    colorbar_label: "normalised logit difference (AtP)".into(),
-                    diverging: true,
-                    annotate: true,
-                    size: None,
-                };
-                let fig = heatmap(dir.join(format!("{am}_positions")), &spec)?;
-                push(&mut f.files, &mut f.report, &format!("AtP estimate of {xm} per query head x position (one position patched at a time)"), fig);
-            }
+        if d.has(m, &atp_metric(*dirn)) {
+            direction_section(cfg, f, *dirn)?;
         }
     }
     super::atp_star::draw(cfg, f)
+}
+
+/// One direction's subsection: estimate and exact heatmaps, their scatter, the agreement
+/// table with where the estimate fails, and the per-position estimates.
+fn direction_section(cfg: &AttributionPatching, f: &mut Figures, dirn: Direction) -> Result<()> {
+    let (d, m) = (f.data, f.model.clone());
+    let am = atp_metric(dirn);
+    let xm = dirn.metric();
+    f.report.subsection(format!("{xm}: estimate against exact"));
+    let (layers, heads) = head_axes(d, &m, &am, HeadKind::Query);
+    if !layers.is_empty() {
+        query_heatmaps(f, &am, xm, &layers, &heads)?;
+    }
+    estimate_scatter(f, &am, xm)?;
+    agreement_section(cfg, f, dirn)?;
+    if cfg.position_band > 0 {
+        positions_heatmap(cfg, f, &am, xm, &layers, &heads)?;
+    }
+    Ok(())
+}
+
+/// Layer x query head heatmaps of the estimate `am` and of the exact `xm`, all phases.
+fn query_heatmaps(f: &mut Figures, am: &str, xm: &str, layers: &[u32], heads: &[u32]) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
+    let est = cell_map(d, &m, am, HeadKind::Query);
+    let ex = cell_map(d, &m, xm, HeadKind::Query);
+    let range = sym_range(est.values().chain(ex.values()).copied());
+    let fig = layer_head_heatmap(
+        &dir.join(format!("{am}_all_phases")),
+        &est,
+        layers,
+        heads,
+        None,
+        format!("{m}: AtP estimate of {xm}, all phases"),
+        "normalised logit difference (AtP)",
+        range,
+        "H",
+        true,
+    )?;
+    f.push(&format!("AtP estimate of {xm} per layer x query head, all phases"), fig);
+    if !ex.is_empty() {
+        let fig = layer_head_heatmap(
+            &dir.join(format!("{xm}_all_phases")),
+            &ex,
+            layers,
+            heads,
+            None,
+            format!("{m}: exact {xm}, all phases"),
+            "normalised logit difference (exact)",
+            range,
+            "H",
+            true,
+        )?;
+        f.push(&format!("Exact {xm} per layer x query head, all phases"), fig);
+    }
+    Ok(())
+}
+
+/// Scatter: every head x phase cell, estimate `am` against exact `xm`.
+fn estimate_scatter(f: &mut Figures, am: &str, xm: &str) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
+    let mut series = Vec::new();
+    for kind in [HeadKind::Query, HeadKind::Kv] {
+        let e = cell_map(d, &m, am, kind);
+        let x = cell_map(d, &m, xm, kind);
+        let (pe, po): (Vec<f64>, Vec<f64>) = e
+            .iter()
+            .filter(|((_, _, ph), _)| ph.is_some())
+            .filter_map(|(k, v)| x.get(k).map(|o| (*v, *o)))
+            .unzip();
+        if !pe.is_empty() {
+            series.push(ScatterSeries {
+                name: format!("{} heads", kind.as_str()),
+                predicted: pe,
+                observed: po,
+            });
+        }
+    }
+    if !series.is_empty() {
+        let fig = scatter_predicted_vs_observed(
+            dir.join(format!("{am}_vs_exact")),
+            &ScatterSpec {
+                series,
+                title: format!("{m}: AtP estimate vs exact {xm}, head x phase"),
+                x_label: "AtP estimate of NLD".into(),
+                y_label: "exact NLD".into(),
+                r2_text: None,
+                size: None,
+            },
+        )?;
+        f.push(&format!("AtP estimate vs exact {xm}, every head x source phase"), fig);
+    }
+    Ok(())
+}
+
+/// Agreement table per phase, followed by where the estimate fails.
+fn agreement_section(cfg: &AttributionPatching, f: &mut Figures, dirn: Direction) -> Result<()> {
+    let (d, m, phases) = (f.data, f.model.clone(), f.phases.clone());
+    let xm = dirn.metric();
+    let recall = format!("recall_top{}", cfg.top_k);
+    let mut header = vec!["phase".to_string()];
+    let mut cols = Vec::new();
+    for kind in [HeadKind::Query, HeadKind::Kv] {
+        for stat in ["spearman", recall.as_str(), "mae"] {
+            let metric = agreement_metric(stat, dirn, kind);
+            if d.has(&m, &metric) {
+                header.push(format!("{stat} ({})", kind.as_str()));
+                cols.push(metric);
+            }
+        }
+    }
+    if cols.is_empty() {
+        return Ok(());
+    }
+    let mut body = Vec::new();
+    for ph in phases.iter().map(|&p| Some(p)).chain([None]) {
+        let mut row = vec![ph.map_or("all".to_string(), |p| p.to_string())];
+        row.extend(cols.iter().map(|c| fmt3(metric_val(d, &m, c, ph))));
+        body.push(row);
+    }
+    f.report.table(
+        format!("Agreement of AtP with exact patching ({xm}; top-{} recall over |NLD|)", cfg.top_k),
+        header,
+        body,
+    );
+    f.report.paragraph(failure_text(cfg, f, dirn));
+    Ok(())
+}
+
+/// Where the estimate fails: phases with weak agreement and the worst heads.
+fn failure_text(cfg: &AttributionPatching, f: &Figures, dirn: Direction) -> String {
+    let (d, m, phases) = (f.data, f.model.as_str(), &f.phases);
+    let recall = format!("recall_top{}", cfg.top_k);
+    let val = |metric: &str, ph: Option<u32>| metric_val(d, m, metric, ph);
+    let mut weak: Vec<String> = Vec::new();
+    for kind in [HeadKind::Query, HeadKind::Kv] {
+        let sp = agreement_metric("spearman", dirn, kind);
+        let rq = agreement_metric(&recall, dirn, kind);
+        if !d.has(m, &sp) {
+            continue;
+        }
+        let bad: Vec<String> = phases
+            .iter()
+            .filter(|&&p| val(&sp, Some(p)) < 0.5 || val(&rq, Some(p)) < 1.0)
+            .map(|p| {
+                format!(
+                    "{p} (Spearman {}, recall {})",
+                    fmt3(val(&sp, Some(*p))),
+                    fmt3(val(&rq, Some(*p)))
+                )
+            })
+            .collect();
+        if !bad.is_empty() {
+            weak.push(format!("{} heads at phase {}", kind.as_str(), bad.join(", phase ")));
+        }
+    }
+    let worst = worst_cells(d, m, &atp_metric(dirn), dirn.metric());
+    let large = worst.iter().filter(|w| w.0 > 0.25).count();
+    let mut text = if weak.is_empty() {
+        format!(
+            "The ranking agrees at every phase for both head kinds (Spearman >= 0.5 and every top-{} head found).",
+            cfg.top_k
+        )
+    } else {
+        format!(
+            "Where the ranking fails (Spearman < 0.5 or a top-{} head missed): {}.",
+            cfg.top_k,
+            weak.join("; ")
+        )
+    };
+    text.push_str(&format!(
+        " {large} head x phase cells are off by more than 0.25 NLD (AtP is first order: a head whose \
+         patch switches the answer all at once, through saturated attention or later layers, is \
+         under- or over-estimated)."
+    ));
+    if !worst.is_empty() {
+        let list: Vec<String> = worst.iter().take(5).map(|w| w.1.clone()).collect();
+        text.push_str(&format!(" Largest errors: {}.", list.join("; ")));
+    }
+    text
+}
+
+/// Every head x phase cell with both values finite, as (|estimate - exact|, description),
+/// largest error first.
+fn worst_cells(d: &ExperimentData, m: &str, am: &str, xm: &str) -> Vec<(f64, String)> {
+    let mut worst: Vec<(f64, String)> = Vec::new();
+    for kind in [HeadKind::Query, HeadKind::Kv] {
+        let e = cell_map(d, m, am, kind);
+        let x = cell_map(d, m, xm, kind);
+        for ((l, h, ph), v) in &e {
+            if let (Some(ph), Some(o)) = (ph, x.get(&(*l, *h, *ph)))
+                && v.is_finite()
+                && o.is_finite()
+            {
+                let name = match kind {
+                    HeadKind::Query => format!("L{l}.H{h}"),
+                    HeadKind::Kv => format!("L{l}.KV{h}"),
+                };
+                worst.push(((v - o).abs(), format!("{name} at phase {ph}: AtP {v:.3}, exact {o:.3}")));
+            }
+        }
+    }
+    worst.sort_by(|a, b| b.0.total_cmp(&a.0));
+    worst
+}
+
+/// Per-position estimates: rows = query heads, columns = offsets, pooled.
+fn positions_heatmap(
+    cfg: &AttributionPatching,
+    f: &mut Figures,
+    am: &str,
+    xm: &str,
+    layers: &[u32],
+    heads: &[u32],
+) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
+    let mut row_labels = Vec::new();
+    let mut matrix = Vec::new();
+    for &l in layers {
+        for &h in heads {
+            let vals: Vec<f64> = (0..cfg.position_band)
+                .map(|o| {
+                    d.find(&m, &format!("{am}{}", offset_suffix(o)))
+                        .find(|r| r.layer == Some(l) && r.head == Some(h) && r.head_kind == Some(HeadKind::Query) && r.phase.is_none())
+                        .map_or(f64::NAN, |r| r.value)
+                })
+                .collect();
+            if vals.iter().any(|v| v.is_finite()) {
+                row_labels.push(format!("L{l}H{h}"));
+                matrix.push(vals);
+            }
+        }
+    }
+    if matrix.is_empty() {
+        return Ok(());
+    }
+    let spec = HeatmapSpec {
+        range: sym_range(matrix.iter().flatten().copied()),
+        matrix,
+        row_labels,
+        col_labels: (0..cfg.position_band).map(|o| format!("-{o}")).collect(),
+        title: format!("{m}: AtP estimate of {xm} per query head x position, all phases"),
+        x_label: "position relative to the read position".into(),
+        y_label: "query head".into(),
+        colorbar_label: "normalised logit difference (AtP)".into(),
+        diverging: true,
+        annotate: true,
+        size: None,
+    };
+    let fig = heatmap(dir.join(format!("{am}_positions")), &spec)?;
+    f.push(&format!("AtP estimate of {xm} per query head x position (one position patched at a time)"), fig);
+    Ok(())
 }
