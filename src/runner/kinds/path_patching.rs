@@ -33,7 +33,7 @@ use super::super::exec::GroupResult;
 use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Outcome, Positions, Prompts, Target, base_run, readout};
 use super::super::progress::Progress;
-use super::super::prompts::paired_prompts;
+use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{Figures, push, sym_range};
 use super::super::rows::baseline_rows;
 use super::patch_heads::Direction;
@@ -240,6 +240,211 @@ fn act_rows(cache: &ActivationCache, p: &HookPoint, rows: &[usize]) -> Result<Ac
         .select_batch(rows)
 }
 
+/// Base captures of a group: every hook_z and hook_mlp_out from the first sender layer on,
+/// the residual entering sender and receiver layers, the receivers' inputs.
+fn base_captures(first: usize, last: usize) -> Vec<HookPoint> {
+    let mut caps = Vec::new();
+    for l in first..=last {
+        caps.push(HookPoint::block(l, Site::AttnZ));
+        caps.push(HookPoint::block(l, Site::MlpOut));
+        caps.push(HookPoint::block(l, Site::ResidPre));
+        for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
+            caps.push(HookPoint::block(l, s));
+        }
+    }
+    caps
+}
+
+/// Captures of the receivers' inputs per (direction, sender): point -> activation.
+type SenderCaptures = BTreeMap<(&'static str, usize), BTreeMap<HookPoint, Act>>;
+
+/// One prompt batch's path patching: the cells and the base run they start from.
+struct PathRun<'a> {
+    model: &'a dyn LanguageModel,
+    prompts: &'a Prompts,
+    senders: &'a [Sender],
+    cells: &'a [PathCell],
+    positions: &'a Positions,
+    max_rows: usize,
+    cache: &'a ActivationCache,
+    /// The last receiver layer.
+    last: usize,
+}
+
+impl PathRun<'_> {
+    /// The receiving prompts of a direction: the corrupted ones for denoising, the clean
+    /// ones for noising.
+    fn receiving(&self, d: Direction) -> Vec<usize> {
+        let (n2, n) = (self.prompts.n(), self.prompts.n() / 2);
+        match d {
+            Direction::Denoise => (n..n2).collect(),
+            Direction::Noise => (0..n).collect(),
+        }
+    }
+
+    /// Step 1: per direction and sender layer, rows = senders x receiving prompts;
+    /// captures of the receivers' inputs per (direction, sender).
+    fn sender_captures(&self) -> Result<SenderCaptures> {
+        let mut dirs: Vec<Direction> = self.cells.iter().map(|c| c.direction).collect();
+        dirs.dedup();
+        dirs.sort_by_key(|d| d.metric());
+        dirs.dedup();
+        let mut captured = SenderCaptures::new();
+        for &d in &dirs {
+            let recv = self.receiving(d);
+            let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+            for (si, s) in self.senders.iter().enumerate() {
+                if self.cells.iter().any(|c| c.sender == si && c.direction == d) {
+                    by_layer.entry(s.layer).or_default().push(si);
+                }
+            }
+            for (ls, list) in by_layer {
+                let per_chunk = (self.max_rows / recv.len().max(1)).max(1);
+                for chunk in list.chunks(per_chunk) {
+                    self.sender_forward(d, ls, chunk, &recv, &mut captured)?;
+                }
+            }
+        }
+        Ok(captured)
+    }
+
+    /// One sender forward from layer `ls` for the senders `chunk` over the receiving
+    /// prompts `recv`; its captures of the later layers' q / k / v go to `captured`.
+    fn sender_forward(
+        &self,
+        d: Direction,
+        ls: usize,
+        chunk: &[usize],
+        recv: &[usize],
+        captured: &mut SenderCaptures,
+    ) -> Result<()> {
+        let rows: Vec<usize> = chunk.iter().flat_map(|_| recv.iter().copied()).collect();
+        let tokens = self.prompts.tokens_of(&rows, &self.model.device());
+        let resid = act_rows(self.cache, &HookPoint::block(ls, Site::ResidPre), &rows)?;
+        let spec = self.sender_spec(ls, chunk, recv, &rows)?;
+        let out = self.model.forward_from(tokens, ls, &resid, &spec)?;
+        let k = recv.len();
+        for (ci, &si) in chunk.iter().enumerate() {
+            let sel: Vec<usize> = (ci * k..(ci + 1) * k).collect();
+            let mut m = BTreeMap::new();
+            for l in ls + 1..=self.last {
+                for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
+                    let p = HookPoint::block(l, s);
+                    let a = out.cache.get(&p).ok_or_else(|| {
+                        Error::hook(p.to_string(), "the sender forward did not produce this activation")
+                    })?;
+                    m.insert(p, a.select_batch(&sel)?);
+                }
+            }
+            captured.insert((d.metric(), si), m);
+        }
+        Ok(())
+    }
+
+    /// The hooks of a sender forward: at the sender's layer the base z with each row's
+    /// sender head from the partner; every other hook_z and every MLP output from that
+    /// layer on frozen; the later layers' q / k / v captured.
+    fn sender_spec(&self, ls: usize, chunk: &[usize], recv: &[usize], rows: &[usize]) -> Result<HookSpec> {
+        let (cache, n2) = (self.cache, self.prompts.n());
+        let partner = |p: usize| (p + n2 / 2) % n2;
+        let mut spec = HookSpec::new();
+        // The sender's layer: base z with each row's sender head from the partner.
+        let zp = HookPoint::block(ls, Site::AttnZ);
+        let base_z = act4(cache, &zp, rows)?;
+        let partner_rows: Vec<usize> = rows.iter().map(|&p| partner(p)).collect();
+        let fill = act4(cache, &zp, &partner_rows)?;
+        let mut blocks = Vec::new();
+        let k = recv.len();
+        for (ci, &si) in chunk.iter().enumerate() {
+            let b = base_z.clone().slice_dim(0, ci * k..(ci + 1) * k);
+            let f = fill.clone().slice_dim(0, ci * k..(ci + 1) * k);
+            let pos: Vec<Option<Vec<usize>>> = recv
+                .iter()
+                .map(|&p| self.positions.resolve(&self.prompts.targets[p].positions))
+                .collect();
+            blocks.push(splice(b, f, &[self.senders[si].head], &pos)?);
+        }
+        spec = spec.intervene_point(zp, Action::Replace(Act::new(Tensor::cat(blocks, 0))), Scope::all());
+        // Freeze every other hook_z and every MLP output from the sender's layer on.
+        for l in ls..=self.last {
+            if l > ls {
+                let p = HookPoint::block(l, Site::AttnZ);
+                spec = spec.intervene_point(p, Action::Replace(act_rows(cache, &p, rows)?), Scope::all());
+            }
+            let p = HookPoint::block(l, Site::MlpOut);
+            spec = spec.intervene_point(p, Action::Replace(act_rows(cache, &p, rows)?), Scope::all());
+        }
+        for l in ls + 1..=self.last {
+            for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
+                spec = spec.capture_point(HookPoint::block(l, s));
+            }
+        }
+        Ok(spec)
+    }
+
+    /// Step 2: per receiver layer, chunks of cells; rows = cells x receiving prompts.
+    /// One outcome per receiving prompt of every cell.
+    fn receiver_outcomes(&self, captured: &SenderCaptures, progress: &mut Progress) -> Result<Vec<Vec<Outcome>>> {
+        let k = self.prompts.n() / 2;
+        let mut results: Vec<Vec<Outcome>> = vec![Vec::new(); self.cells.len()];
+        let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (i, c) in self.cells.iter().enumerate() {
+            by_layer.entry(c.receiver.layer).or_default().push(i);
+        }
+        for (lr, list) in by_layer {
+            let per_chunk = (self.max_rows / k.max(1)).max(1);
+            for chunk in list.chunks(per_chunk) {
+                let o = self.receiver_forward(lr, chunk, captured)?;
+                for (ci, &c) in chunk.iter().enumerate() {
+                    results[c] = o[ci * k..(ci + 1) * k].to_vec();
+                }
+                progress.inc(chunk.len() as u64);
+            }
+        }
+        Ok(results)
+    }
+
+    /// One receiver forward from layer `lr` for the cells `chunk`: each cell's receiver
+    /// slice replaced by its capture from the sender forward; the outcomes of its rows.
+    fn receiver_forward(&self, lr: usize, chunk: &[usize], captured: &SenderCaptures) -> Result<Vec<Outcome>> {
+        let (cells, k) = (self.cells, self.prompts.n() / 2);
+        let rows: Vec<usize> = chunk
+            .iter()
+            .flat_map(|&c| self.receiving(cells[c].direction))
+            .collect();
+        let tokens = self.prompts.tokens_of(&rows, &self.model.device());
+        let resid = act_rows(self.cache, &HookPoint::block(lr, Site::ResidPre), &rows)?;
+        let mut spec = HookSpec::new();
+        let inputs: Vec<PathInput> = {
+            let mut v: Vec<PathInput> = chunk.iter().map(|&c| cells[c].receiver.input).collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        for input in inputs {
+            let p = HookPoint::block(lr, input.site());
+            let mut blocks = Vec::new();
+            for (ci, &c) in chunk.iter().enumerate() {
+                let cell = &cells[c];
+                let b = act4(self.cache, &p, &rows[ci * k..(ci + 1) * k])?;
+                if cell.receiver.input != input {
+                    blocks.push(b);
+                    continue;
+                }
+                let fill = captured[&(cell.direction.metric(), cell.sender)]
+                    .get(&p)
+                    .ok_or_else(|| Error::hook(p.to_string(), "no capture of the sender forward"))?
+                    .get::<4>()?;
+                blocks.push(splice(b, fill, &[cell.receiver.head], &vec![None; k])?);
+            }
+            spec = spec.intervene_point(p, Action::Replace(Act::new(Tensor::cat(blocks, 0))), Scope::all());
+        }
+        let out = self.model.forward_from(tokens, lr, &resid, &spec)?;
+        let targets: Vec<&Target> = rows.iter().map(|&p| &self.prompts.targets[p]).collect();
+        readout(out.logits, &targets)
+    }
+}
+
 /// Evaluate path cells on one prompt batch (clean `0..n`, corrupted partners `n..2n`).
 /// Returns the base outcomes (every prompt) and, per cell, one outcome per receiving
 /// prompt (the corrupted prompts for denoising, the clean ones for noising).
@@ -253,154 +458,21 @@ pub fn path_group(
     max_rows: usize,
     progress: &mut Progress,
 ) -> Result<(Vec<Outcome>, Vec<Vec<Outcome>>)> {
-    let n2 = prompts.n();
-    let n = n2 / 2;
-    let info = model.info();
-    let device = model.device();
     let first = senders.iter().map(|s| s.layer).min().unwrap_or(0);
     let last = cells.iter().map(|c| c.receiver.layer).max().unwrap_or(0);
-    // Base captures: every hook_z and hook_mlp_out from the first sender layer on, the
-    // residual entering sender and receiver layers, the receivers' inputs.
-    let mut caps = Vec::new();
-    for l in first..=last {
-        caps.push(HookPoint::block(l, Site::AttnZ));
-        caps.push(HookPoint::block(l, Site::MlpOut));
-        caps.push(HookPoint::block(l, Site::ResidPre));
-        for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
-            caps.push(HookPoint::block(l, s));
-        }
-    }
-    let base = base_run(model, prompts, &caps)?;
-    let cache = &base.cache;
-    let receiving = |d: Direction| -> Vec<usize> {
-        match d {
-            Direction::Denoise => (n..n2).collect(),
-            Direction::Noise => (0..n).collect(),
-        }
+    let base = base_run(model, prompts, &base_captures(first, last))?;
+    let run = PathRun {
+        model,
+        prompts,
+        senders,
+        cells,
+        positions,
+        max_rows,
+        cache: &base.cache,
+        last,
     };
-    let partner = |p: usize| (p + n) % n2;
-    let pos_of = |p: usize| positions.resolve(&prompts.targets[p].positions);
-
-    // Step 1: per direction and sender layer, rows = senders x receiving prompts;
-    // captures of the receivers' inputs per (direction, sender) -> point -> Act.
-    let mut dirs: Vec<Direction> = cells.iter().map(|c| c.direction).collect();
-    dirs.dedup();
-    dirs.sort_by_key(|d| d.metric());
-    dirs.dedup();
-    let mut captured: BTreeMap<(&'static str, usize), BTreeMap<HookPoint, Act>> = BTreeMap::new();
-    for &d in &dirs {
-        let recv = receiving(d);
-        let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for (si, s) in senders.iter().enumerate() {
-            if cells.iter().any(|c| c.sender == si && c.direction == d) {
-                by_layer.entry(s.layer).or_default().push(si);
-            }
-        }
-        for (ls, list) in by_layer {
-            let per_chunk = (max_rows / recv.len().max(1)).max(1);
-            for chunk in list.chunks(per_chunk) {
-                let rows: Vec<usize> = chunk.iter().flat_map(|_| recv.iter().copied()).collect();
-                let tokens = prompts.tokens_of(&rows, &device);
-                let resid = act_rows(cache, &HookPoint::block(ls, Site::ResidPre), &rows)?;
-                let mut spec = HookSpec::new();
-                // The sender's layer: base z with each row's sender head from the partner.
-                let zp = HookPoint::block(ls, Site::AttnZ);
-                let base_z = act4(cache, &zp, &rows)?;
-                let partner_rows: Vec<usize> = rows.iter().map(|&p| partner(p)).collect();
-                let fill = act4(cache, &zp, &partner_rows)?;
-                let mut blocks = Vec::new();
-                let k = recv.len();
-                for (ci, &si) in chunk.iter().enumerate() {
-                    let b = base_z.clone().slice_dim(0, ci * k..(ci + 1) * k);
-                    let f = fill.clone().slice_dim(0, ci * k..(ci + 1) * k);
-                    let pos: Vec<Option<Vec<usize>>> = recv.iter().map(|&p| pos_of(p)).collect();
-                    blocks.push(splice(b, f, &[senders[si].head], &pos)?);
-                }
-                spec = spec.intervene_point(zp, Action::Replace(Act::new(Tensor::cat(blocks, 0))), Scope::all());
-                // Freeze every other hook_z and every MLP output from the sender's layer on.
-                for l in ls..=last {
-                    if l > ls {
-                        let p = HookPoint::block(l, Site::AttnZ);
-                        spec = spec.intervene_point(p, Action::Replace(act_rows(cache, &p, &rows)?), Scope::all());
-                    }
-                    let p = HookPoint::block(l, Site::MlpOut);
-                    spec = spec.intervene_point(p, Action::Replace(act_rows(cache, &p, &rows)?), Scope::all());
-                }
-                for l in ls + 1..=last {
-                    for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
-                        spec = spec.capture_point(HookPoint::block(l, s));
-                    }
-                }
-                let out = model.forward_from(tokens, ls, &resid, &spec)?;
-                for (ci, &si) in chunk.iter().enumerate() {
-                    let sel: Vec<usize> = (ci * k..(ci + 1) * k).collect();
-                    let mut m = BTreeMap::new();
-                    for l in ls + 1..=last {
-                        for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
-                            let p = HookPoint::block(l, s);
-                            let a = out.cache.get(&p).ok_or_else(|| {
-                                Error::hook(p.to_string(), "the sender forward did not produce this activation")
-                            })?;
-                            m.insert(p, a.select_batch(&sel)?);
-                        }
-                    }
-                    captured.insert((d.metric(), si), m);
-                }
-            }
-        }
-    }
-
-    // Step 2: per receiver layer, chunks of cells; rows = cells x receiving prompts.
-    let mut results: Vec<Vec<Outcome>> = vec![Vec::new(); cells.len()];
-    let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    for (i, c) in cells.iter().enumerate() {
-        by_layer.entry(c.receiver.layer).or_default().push(i);
-    }
-    for (lr, list) in by_layer {
-        let k = n;
-        let per_chunk = (max_rows / k.max(1)).max(1);
-        for chunk in list.chunks(per_chunk) {
-            let rows: Vec<usize> = chunk
-                .iter()
-                .flat_map(|&c| receiving(cells[c].direction))
-                .collect();
-            let tokens = prompts.tokens_of(&rows, &device);
-            let resid = act_rows(cache, &HookPoint::block(lr, Site::ResidPre), &rows)?;
-            let mut spec = HookSpec::new();
-            let inputs: Vec<PathInput> = {
-                let mut v: Vec<PathInput> = chunk.iter().map(|&c| cells[c].receiver.input).collect();
-                v.sort();
-                v.dedup();
-                v
-            };
-            for input in inputs {
-                let p = HookPoint::block(lr, input.site());
-                let mut blocks = Vec::new();
-                for (ci, &c) in chunk.iter().enumerate() {
-                    let cell = &cells[c];
-                    let b = act4(cache, &p, &rows[ci * k..(ci + 1) * k])?;
-                    if cell.receiver.input != input {
-                        blocks.push(b);
-                        continue;
-                    }
-                    let fill = captured[&(cell.direction.metric(), cell.sender)]
-                        .get(&p)
-                        .ok_or_else(|| Error::hook(p.to_string(), "no capture of the sender forward"))?
-                        .get::<4>()?;
-                    blocks.push(splice(b, fill, &[cell.receiver.head], &vec![None; k])?);
-                }
-                spec = spec.intervene_point(p, Action::Replace(Act::new(Tensor::cat(blocks, 0))), Scope::all());
-            }
-            let out = model.forward_from(tokens, lr, &resid, &spec)?;
-            let targets: Vec<&Target> = rows.iter().map(|&p| &prompts.targets[p]).collect();
-            let o = readout(out.logits, &targets)?;
-            for (ci, &c) in chunk.iter().enumerate() {
-                results[c] = o[ci * k..(ci + 1) * k].to_vec();
-            }
-            progress.inc(chunk.len() as u64);
-        }
-    }
-    let _ = info;
+    let captured = run.sender_captures()?;
+    let results = run.receiver_outcomes(&captured, progress)?;
     Ok((base.outcomes.clone(), results))
 }
 
@@ -409,7 +481,16 @@ fn nld(s: &[f64; 3], n: u64) -> f64 {
     normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
 }
 
-fn run(cfg: &PathPatching, ctx: &mut Ctx) -> Result<KindOutput> {
+/// The senders and the path cells of a run: per direction, sender, later receiver layer,
+/// receiver input and receiver head.
+struct Paths {
+    senders: Vec<Sender>,
+    cells: Vec<PathCell>,
+}
+
+/// The senders and cells the settings select; an error when no receiver layer comes
+/// after a sender layer.
+fn select_paths(cfg: &PathPatching, ctx: &Ctx) -> Result<Paths> {
     let exp = ctx.exp;
     let nl = ctx.info.n_layers();
     let s_layers = resolve(exp, "sender_layers", &cfg.sender_layers, nl)?;
@@ -448,8 +529,14 @@ fn run(cfg: &PathPatching, ctx: &mut Ctx) -> Result<KindOutput> {
             "no receiver layer comes after a sender layer: no path to patch",
         ));
     }
+    Ok(Paths { senders, cells })
+}
+
+/// Every phase group's prompt metadata and outcomes (from the store, or computed and
+/// stored).
+fn path_groups(cfg: &PathPatching, ctx: &mut Ctx, paths: &Paths) -> Result<(Vec<Vec<PromptMeta>>, Vec<GroupResult>)> {
+    let cells = &paths.cells;
     let set = ctx.eval_set()?;
-    let p = ctx.p();
     let assign = if ctx.task.prompt.assign {
         ctx.task.space.assign().len()
     } else {
@@ -486,15 +573,8 @@ fn run(cfg: &PathPatching, ctx: &mut Ctx) -> Result<KindOutput> {
                 GroupResult { base, cells: v }
             }
             None => {
-                let (base, out) = path_group(
-                    ctx.model,
-                    &prompts,
-                    &senders,
-                    &cells,
-                    &cfg.positions,
-                    ctx.max_rows,
-                    &mut progress,
-                )?;
+                let (base, out) =
+                    path_group(ctx.model, &prompts, &paths.senders, cells, &cfg.positions, ctx.max_rows, &mut progress)?;
                 let mut save = out.clone();
                 save.push(base.clone());
                 ctx.store.save(&key, &save)?;
@@ -507,35 +587,48 @@ fn run(cfg: &PathPatching, ctx: &mut Ctx) -> Result<KindOutput> {
     }
     progress.finish();
     ctx.stats.seconds += t0.elapsed().as_secs_f64();
+    Ok((metas, results))
+}
 
+/// Clean and corrupted accuracy rows, from the base outcomes of every group.
+fn baseline(ctx: &Ctx, metas: &[Vec<PromptMeta>], results: &[GroupResult]) -> Vec<LongRow> {
     let mut acc = Vec::new();
     let mut acc_corrupt = Vec::new();
-    for (meta, res) in metas.iter().zip(&results) {
+    for (meta, res) in metas.iter().zip(results) {
         acc.extend(base_obs(meta, res));
         let n = meta.len() / 2;
         for (i, m) in meta.iter().take(n).enumerate() {
             acc_corrupt.push((m.logical, m.phase, res.base[n + i].correct));
         }
     }
+    let (p, phases) = (ctx.p(), &ctx.task.phases);
     let (reps, seed) = (ctx.reps(), ctx.seed());
-    let rc = ctx.rows.clone();
+    let rc = &ctx.rows;
     let mut rows: Vec<LongRow> =
-        baseline_rows(&rc, "", &accuracy_clusters(p, acc), &phases, reps, seed);
+        baseline_rows(rc, "", &accuracy_clusters(p, acc), phases, reps, seed);
     rows.extend(baseline_rows(
-        &rc,
+        rc,
         "_corrupted",
         &accuracy_clusters(p, acc_corrupt),
-        &phases,
+        phases,
         reps,
         seed,
     ));
-    for (ci, cell) in cells.iter().enumerate() {
+    rows
+}
+
+/// The NLD rows of every path cell (at the sender head, per phase and pooled).
+fn cell_rows(ctx: &Ctx, paths: &Paths, metas: &[Vec<PromptMeta>], results: &[GroupResult]) -> Vec<LongRow> {
+    let (p, phases) = (ctx.p(), &ctx.task.phases);
+    let (reps, seed) = (ctx.reps(), ctx.seed());
+    let mut rows = Vec::new();
+    for (ci, cell) in paths.cells.iter().enumerate() {
         let mut c = Clusters::<3>::new(p);
         let sign = match cell.direction {
             Direction::Denoise => -1.0,
             Direction::Noise => 1.0,
         };
-        for (meta, res) in metas.iter().zip(&results) {
+        for (meta, res) in metas.iter().zip(results) {
             let n = meta.len() / 2;
             for (i, o) in res.cells[ci].iter().enumerate() {
                 c.add(
@@ -546,17 +639,25 @@ fn run(cfg: &PathPatching, ctx: &mut Ctx) -> Result<KindOutput> {
             }
         }
         let (per, pooled) = per_phase(&c, nld, reps, seed);
-        let s = senders[cell.sender];
+        let s = paths.senders[cell.sender];
         let metric = path_metric(cell.direction, cell.receiver.input, cell.receiver.layer, cell.receiver.head);
         let at = Some((s.layer as u32, Some((s.head as u32, HeadKind::Query))));
-        rows.extend(rc.phase_rows(&metric, at, &phases, &per, pooled));
+        rows.extend(ctx.rows.phase_rows(&metric, at, phases, &per, pooled));
     }
-    rows.push(rc.row(
+    rows
+}
+
+fn run(cfg: &PathPatching, ctx: &mut Ctx) -> Result<KindOutput> {
+    let paths = select_paths(cfg, ctx)?;
+    let (metas, results) = path_groups(cfg, ctx, &paths)?;
+    let mut rows = baseline(ctx, &metas, &results);
+    rows.extend(cell_rows(ctx, &paths, &metas, &results));
+    rows.push(ctx.rows.row(
         "path_cells",
         Est {
-            value: cells.len() as f64,
+            value: paths.cells.len() as f64,
             ci: None,
-            n: phases.len() as u64,
+            n: ctx.task.phases.len() as u64,
         },
     ));
     Ok(KindOutput {
@@ -564,10 +665,13 @@ fn run(cfg: &PathPatching, ctx: &mut Ctx) -> Result<KindOutput> {
     })
 }
 
+/// metric -> (sender layer, head) -> phase (None: pooled) -> value.
+type PathValues = BTreeMap<String, BTreeMap<(u32, u32), BTreeMap<Option<u32>, f64>>>;
+
 /// Figures: per receiver input with the strongest feed, a sender x phase heatmap; a
 /// table of the strongest paths.
 fn draw(f: &mut Figures) -> Result<()> {
-    let (d, m, phases, dir) = (f.data, f.model.clone(), f.phases.clone(), f.dir);
+    let (d, m) = (f.data, f.model.clone());
     let m = m.as_str();
     f.report.section("Path patching: sender head -> receiver head (q / k / v)");
     f.report.paragraph(
@@ -579,7 +683,7 @@ fn draw(f: &mut Figures) -> Result<()> {
          path_nld_<direction>_<q|k|v>_L<layer>H<head> (KV heads: KV<head>); the sender is in the layer/head columns.",
     );
     // metric -> (sender label, phase) -> value
-    let mut by_metric: BTreeMap<String, BTreeMap<(u32, u32), BTreeMap<Option<u32>, f64>>> = BTreeMap::new();
+    let mut by_metric: PathValues = BTreeMap::new();
     for r in d.rows.iter().filter(|r| r.model == m && r.metric.starts_with("path_nld_")) {
         if let (Some(l), Some(h)) = (r.layer, r.head) {
             by_metric
@@ -590,6 +694,14 @@ fn draw(f: &mut Figures) -> Result<()> {
                 .insert(r.phase, r.value);
         }
     }
+    strongest_heatmaps(f, &by_metric)?;
+    strongest_paths(f, &by_metric);
+    Ok(())
+}
+
+/// Sender x phase heatmaps of the six receivers with the largest pooled |NLD|.
+fn strongest_heatmaps(f: &mut Figures, by_metric: &PathValues) -> Result<()> {
+    let (m, phases, dir) = (f.model.clone(), f.phases.clone(), f.dir);
     let mut strength: Vec<(f64, String)> = by_metric
         .iter()
         .map(|(k, v)| {
@@ -629,9 +741,14 @@ fn draw(f: &mut Figures) -> Result<()> {
         let fig = heatmap(dir.join(metric), &spec)?;
         push(&mut f.files, &mut f.report, &format!("{metric}: per sender head x source phase"), fig);
     }
-    // The strongest paths (pooled), with their per-phase values.
+    Ok(())
+}
+
+/// The strongest paths (pooled), with their per-phase values.
+fn strongest_paths(f: &mut Figures, by_metric: &PathValues) {
+    let phases = &f.phases;
     let mut edges: Vec<(f64, Vec<String>)> = Vec::new();
-    for (metric, senders) in &by_metric {
+    for (metric, senders) in by_metric {
         let receiver = metric.trim_start_matches("path_");
         for ((l, h), v) in senders {
             let pooled = v.get(&None).copied().unwrap_or(f64::NAN);
@@ -656,5 +773,4 @@ fn draw(f: &mut Figures) -> Result<()> {
             edges.into_iter().take(12).map(|e| e.1).collect(),
         );
     }
-    Ok(())
 }
