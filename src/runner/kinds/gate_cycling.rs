@@ -19,8 +19,8 @@ use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::{
-    DEFAULT_LEVEL, ProfileCluster, bootstrap_ci, concatenated_mae, concatenated_r2, pooled_mae,
-    profile_fit,
+    BootstrapCi, DEFAULT_LEVEL, PhaseCluster, ProfileCluster, bootstrap_ci, concatenated_mae,
+    concatenated_r2, pooled_mae, profile_fit,
 };
 use crate::analysis::{Est, accuracy_clusters, per_phase, phase_clusters};
 use crate::error::Result;
@@ -28,12 +28,12 @@ use crate::hooks::{Act, Action, HookPoint, Site};
 use crate::model::LayerKind;
 use crate::output::{Headline, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed};
 
-use super::super::rows::{baseline_rows};
+use super::super::rows::{RowCtx, baseline_rows};
 use super::super::experiment::{Experiment, GateKind, Selection};
 use super::super::exec::Group;
-use super::super::report::{Figures, accuracy_figure, ci_text, push};
+use super::super::report::{ExperimentData, Figures, accuracy_figure, ci_text, push};
 use super::super::patching::{Cell, Edit};
-use super::super::prompts::clean_prompts;
+use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::setup;
 use super::{Ctx, Kind, KindOutput, base_obs};
 
@@ -125,10 +125,11 @@ impl Kind for GateCycling {
     }
 }
 
-fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
-    let layers = setup::layers(ctx.exp, "cycling", &cfg.layers, &ctx.info, true)?;
+/// Warn (and note) for every layer whose rolled offsets are not P: a shift by delta
+/// offsets then moves phases by delta only approximately.
+fn check_offsets(cfg: &GateCycling, ctx: &mut Ctx, layers: &[usize]) {
     let p = ctx.p();
-    for &l in &layers {
+    for &l in layers {
         if let LayerKind::Compressed { window, stride, .. } = ctx.info.layers[l].kind {
             // The offsets a shift moves: the window's (whole gates, kvc bias) or, for a
             // DeepSeek-V4 bias, the rate's (position_bias has one row per offset in the stride).
@@ -143,12 +144,16 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
             }
         }
     }
+}
+
+/// One edit per shift: roll each token's whole gate, or add the rolled-minus-own bias.
+fn shift_edits(cfg: &GateCycling, ctx: &Ctx, layers: &[usize]) -> Result<Vec<Edit>> {
     let biases = match cfg.roll {
-        Roll::Bias => gate_biases(ctx, &layers, &cfg.gates)?,
+        Roll::Bias => gate_biases(ctx, layers, &cfg.gates)?,
         Roll::Logits => Vec::new(),
     };
     let mut points = Vec::new();
-    for &l in &layers {
+    for &l in layers {
         for g in &cfg.gates {
             points.push(HookPoint::block(
                 l,
@@ -159,7 +164,7 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
             ));
         }
     }
-    let edits: Vec<Edit> = cfg
+    Ok(cfg
         .deltas
         .iter()
         .map(|&d| match cfg.roll {
@@ -176,7 +181,11 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
                 heads: None,
             },
         })
-        .collect();
+        .collect())
+}
+
+/// One group per phase: its clean prompts, every shift applied to all of them.
+fn shift_groups(ctx: &mut Ctx, edits: &[Edit]) -> Result<(Vec<Group>, Vec<Vec<PromptMeta>>)> {
     let set = ctx.eval_set()?;
     let mut groups = Vec::new();
     let mut metas = Vec::new();
@@ -198,6 +207,81 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
         });
         metas.push(meta);
     }
+    Ok((groups, metas))
+}
+
+/// A row of a bootstrap interval's estimate.
+fn ci_row(rc: &RowCtx, metric: impl Into<String>, ci: &BootstrapCi, n: u64) -> LongRow {
+    rc.row(
+        metric,
+        Est {
+            value: ci.estimate,
+            ci: Some((ci.lo, ci.hi)),
+            n,
+        },
+    )
+}
+
+/// The rows of shift `d` (observed and predicted accuracy per phase, R^2 and MAE of the
+/// prediction); returns its profile cluster per logical example.
+fn shift_rows(
+    ctx: &mut Ctx,
+    d: i64,
+    obs: Vec<(u64, u32, bool)>,
+    base_obs: &[(u64, u32, bool)],
+    base_pc: &[PhaseCluster],
+    rows: &mut Vec<LongRow>,
+) -> Vec<ProfileCluster> {
+    let (p, phases) = (ctx.p(), ctx.task.phases.clone());
+    let (reps, seed) = (ctx.reps(), ctx.seed());
+    let rc = ctx.rows.clone();
+    let observed = accuracy_clusters(p, obs);
+    let predicted = accuracy_clusters(
+        p,
+        base_obs
+            .iter()
+            .map(|&(l, ph, ok)| (l, ((ph as i64 + d).rem_euclid(p as i64)) as u32, ok)),
+    );
+    let sfx = delta_suffix(d);
+    let (po, oo) = per_phase(&observed, |s, n| s[0] / n as f64, reps, seed);
+    rows.extend(rc.phase_rows(&format!("cycling_observed{sfx}"), None, &phases, &po, oo));
+    let (pp, op) = per_phase(&predicted, |s, n| s[0] / n as f64, reps, seed);
+    rows.extend(rc.phase_rows(&format!("cycling_predicted{sfx}"), None, &phases, &pp, op));
+    let obs_pc = phase_clusters(&observed);
+    let clusters: Vec<ProfileCluster> = base_pc
+        .iter()
+        .zip(obs_pc)
+        .map(|(b, o)| ProfileCluster {
+            predicted: b.shifted(d),
+            observed: o,
+        })
+        .collect();
+    let n = clusters.len() as u64;
+    match profile_fit(&clusters, reps, seed, DEFAULT_LEVEL) {
+        Ok(fit) => {
+            for (m, ci) in [("cycling_r2", fit.r2), ("cycling_mae", fit.mae)] {
+                rows.push(ci_row(&rc, format!("{m}{sfx}"), &ci, n));
+            }
+        }
+        Err(e) => {
+            // Typically a constant observed profile: R^2 is undefined, MAE is not.
+            let w = format!("delta {d:+}: R^2 undefined ({e}); MAE only");
+            eprintln!("warning: {w}");
+            ctx.notes.push(w);
+            if let Ok(ci) = bootstrap_ci(&clusters, pooled_mae, reps, seed, DEFAULT_LEVEL) {
+                rows.push(ci_row(&rc, format!("cycling_mae{sfx}"), &ci, n));
+            }
+        }
+    }
+    clusters
+}
+
+fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
+    let layers = setup::layers(ctx.exp, "cycling", &cfg.layers, &ctx.info, true)?;
+    let p = ctx.p();
+    check_offsets(cfg, ctx, &layers);
+    let edits = shift_edits(cfg, ctx, &layers)?;
+    let (groups, metas) = shift_groups(ctx, &edits)?;
     let results = ctx.execute(&format!("{} gate-cycling", ctx.mref.name), &groups)?;
     let phases = ctx.task.phases.clone();
     let (reps, seed) = (ctx.reps(), ctx.seed());
@@ -223,60 +307,9 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
                     .collect::<Vec<_>>()
             })
             .collect();
-        let observed = accuracy_clusters(p, obs);
-        let predicted = accuracy_clusters(
-            p,
-            base_obs_all
-                .iter()
-                .map(|&(l, ph, ok)| (l, ((ph as i64 + d).rem_euclid(p as i64)) as u32, ok)),
-        );
-        let sfx = delta_suffix(d);
-        let (po, oo) = per_phase(&observed, |s, n| s[0] / n as f64, reps, seed);
-        rows.extend(rc.phase_rows(&format!("cycling_observed{sfx}"), None, &phases, &po, oo));
-        let (pp, op) = per_phase(&predicted, |s, n| s[0] / n as f64, reps, seed);
-        rows.extend(rc.phase_rows(&format!("cycling_predicted{sfx}"), None, &phases, &pp, op));
-        let obs_pc = phase_clusters(&observed);
-        let clusters: Vec<ProfileCluster> = base_pc
-            .iter()
-            .zip(obs_pc)
-            .map(|(b, o)| ProfileCluster {
-                predicted: b.shifted(d),
-                observed: o,
-            })
-            .collect();
+        let clusters = shift_rows(ctx, d, obs, &base_obs_all, &base_pc, &mut rows);
         for (e, c) in per_example.iter_mut().zip(&clusters) {
             e.push(c.clone());
-        }
-        let n = clusters.len() as u64;
-        match profile_fit(&clusters, reps, seed, DEFAULT_LEVEL) {
-            Ok(fit) => {
-                for (m, ci) in [("cycling_r2", fit.r2), ("cycling_mae", fit.mae)] {
-                    rows.push(rc.row(
-                        format!("{m}{sfx}"),
-                        Est {
-                            value: ci.estimate,
-                            ci: Some((ci.lo, ci.hi)),
-                            n,
-                        },
-                    ));
-                }
-            }
-            Err(e) => {
-                // Typically a constant observed profile: R^2 is undefined, MAE is not.
-                let w = format!("delta {d:+}: R^2 undefined ({e}); MAE only");
-                eprintln!("warning: {w}");
-                ctx.notes.push(w);
-                if let Ok(ci) = bootstrap_ci(&clusters, pooled_mae, reps, seed, DEFAULT_LEVEL) {
-                    rows.push(rc.row(
-                        format!("cycling_mae{sfx}"),
-                        Est {
-                            value: ci.estimate,
-                            ci: Some((ci.lo, ci.hi)),
-                            n,
-                        },
-                    ));
-                }
-            }
         }
     }
     // Pooled over deltas: the concatenated predicted and observed profiles.
@@ -287,14 +320,7 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
         ("cycling_mae", concatenated_mae as Stat),
     ] {
         if let Ok(ci) = bootstrap_ci(&per_example, f, reps, seed, DEFAULT_LEVEL) {
-            rows.push(rc.row(
-                m,
-                Est {
-                    value: ci.estimate,
-                    ci: Some((ci.lo, ci.hi)),
-                    n,
-                },
-            ));
+            rows.push(ci_row(&rc, m, &ci, n));
         }
     }
     Ok(KindOutput {
@@ -400,11 +426,59 @@ fn gate_biases(ctx: &Ctx, layers: &[usize], gates: &[GateKind]) -> Result<Vec<Ga
     Ok(out)
 }
 
+/// An interval as ` [lo, hi]` with three decimals.
+fn fmt_ci(r: &LongRow) -> String {
+    ci_text(r, |v| format!("{v:.3}"))
+}
+
 /// This kind's figures and report section, from its tables alone.
 fn draw(cfg: &GateCycling, f: &mut Figures) -> Result<()> {
-    let (d, m, phases, dir) = (f.data, f.model.as_str(), &f.phases[..], f.dir);
-    let (report, files) = (&mut f.report, &mut f.files);
-    let deltas = cfg.deltas.clone();
+    let (d, m, phases, dir) = (f.data, f.model.clone(), f.phases.clone(), f.dir);
+    let m = m.as_str();
+    intro(cfg, f);
+    let mut rows_tbl = Vec::new();
+    let mut series = Vec::new();
+    let mut lines = vec![("baseline".to_string(), "accuracy".to_string())];
+    for &dl in &cfg.deltas {
+        let Some((s, row)) = shift_summary(d, m, &phases, dl) else {
+            continue;
+        };
+        series.push(s);
+        lines.push((
+            format!("observed, delta {dl:+}"),
+            format!("cycling_observed{}", delta_suffix(dl)),
+        ));
+        rows_tbl.push(row);
+    }
+    if !rows_tbl.is_empty() {
+        f.report.table(
+            "Agreement per shift",
+            ["delta", "R^2", "R^2 CI", "MAE", "MAE CI"]
+                .map(String::from)
+                .to_vec(),
+            rows_tbl,
+        );
+    }
+    if !series.is_empty() {
+        cycling_scatter(f, series)?;
+    }
+    let series: Vec<(&str, String)> = lines.iter().map(|(a, b)| (a.as_str(), b.clone())).collect();
+    if let Some(fig) = accuracy_figure(
+        &dir.join("cycling_profiles"),
+        d,
+        m,
+        &series,
+        &format!("{m}: accuracy by phase with rolled gates"),
+    )? {
+        push(&mut f.files, &mut f.report, "Accuracy profiles with rolled gates", fig);
+    }
+    Ok(())
+}
+
+/// The section's heading, what was rolled and how to read the numbers, and the pooled
+/// R^2 and MAE headlines.
+fn intro(cfg: &GateCycling, f: &mut Figures) {
+    let (d, m, report) = (f.data, f.model.as_str(), &mut f.report);
     report.section("Gate cycling");
     report.paragraph(
         match cfg.roll {
@@ -418,7 +492,6 @@ fn draw(cfg: &GateCycling, f: &mut Figures) -> Result<()> {
          the observed profile: when shifted gates flatten the profile (e.g. the model fails at every \
          phase) it is undefined or hugely negative, and MAE is the number to read.",
     );
-    let fmt_ci = |r: &LongRow| ci_text(r, |v| format!("{v:.3}"));
     for (metric, label) in [
         ("cycling_r2", "R^2 (all shifts)"),
         ("cycling_mae", "MAE (all shifts)"),
@@ -427,98 +500,79 @@ fn draw(cfg: &GateCycling, f: &mut Figures) -> Result<()> {
             report.headline(Headline::new(label, format!("{:.3}", r.value)).with_detail(fmt_ci(r)));
         }
     }
-    let mut rows_tbl = Vec::new();
-    let mut series = Vec::new();
-    let mut lines = vec![("baseline".to_string(), "accuracy".to_string())];
-    for &dl in &deltas {
-        let sfx = delta_suffix(dl);
-        let pred: BTreeMap<u32, f64> = d
-            .find(m, &format!("cycling_predicted{sfx}"))
-            .filter_map(|r| Some((r.phase?, r.value)))
-            .collect();
-        let obs: BTreeMap<u32, f64> = d
-            .find(m, &format!("cycling_observed{sfx}"))
-            .filter_map(|r| Some((r.phase?, r.value)))
-            .collect();
-        if obs.is_empty() {
-            continue;
+}
+
+/// Shift `dl`'s predicted vs observed accuracy per phase and its row of the agreement
+/// table (R^2, MAE and their intervals); None without observed rows.
+fn shift_summary(d: &ExperimentData, m: &str, phases: &[u32], dl: i64) -> Option<(ScatterSeries, Vec<String>)> {
+    let sfx = delta_suffix(dl);
+    let pred: BTreeMap<u32, f64> = d
+        .find(m, &format!("cycling_predicted{sfx}"))
+        .filter_map(|r| Some((r.phase?, r.value)))
+        .collect();
+    let obs: BTreeMap<u32, f64> = d
+        .find(m, &format!("cycling_observed{sfx}"))
+        .filter_map(|r| Some((r.phase?, r.value)))
+        .collect();
+    if obs.is_empty() {
+        return None;
+    }
+    let series = ScatterSeries {
+        name: format!("delta {dl:+}"),
+        predicted: phases
+            .iter()
+            .map(|p| pred.get(p).copied().unwrap_or(f64::NAN))
+            .collect(),
+        observed: phases
+            .iter()
+            .map(|p| obs.get(p).copied().unwrap_or(f64::NAN))
+            .collect(),
+    };
+    let r2 = d.scalar(m, &format!("cycling_r2{sfx}"));
+    let mae = d.scalar(m, &format!("cycling_mae{sfx}"));
+    let row = vec![
+        format!("{dl:+}"),
+        r2.map_or("n/a".into(), |r| format!("{:.3}", r.value)),
+        r2.map_or(String::new(), fmt_ci),
+        mae.map_or("n/a".into(), |r| format!("{:.3}", r.value)),
+        mae.map_or(String::new(), fmt_ci),
+    ];
+    Some((series, row))
+}
+
+/// Predicted vs observed per-phase accuracy, one point per phase and shift.
+fn cycling_scatter(f: &mut Figures, series: Vec<ScatterSeries>) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.as_str(), f.dir);
+    let r2_text = match (d.scalar(m, "cycling_r2"), d.scalar(m, "cycling_mae")) {
+        (Some(a), Some(b)) => {
+            let ci = |r: &LongRow| match (r.ci_lo, r.ci_hi) {
+                (Some(lo), Some(hi)) => format!(" [{lo:.3}, {hi:.3}]"),
+                _ => String::new(),
+            };
+            Some(format!(
+                "R² = {:.3}{}, MAE = {:.3}{}",
+                a.value,
+                ci(a),
+                b.value,
+                ci(b)
+            ))
         }
-        series.push(ScatterSeries {
-            name: format!("delta {dl:+}"),
-            predicted: phases
-                .iter()
-                .map(|p| pred.get(p).copied().unwrap_or(f64::NAN))
-                .collect(),
-            observed: phases
-                .iter()
-                .map(|p| obs.get(p).copied().unwrap_or(f64::NAN))
-                .collect(),
-        });
-        lines.push((
-            format!("observed, delta {dl:+}"),
-            format!("cycling_observed{sfx}"),
-        ));
-        let r2 = d.scalar(m, &format!("cycling_r2{sfx}"));
-        let mae = d.scalar(m, &format!("cycling_mae{sfx}"));
-        rows_tbl.push(vec![
-            format!("{dl:+}"),
-            r2.map_or("n/a".into(), |r| format!("{:.3}", r.value)),
-            r2.map_or(String::new(), fmt_ci),
-            mae.map_or("n/a".into(), |r| format!("{:.3}", r.value)),
-            mae.map_or(String::new(), fmt_ci),
-        ]);
-    }
-    if !rows_tbl.is_empty() {
-        report.table(
-            "Agreement per shift",
-            ["delta", "R^2", "R^2 CI", "MAE", "MAE CI"]
-                .map(String::from)
-                .to_vec(),
-            rows_tbl,
-        );
-    }
-    if !series.is_empty() {
-        let r2_text = match (d.scalar(m, "cycling_r2"), d.scalar(m, "cycling_mae")) {
-            (Some(a), Some(b)) => {
-                let ci = |r: &LongRow| match (r.ci_lo, r.ci_hi) {
-                    (Some(lo), Some(hi)) => format!(" [{lo:.3}, {hi:.3}]"),
-                    _ => String::new(),
-                };
-                Some(format!(
-                    "R² = {:.3}{}, MAE = {:.3}{}",
-                    a.value,
-                    ci(a),
-                    b.value,
-                    ci(b)
-                ))
-            }
-            _ => None,
-        };
-        let spec = ScatterSpec {
-            series,
-            title: format!("{m}: gate cycling"),
-            x_label: "predicted accuracy (baseline shifted by delta)".into(),
-            y_label: "observed accuracy with rolled gates".into(),
-            r2_text,
-            size: None,
-        };
-        let f = scatter_predicted_vs_observed(dir.join("cycling_scatter"), &spec)?;
-        push(
-            files,
-            report,
-            "Predicted vs observed per-phase accuracy, one point per phase and shift",
-            f,
-        );
-    }
-    let series: Vec<(&str, String)> = lines.iter().map(|(a, b)| (a.as_str(), b.clone())).collect();
-    if let Some(f) = accuracy_figure(
-        &dir.join("cycling_profiles"),
-        d,
-        m,
-        &series,
-        &format!("{m}: accuracy by phase with rolled gates"),
-    )? {
-        push(files, report, "Accuracy profiles with rolled gates", f);
-    }
+        _ => None,
+    };
+    let spec = ScatterSpec {
+        series,
+        title: format!("{m}: gate cycling"),
+        x_label: "predicted accuracy (baseline shifted by delta)".into(),
+        y_label: "observed accuracy with rolled gates".into(),
+        r2_text,
+        size: None,
+    };
+    let fig = scatter_predicted_vs_observed(dir.join("cycling_scatter"), &spec)?;
+    push(
+        &mut f.files,
+        &mut f.report,
+        "Predicted vs observed per-phase accuracy, one point per phase and shift",
+        fig,
+    );
     Ok(())
 }
