@@ -19,9 +19,9 @@ use serde::{Deserialize, Serialize};
 use crate::analysis::gate_stats;
 use crate::analysis::{Est, accuracy_clusters};
 use crate::error::{Error, Result, ResultExt};
-use crate::hooks::{HookPoint, Site};
+use crate::hooks::{ActivationCache, HookPoint, Site};
 use crate::model::{LanguageModel, load_model};
-use crate::output::{BandSeries, BarProfileSpec, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow, bar_profile, heatmap, line_with_bands};
+use crate::output::{BandSeries, BarProfileSpec, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow, Report, bar_profile, heatmap, line_with_bands};
 use crate::tasks::KvEvalSet;
 
 use super::super::rows::{RowCtx, baseline_rows};
@@ -30,7 +30,7 @@ use super::super::patching::base_run_with;
 use super::super::progress::Progress;
 use super::super::prompts::clean_prompts;
 use super::super::setup;
-use super::super::report::{Figures, push};
+use super::super::report::{ExperimentData, Figures, push};
 use super::{Ctx, Kind, KindOutput};
 
 const GATES: [(GateKind, Site); 2] = [
@@ -56,6 +56,10 @@ pub fn checkpoint_dirs(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
+/// Gate weights per (layer, gate index, KV head): (W, the captured weights as rows of W
+/// offsets).
+type GateWeights = BTreeMap<(usize, usize, usize), (usize, Vec<f64>)>;
+
 /// Gate rows of one model, and its `(logical, phase, correct)` outcomes.
 #[allow(clippy::type_complexity)]
 fn profile(
@@ -67,8 +71,7 @@ fn profile(
     progress: &mut Progress,
 ) -> Result<(Vec<LongRow>, Vec<(u64, u32, bool)>)> {
     // weights[(layer, gate, kv head)] = rows of W offsets.
-    let mut weights: std::collections::BTreeMap<(usize, usize, usize), (usize, Vec<f64>)> =
-        Default::default();
+    let mut weights: GateWeights = Default::default();
     let mut obs = Vec::new();
     let points: Vec<HookPoint> = layers
         .iter()
@@ -83,39 +86,51 @@ fn profile(
                 .zip(&base.outcomes)
                 .map(|(m, o)| (m.logical, m.phase, o.correct)),
         );
-        for &l in layers {
-            for (gi, (_, site)) in GATES.iter().enumerate() {
-                let act = base
-                    .cache
-                    .get(&HookPoint::block(l, *site))
-                    .expect("captured by the base run");
-                let s = act.shape().to_vec();
-                if s.len() < 4 {
-                    return Err(Error::hook(
-                        HookPoint::block(l, *site).to_string(),
-                        format!("expected [batch, entry, offset, kv_head(, d)], got {s:?}"),
-                    ));
-                }
-                let (b, e, w, h) = (s[0], s[1], s[2], s[3]);
-                let d: usize = s[4..].iter().product();
-                let v = act.to_vec();
-                for kv in 0..h {
-                    let slot = weights.entry((l, gi, kv)).or_insert((w, Vec::new()));
-                    for bi in 0..b {
-                        for ei in 0..e {
-                            for di in 0..d {
-                                for o in 0..w {
-                                    let idx = (((bi * e + ei) * w + o) * h + kv) * d + di;
-                                    slot.1.push(v[idx] as f64);
-                                }
+        add_weights(&base.cache, layers, &mut weights)?;
+        progress.inc(1);
+    }
+    Ok((gate_rows(rc, weights)?, obs))
+}
+
+/// Append the captured gate weights of `layers` to `weights`, per KV head in
+/// (batch, entry, channel) order.
+fn add_weights(cache: &ActivationCache, layers: &[usize], weights: &mut GateWeights) -> Result<()> {
+    for &l in layers {
+        for (gi, (_, site)) in GATES.iter().enumerate() {
+            let act = cache
+                .get(&HookPoint::block(l, *site))
+                .expect("captured by the base run");
+            let s = act.shape().to_vec();
+            if s.len() < 4 {
+                return Err(Error::hook(
+                    HookPoint::block(l, *site).to_string(),
+                    format!("expected [batch, entry, offset, kv_head(, d)], got {s:?}"),
+                ));
+            }
+            let (b, e, w, h) = (s[0], s[1], s[2], s[3]);
+            let d: usize = s[4..].iter().product();
+            let v = act.to_vec();
+            for kv in 0..h {
+                let slot = weights.entry((l, gi, kv)).or_insert((w, Vec::new()));
+                for bi in 0..b {
+                    for ei in 0..e {
+                        for di in 0..d {
+                            for o in 0..w {
+                                let idx = (((bi * e + ei) * w + o) * h + kv) * d + di;
+                                slot.1.push(v[idx] as f64);
                             }
                         }
                     }
                 }
             }
         }
-        progress.inc(1);
     }
+    Ok(())
+}
+
+/// The gate statistics of every (layer, gate, KV head) as rows: g per offset and the two
+/// effective numbers of offsets.
+fn gate_rows(rc: &RowCtx, weights: GateWeights) -> Result<Vec<LongRow>> {
     let mut rows = Vec::new();
     for ((l, gi, kv), (w, a)) in weights {
         let name = GATES[gi].0.name();
@@ -153,7 +168,7 @@ fn profile(
             )));
         }
     }
-    Ok((rows, obs))
+    Ok(rows)
 }
 
 /// `[gates]` (gate-profiles).
@@ -251,17 +266,26 @@ fn run(cfg: &GateProfiles, ctx: &mut Ctx) -> Result<KindOutput> {
     })
 }
 
+/// Gate profiles: (layer, KV head, gate) -> g per offset.
+type Profiles = BTreeMap<(u32, u32, &'static str), BTreeMap<u32, f64>>;
+
+/// The pooled value of a per-head metric of `model`, NaN when absent.
+fn head_val(d: &ExperimentData, metric: &str, model: &str, l: u32, h: u32) -> f64 {
+    d.find(model, metric)
+        .find(|r| r.layer == Some(l) && r.head == Some(h) && r.phase.is_none())
+        .map_or(f64::NAN, |r| r.value)
+}
+
 /// This kind's figures and report section, from its tables alone.
 fn draw(_cfg: &GateProfiles, f: &mut Figures) -> Result<()> {
-    let (d, m, dir) = (f.data, f.model.as_str(), f.dir);
-    let (report, files) = (&mut f.report, &mut f.files);
-    report.section("Gate profiles");
-    report.paragraph(
+    let (d, m) = (f.data, f.model.as_str());
+    f.report.section("Gate profiles");
+    f.report.paragraph(
         "g(r) = W x E[a][r], the mean gate weight at offset r relative to the uniform share (1 = uniform); \
          exp(H(E[a])) = offsets the mean gate uses; E[exp(H(a))] = offsets a single window uses.",
     );
     // Gate rows: (layer, kv, gate) -> g per offset.
-    let mut profiles: BTreeMap<(u32, u32, &str), BTreeMap<u32, f64>> = BTreeMap::new();
+    let mut profiles: Profiles = BTreeMap::new();
     for g in ["key", "value"] {
         for r in d.find(m, &format!("{g}_gate_g")) {
             if let (Some(l), Some(h), Some(o)) = (r.layer, r.head, r.phase) {
@@ -273,6 +297,16 @@ fn draw(_cfg: &GateProfiles, f: &mut Figures) -> Result<()> {
         return Ok(());
     }
     let w = profiles.values().map(|p| p.len()).max().unwrap_or(0) as u32;
+    peak_headline(&mut f.report, &profiles);
+    profile_figures(f, &profiles, w)?;
+    // Effective numbers of offsets.
+    let keys: BTreeSet<(u32, u32)> = profiles.keys().map(|(l, h, _)| (*l, *h)).collect();
+    entropy_heatmap(f, &keys, w)?;
+    trajectory(f, &keys, w)
+}
+
+/// Headline: the gate with the largest g at any offset.
+fn peak_headline(report: &mut Report, profiles: &Profiles) {
     if let Some(((l, h, g), prof)) = profiles.iter().max_by(|a, b| {
         let ma = a.1.values().copied().fold(0.0, f64::max);
         let mb = b.1.values().copied().fold(0.0, f64::max);
@@ -291,6 +325,12 @@ fn draw(_cfg: &GateProfiles, f: &mut Figures) -> Result<()> {
             .with_detail(format!("g({o}) = {v:.2} (1 = uniform)")),
         );
     }
+}
+
+/// The heatmap of every gate profile g(r) (offsets `0..w`) and bar charts of the first
+/// eight.
+fn profile_figures(f: &mut Figures, profiles: &Profiles, w: u32) -> Result<()> {
+    let (m, dir) = (f.model.clone(), f.dir);
     let spec = HeatmapSpec {
         matrix: profiles
             .values()
@@ -314,8 +354,8 @@ fn draw(_cfg: &GateProfiles, f: &mut Figures) -> Result<()> {
         annotate: true,
         size: None,
     };
-    let f = heatmap(dir.join("gate_g"), &spec)?;
-    push(files, report, "Gate profiles g(r)", f);
+    let fig = heatmap(dir.join("gate_g"), &spec)?;
+    push(&mut f.files, &mut f.report, "Gate profiles g(r)", fig);
     for ((l, h, g), prof) in profiles.iter().take(8) {
         let spec = BarProfileSpec {
             labels: (0..w).map(|o| o.to_string()).collect(),
@@ -329,31 +369,30 @@ fn draw(_cfg: &GateProfiles, f: &mut Figures) -> Result<()> {
             reference_label: Some("uniform share".into()),
             size: None,
         };
-        let f = bar_profile(dir.join(format!("gate_profile_L{l}_KV{h}_{g}")), &spec)?;
+        let fig = bar_profile(dir.join(format!("gate_profile_L{l}_KV{h}_{g}")), &spec)?;
         push(
-            files,
-            report,
+            &mut f.files,
+            &mut f.report,
             &format!("g(r), layer {l}, KV head {h}, {g} gate"),
-            f,
+            fig,
         );
     }
-    // Effective numbers of offsets.
+    Ok(())
+}
+
+/// Effective numbers of offsets (both statistics, both gates) per layer x KV head.
+fn entropy_heatmap(f: &mut Figures, keys: &BTreeSet<(u32, u32)>, w: u32) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
     let metrics = [
         ("key_gate_exp_entropy_of_mean", "key exp(H(E[a]))"),
         ("key_gate_mean_exp_entropy", "key E[exp(H(a))]"),
         ("value_gate_exp_entropy_of_mean", "value exp(H(E[a]))"),
         ("value_gate_mean_exp_entropy", "value E[exp(H(a))]"),
     ];
-    let keys: BTreeSet<(u32, u32)> = profiles.keys().map(|(l, h, _)| (*l, *h)).collect();
-    let val = |metric: &str, model: &str, l: u32, h: u32| {
-        d.find(model, metric)
-            .find(|r| r.layer == Some(l) && r.head == Some(h) && r.phase.is_none())
-            .map_or(f64::NAN, |r| r.value)
-    };
     let spec = HeatmapSpec {
         matrix: keys
             .iter()
-            .map(|&(l, h)| metrics.iter().map(|(mt, _)| val(mt, m, l, h)).collect())
+            .map(|&(l, h)| metrics.iter().map(|(mt, _)| head_val(d, mt, &m, l, h)).collect())
             .collect(),
         row_labels: keys.iter().map(|(l, h)| format!("L{l} KV{h}")).collect(),
         col_labels: metrics.iter().map(|(_, n)| n.to_string()).collect(),
@@ -366,9 +405,14 @@ fn draw(_cfg: &GateProfiles, f: &mut Figures) -> Result<()> {
         annotate: true,
         size: None,
     };
-    let f = heatmap(dir.join("gate_entropy"), &spec)?;
-    push(files, report, "Effective number of offsets per gate", f);
-    // Trajectories over checkpoints.
+    let fig = heatmap(dir.join("gate_entropy"), &spec)?;
+    push(&mut f.files, &mut f.report, "Effective number of offsets per gate", fig);
+    Ok(())
+}
+
+/// Trajectories of exp(H(E[a])) over the `<model>@<step>` checkpoints, when there are any.
+fn trajectory(f: &mut Figures, keys: &BTreeSet<(u32, u32)>, w: u32) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
     let mut steps: Vec<(u64, String)> = d
         .rows
         .iter()
@@ -379,35 +423,36 @@ fn draw(_cfg: &GateProfiles, f: &mut Figures) -> Result<()> {
         .collect();
     steps.sort();
     steps.dedup();
-    if !steps.is_empty() {
-        let mut series = Vec::new();
-        for &(l, h) in keys.iter().take(8) {
-            for g in ["key", "value"] {
-                let metric = format!("{g}_gate_exp_entropy_of_mean");
-                let x: Vec<f64> = steps.iter().map(|(s, _)| *s as f64).collect();
-                let y: Vec<f64> = steps
-                    .iter()
-                    .map(|(_, model)| val(&metric, model, l, h))
-                    .collect();
-                series.push(BandSeries {
-                    name: format!("L{l} KV{h} {g}"),
-                    lo: y.clone(),
-                    hi: y.clone(),
-                    x,
-                    y,
-                });
-            }
-        }
-        let spec = LinePlotSpec {
-            series,
-            title: format!("{m}: exp(H(E[a])) over training"),
-            x_label: "training step".into(),
-            y_label: "effective offsets of the mean gate".into(),
-            y_range: Some((1.0, f64::from(w.max(2)))),
-            size: None,
-        };
-        let f = line_with_bands(dir.join("gate_trajectory"), &spec)?;
-        push(files, report, "Gate sharpness over training checkpoints", f);
+    if steps.is_empty() {
+        return Ok(());
     }
+    let mut series = Vec::new();
+    for &(l, h) in keys.iter().take(8) {
+        for g in ["key", "value"] {
+            let metric = format!("{g}_gate_exp_entropy_of_mean");
+            let x: Vec<f64> = steps.iter().map(|(s, _)| *s as f64).collect();
+            let y: Vec<f64> = steps
+                .iter()
+                .map(|(_, model)| head_val(d, &metric, model, l, h))
+                .collect();
+            series.push(BandSeries {
+                name: format!("L{l} KV{h} {g}"),
+                lo: y.clone(),
+                hi: y.clone(),
+                x,
+                y,
+            });
+        }
+    }
+    let spec = LinePlotSpec {
+        series,
+        title: format!("{m}: exp(H(E[a])) over training"),
+        x_label: "training step".into(),
+        y_label: "effective offsets of the mean gate".into(),
+        y_range: Some((1.0, f64::from(w.max(2)))),
+        size: None,
+    };
+    let fig = line_with_bands(dir.join("gate_trajectory"), &spec)?;
+    push(&mut f.files, &mut f.report, "Gate sharpness over training checkpoints", fig);
     Ok(())
 }
