@@ -9,14 +9,15 @@ use std::time::Instant;
 use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, Site};
-use crate::model::{LanguageModel, load_model};
+use crate::model::{LanguageModel, ModelInfo, load_model};
 
 use super::experiment::Experiment;
 use super::kinds::KindConfig;
+use super::kinds::attribution_patching::AtpTerms;
 use super::kinds::patch_heads::PatchHeads;
 use super::patching::{
-    Cell, ChunkPath, Edit, Fill, Outcome, Positions, Prompts, base_run, captures_for, plan_chunks,
-    plan_suffix, run_cell_naive, run_chunk_with,
+    Base, Cell, ChunkPath, Edit, Fill, Outcome, Positions, Prompts, base_run, captures_for,
+    plan_chunks, plan_suffix, run_cell_naive, run_chunk_with,
 };
 use super::prompts::{group_examples, paired_prompts};
 use super::setup::{self, TaskSetup};
@@ -115,15 +116,7 @@ pub fn bench_cells(
     let batched_path = |path: ChunkPath| -> Result<(f64, Vec<Vec<Outcome>>)> {
         let t = Instant::now();
         let base = base_run(model, prompts, &captures)?;
-        let mut out = vec![Vec::new(); cells.len()];
-        for ch in &chunks {
-            for (&c, o) in ch
-                .iter()
-                .zip(run_chunk_with(model, prompts, &base, cells, ch, path)?)
-            {
-                out[c] = o;
-            }
-        }
+        let out = run_chunks(model, prompts, &base, cells, &chunks, path)?;
         Ok((t.elapsed().as_secs_f64(), out))
     };
     let (batched_seconds, batched) = batched_path(ChunkPath::Auto)?;
@@ -145,41 +138,18 @@ pub fn bench_cells(
             }
         }
     }
-    let mut suffix_chunks = 0;
-    let mut suffix_len = 0usize;
-    if has_state {
-        for ch in &chunks {
-            if let Some(s) = plan_suffix(prompts, cells, ch) {
-                suffix_chunks += 1;
-                suffix_len += s.len;
-            }
-        }
-    }
-    let n = cells.len() as f64;
-    let layers = model.info().n_layers() as f64;
-    let base_work = prompts.n() as f64 * layers;
-    let mut naive_work = base_work;
-    let mut batched_work = base_work;
-    for c in cells {
-        let rows = c.prompts.len() as f64;
-        naive_work += rows * layers;
-        batched_work += rows * (layers - c.edit.start_layer()? as f64);
-    }
-    let positions = match cells.first().map(|c| &c.edit) {
-        Some(Edit::Replace { positions, .. }) => match positions {
-            Positions::All => "all".to_string(),
-            Positions::Answer => "answer".to_string(),
-            Positions::Final(k) => format!("final {k}"),
-            Positions::Offset(k) => format!("offset {k}"),
-        },
-        _ => "-".to_string(),
+    let (suffix_chunks, suffix_len) = if has_state {
+        suffix_plan(prompts, cells, &chunks)
+    } else {
+        (0, 0)
     };
+    let n = cells.len() as f64;
     Ok(BenchResult {
         model: name.to_string(),
         cells: cells.len(),
         prompts_per_cell: cells.first().map_or(0, |c| c.prompts.len()),
         prompt_len: prompts.len,
-        positions,
+        positions: positions_label(cells),
         batched_seconds,
         full_seconds,
         naive_seconds,
@@ -196,38 +166,102 @@ pub fn bench_cells(
         },
         max_abs_ld_diff: max_diff,
         forwards_batched: chunks.len(),
-        work_ratio: naive_work / batched_work,
+        work_ratio: work_ratio(model, prompts, cells)?,
     })
 }
 
-/// Benchmark hook_z patching of every query and KV head of every layer (both
-/// directions) on phase group `phase` of the experiment's model and prompts, at
-/// `positions` (default: the experiment's `[patch] positions`).
-pub fn bench_experiment(
-    path: &Path,
-    phase: u32,
-    n_logical: Option<usize>,
-    positions: Option<Positions>,
-    device: &DeviceSpec,
-) -> Result<BenchResult> {
-    let exp = Experiment::load(path)?;
-    let (models, _) = setup::resolve_models(&exp)?;
+/// Every cell's outcomes through the runner's batched chunks on `path`.
+fn run_chunks(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    base: &Base,
+    cells: &[Cell],
+    chunks: &[Vec<usize>],
+    path: ChunkPath,
+) -> Result<Vec<Vec<Outcome>>> {
+    let mut out = vec![Vec::new(); cells.len()];
+    for ch in chunks {
+        for (&c, o) in ch
+            .iter()
+            .zip(run_chunk_with(model, prompts, base, cells, ch, path)?)
+        {
+            out[c] = o;
+        }
+    }
+    Ok(out)
+}
+
+/// Chunks that run as suffix forwards, and the sum of their suffix lengths.
+fn suffix_plan(prompts: &Prompts, cells: &[Cell], chunks: &[Vec<usize>]) -> (usize, usize) {
+    let mut suffix_chunks = 0;
+    let mut suffix_len = 0usize;
+    for ch in chunks {
+        if let Some(s) = plan_suffix(prompts, cells, ch) {
+            suffix_chunks += 1;
+            suffix_len += s.len;
+        }
+    }
+    (suffix_chunks, suffix_len)
+}
+
+/// Row-layers computed by the loop over those of the every-position batched path (base
+/// runs included).
+fn work_ratio(model: &dyn LanguageModel, prompts: &Prompts, cells: &[Cell]) -> Result<f64> {
+    let layers = model.info().n_layers() as f64;
+    let base_work = prompts.n() as f64 * layers;
+    let mut naive_work = base_work;
+    let mut batched_work = base_work;
+    for c in cells {
+        let rows = c.prompts.len() as f64;
+        naive_work += rows * layers;
+        batched_work += rows * (layers - c.edit.start_layer()? as f64);
+    }
+    Ok(naive_work / batched_work)
+}
+
+/// The patched positions of the first cell (`all`, `answer`, `final k`, `offset k`; `-`
+/// when it is not a replacement).
+fn positions_label(cells: &[Cell]) -> String {
+    match cells.first().map(|c| &c.edit) {
+        Some(Edit::Replace { positions, .. }) => match positions {
+            Positions::All => "all".to_string(),
+            Positions::Answer => "answer".to_string(),
+            Positions::Final(k) => format!("final {k}"),
+            Positions::Offset(k) => format!("offset {k}"),
+        },
+        _ => "-".to_string(),
+    }
+}
+
+/// The experiment's first model and its task, loaded for a benchmark.
+struct BenchModel {
+    name: String,
+    model: Box<dyn LanguageModel>,
+    info: ModelInfo,
+    task: TaskSetup,
+    max_rows: usize,
+}
+
+/// Load the first model of `exp` on `device` and resolve its task.
+fn load_bench_model(exp: &Experiment, device: &DeviceSpec) -> Result<BenchModel> {
+    let (models, _) = setup::resolve_models(exp)?;
     let mref = &models[0];
     let max_rows = exp.max_rows(device);
     let device = device.device()?;
     let model = load_model(&mref.dir, &device)?;
     let info = model.info();
-    let mut task = TaskSetup::resolve(&exp, mref, &info)?;
-    if let Some(n) = n_logical {
-        if n == 0 || n > super::experiment::MAX_N_LOGICAL {
-            return Err(Error::Input(format!(
-                "--n-logical {n}: must be in 1..={}",
-                super::experiment::MAX_N_LOGICAL
-            )));
-        }
-        task.n_logical = n;
-        task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(task.period, n);
-    }
+    let task = TaskSetup::resolve(exp, mref, &info)?;
+    Ok(BenchModel {
+        name: mref.name.clone(),
+        model,
+        info,
+        task,
+        max_rows,
+    })
+}
+
+/// The clean/corrupted prompts of phase group `phase`, and the number of pairs.
+fn phase_prompts(task: &TaskSetup, phase: u32) -> Result<(Prompts, usize)> {
     if phase as usize >= task.period.len() {
         return Err(Error::Input(format!(
             "phase {phase} is out of range 0..{}",
@@ -243,6 +277,38 @@ pub fn bench_experiment(
         0
     };
     let (prompts, _) = paired_prompts(&ex, &task.space, assign, task.prompt.key_len, task.seed)?;
+    Ok((prompts, n))
+}
+
+/// Benchmark hook_z patching of every query and KV head of every layer (both
+/// directions) on phase group `phase` of the experiment's model and prompts, at
+/// `positions` (default: the experiment's `[patch] positions`).
+pub fn bench_experiment(
+    path: &Path,
+    phase: u32,
+    n_logical: Option<usize>,
+    positions: Option<Positions>,
+    device: &DeviceSpec,
+) -> Result<BenchResult> {
+    let exp = Experiment::load(path)?;
+    let BenchModel {
+        name,
+        model,
+        info,
+        mut task,
+        max_rows,
+    } = load_bench_model(&exp, device)?;
+    if let Some(n) = n_logical {
+        if n == 0 || n > super::experiment::MAX_N_LOGICAL {
+            return Err(Error::Input(format!(
+                "--n-logical {n}: must be in 1..={}",
+                super::experiment::MAX_N_LOGICAL
+            )));
+        }
+        task.n_logical = n;
+        task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(task.period, n);
+    }
+    let (prompts, n) = phase_prompts(&task, phase)?;
     // The experiment's `[patch] positions` when it is a patch-heads file.
     let own = match &exp.file.kind {
         KindConfig::PatchHeads(p) => p.positions.clone(),
@@ -269,7 +335,7 @@ pub fn bench_experiment(
             }
         }
     }
-    bench_cells(&mref.name, model.as_ref(), &prompts, &cells, max_rows)
+    bench_cells(&name, model.as_ref(), &prompts, &cells, max_rows)
 }
 
 /// Result of `phaselens bench atp`.
@@ -337,6 +403,87 @@ impl std::fmt::Display for AtpBenchResult {
     }
 }
 
+/// The exact head x offset cells of `bench atp`: every head set at every offset of the
+/// band, both directions.
+struct OffsetCells {
+    /// (layer, query heads): every query head and every KV head (its query heads).
+    head_sets: Vec<(usize, Vec<usize>)>,
+    band: usize,
+    /// Clean/corrupted pairs.
+    n: usize,
+}
+
+impl OffsetCells {
+    /// Head cells of every query head and every KV head of every layer.
+    fn new(info: &ModelInfo, band: usize, n: usize) -> Self {
+        let mut head_sets: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (l, spec) in info.layers.iter().enumerate() {
+            let group = spec.n_heads / spec.n_kv_heads.max(1);
+            head_sets.extend((0..spec.n_heads).map(|h| (l, vec![h])));
+            head_sets
+                .extend((0..spec.n_kv_heads).map(|g| (l, (g * group..(g + 1) * group).collect())));
+        }
+        OffsetCells { head_sets, band, n }
+    }
+
+    /// Per offset and direction (denoise, noise), one hook_z cell per head set.
+    fn cells(&self) -> Vec<Cell> {
+        let n = self.n;
+        let mut cells = Vec::new();
+        for o in 0..self.band {
+            for receivers in [(n..2 * n).collect::<Vec<_>>(), (0..n).collect()] {
+                for (l, heads) in &self.head_sets {
+                    cells.push(Cell {
+                        edit: Edit::Replace {
+                            point: HookPoint::block(*l, Site::AttnZ),
+                            heads: Some(heads.clone()),
+                            positions: Positions::Offset(o),
+                            fill: Fill::Source,
+                        },
+                        prompts: receivers.clone(),
+                    });
+                }
+            }
+        }
+        cells
+    }
+
+    /// Spearman correlation of the AtP and exact effects (the clean-orientation LD
+    /// change summed over the prompts of a cell) over the denoising cells.
+    fn agreement(
+        &self,
+        terms: &AtpTerms,
+        prompts: &Prompts,
+        base: &[Outcome],
+        out: &[Vec<Outcome>],
+    ) -> f64 {
+        let n = self.n;
+        let mut est = Vec::new();
+        let mut exact = Vec::new();
+        let per_offset = 2 * self.head_sets.len();
+        for o in 0..self.band {
+            for (hi, (l, heads)) in self.head_sets.iter().enumerate() {
+                let ci = o * per_offset + hi;
+                let mut e = 0.0;
+                let mut x = 0.0;
+                for (i, o_i) in out[ci].iter().enumerate().take(n) {
+                    let tg = &prompts.targets[n + i].positions;
+                    let pos = Positions::Offset(o).resolve(tg).unwrap_or_default();
+                    e += terms.sum(0, *l, i, heads, &pos);
+                    // Clean-orientation LD change of the corrupted prompt.
+                    x += -(o_i.ld as f64) + base[n + i].ld as f64;
+                }
+                est.push(e);
+                exact.push(x);
+            }
+        }
+        crate::analysis::spearman(&est, &exact)
+            .ok()
+            .flatten()
+            .unwrap_or(f64::NAN)
+    }
+}
+
 /// Time AtP against the runner's exact patching over every head x position cell on
 /// phase group `phase` of the experiment's model and prompts (`band` offsets before
 /// and at the read position for the exact cells).
@@ -353,49 +500,24 @@ pub fn bench_atp(
         return Err(Error::Input("--band must be at least 1".into()));
     }
     let exp = Experiment::load(path)?;
-    let (models, _) = setup::resolve_models(&exp)?;
-    let mref = &models[0];
-    let max_rows = exp.max_rows(device);
-    let device = device.device()?;
-    let model = load_model(&mref.dir, &device)?;
-    let info = model.info();
-    let mut task = TaskSetup::resolve(&exp, mref, &info)?;
+    let mut b = load_bench_model(&exp, device)?;
     if let Some(n) = n_logical {
-        task.n_logical = n;
-        task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(task.period, n);
+        b.task.n_logical = n;
+        b.task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(b.task.period, n);
     }
-    if phase as usize >= task.period.len() {
-        return Err(Error::Input(format!(
-            "phase {phase} is out of range 0..{}",
-            task.period.len()
-        )));
-    }
-    let set = task.eval_set(task.protocol)?;
-    let ex = group_examples(&set, phase, task.n_logical);
-    let n = ex.len();
-    let assign = if task.prompt.assign {
-        task.space.assign().len()
-    } else {
-        0
-    };
-    let (prompts, _) = paired_prompts(&ex, &task.space, assign, task.prompt.key_len, task.seed)?;
+    let (prompts, n) = phase_prompts(&b.task, phase)?;
+    let (model, info) = (b.model.as_ref(), &b.info);
     let layers: Vec<usize> = (0..info.n_layers()).collect();
     let dirs = [Direction::Denoise, Direction::Noise];
-    // Head cells: every query head and every KV head (its query heads) of every layer.
-    let mut head_sets: Vec<(usize, Vec<usize>)> = Vec::new();
-    for (l, spec) in info.layers.iter().enumerate() {
-        let group = spec.n_heads / spec.n_kv_heads.max(1);
-        head_sets.extend((0..spec.n_heads).map(|h| (l, vec![h])));
-        head_sets.extend((0..spec.n_kv_heads).map(|g| (l, (g * group..(g + 1) * group).collect())));
-    }
+    let offsets = OffsetCells::new(info, band, n);
     // Warm-up, then AtP.
-    atp_terms(model.as_ref(), &prompts, &layers, &dirs)?;
+    atp_terms(model, &prompts, &layers, &dirs)?;
     let t = Instant::now();
-    let terms = atp_terms(model.as_ref(), &prompts, &layers, &dirs)?;
+    let terms = atp_terms(model, &prompts, &layers, &dirs)?;
     let atp_seconds = t.elapsed().as_secs_f64();
-    let atp_cells = head_sets.len() * dirs.len() * prompts.len;
+    let atp_cells = offsets.head_sets.len() * dirs.len() * prompts.len;
     let t = Instant::now();
-    super::kinds::atp_star::qk_terms(model.as_ref(), &prompts, &layers, &dirs)?;
+    super::kinds::atp_star::qk_terms(model, &prompts, &layers, &dirs)?;
     let star_seconds = t.elapsed().as_secs_f64();
     let star_cells: usize = info
         .layers
@@ -403,69 +525,20 @@ pub fn bench_atp(
         .map(|s| (s.n_heads * prompts.len + s.n_kv_heads) * dirs.len())
         .sum();
 
-    let mut cells = Vec::new();
-    for o in 0..band {
-        for receivers in [(n..2 * n).collect::<Vec<_>>(), (0..n).collect()] {
-            for (l, heads) in &head_sets {
-                cells.push(Cell {
-                    edit: Edit::Replace {
-                        point: HookPoint::block(*l, Site::AttnZ),
-                        heads: Some(heads.clone()),
-                        positions: Positions::Offset(o),
-                        fill: Fill::Source,
-                    },
-                    prompts: receivers.clone(),
-                });
-            }
-        }
-    }
+    let cells = offsets.cells();
     let captures = captures_for(&cells)?;
-    let chunks = plan_chunks(&cells, max_rows)?;
+    let chunks = plan_chunks(&cells, b.max_rows)?;
     let t = Instant::now();
-    let base = base_run(model.as_ref(), &prompts, &captures)?;
-    let mut out = vec![Vec::new(); cells.len()];
-    for ch in &chunks {
-        for (&c, o) in ch.iter().zip(run_chunk_with(
-            model.as_ref(),
-            &prompts,
-            &base,
-            &cells,
-            ch,
-            ChunkPath::Auto,
-        )?) {
-            out[c] = o;
-        }
-    }
+    let base = base_run(model, &prompts, &captures)?;
+    let out = run_chunks(model, &prompts, &base, &cells, &chunks, ChunkPath::Auto)?;
     let exact_seconds = t.elapsed().as_secs_f64();
 
     // Agreement over the denoising head x offset cells: summed LD change.
-    let mut est = Vec::new();
-    let mut exact = Vec::new();
-    let per_offset = 2 * head_sets.len();
-    for o in 0..band {
-        for (hi, (l, heads)) in head_sets.iter().enumerate() {
-            let ci = o * per_offset + hi;
-            let mut e = 0.0;
-            let mut x = 0.0;
-            for (i, o_i) in out[ci].iter().enumerate().take(n) {
-                let tg = &prompts.targets[n + i].positions;
-                let pos = Positions::Offset(o).resolve(tg).unwrap_or_default();
-                e += terms.sum(0, *l, i, heads, &pos);
-                // Clean-orientation LD change of the corrupted prompt.
-                x += -(o_i.ld as f64) + base.outcomes[n + i].ld as f64;
-            }
-            est.push(e);
-            exact.push(x);
-        }
-    }
-    let spearman_positions = crate::analysis::spearman(&est, &exact)
-        .ok()
-        .flatten()
-        .unwrap_or(f64::NAN);
+    let spearman_positions = offsets.agreement(&terms, &prompts, &base.outcomes, &out);
     let exact_cells = cells.len();
     Ok(AtpBenchResult {
-        model: mref.name.clone(),
-        head_cells: head_sets.len() * dirs.len(),
+        model: b.name.clone(),
+        head_cells: offsets.head_sets.len() * dirs.len(),
         prompts_per_cell: n,
         prompt_len: prompts.len,
         band,
