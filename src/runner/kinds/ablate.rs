@@ -9,14 +9,17 @@ use crate::analysis::{Clusters, accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::output::{HeadKind, LongRow};
 
-use super::super::rows::{baseline_rows, specialization_rows};
-use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
-use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking, spec_index_heatmap, sym_range};
+use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::clean_prompts;
+use super::super::report::{
+    Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking,
+    spec_index_heatmap, sym_range,
+};
+use super::super::rows::{baseline_rows, specialization_rows};
 use super::super::setup;
-use super::{Ctx, Kind, KindOutput, empty_list, base_obs, no_source, head_cells};
+use super::{Ctx, Kind, KindOutput, base_obs, empty_list, head_cells, no_source};
 
 /// Clusters of `(correct_ablated, correct_clean)` for cell `ci` over all groups.
 pub(super) fn change_clusters(
@@ -81,7 +84,6 @@ impl Default for AblateHeads {
         }
     }
 }
-
 
 impl Kind for AblateHeads {
     fn name(&self) -> &'static str {

@@ -250,7 +250,11 @@ fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
     lengths.sort_unstable();
     lengths.dedup();
     let p = ctx.p();
-    let mut shards = PromptShards::new(ctx, &format!("{} filler-probe", ctx.mref.name), all.len() as u64);
+    let mut shards = PromptShards::new(
+        ctx,
+        &format!("{} filler-probe", ctx.mref.name),
+        all.len() as u64,
+    );
     // (length, instance, outcomes per quantity), and the correct key's position.
     let mut obs: Vec<(usize, usize, [Outcome; 3])> = Vec::new();
     let mut key_pos: Vec<Option<usize>> = Vec::new();
@@ -264,13 +268,9 @@ fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
                 "filler probe: the prompts of L = {l} differ in length"
             )));
         }
-        let res = shards.run(
-            &format!("L{l}"),
-            group.len(),
-            3,
-            ctx.max_rows,
-            |rows| chunk_outcomes(ctx, &group, rows),
-        )?;
+        let res = shards.run(&format!("L{l}"), group.len(), 3, ctx.max_rows, |rows| {
+            chunk_outcomes(ctx, &group, rows)
+        })?;
         for (i, it) in group.iter().enumerate() {
             obs.push((l, it.instance, [res[0][i], res[1][i], res[2][i]]));
             key_pos.push(it.correct_key_pos);
@@ -314,7 +314,11 @@ fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
         let mut c = Clusters::<2>::new(p);
         for ((l, i, o), k) in obs.iter().zip(&key_pos) {
             let kp = (k.unwrap_or(0) % p) as u32;
-            c.add(cluster(*l, *i), kp, [f64::from(o[0].ld), f64::from(u8::from(o[0].correct))]);
+            c.add(
+                cluster(*l, *i),
+                kp,
+                [f64::from(o[0].ld), f64::from(u8::from(o[0].correct))],
+            );
         }
         let all: Vec<u32> = (0..p as u32).collect();
         let (per, pooled) = per_phase(&c, |s, n| s[0] / n as f64, reps, seed);
@@ -457,7 +461,12 @@ fn draw(f: &mut Figures) -> Result<()> {
             size: None,
         };
         let fig = line_with_bands(dir.join("prob_diff_by_key_phase"), &spec)?;
-        push(files, report, "Grouped by the phase of the correct binding's key", fig);
+        push(
+            files,
+            report,
+            "Grouped by the phase of the correct binding's key",
+            fig,
+        );
     }
     Ok(())
 }

@@ -314,7 +314,11 @@ fn run(cfg: &IndexerDiagnostics, ctx: &mut Ctx) -> Result<KindOutput> {
         .iter()
         .map(|&r| ctx.examples(&set, r).len() as u64)
         .sum();
-    let mut shards = PromptShards::new(ctx, &format!("{} indexer-diagnostics", ctx.mref.name), total);
+    let mut shards = PromptShards::new(
+        ctx,
+        &format!("{} indexer-diagnostics", ctx.mref.name),
+        total,
+    );
     let nq = 1 + 2 * layers.len() + cfg.force.len();
     let mut groups = Vec::new();
     for &r in &phases {

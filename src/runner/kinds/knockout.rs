@@ -8,23 +8,25 @@
 //!   position) by its per-phase-group mean (default) or zero; relative change per
 //!   layer x phase.
 
-use std::collections::{BTreeSet};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 
 use crate::analysis::{accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::hooks::{HookPoint, Site};
 use crate::output::{HeadKind, Headline, HeatmapSpec, LongRow, heatmap};
 
-use super::super::rows::{baseline_rows, specialization_rows};
-use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
-use super::super::report::{Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap};
+use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::clean_prompts;
+use super::super::report::{
+    Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap,
+};
+use super::super::rows::{baseline_rows, specialization_rows};
 use super::super::setup;
 use super::ablate::{acc, change_clusters, rel};
-use super::{Ctx, Kind, KindOutput, base_obs, no_source, head_cells};
+use super::{Ctx, Kind, KindOutput, base_obs, head_cells, no_source};
 
 /// `[knockout]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -58,7 +60,6 @@ impl Default for Knockout {
     }
 }
 
-
 impl Kind for Knockout {
     fn name(&self) -> &'static str {
         "knockout"
@@ -74,7 +75,12 @@ impl Kind for Knockout {
 
     fn check(&self, exp: &Experiment) -> Result<()> {
         no_source(exp, "knockout", "method", &[self.method])?;
-        no_source(exp, "knockout", "layer_output_fill", &[self.layer_output_fill])?;
+        no_source(
+            exp,
+            "knockout",
+            "layer_output_fill",
+            &[self.layer_output_fill],
+        )?;
         if self.layer_output && self.band == 0 {
             return Err(exp.err("knockout", "band", "must be at least 1"));
         }

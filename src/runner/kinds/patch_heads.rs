@@ -22,14 +22,17 @@ use crate::analysis::{Clusters, accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::output::{HeadKind, Headline, LongRow};
 
-use super::super::rows::{baseline_rows, specialization_rows};
-use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
-use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap, sym_range};
+use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::paired_prompts;
+use super::super::report::{
+    Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map, push,
+    ranked_table, ranking, spec_index_heatmap, sym_range,
+};
+use super::super::rows::{baseline_rows, specialization_rows};
 use super::super::setup;
-use super::{Ctx, Kind, KindOutput, empty_list, base_obs, head_cells};
+use super::{Ctx, Kind, KindOutput, base_obs, empty_list, head_cells};
 
 fn both_kinds() -> Vec<HeadKind> {
     vec![HeadKind::Query, HeadKind::Kv]
@@ -85,7 +88,6 @@ impl Default for PatchHeads {
         }
     }
 }
-
 
 impl Kind for PatchHeads {
     fn name(&self) -> &'static str {

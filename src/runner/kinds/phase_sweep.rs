@@ -14,11 +14,11 @@ use crate::error::{Error, Result};
 use crate::output::{PhaseAccuracyRow, phase_accuracy_table, write_parquet_copy};
 use crate::tasks::Protocol;
 
-use super::super::rows::{baseline_rows};
-use super::super::experiment::{Experiment};
 use super::super::exec::Group;
-use super::super::report::{Figures, accuracy_figure, baseline_headlines};
+use super::super::experiment::Experiment;
 use super::super::prompts::clean_prompts;
+use super::super::report::{Figures, accuracy_figure, baseline_headlines};
+use super::super::rows::baseline_rows;
 use super::{Ctx, Kind, KindOutput};
 
 /// Short protocol name of the `phase_accuracy` table (`prefix`, `in-sequence`).
@@ -55,7 +55,6 @@ impl Default for PhaseSweep {
         }
     }
 }
-
 
 impl Kind for PhaseSweep {
     fn name(&self) -> &'static str {
