@@ -168,6 +168,51 @@ fn merge_model_output(
     }
 }
 
+/// Take the experiment's run lock (one run of an experiment at a time), then remove
+/// what killed writers of earlier runs left (temporary files of this program's atomic
+/// writer only).
+fn lock_and_clean(
+    name: &str,
+    data_dir: &Path,
+    report_dir: &Path,
+) -> Result<crate::output::lock::RunLock> {
+    let lock = crate::output::lock::RunLock::acquire(
+        &data_dir.join(".lock"),
+        &format!("experiment `{name}`"),
+    )?;
+    for dir in [data_dir, report_dir] {
+        crate::output::clean_stale_temps(dir, 2).map_err(|e| crate::error::Error::io(dir, e))?;
+    }
+    Ok(lock)
+}
+
+/// Open the shard store of the run's settings and models, with a note when shards of
+/// other settings are kept beside it.
+fn open_store(
+    exp: &Experiment,
+    models: &[setup::ModelRef],
+    data_dir: &Path,
+    fresh: bool,
+) -> Result<store::Store> {
+    let dirs: Vec<&Path> = models.iter().map(|m| m.dir.as_path()).collect();
+    let hash = store::run_hash(&settings_for_hash(exp), &dirs);
+    // Shards live per settings hash and are never deleted by a run (store.rs): a run
+    // whose settings a later check rejects cannot cost another run its finished work.
+    let shard_root = data_dir.join("shards");
+    let store = store::Store::open(&shard_root, &hash, fresh)?;
+    let others = store::other_settings(&shard_root, &hash);
+    if !others.is_empty() {
+        let n: usize = others.iter().map(|(_, n)| n).sum();
+        let n = format!(
+            "kept {n} shard(s) of {} earlier run(s) with other settings or another model in {} (delete them by hand to free the space)",
+            others.len(),
+            shard_root.display()
+        );
+        eprintln!("note: {n}");
+    }
+    Ok(store)
+}
+
 /// Run the experiment at `path`.
 pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let t0 = Instant::now();
@@ -182,31 +227,8 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let device = device_spec.device()?;
     let data_dir = opts.data_root.join(&name);
     let report_dir = opts.reports_root.join(&name);
-    // One run of an experiment at a time; then remove what killed writers of earlier
-    // runs left (temporary files of this program's atomic writer only).
-    let _lock = crate::output::lock::RunLock::acquire(
-        &data_dir.join(".lock"),
-        &format!("experiment `{name}`"),
-    )?;
-    for dir in [&data_dir, &report_dir] {
-        crate::output::clean_stale_temps(dir, 2).map_err(|e| crate::error::Error::io(dir, e))?;
-    }
-    let dirs: Vec<&Path> = models.iter().map(|m| m.dir.as_path()).collect();
-    let hash = store::run_hash(&settings_for_hash(&exp), &dirs);
-    // Shards live per settings hash and are never deleted by a run (store.rs): a run
-    // whose settings a later check rejects cannot cost another run its finished work.
-    let shard_root = data_dir.join("shards");
-    let store = store::Store::open(&shard_root, &hash, opts.fresh)?;
-    let others = store::other_settings(&shard_root, &hash);
-    if !others.is_empty() {
-        let n: usize = others.iter().map(|(_, n)| n).sum();
-        let n = format!(
-            "kept {n} shard(s) of {} earlier run(s) with other settings or another model in {} (delete them by hand to free the space)",
-            others.len(),
-            shard_root.display()
-        );
-        eprintln!("note: {n}");
-    }
+    let _lock = lock_and_clean(&name, &data_dir, &report_dir)?;
+    let store = open_store(&exp, &models, &data_dir, opts.fresh)?;
     let mut tables: Vec<(String, Vec<LongRow>)> = Vec::new();
     let mut stats = ExecStats::default();
     for mref in &models {
@@ -237,10 +259,10 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
         let tag = (models.len() > 1).then_some(mref.name.as_str());
         merge_model_output(&mut notes, &mut stats, &mut tables, tag, &ctx, out);
     }
-    let mut written = Vec::new();
-    for (t, rows) in &tables {
-        written.push(write_long_table(&data_dir, t, rows, &exp, &notes)?);
-    }
+    let written = tables
+        .iter()
+        .map(|(t, rows)| write_long_table(&data_dir, t, rows, &exp, &notes))
+        .collect::<Result<Vec<_>>>()?;
     let figures = if opts.figures {
         report::draw_experiment(&data_dir, &report_dir)?
     } else {

@@ -808,15 +808,17 @@ pub fn run_chunk(
     run_chunk_with(model, prompts, base, cells, chunk, ChunkPath::Auto)
 }
 
-/// [`run_chunk`] with the path chosen by the caller (benchmarks, tests).
-pub fn run_chunk_with(
-    model: &dyn LanguageModel,
-    prompts: &Prompts,
-    base: &Base,
-    cells: &[Cell],
-    chunk: &[usize],
-    path: ChunkPath,
-) -> Result<Vec<Vec<Outcome>>> {
+/// The rows of a chunk's forward: the start layer, the prompt of each row, and the
+/// rows of each cell (in chunk order).
+struct ChunkRows {
+    start: usize,
+    row_prompt: Vec<usize>,
+    cell_rows: Vec<std::ops::Range<usize>>,
+}
+
+/// Lay out the rows of `chunk` (its cells' prompts in cell order), checking that the
+/// cells share a start layer.
+fn chunk_rows(cells: &[Cell], chunk: &[usize]) -> Result<ChunkRows> {
     let first = chunk
         .first()
         .ok_or_else(|| Error::Other("empty chunk".into()))?;
@@ -832,15 +834,49 @@ pub fn run_chunk_with(
         row_prompt.extend_from_slice(&cell.prompts);
         cell_rows.push(from..row_prompt.len());
     }
-    let device = model.device();
-    let resid =
-        act_at(&base.cache, &HookPoint::block(start, Site::ResidPre))?.select_batch(&row_prompt)?;
-    let tokens = prompts.tokens_of(&row_prompt, &device);
+    Ok(ChunkRows {
+        start,
+        row_prompt,
+        cell_rows,
+    })
+}
 
-    // Replace edits, merged per point.
+/// Install a transform edit's actions (every point of a [`Edit::Transform`], each
+/// action of a [`Edit::TransformEach`]) into `spec`, within `scope` narrowed to the
+/// edit's heads; a [`Edit::Replace`] installs nothing.
+fn intervene_transform(mut spec: HookSpec, edit: &Edit, scope: &Scope) -> HookSpec {
+    let (actions, heads): (Vec<(&HookPoint, &Action)>, _) = match edit {
+        Edit::Replace { .. } => return spec,
+        Edit::Transform {
+            points,
+            action,
+            heads,
+        } => (points.iter().map(|p| (p, action)).collect(), heads),
+        Edit::TransformEach { actions, heads } => {
+            (actions.iter().map(|(p, a)| (p, a)).collect(), heads)
+        }
+    };
+    for (p, action) in actions {
+        let scope = Scope {
+            heads: heads.clone(),
+            ..scope.clone()
+        };
+        spec = spec.intervene_point(*p, action.clone(), scope);
+    }
+    spec
+}
+
+/// The replace edits of a chunk, merged per point (one [`RowEdit`] per row), and a
+/// spec holding its transform edits, each scoped to its cell's rows.
+fn chunk_edits<'c>(
+    prompts: &Prompts,
+    cells: &'c [Cell],
+    chunk: &[usize],
+    rows: &ChunkRows,
+) -> (BTreeMap<HookPoint, Vec<RowEdit<'c>>>, HookSpec) {
     let mut per_point: BTreeMap<HookPoint, Vec<RowEdit>> = BTreeMap::new();
     let mut spec = HookSpec::new();
-    for (&c, rows) in chunk.iter().zip(&cell_rows) {
+    for (&c, cell_rows) in chunk.iter().zip(&rows.cell_rows) {
         match &cells[c].edit {
             Edit::Replace {
                 point,
@@ -849,8 +885,8 @@ pub fn run_chunk_with(
                 fill,
             } => {
                 let list = per_point.entry(*point).or_default();
-                for row in rows.clone() {
-                    let prompt = row_prompt[row];
+                for row in cell_rows.clone() {
+                    let prompt = rows.row_prompt[row];
                     list.push(RowEdit {
                         row,
                         prompt,
@@ -860,37 +896,30 @@ pub fn run_chunk_with(
                     });
                 }
             }
-            Edit::Transform {
-                points,
-                action,
-                heads,
-            } => {
-                for p in points {
-                    let scope = Scope {
-                        batch: Some(rows.clone().collect()),
-                        heads: heads.clone(),
-                        ..Scope::all()
-                    };
-                    spec = spec.intervene_point(*p, action.clone(), scope);
-                }
-            }
-            Edit::TransformEach { actions, heads } => {
-                for (p, action) in actions {
-                    let scope = Scope {
-                        batch: Some(rows.clone().collect()),
-                        heads: heads.clone(),
-                        ..Scope::all()
-                    };
-                    spec = spec.intervene_point(*p, action.clone(), scope);
-                }
+            edit => {
+                let scope = Scope {
+                    batch: Some(cell_rows.clone().collect()),
+                    ..Scope::all()
+                };
+                spec = intervene_transform(spec, edit, &scope);
             }
         }
     }
-    let suffix = match (path, &base.state) {
-        (ChunkPath::Auto, Some(_)) => plan_suffix(prompts, cells, chunk),
-        _ => None,
-    };
-    for (point, edits) in &per_point {
+    (per_point, spec)
+}
+
+/// Add to `spec` one `Action::Replace` per point and fill of the merged replace
+/// edits: the fill's value over every row (sliced to the suffix when the chunk runs
+/// as one), scoped to the rows that take it.
+fn install_replacements(
+    mut spec: HookSpec,
+    per_point: &BTreeMap<HookPoint, Vec<RowEdit>>,
+    base: &Base,
+    prompts: &Prompts,
+    row_prompt: &[usize],
+    suffix: Option<&Suffix>,
+) -> Result<HookSpec> {
+    for (point, edits) in per_point {
         let base_act = act_at(&base.cache, point)?;
         check_edit_positions(point, base_act, edits)?;
         let mut fills: Vec<Fill> = edits.iter().map(|e| e.fill).collect();
@@ -898,30 +927,59 @@ pub fn run_chunk_with(
         fills.dedup();
         for fill in fills {
             let of_fill: Vec<&RowEdit> = edits.iter().filter(|e| e.fill == fill).collect();
-            let mut value = fill_value_act(point, fill, base_act, prompts, &row_prompt, &of_fill)?;
-            if let Some(sfx) = &suffix {
+            let mut value = fill_value_act(point, fill, base_act, prompts, row_prompt, &of_fill)?;
+            if let Some(sfx) = suffix {
                 value = slice_positions(&value, &sfx.from, sfx.len)?;
             }
-            let scope = edits_scope(&of_fill, suffix.as_ref());
+            let scope = edits_scope(&of_fill, suffix);
             spec = spec.intervene_point(*point, Action::Replace(value), scope);
         }
     }
+    Ok(spec)
+}
+
+/// The targets of the rows of a suffix forward, their positions relative to each
+/// row's first recomputed position.
+fn suffix_targets(prompts: &Prompts, row_prompt: &[usize], sfx: &Suffix) -> Vec<Target> {
+    row_prompt
+        .iter()
+        .zip(&sfx.from)
+        .map(|(&p, &f)| {
+            let t = &prompts.targets[p];
+            Target {
+                positions: t.positions.iter().map(|&q| q - f).collect(),
+                ..t.clone()
+            }
+        })
+        .collect()
+}
+
+/// [`run_chunk`] with the path chosen by the caller (benchmarks, tests).
+pub fn run_chunk_with(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    base: &Base,
+    cells: &[Cell],
+    chunk: &[usize],
+    path: ChunkPath,
+) -> Result<Vec<Vec<Outcome>>> {
+    let rows = chunk_rows(cells, chunk)?;
+    let (start, row_prompt) = (rows.start, &rows.row_prompt);
+    let device = model.device();
+    let resid =
+        act_at(&base.cache, &HookPoint::block(start, Site::ResidPre))?.select_batch(row_prompt)?;
+    let tokens = prompts.tokens_of(row_prompt, &device);
+    let (per_point, spec) = chunk_edits(prompts, cells, chunk, &rows);
+    let suffix = match (path, &base.state) {
+        (ChunkPath::Auto, Some(_)) => plan_suffix(prompts, cells, chunk),
+        _ => None,
+    };
+    let spec = install_replacements(spec, &per_point, base, prompts, row_prompt, suffix.as_ref())?;
     let outcomes = match (&suffix, &base.state) {
         (Some(sfx), Some(state)) => {
             let resid = slice_positions(&resid, &sfx.from, sfx.len)?;
             let out = model.forward_suffix(start, state, sfx, &resid, &spec)?;
-            // Target positions relative to each row's first recomputed position.
-            let shifted: Vec<Target> = row_prompt
-                .iter()
-                .zip(&sfx.from)
-                .map(|(&p, &f)| {
-                    let t = &prompts.targets[p];
-                    Target {
-                        positions: t.positions.iter().map(|&q| q - f).collect(),
-                        ..t.clone()
-                    }
-                })
-                .collect();
+            let shifted = suffix_targets(prompts, row_prompt, sfx);
             readout(out.logits, &shifted.iter().collect::<Vec<_>>())?
         }
         _ => {
@@ -930,7 +988,8 @@ pub fn run_chunk_with(
             readout(out.logits, &targets)?
         }
     };
-    Ok(cell_rows
+    Ok(rows
+        .cell_rows
         .into_iter()
         .map(|r| outcomes[r].to_vec())
         .collect())
@@ -947,6 +1006,64 @@ fn group_mean_act(act: &Act, members: &[usize]) -> Result<Act> {
             return Err(Error::Other(format!(
                 "rank {r} activations are not supported"
             )));
+        }
+    })
+}
+
+/// The buckets of [`run_cell_naive`]: rows (indices into `rows`) that share their
+/// resolved positions and, for means, their group share one intervention.
+fn naive_buckets(
+    prompts: &Prompts,
+    rows: &[usize],
+    positions: &Positions,
+    fill: Fill,
+) -> BTreeMap<(Option<Vec<usize>>, usize), Vec<usize>> {
+    let mut buckets: BTreeMap<(Option<Vec<usize>>, usize), Vec<usize>> = BTreeMap::new();
+    for (i, &p) in rows.iter().enumerate() {
+        let g = if fill == Fill::Mean {
+            prompts.group[p]
+        } else {
+            0
+        };
+        buckets
+            .entry((positions.resolve(&prompts.targets[p].positions), g))
+            .or_default()
+            .push(i);
+    }
+    buckets
+}
+
+/// The hooks' own action for `fill` at `point` over `rows` (`group`: the bucket's
+/// group, for means).
+fn naive_action(
+    fill: Fill,
+    point: &HookPoint,
+    group: usize,
+    prompts: &Prompts,
+    base: &Base,
+    rows: &[usize],
+) -> Result<Action> {
+    Ok(match fill {
+        Fill::Zero => Action::Zero,
+        Fill::Source => Action::Resample {
+            source: base.cache.clone(),
+            perm: rows
+                .iter()
+                .map(|&p| prompts.partner(p))
+                .collect::<Result<_>>()?,
+        },
+        Fill::Resample => {
+            let resample = prompts.resample_partner();
+            Action::Resample {
+                source: base.cache.clone(),
+                perm: rows.iter().map(|&p| resample[p]).collect(),
+            }
+        }
+        Fill::Mean => {
+            let members: Vec<usize> = (0..prompts.n())
+                .filter(|&p| prompts.group[p] == group)
+                .collect();
+            Action::Mean(group_mean_act(act_at(&base.cache, point)?, &members)?)
         }
     })
 }
@@ -970,71 +1087,18 @@ pub fn run_cell_naive(
             fill,
         } => {
             // Rows with the same positions (and group, for means) share one intervention.
-            let mut buckets: BTreeMap<(Option<Vec<usize>>, usize), Vec<usize>> = BTreeMap::new();
-            for (i, &p) in rows.iter().enumerate() {
-                let g = if *fill == Fill::Mean {
-                    prompts.group[p]
-                } else {
-                    0
-                };
-                buckets
-                    .entry((positions.resolve(&prompts.targets[p].positions), g))
-                    .or_default()
-                    .push(i);
-            }
-            let resample = prompts.resample_partner();
-            for ((pos, g), members) in buckets {
+            for ((pos, g), members) in naive_buckets(prompts, rows, positions, *fill) {
                 let scope = Scope {
                     batch: Some(members),
                     heads: heads.clone(),
                     positions: pos,
                     ..Scope::all()
                 };
-                let action = match fill {
-                    Fill::Zero => Action::Zero,
-                    Fill::Source => Action::Resample {
-                        source: base.cache.clone(),
-                        perm: rows
-                            .iter()
-                            .map(|&p| prompts.partner(p))
-                            .collect::<Result<_>>()?,
-                    },
-                    Fill::Resample => Action::Resample {
-                        source: base.cache.clone(),
-                        perm: rows.iter().map(|&p| resample[p]).collect(),
-                    },
-                    Fill::Mean => {
-                        let group: Vec<usize> = (0..prompts.n())
-                            .filter(|&p| prompts.group[p] == g)
-                            .collect();
-                        Action::Mean(group_mean_act(act_at(&base.cache, point)?, &group)?)
-                    }
-                };
+                let action = naive_action(*fill, point, g, prompts, base, rows)?;
                 spec = spec.intervene_point(*point, action, scope);
             }
         }
-        Edit::Transform {
-            points,
-            action,
-            heads,
-        } => {
-            for p in points {
-                let scope = Scope {
-                    heads: heads.clone(),
-                    ..Scope::all()
-                };
-                spec = spec.intervene_point(*p, action.clone(), scope);
-            }
-        }
-        Edit::TransformEach { actions, heads } => {
-            for (p, action) in actions {
-                let scope = Scope {
-                    heads: heads.clone(),
-                    ..Scope::all()
-                };
-                spec = spec.intervene_point(*p, action.clone(), scope);
-            }
-        }
+        edit => spec = intervene_transform(spec, edit, &Scope::all()),
     }
     let out = model.forward(prompts.tokens_of(rows, &device), &spec)?;
     let targets: Vec<&Target> = rows.iter().map(|&p| &prompts.targets[p]).collect();

@@ -33,6 +33,58 @@ fn organism_path(base: &Path, spec: &str) -> PathBuf {
     }
 }
 
+/// The model directory `[model] path` names (relative to the experiment file), named
+/// by `[model] name` or the directory.
+fn model_at_path(exp: &Experiment, base: &Path, path: &Path) -> Result<ModelRef> {
+    let dir = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        base.join(path)
+    };
+    if !dir.join("config.json").exists() {
+        return Err(exp.err(
+            "model",
+            "path",
+            format!(
+                "{} is not a model directory (no config.json)",
+                dir.display()
+            ),
+        ));
+    }
+    let name = exp.file.model.name.clone().unwrap_or_else(|| {
+        dir.file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    Ok(ModelRef {
+        name,
+        dir,
+        organism: None,
+    })
+}
+
+/// The organism recipes `[model] organism` names: the one file, or every file a glob
+/// matches (sorted; none is an error).
+fn organism_recipes(exp: &Experiment, base: &Path, spec: &str) -> Result<Vec<PathBuf>> {
+    if !spec.contains('*') {
+        return Ok(vec![organism_path(base, spec)]);
+    }
+    let pattern = organism_path(base, spec);
+    let mut v: Vec<PathBuf> = glob::glob(&pattern.to_string_lossy())
+        .map_err(|e| exp.err("model", "organism", format!("bad glob: {e}")))?
+        .filter_map(|p| p.ok())
+        .collect();
+    v.sort();
+    if v.is_empty() {
+        return Err(exp.err(
+            "model",
+            "organism",
+            format!("no organism recipe matches {}", pattern.display()),
+        ));
+    }
+    Ok(v)
+}
+
 /// The models of an experiment: one, or (phase-sweep with a glob) every organism the
 /// glob matches. Untrained organisms are an error, or skipped with a note when
 /// `skip_untrained` (phase-sweep).
@@ -41,54 +93,10 @@ pub fn resolve_models(exp: &Experiment) -> Result<(Vec<ModelRef>, Vec<String>)> 
     let m = &exp.file.model;
     let mut notes = Vec::new();
     if let Some(path) = &m.path {
-        let dir = if path.is_absolute() {
-            path.clone()
-        } else {
-            base.join(path)
-        };
-        if !dir.join("config.json").exists() {
-            return Err(exp.err(
-                "model",
-                "path",
-                format!(
-                    "{} is not a model directory (no config.json)",
-                    dir.display()
-                ),
-            ));
-        }
-        let name = m.name.clone().unwrap_or_else(|| {
-            dir.file_name()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "model".into())
-        });
-        return Ok((
-            vec![ModelRef {
-                name,
-                dir,
-                organism: None,
-            }],
-            notes,
-        ));
+        return Ok((vec![model_at_path(exp, &base, path)?], notes));
     }
     let spec = m.organism.as_deref().expect("checked: organism or path");
-    let recipes: Vec<PathBuf> = if spec.contains('*') {
-        let pattern = organism_path(&base, spec);
-        let mut v: Vec<PathBuf> = glob::glob(&pattern.to_string_lossy())
-            .map_err(|e| exp.err("model", "organism", format!("bad glob: {e}")))?
-            .filter_map(|p| p.ok())
-            .collect();
-        v.sort();
-        if v.is_empty() {
-            return Err(exp.err(
-                "model",
-                "organism",
-                format!("no organism recipe matches {}", pattern.display()),
-            ));
-        }
-        v
-    } else {
-        vec![organism_path(&base, spec)]
-    };
+    let recipes = organism_recipes(exp, &base, spec)?;
     let skip = exp.kind().skips_untrained() && spec.contains('*');
     let mut out = Vec::new();
     for recipe in recipes {
@@ -164,59 +172,15 @@ impl TaskSetup {
         let t = &exp.file.task;
         let org = m.organism.as_ref().map(|(_, f)| f);
         let mut provenance = Vec::new();
-        let space_config = match (&t.vocab, org) {
-            (Some(v), _) => v.clone(),
-            (None, Some(o)) => {
-                provenance.push(format!("token space from organism `{}`", o.organism.name));
-                o.task.vocab.clone()
-            }
-            (None, None) => {
-                return Err(exp.err(
-                    "task",
-                    "vocab",
-                    "required for a model that is not an organism, e.g. \
-                     vocab = { kind = \"hugging_face\", tokenizer = \"<model>/tokenizer.json\", pad = \"<pad>\" }",
-                ));
-            }
-        };
+        let space_config = resolve_vocab(exp, org, &mut provenance)?;
         let space = space_config
             .build()
             .map_err(|e| exp.err("task", "vocab", e))?;
-        let prompt = match (&t.prompt, org) {
-            (Some(p), _) => p.clone(),
-            (None, Some(o)) => {
-                provenance.push(format!(
-                    "prompt format from organism `{}` ([task.train.prompt])",
-                    o.organism.name
-                ));
-                o.task.train.prompt.clone()
-            }
-            (None, None) => KvPromptConfig::default(),
-        };
+        let prompt = resolve_prompt(exp, org, &mut provenance);
         prompt
             .validate(&space)
             .map_err(|e| exp.err("task", "prompt", e))?;
-        let period = match (t.period, org) {
-            (Some(p), _) => p,
-            (None, Some(o)) => {
-                provenance.push(format!(
-                    "period {} from organism `{}`",
-                    o.task.train.period, o.organism.name
-                ));
-                o.task.train.period.get()
-            }
-            (None, None) => match info.strides().first() {
-                Some(&s) => {
-                    provenance.push(format!("period {s} = the model's smallest stride"));
-                    s as u32
-                }
-                None => {
-                    provenance.push("period 8 (the model does not compress)".into());
-                    8
-                }
-            },
-        };
-        let period = Period::new(period).map_err(|e| exp.err("task", "period", e))?;
+        let period = resolve_period(exp, org, info, &mut provenance)?;
         let kind = exp.kind();
         let n_logical = t.n_logical.unwrap_or(kind.default_n_logical());
         let n_generated = KvEvalConfig::round_n_logical(period, n_logical);
@@ -255,6 +219,78 @@ impl TaskSetup {
     }
 }
 
+/// `[task] vocab`, else the organism's token space (noted in `provenance`); a model
+/// that is not an organism needs one.
+fn resolve_vocab(
+    exp: &Experiment,
+    org: Option<&OrganismFile>,
+    provenance: &mut Vec<String>,
+) -> Result<TokenSpaceConfig> {
+    match (&exp.file.task.vocab, org) {
+        (Some(v), _) => Ok(v.clone()),
+        (None, Some(o)) => {
+            provenance.push(format!("token space from organism `{}`", o.organism.name));
+            Ok(o.task.vocab.clone())
+        }
+        (None, None) => Err(exp.err(
+            "task",
+            "vocab",
+            "required for a model that is not an organism, e.g. vocab = { kind = \"hugging_face\", tokenizer = \"<model>/tokenizer.json\", pad = \"<pad>\" }",
+        )),
+    }
+}
+
+/// `[task] prompt`, else the organism's training prompt format (noted in
+/// `provenance`), else the default format.
+fn resolve_prompt(
+    exp: &Experiment,
+    org: Option<&OrganismFile>,
+    provenance: &mut Vec<String>,
+) -> KvPromptConfig {
+    match (&exp.file.task.prompt, org) {
+        (Some(p), _) => p.clone(),
+        (None, Some(o)) => {
+            provenance.push(format!(
+                "prompt format from organism `{}` ([task.train.prompt])",
+                o.organism.name
+            ));
+            o.task.train.prompt.clone()
+        }
+        (None, None) => KvPromptConfig::default(),
+    }
+}
+
+/// `[task] period`, else the organism's training period, else the model's smallest
+/// stride, else 8 (each default noted in `provenance`).
+fn resolve_period(
+    exp: &Experiment,
+    org: Option<&OrganismFile>,
+    info: &ModelInfo,
+    provenance: &mut Vec<String>,
+) -> Result<Period> {
+    let period = match (exp.file.task.period, org) {
+        (Some(p), _) => p,
+        (None, Some(o)) => {
+            provenance.push(format!(
+                "period {} from organism `{}`",
+                o.task.train.period, o.organism.name
+            ));
+            o.task.train.period.get()
+        }
+        (None, None) => match info.strides().first() {
+            Some(&s) => {
+                provenance.push(format!("period {s} = the model's smallest stride"));
+                s as u32
+            }
+            None => {
+                provenance.push("period 8 (the model does not compress)".into());
+                8
+            }
+        },
+    };
+    Period::new(period).map_err(|e| exp.err("task", "period", e))
+}
+
 /// Refuse an evaluation set that cannot fit in memory before generating it: every
 /// logical example is rendered once per phase (`n_generated x P` prompts of about
 /// `unpadded + P` tokens, as token ids and their metadata).
@@ -284,69 +320,65 @@ fn check_eval_set_size(
     )
 }
 
-/// Check the experiment against the model before any compute. Returns warnings;
-/// errors name the key to change.
-pub fn check(
+/// Check the period against the model's compression strides: an error when it fixes
+/// no stride's phase (unless `allow_period_mismatch`), else at most one warning.
+fn check_period(
+    exp: &Experiment,
+    m: &ModelRef,
+    info: &ModelInfo,
+    p: usize,
+) -> Result<Option<String>> {
+    let strides = info.strides();
+    if strides.is_empty() {
+        return Ok(Some(format!(
+            "{} has no compressed layers: its phase groups are a control (no phase is special)",
+            m.name
+        )));
+    }
+    let fixed: Vec<usize> = strides
+        .iter()
+        .copied()
+        .filter(|s| p.is_multiple_of(*s))
+        .collect();
+    let loose: Vec<usize> = strides
+        .iter()
+        .copied()
+        .filter(|s| !p.is_multiple_of(*s))
+        .collect();
+    if fixed.is_empty() && !exp.file.task.allow_period_mismatch {
+        return Err(exp.err(
+            "task",
+            "period",
+            format!(
+                "P = {p} is not a multiple of any compression stride of {} (strides {strides:?}): \
+                 a phase group would mix compression phases. Use a multiple of {} \
+                 (or set allow_period_mismatch = true to run anyway)",
+                m.name, strides[0]
+            ),
+        ));
+    }
+    Ok(if fixed.is_empty() {
+        Some(format!(
+            "P = {p} is not a multiple of any compression stride {strides:?}: phase groups mix compression phases (allow_period_mismatch = true)"
+        ))
+    } else if !loose.is_empty() {
+        Some(format!(
+            "P = {p} fixes the compression phase of layers with stride {fixed:?} but not of layers with stride {loose:?}"
+        ))
+    } else {
+        None
+    })
+}
+
+/// Check that the prompts fit the model: the token space in its vocabulary, the prompt
+/// length in its positions, the largest forward in memory.
+fn check_fits(
     exp: &Experiment,
     m: &ModelRef,
     info: &ModelInfo,
     task: &TaskSetup,
     prompt_len: usize,
-) -> Result<Vec<String>> {
-    let mut warn = Vec::new();
-    let p = task.period.len();
-    let strides = info.strides();
-    if strides.is_empty() {
-        warn.push(format!(
-            "{} has no compressed layers: its phase groups are a control (no phase is special)",
-            m.name
-        ));
-    } else {
-        let fixed: Vec<usize> = strides
-            .iter()
-            .copied()
-            .filter(|s| p.is_multiple_of(*s))
-            .collect();
-        let loose: Vec<usize> = strides
-            .iter()
-            .copied()
-            .filter(|s| !p.is_multiple_of(*s))
-            .collect();
-        if fixed.is_empty() && !exp.file.task.allow_period_mismatch {
-            return Err(exp.err(
-                "task",
-                "period",
-                format!(
-                    "P = {p} is not a multiple of any compression stride of {} (strides {strides:?}): \
-                     a phase group would mix compression phases. Use a multiple of {} \
-                     (or set allow_period_mismatch = true to run anyway)",
-                    m.name, strides[0]
-                ),
-            ));
-        }
-        if fixed.is_empty() {
-            warn.push(format!(
-                "P = {p} is not a multiple of any compression stride {strides:?}: phase groups mix compression phases (allow_period_mismatch = true)"
-            ));
-        } else if !loose.is_empty() {
-            warn.push(format!(
-                "P = {p} fixes the compression phase of layers with stride {fixed:?} but not of layers with stride {loose:?}"
-            ));
-        }
-    }
-    if exp.kind().matched_groups()
-        && !task
-            .n_logical
-            .is_multiple_of(crate::tasks::matched_block_size(task.period))
-    {
-        warn.push(format!(
-            "n_logical = {}: groups are matched exactly (mean and variance of the target position) only for multiples of 2P^2 = {}; using the first {} of {} generated logical examples",
-            task.n_logical,
-            crate::tasks::matched_block_size(task.period),
-            task.n_logical,
-            task.n_generated
-        ));
-    }
+) -> Result<()> {
     if task.space.vocab_size() > info.vocab_size {
         return Err(exp.err(
             "task",
@@ -384,7 +416,34 @@ pub fn check(
             task.n_logical,
             exp.path.display()
         ),
-    )?;
+    )
+}
+
+/// Check the experiment against the model before any compute. Returns warnings;
+/// errors name the key to change.
+pub fn check(
+    exp: &Experiment,
+    m: &ModelRef,
+    info: &ModelInfo,
+    task: &TaskSetup,
+    prompt_len: usize,
+) -> Result<Vec<String>> {
+    let mut warn = Vec::new();
+    warn.extend(check_period(exp, m, info, task.period.len())?);
+    if exp.kind().matched_groups()
+        && !task
+            .n_logical
+            .is_multiple_of(crate::tasks::matched_block_size(task.period))
+    {
+        warn.push(format!(
+            "n_logical = {}: groups are matched exactly (mean and variance of the target position) only for multiples of 2P^2 = {}; using the first {} of {} generated logical examples",
+            task.n_logical,
+            crate::tasks::matched_block_size(task.period),
+            task.n_logical,
+            task.n_generated
+        ));
+    }
+    check_fits(exp, m, info, task, prompt_len)?;
     for (l, spec) in info.layers.iter().enumerate() {
         if let LayerKind::Compressed { window, .. } = spec.kind
             && prompt_len < window

@@ -9,14 +9,17 @@ use crate::analysis::{Clusters, accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::output::{HeadKind, LongRow};
 
-use super::super::rows::{baseline_rows, specialization_rows};
-use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
-use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking, spec_index_heatmap, sym_range};
+use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::clean_prompts;
+use super::super::report::{
+    Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, ranked_table, ranking,
+    spec_index_heatmap, sym_range,
+};
+use super::super::rows::{baseline_rows, specialization_rows};
 use super::super::setup;
-use super::{Ctx, Kind, KindOutput, empty_list, base_obs, no_source, head_cells};
+use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells, no_source};
 
 /// Clusters of `(correct_ablated, correct_clean)` for cell `ci` over all groups.
 pub(super) fn change_clusters(
@@ -82,7 +85,6 @@ impl Default for AblateHeads {
     }
 }
 
-
 impl Kind for AblateHeads {
     fn name(&self) -> &'static str {
         "ablate-heads"
@@ -111,6 +113,27 @@ impl Kind for AblateHeads {
     }
 }
 
+/// The cells of one group of `n` prompts: per method, one ablation per head, each over
+/// every prompt.
+fn ablate_cells(cfg: &AblateHeads, heads: &[HeadCell], n: usize) -> Vec<Cell> {
+    let all: Vec<usize> = (0..n).collect();
+    let mut cells = Vec::new();
+    for &m in &cfg.methods {
+        for h in heads {
+            cells.push(Cell {
+                edit: Edit::Replace {
+                    point: h.point(),
+                    heads: Some(h.query_heads.clone()),
+                    positions: cfg.positions.clone(),
+                    fill: m,
+                },
+                prompts: all.clone(),
+            });
+        }
+    }
+    cells
+}
+
 fn run(cfg: &AblateHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "ablate", &cfg.layers, &ctx.info, false)?;
     let heads = head_cells(
@@ -128,21 +151,7 @@ fn run(cfg: &AblateHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     for &r in &ctx.task.phases {
         let ex = ctx.examples(&set, r);
         let (prompts, meta) = clean_prompts(&ex, |_| 0);
-        let all: Vec<usize> = (0..prompts.n()).collect();
-        let mut cells = Vec::new();
-        for &m in &cfg.methods {
-            for h in &heads {
-                cells.push(Cell {
-                    edit: Edit::Replace {
-                        point: h.point(),
-                        heads: Some(h.query_heads.clone()),
-                        positions: cfg.positions.clone(),
-                        fill: m,
-                    },
-                    prompts: all.clone(),
-                });
-            }
-        }
+        let cells = ablate_cells(cfg, &heads, prompts.n());
         groups.push(Group {
             key: format!("p{r}"),
             prompts,
@@ -196,91 +205,108 @@ fn run(cfg: &AblateHeads, ctx: &mut Ctx) -> Result<KindOutput> {
 
 /// This kind's figures and report section, from its tables alone.
 fn draw(cfg: &AblateHeads, f: &mut Figures) -> Result<()> {
-    let (d, m, phases, dir) = (f.data, f.model.as_str(), &f.phases[..], f.dir);
-    let (report, files) = (&mut f.report, &mut f.files);
-    let methods = cfg.methods.clone();
-    report.section("Head ablations");
-    report.paragraph(
+    f.report.section("Head ablations");
+    f.report.paragraph(
         "Relative change of top-1 accuracy, 100 x (ablated - clean) / clean, per source phase, when one \
          head's hook_z is replaced by zero, by its per-phase-group mean, or by its value on another prompt \
          of the same group (resample). KV-head rows ablate every query head that reads the KV head.",
     );
-    for (i, meth) in methods.iter().enumerate() {
+    for (i, &meth) in cfg.methods.iter().enumerate() {
         let metric = format!("rel_change_pct_{}", meth.name());
-        if !d.has(m, &metric) {
+        if !f.data.has(&f.model, &metric) {
             continue;
         }
-        if let Some(f) = head_phase_map(
-            &dir.join(format!("{metric}_map")),
-            d,
-            m,
-            &metric,
-            phases,
-            format!(
-                "{m}: {} ablation, relative change per head x phase",
+        head_phase_figure(f, meth, &metric)?;
+        if i == 0 {
+            query_head_figures(f, meth, &metric)?;
+        }
+    }
+    if let Some(&first) = cfg.methods.first() {
+        specialization_section(f, first)?;
+    }
+    Ok(())
+}
+
+/// The head x phase map of one method's relative change.
+fn head_phase_figure(f: &mut Figures, meth: Fill, metric: &str) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
+    if let Some(fig) = head_phase_map(
+        &dir.join(format!("{metric}_map")),
+        d,
+        &m,
+        metric,
+        &f.phases,
+        format!(
+            "{m}: {} ablation, relative change per head x phase",
+            meth.name()
+        ),
+        "relative change of accuracy (%)",
+    )? {
+        f.push(
+            &format!(
+                "{} ablation: relative change (%) per head x phase",
                 meth.name()
             ),
-            "relative change of accuracy (%)",
-        )? {
-            push(
-                files,
-                report,
-                &format!(
-                    "{} ablation: relative change (%) per head x phase",
-                    meth.name()
-                ),
-                f,
-            );
-        }
-        if i == 0 {
-            let cells = cell_map(d, m, &metric, HeadKind::Query);
-            let (layers, heads) = head_axes(d, m, &metric, HeadKind::Query);
-            let range = sym_range(cells.values().copied());
-            if !layers.is_empty() {
-                for &p in phases {
-                    let f = layer_head_heatmap(
-                        &dir.join(format!("{metric}_phase{p}")),
-                        &cells,
-                        &layers,
-                        &heads,
-                        Some(p),
-                        format!("{m}: {} ablation, phase {p}", meth.name()),
-                        "relative change of accuracy (%)",
-                        range,
-                        "H",
-                        true,
-                    )?;
-                    push(
-                        files,
-                        report,
-                        &format!("{} ablation per layer x query head, phase {p}", meth.name()),
-                        f,
-                    );
-                }
-            }
-        }
-    }
-    if let Some(first) = methods.first() {
-        let metric = format!("rel_change_pct_{}", first.name());
-        report.section("Phase specialization");
-        report.paragraph(format!(
-            "Specialization index S = 1 - (exp(H) - 1) / (P - 1) of each head's accuracy drop profile \
-             (minus the relative change under {} ablation).",
-            first.name()
-        ));
-        if let Some(f) = spec_index_heatmap(
-            &dir.join("specialization_index"),
-            d,
-            m,
-            format!("{m}: specialization index per head"),
-        )? {
-            push(files, report, "Specialization index per layer x head", f);
-        }
-        ranked_table(
-            report,
-            "Most phase-specialized heads",
-            &ranking(d, m, &metric, phases, |v| -v),
+            fig,
         );
     }
+    Ok(())
+}
+
+/// One layer x query head heatmap of a method's relative change per phase (one
+/// colour range for all).
+fn query_head_figures(f: &mut Figures, meth: Fill, metric: &str) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
+    let cells = cell_map(d, &m, metric, HeadKind::Query);
+    let (layers, heads) = head_axes(d, &m, metric, HeadKind::Query);
+    let range = sym_range(cells.values().copied());
+    if layers.is_empty() {
+        return Ok(());
+    }
+    for p in f.phases.clone() {
+        let fig = layer_head_heatmap(
+            &dir.join(format!("{metric}_phase{p}")),
+            &cells,
+            &layers,
+            &heads,
+            Some(p),
+            format!("{m}: {} ablation, phase {p}", meth.name()),
+            "relative change of accuracy (%)",
+            range,
+            "H",
+            true,
+        )?;
+        f.push(
+            &format!("{} ablation per layer x query head, phase {p}", meth.name()),
+            fig,
+        );
+    }
+    Ok(())
+}
+
+/// "Phase specialization": the specialization index of the first method's damage and
+/// the most specialized heads.
+fn specialization_section(f: &mut Figures, first: Fill) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
+    let metric = format!("rel_change_pct_{}", first.name());
+    f.report.section("Phase specialization");
+    f.report.paragraph(format!(
+        "Specialization index S = 1 - (exp(H) - 1) / (P - 1) of each head's accuracy drop profile \
+         (minus the relative change under {} ablation).",
+        first.name()
+    ));
+    if let Some(fig) = spec_index_heatmap(
+        &dir.join("specialization_index"),
+        d,
+        &m,
+        format!("{m}: specialization index per head"),
+    )? {
+        f.push("Specialization index per layer x head", fig);
+    }
+    ranked_table(
+        &mut f.report,
+        "Most phase-specialized heads",
+        &ranking(d, &m, &metric, &f.phases, |v| -v),
+    );
     Ok(())
 }

@@ -27,8 +27,8 @@ use crate::tasks::{
 
 use super::super::experiment::Experiment;
 use super::super::patching::Outcome;
-use super::super::report::{Figures, ci_text, push};
-use super::super::rows::baseline_rows;
+use super::super::report::{Figures, ci_text};
+use super::super::rows::{RowCtx, baseline_rows};
 use super::retrieval_heads::PromptShards;
 use super::{Ctx, Kind, KindOutput};
 
@@ -242,19 +242,24 @@ fn chunk_outcomes(
     Ok(out)
 }
 
-fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
-    let all = items(cfg, ctx)?;
-    let max_len = all.iter().map(|i| i.tokens.len()).max().unwrap_or(0);
-    ctx.preflight(max_len)?;
-    let mut lengths: Vec<usize> = all.iter().map(|i| i.filler_len).collect();
-    lengths.sort_unstable();
-    lengths.dedup();
-    let p = ctx.p();
-    let mut shards = PromptShards::new(ctx, &format!("{} filler-probe", ctx.mref.name), all.len() as u64);
-    // (length, instance, outcomes per quantity), and the correct key's position.
-    let mut obs: Vec<(usize, usize, [Outcome; 3])> = Vec::new();
+/// One prompt's outcomes: (filler length, instance, outcomes per quantity).
+type ProbeObs = (usize, usize, [Outcome; 3]);
+
+/// Evaluate every length's prompts (one shard per length and chunk): the outcomes
+/// per prompt, and the correct key's position of each.
+fn evaluate(
+    ctx: &mut Ctx,
+    all: &[FillerProbeItem],
+    lengths: &[usize],
+) -> Result<(Vec<ProbeObs>, Vec<Option<usize>>)> {
+    let mut shards = PromptShards::new(
+        ctx,
+        &format!("{} filler-probe", ctx.mref.name),
+        all.len() as u64,
+    );
+    let mut obs: Vec<ProbeObs> = Vec::new();
     let mut key_pos: Vec<Option<usize>> = Vec::new();
-    for &l in &lengths {
+    for &l in lengths {
         let group: Vec<&FillerProbeItem> = all.iter().filter(|i| i.filler_len == l).collect();
         if group
             .iter()
@@ -264,76 +269,152 @@ fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
                 "filler probe: the prompts of L = {l} differ in length"
             )));
         }
-        let res = shards.run(
-            &format!("L{l}"),
-            group.len(),
-            3,
-            ctx.max_rows,
-            |rows| chunk_outcomes(ctx, &group, rows),
-        )?;
+        let res = shards.run(&format!("L{l}"), group.len(), 3, ctx.max_rows, |rows| {
+            chunk_outcomes(ctx, &group, rows)
+        })?;
         for (i, it) in group.iter().enumerate() {
             obs.push((l, it.instance, [res[0][i], res[1][i], res[2][i]]));
             key_pos.push(it.correct_key_pos);
         }
     }
     shards.finish(ctx);
-    let text = cfg.probe == ProbeKind::Text;
-    // Clusters: instances (binding probe) or lengths (the text probe's one instance).
-    let cluster = |l: usize, inst: usize| if text { l as u64 } else { inst as u64 };
-    let phase = |l: usize| (l % p) as u32;
-    let (reps, seed) = (ctx.reps(), ctx.seed());
-    let rc = ctx.rows.clone();
-    let phases: Vec<u32> = (0..p as u32)
-        .filter(|r| lengths.iter().any(|&l| phase(l) == *r))
-        .collect();
-    let acc = accuracy_clusters(
-        p,
-        obs.iter()
-            .map(|(l, i, o)| (cluster(*l, *i), phase(*l), o[0].correct)),
-    );
-    let mut rows: Vec<LongRow> = baseline_rows(&rc, "", &acc, &phases, reps, seed);
-    let mean = |s: &[f64; 1], n: u64| s[0] / n as f64;
-    type Quantity = fn(&[Outcome; 3]) -> f64;
-    let quantities: [(&str, Quantity); 4] = [
-        (PROB_DIFF, |o| f64::from(o[0].ld)),
-        (PROB_CORRECT, |o| f64::from(o[1].ld)),
-        (PROB_DISTRACTOR, |o| f64::from(o[2].ld)),
-        (DISTRACTOR_PREFERRED, |o| f64::from(u8::from(o[1].correct))),
-    ];
-    for (metric, q) in quantities {
-        let mut c = Clusters::<1>::new(p);
-        for (l, i, o) in &obs {
-            c.add(cluster(*l, *i), phase(*l), [q(o)]);
-        }
-        let (per, pooled) = per_phase(&c, mean, reps, seed);
-        rows.extend(rc.phase_rows(metric, None, &phases, &per, pooled));
+    Ok((obs, key_pos))
+}
+
+/// The outcomes of a run and how they become rows.
+struct Summary<'a> {
+    rc: &'a RowCtx,
+    obs: &'a [ProbeObs],
+    /// The text probe: clusters are lengths (its one instance), and per-length rows
+    /// carry no interval.
+    text: bool,
+    p: usize,
+    reps: usize,
+    seed: u64,
+}
+
+impl Summary<'_> {
+    /// The cluster of a prompt: its instance (binding probe) or its length (text probe).
+    fn cluster(&self, l: usize, inst: usize) -> u64 {
+        if self.text { l as u64 } else { inst as u64 }
     }
-    // Grouped by the phase of the correct binding's key (binding probe): where the
-    // flip shows when the bindings sit at different places in different instances.
-    if key_pos.iter().all(Option::is_some) {
+
+    /// The phase of a length: `L mod P`.
+    fn phase(&self, l: usize) -> u32 {
+        (l % self.p) as u32
+    }
+
+    /// Accuracy and the four quantities grouped by `L mod P` (and pooled).
+    fn residue_rows(&self, phases: &[u32]) -> Vec<LongRow> {
+        let (p, reps, seed) = (self.p, self.reps, self.seed);
+        let acc = accuracy_clusters(
+            p,
+            self.obs
+                .iter()
+                .map(|(l, i, o)| (self.cluster(*l, *i), self.phase(*l), o[0].correct)),
+        );
+        let mut rows: Vec<LongRow> = baseline_rows(self.rc, "", &acc, phases, reps, seed);
+        type Quantity = fn(&[Outcome; 3]) -> f64;
+        let quantities: [(&str, Quantity); 4] = [
+            (PROB_DIFF, |o| f64::from(o[0].ld)),
+            (PROB_CORRECT, |o| f64::from(o[1].ld)),
+            (PROB_DISTRACTOR, |o| f64::from(o[2].ld)),
+            (DISTRACTOR_PREFERRED, |o| f64::from(u8::from(o[1].correct))),
+        ];
+        for (metric, q) in quantities {
+            let mut c = Clusters::<1>::new(p);
+            for (l, i, o) in self.obs {
+                c.add(self.cluster(*l, *i), self.phase(*l), [q(o)]);
+            }
+            let (per, pooled) = per_phase(&c, mean, reps, seed);
+            rows.extend(self.rc.phase_rows(metric, None, phases, &per, pooled));
+        }
+        rows
+    }
+
+    /// `prob_diff` and accuracy grouped by the phase of the correct binding's key
+    /// (binding probe): where the flip shows when the bindings sit at different places
+    /// in different instances. None unless every prompt has a key position.
+    fn key_phase_rows(&self, key_pos: &[Option<usize>]) -> Vec<LongRow> {
+        let (p, reps, seed) = (self.p, self.reps, self.seed);
+        if !key_pos.iter().all(Option::is_some) {
+            return Vec::new();
+        }
         let mut c = Clusters::<2>::new(p);
-        for ((l, i, o), k) in obs.iter().zip(&key_pos) {
+        for ((l, i, o), k) in self.obs.iter().zip(key_pos) {
             let kp = (k.unwrap_or(0) % p) as u32;
-            c.add(cluster(*l, *i), kp, [f64::from(o[0].ld), f64::from(u8::from(o[0].correct))]);
+            c.add(
+                self.cluster(*l, *i),
+                kp,
+                [f64::from(o[0].ld), f64::from(u8::from(o[0].correct))],
+            );
         }
         let all: Vec<u32> = (0..p as u32).collect();
         let (per, pooled) = per_phase(&c, |s, n| s[0] / n as f64, reps, seed);
-        rows.extend(rc.phase_rows(PROB_DIFF_KEY_PHASE, None, &all, &per, pooled));
+        let mut rows = self
+            .rc
+            .phase_rows(PROB_DIFF_KEY_PHASE, None, &all, &per, pooled);
         let (per, pooled) = per_phase(&c, |s, n| s[1] / n as f64, reps, seed);
-        rows.extend(rc.phase_rows(ACCURACY_KEY_PHASE, None, &all, &per, pooled));
+        rows.extend(
+            self.rc
+                .phase_rows(ACCURACY_KEY_PHASE, None, &all, &per, pooled),
+        );
+        rows
     }
-    for &l in &lengths {
-        let mut c = Clusters::<1>::new(1);
-        for (_, i, o) in obs.iter().filter(|(x, _, _)| *x == l) {
-            c.add(*i as u64, 0, [f64::from(o[0].ld)]);
+
+    /// One `prob_diff_L{L}` row per length (phase = `L mod P`), clustered by instance.
+    fn length_rows(&self, lengths: &[usize]) -> Vec<LongRow> {
+        let mut rows = Vec::new();
+        for &l in lengths {
+            let mut c = Clusters::<1>::new(1);
+            for (_, i, o) in self.obs.iter().filter(|(x, _, _)| *x == l) {
+                c.add(*i as u64, 0, [f64::from(o[0].ld)]);
+            }
+            let reps = if self.text { 0 } else { self.reps };
+            let (_, e) = per_phase(&c, mean, reps, self.seed);
+            let e = Est {
+                ci: if self.text { None } else { e.ci },
+                ..e
+            };
+            rows.push(
+                self.rc
+                    .row(format!("{PROB_DIFF_AT}{l}"), e)
+                    .at_phase(self.phase(l)),
+            );
         }
-        let (_, e) = per_phase(&c, mean, if text { 0 } else { reps }, seed);
-        let e = Est {
-            ci: if text { None } else { e.ci },
-            ..e
-        };
-        rows.push(rc.row(format!("{PROB_DIFF_AT}{l}"), e).at_phase(phase(l)));
+        rows
     }
+}
+
+/// The mean of a summed quantity.
+fn mean(s: &[f64; 1], n: u64) -> f64 {
+    s[0] / n as f64
+}
+
+fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
+    let all = items(cfg, ctx)?;
+    let max_len = all.iter().map(|i| i.tokens.len()).max().unwrap_or(0);
+    ctx.preflight(max_len)?;
+    let mut lengths: Vec<usize> = all.iter().map(|i| i.filler_len).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    let p = ctx.p();
+    let (obs, key_pos) = evaluate(ctx, &all, &lengths)?;
+    let rc = ctx.rows.clone();
+    let sum = Summary {
+        rc: &rc,
+        obs: &obs,
+        text: cfg.probe == ProbeKind::Text,
+        p,
+        reps: ctx.reps(),
+        seed: ctx.seed(),
+    };
+    let phases: Vec<u32> = (0..p as u32)
+        .filter(|r| lengths.iter().any(|&l| sum.phase(l) == *r))
+        .collect();
+    let mut rows = sum.residue_rows(&phases);
+    rows.extend(sum.key_phase_rows(&key_pos));
+    rows.extend(sum.length_rows(&lengths));
     Ok(KindOutput {
         tables: vec![("filler".into(), rows)],
     })
@@ -364,18 +445,48 @@ fn per_length(f: &Figures, model: &str) -> Vec<(usize, f64, f64, f64)> {
 fn draw(f: &mut Figures) -> Result<()> {
     let m = f.model.clone();
     let pts = per_length(f, &m);
-    let (d, dir) = (f.data, f.dir);
-    let (report, files) = (&mut f.report, &mut f.files);
-    report.section("Filler-length probe");
-    report.paragraph(
+    f.report.section("Filler-length probe");
+    f.report.paragraph(
         "Only the filler length L changes between prompts. P(correct) - P(distractor) of the first \
          answer token at the last prompt position (full-vocabulary softmax), per L and grouped by \
          L mod P (the phase column of the table holds L mod P; the accuracy rows above are top-1 = \
          correct per group), with 95% cluster-bootstrap intervals over the probe's instances (the \
          text probe: over the lengths of a group).",
     );
-    if let Some(r) = d.scalar(&m, PROB_DIFF) {
-        report.headline(
+    headlines(f, &m, &pts);
+    if !pts.is_empty() {
+        length_figure(f, &m, &pts)?;
+    }
+    grouped_figure(
+        f,
+        [
+            (PROB_DIFF, "P(correct) - P(distractor)"),
+            (DISTRACTOR_PREFERRED, "distractor preferred"),
+        ],
+        "prob_diff_by_residue",
+        format!("{m}: filler probe by L mod P"),
+        "L mod P",
+        "Grouped by L mod P",
+    )?;
+    grouped_figure(
+        f,
+        [
+            (PROB_DIFF_KEY_PHASE, "P(correct) - P(distractor)"),
+            (ACCURACY_KEY_PHASE, "top-1 = correct"),
+        ],
+        "prob_diff_by_key_phase",
+        format!("{m}: filler probe by the phase of the correct key"),
+        "phase of the correct binding's key (t_K mod P)",
+        "Grouped by the phase of the correct binding's key",
+    )
+}
+
+/// The headlines: the pooled difference, its swing over L, how often the distractor
+/// is on top.
+fn headlines(f: &mut Figures, m: &str, pts: &[(usize, f64, f64, f64)]) {
+    let d = f.data;
+    if let Some(r) = d.scalar(m, PROB_DIFF) {
+        f.report.headline(
             Headline::new(
                 "P(correct) - P(distractor), all L",
                 format!("{:.3}", r.value),
@@ -387,77 +498,67 @@ fn draw(f: &mut Figures) -> Result<()> {
         pts.iter().min_by(|a, b| a.1.total_cmp(&b.1)),
         pts.iter().max_by(|a, b| a.1.total_cmp(&b.1)),
     ) {
-        report.headline(Headline::new(
+        f.report.headline(Headline::new(
             "Swing over L",
             format!("{:.3} (L = {}) to {:.3} (L = {})", lo.1, lo.0, hi.1, hi.0),
         ));
     }
-    if let Some(r) = d.scalar(&m, DISTRACTOR_PREFERRED) {
-        report.headline(Headline::new(
+    if let Some(r) = d.scalar(m, DISTRACTOR_PREFERRED) {
+        f.report.headline(Headline::new(
             "Distractor on top of the two",
             format!("{:.1}% of prompts", 100.0 * r.value),
         ));
     }
-    if !pts.is_empty() {
-        let spec = LinePlotSpec {
-            series: vec![BandSeries {
-                name: "P(correct) - P(distractor)".into(),
-                x: pts.iter().map(|p| p.0 as f64).collect(),
-                y: pts.iter().map(|p| p.1).collect(),
-                lo: pts.iter().map(|p| p.2).collect(),
-                hi: pts.iter().map(|p| p.3).collect(),
-            }],
-            title: format!("{m}: filler-length probe"),
-            x_label: "filler length L".into(),
-            y_label: "P(correct) - P(distractor) (95% CI)".into(),
-            y_range: Some((-1.0, 1.0)),
-            size: None,
-        };
-        let fig = line_with_bands(dir.join("prob_diff_by_length"), &spec)?;
-        push(
-            files,
-            report,
-            "P(correct) - P(distractor) by filler length",
-            fig,
-        );
+}
+
+/// `prob_diff_by_length`: the difference per filler length with its intervals.
+fn length_figure(f: &mut Figures, m: &str, pts: &[(usize, f64, f64, f64)]) -> Result<()> {
+    let spec = LinePlotSpec {
+        series: vec![BandSeries {
+            name: "P(correct) - P(distractor)".into(),
+            x: pts.iter().map(|p| p.0 as f64).collect(),
+            y: pts.iter().map(|p| p.1).collect(),
+            lo: pts.iter().map(|p| p.2).collect(),
+            hi: pts.iter().map(|p| p.3).collect(),
+        }],
+        title: format!("{m}: filler-length probe"),
+        x_label: "filler length L".into(),
+        y_label: "P(correct) - P(distractor) (95% CI)".into(),
+        y_range: Some((-1.0, 1.0)),
+        size: None,
+    };
+    let fig = line_with_bands(f.dir.join("prob_diff_by_length"), &spec)?;
+    f.push("P(correct) - P(distractor) by filler length", fig);
+    Ok(())
+}
+
+/// A line figure `<file>` of the per-phase rows of `metrics` (metric, legend), under
+/// `caption`; nothing when none of them has rows.
+fn grouped_figure(
+    f: &mut Figures,
+    metrics: [(&str, &str); 2],
+    file: &str,
+    title: String,
+    x_label: &str,
+    caption: &str,
+) -> Result<()> {
+    let (d, m) = (f.data, f.model.clone());
+    let series: Vec<BandSeries> = metrics
+        .iter()
+        .filter_map(|(metric, name)| super::super::report::band_series(d, &m, metric, name))
+        .collect();
+    if series.is_empty() {
+        return Ok(());
     }
-    let series: Vec<BandSeries> = [
-        (PROB_DIFF, "P(correct) - P(distractor)"),
-        (DISTRACTOR_PREFERRED, "distractor preferred"),
-    ]
-    .iter()
-    .filter_map(|(metric, name)| super::super::report::band_series(d, &m, metric, name))
-    .collect();
-    if !series.is_empty() {
-        let spec = LinePlotSpec {
-            series,
-            title: format!("{m}: filler probe by L mod P"),
-            x_label: "L mod P".into(),
-            y_label: "value (95% CI)".into(),
-            y_range: Some((-1.0, 1.0)),
-            size: None,
-        };
-        let fig = line_with_bands(dir.join("prob_diff_by_residue"), &spec)?;
-        push(files, report, "Grouped by L mod P", fig);
-    }
-    let series: Vec<BandSeries> = [
-        (PROB_DIFF_KEY_PHASE, "P(correct) - P(distractor)"),
-        (ACCURACY_KEY_PHASE, "top-1 = correct"),
-    ]
-    .iter()
-    .filter_map(|(metric, name)| super::super::report::band_series(d, &m, metric, name))
-    .collect();
-    if !series.is_empty() {
-        let spec = LinePlotSpec {
-            series,
-            title: format!("{m}: filler probe by the phase of the correct key"),
-            x_label: "phase of the correct binding's key (t_K mod P)".into(),
-            y_label: "value (95% CI)".into(),
-            y_range: Some((-1.0, 1.0)),
-            size: None,
-        };
-        let fig = line_with_bands(dir.join("prob_diff_by_key_phase"), &spec)?;
-        push(files, report, "Grouped by the phase of the correct binding's key", fig);
-    }
+    let spec = LinePlotSpec {
+        series,
+        title,
+        x_label: x_label.into(),
+        y_label: "value (95% CI)".into(),
+        y_range: Some((-1.0, 1.0)),
+        size: None,
+    };
+    let fig = line_with_bands(f.dir.join(file), &spec)?;
+    f.push(caption, fig);
     Ok(())
 }

@@ -20,16 +20,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::analysis::{Clusters, EntryAlign, SlotLayout, accuracy_clusters, best_rank, per_phase};
 use crate::error::{Error, Result};
-use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
+use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
 use crate::model::LayerKind;
 use crate::output::{BandSeries, Headline, LinePlotSpec, LongRow, line_with_bands};
-use crate::tasks::KvExample;
+use crate::tasks::{KvEvalSet, KvExample};
 
 use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Outcome, Prompts, Target, readout};
-use super::super::prompts::clean_prompts;
+use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{Figures, ci_text, push};
-use super::super::rows::baseline_rows;
+use super::super::rows::{RowCtx, baseline_rows};
 use super::retrieval_heads::{PromptShards, entry_align};
 use super::{Ctx, Kind, KindOutput, empty_list};
 
@@ -192,16 +192,20 @@ fn read_f32(act: &Act, what: &str) -> Result<Vec<f32>> {
     Ok(v)
 }
 
-/// One chunk: the clean outcome; per layer (kept?, rank) and (closed?, closed entries);
-/// per force direction the forced outcome.
-fn chunk_outcomes(
-    ctx: &Ctx,
-    cfg: &IndexerDiagnostics,
-    prompts: &Prompts,
-    rows: &[usize],
-    layers: &[(usize, usize, usize)],
-    needles: &[Vec<usize>],
-) -> Result<Vec<Vec<Outcome>>> {
+/// A chunk's rows: their prompts' targets and needles, and the prompt length.
+struct ChunkRows<'a> {
+    rows: &'a [usize],
+    targets: Vec<&'a Target>,
+    needles: &'a [Vec<usize>],
+    /// Tokens per prompt.
+    t: usize,
+}
+
+/// A layer's entry layout and the shape of its `hook_selected`, for the forced runs.
+type ForcedShape = (usize, SlotLayout, Vec<usize>);
+
+/// Capture the indexer's scores, top-k and selection at every layer of `layers`.
+fn capture_spec(layers: &[(usize, usize, usize)]) -> HookSpec {
     let mut spec = HookSpec::new();
     for &(l, _, _) in layers {
         for s in [
@@ -212,97 +216,144 @@ fn chunk_outcomes(
             spec = spec.capture_point(HookPoint::block(l, s));
         }
     }
-    let tokens = prompts.tokens_of(rows, &ctx.device);
-    let out = ctx.model.forward(tokens.clone(), &spec)?;
-    let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
-    let mut res = vec![readout(out.logits, &targets)?];
-    let t = prompts.len;
-    let mut forced_shapes = Vec::new();
-    for &(l, w, s) in layers {
-        let get = |site: Site| {
-            let p = HookPoint::block(l, site);
-            out.cache
-                .get(&p)
-                .ok_or_else(|| Error::hook(p.to_string(), "not produced (is this a CSA layer?)"))
-        };
-        let (scores, topk, sel) = (
-            get(Site::IndexerScores)?,
-            get(Site::IndexerTopk)?,
-            get(Site::IndexerSelected)?,
-        );
-        let (ss, ks) = (scores.shape().to_vec(), topk.shape().to_vec());
-        if ss.len() != 3 || ks.len() != 3 || ss[1] != t || ks[1] != t {
-            return Err(Error::hook(
-                format!("blocks.{l}.attn.indexer"),
-                format!("hook_scores {ss:?} / hook_topk {ks:?} do not cover {t} query positions"),
-            ));
-        }
-        let (n, k) = (ss[2], ks[2]);
-        let layout = SlotLayout {
-            entries: n,
-            window: w,
-            stride: s,
-            align: EntryAlign::End,
-            raw: 0,
-            sink: false,
-        };
-        let (sv, kv) = (
-            read_f32(scores, "hook_scores")?,
-            read_f32(topk, "hook_topk")?,
-        );
-        let mut kept = Vec::with_capacity(rows.len());
-        let mut closed = Vec::with_capacity(rows.len());
-        for (i, &r) in rows.iter().enumerate() {
-            let q = targets[i].positions[0];
-            let ne = needle_entries(&layout, needles[r][0], q);
-            let row_s = &sv[(i * t + q) * n..][..n];
-            let row_k = &kv[(i * t + q) * k..][..k];
-            let rank = best_rank(row_s, (q + 1) / s, &ne);
-            let is_kept = ne
-                .iter()
-                .any(|&e| row_k.iter().any(|&x| x >= 0.0 && x as usize == e));
-            kept.push(Outcome {
-                correct: is_kept,
-                ld: rank.map_or(f32::NAN, |x| x as f32),
-            });
-            closed.push(Outcome {
-                correct: !ne.is_empty(),
-                ld: ((q + 1) / s).min(n) as f32,
-            });
-        }
-        res.push(kept);
-        res.push(closed);
-        forced_shapes.push((l, layout, sel.shape().to_vec()));
+    spec
+}
+
+/// Layer `l` (window `w`, stride `s`) of the clean run: per row (kept?, rank of the
+/// needle's best entry) and (closed?, closed entries), and the layer's forced shape.
+fn layer_outcomes(
+    c: &ChunkRows,
+    cache: &ActivationCache,
+    (l, w, s): (usize, usize, usize),
+) -> Result<(Vec<Outcome>, Vec<Outcome>, ForcedShape)> {
+    let t = c.t;
+    let get = |site: Site| {
+        let p = HookPoint::block(l, site);
+        cache
+            .get(&p)
+            .ok_or_else(|| Error::hook(p.to_string(), "not produced (is this a CSA layer?)"))
+    };
+    let (scores, topk, sel) = (
+        get(Site::IndexerScores)?,
+        get(Site::IndexerTopk)?,
+        get(Site::IndexerSelected)?,
+    );
+    let (ss, ks) = (scores.shape().to_vec(), topk.shape().to_vec());
+    if ss.len() != 3 || ks.len() != 3 || ss[1] != t || ks[1] != t {
+        return Err(Error::hook(
+            format!("blocks.{l}.attn.indexer"),
+            format!("hook_scores {ss:?} / hook_topk {ks:?} do not cover {t} query positions"),
+        ));
     }
-    for f in &cfg.force {
-        let mut spec = HookSpec::new();
-        for (l, layout, shape) in &forced_shapes {
-            let n = shape[2];
-            let mut delta = vec![0.0f32; shape.iter().product()];
-            for (i, &r) in rows.iter().enumerate() {
-                for (j, &q) in targets[i].positions.iter().enumerate() {
-                    for e in needle_entries(layout, needles[r][j], q) {
-                        delta[(i * t + q) * n + e] = f.delta();
-                    }
+    let (n, k) = (ss[2], ks[2]);
+    let layout = SlotLayout {
+        entries: n,
+        window: w,
+        stride: s,
+        align: EntryAlign::End,
+        raw: 0,
+        sink: false,
+    };
+    let (sv, kv) = (
+        read_f32(scores, "hook_scores")?,
+        read_f32(topk, "hook_topk")?,
+    );
+    let mut kept = Vec::with_capacity(c.rows.len());
+    let mut closed = Vec::with_capacity(c.rows.len());
+    for (i, &r) in c.rows.iter().enumerate() {
+        let q = c.targets[i].positions[0];
+        let ne = needle_entries(&layout, c.needles[r][0], q);
+        let row_s = &sv[(i * t + q) * n..][..n];
+        let row_k = &kv[(i * t + q) * k..][..k];
+        let rank = best_rank(row_s, (q + 1) / s, &ne);
+        let is_kept = ne
+            .iter()
+            .any(|&e| row_k.iter().any(|&x| x >= 0.0 && x as usize == e));
+        kept.push(Outcome {
+            correct: is_kept,
+            ld: rank.map_or(f32::NAN, |x| x as f32),
+        });
+        closed.push(Outcome {
+            correct: !ne.is_empty(),
+            ld: ((q + 1) / s).min(n) as f32,
+        });
+    }
+    Ok((kept, closed, (l, layout, sel.shape().to_vec())))
+}
+
+/// The spec of one forced run: `hook_selected` of every layer gets `f`'s delta at the
+/// needle's entries, at every target position of every row.
+fn forced_spec(
+    c: &ChunkRows,
+    f: Force,
+    shapes: &[ForcedShape],
+    device: &burn::tensor::Device,
+) -> Result<HookSpec> {
+    let t = c.t;
+    let mut spec = HookSpec::new();
+    for (l, layout, shape) in shapes {
+        let n = shape[2];
+        let mut delta = vec![0.0f32; shape.iter().product()];
+        for (i, &r) in c.rows.iter().enumerate() {
+            for (j, &q) in c.targets[i].positions.iter().enumerate() {
+                for e in needle_entries(layout, c.needles[r][j], q) {
+                    delta[(i * t + q) * n + e] = f.delta();
                 }
             }
-            let act = Act::from_vec(delta, shape.clone(), &ctx.device)?;
-            spec = spec.intervene_point(
-                HookPoint::block(*l, Site::IndexerSelected),
-                Action::Add(act),
-                Scope::all(),
-            );
         }
+        let act = Act::from_vec(delta, shape.clone(), device)?;
+        spec = spec.intervene_point(
+            HookPoint::block(*l, Site::IndexerSelected),
+            Action::Add(act),
+            Scope::all(),
+        );
+    }
+    Ok(spec)
+}
+
+/// One chunk: the clean outcome; per layer (kept?, rank) and (closed?, closed entries);
+/// per force direction the forced outcome.
+fn chunk_outcomes(
+    ctx: &Ctx,
+    cfg: &IndexerDiagnostics,
+    prompts: &Prompts,
+    rows: &[usize],
+    layers: &[(usize, usize, usize)],
+    needles: &[Vec<usize>],
+) -> Result<Vec<Vec<Outcome>>> {
+    let spec = capture_spec(layers);
+    let tokens = prompts.tokens_of(rows, &ctx.device);
+    let out = ctx.model.forward(tokens.clone(), &spec)?;
+    let c = ChunkRows {
+        rows,
+        targets: rows.iter().map(|&r| &prompts.targets[r]).collect(),
+        needles,
+        t: prompts.len,
+    };
+    let mut res = vec![readout(out.logits, &c.targets)?];
+    let mut forced_shapes = Vec::new();
+    for &layer in layers {
+        let (kept, closed, shape) = layer_outcomes(&c, &out.cache, layer)?;
+        res.push(kept);
+        res.push(closed);
+        forced_shapes.push(shape);
+    }
+    for &f in &cfg.force {
+        let spec = forced_spec(&c, f, &forced_shapes, &ctx.device)?;
         let o = ctx.model.forward(tokens.clone(), &spec)?;
-        res.push(readout(o.logits, &targets)?);
+        res.push(readout(o.logits, &c.targets)?);
     }
     Ok(res)
 }
 
-fn run(cfg: &IndexerDiagnostics, ctx: &mut Ctx) -> Result<KindOutput> {
-    let layers = csa_layers(cfg, ctx)?;
-    let set = ctx.eval_set()?;
-    let p = ctx.p();
+/// Per phase group, the prompt metas and the per-quantity outcomes of every prompt
+/// (one shard per group and chunk).
+fn evaluate(
+    cfg: &IndexerDiagnostics,
+    ctx: &mut Ctx,
+    set: &KvEvalSet,
+    layers: &[(usize, usize, usize)],
+) -> Result<Vec<(Vec<PromptMeta>, Vec<Vec<Outcome>>)>> {
     let assign = if ctx.task.prompt.assign {
         ctx.task.space.assign().len()
     } else {
@@ -312,13 +363,17 @@ fn run(cfg: &IndexerDiagnostics, ctx: &mut Ctx) -> Result<KindOutput> {
     let phases = ctx.task.phases.clone();
     let total: u64 = phases
         .iter()
-        .map(|&r| ctx.examples(&set, r).len() as u64)
+        .map(|&r| ctx.examples(set, r).len() as u64)
         .sum();
-    let mut shards = PromptShards::new(ctx, &format!("{} indexer-diagnostics", ctx.mref.name), total);
+    let mut shards = PromptShards::new(
+        ctx,
+        &format!("{} indexer-diagnostics", ctx.mref.name),
+        total,
+    );
     let nq = 1 + 2 * layers.len() + cfg.force.len();
     let mut groups = Vec::new();
     for &r in &phases {
-        let ex = ctx.examples(&set, r);
+        let ex = ctx.examples(set, r);
         let (mut prompts, meta) = clean_prompts(&ex, |_| 0);
         // A competing value token per prompt, so that every run also reports the
         // logit difference answer - other (a continuous measure of the forced change).
@@ -332,15 +387,124 @@ fn run(cfg: &IndexerDiagnostics, ctx: &mut Ctx) -> Result<KindOutput> {
             prompts.n(),
             nq,
             ctx.max_rows.min(32),
-            |rows| chunk_outcomes(ctx, cfg, &prompts, rows, &layers, &need),
+            |rows| chunk_outcomes(ctx, cfg, &prompts, rows, layers, &need),
         )?;
         groups.push((meta, res));
     }
     shards.finish(ctx);
-    let (reps, seed) = (ctx.reps(), ctx.seed());
+    Ok(groups)
+}
+
+/// `(logical, phase, per-quantity outcomes)` of one prompt.
+type PromptObs = (u64, u32, Vec<Outcome>);
+
+/// 1.0 for true, 0.0 for false.
+fn b(x: bool) -> f64 {
+    f64::from(u8::from(x))
+}
+
+/// The mean of a summed quantity.
+fn frac(s: &[f64; 1], n: u64) -> f64 {
+    s[0] / n as f64
+}
+
+/// The outcomes of a run and what their rows need.
+struct Summary<'a> {
+    rc: &'a RowCtx,
+    obs: &'a [PromptObs],
+    phases: &'a [u32],
+    p: usize,
+    reps: usize,
+    seed: u64,
+}
+
+impl Summary<'_> {
+    /// Per-phase rows of `metric` (at `layer`): the mean of `f` over the prompts where
+    /// it is defined.
+    fn mean_rows(
+        &self,
+        metric: &str,
+        layer: Option<u32>,
+        f: &dyn Fn(&[Outcome]) -> Option<f64>,
+    ) -> Vec<LongRow> {
+        let mut c = Clusters::<1>::new(self.p);
+        for (l, r, o) in self.obs {
+            if let Some(v) = f(o) {
+                c.add(*l, *r, [v]);
+            }
+        }
+        let (per, pooled) = per_phase(&c, frac, self.reps, self.seed);
+        self.rc
+            .phase_rows(metric, layer.map(|l| (l, None)), self.phases, &per, pooled)
+    }
+
+    /// The needle rows of the `li`-th layer `l`: selected, rank, open, and the two misses.
+    fn layer_rows(&self, li: usize, l: usize) -> Vec<LongRow> {
+        let (kq, cq) = (1 + 2 * li, 2 + 2 * li);
+        let l = Some(l as u32);
+        let mut rows = self.mean_rows("needle_selected", l, &|o| {
+            o[cq].correct.then(|| b(o[kq].correct))
+        });
+        rows.extend(self.mean_rows("needle_rank", l, &|o| {
+            o[cq].correct.then(|| f64::from(o[kq].ld))
+        }));
+        rows.extend(self.mean_rows("needle_open", l, &|o| Some(b(!o[cq].correct))));
+        rows.extend(self.mean_rows("selection_miss", l, &|o| {
+            Some(b(!o[0].correct && o[cq].correct && !o[kq].correct))
+        }));
+        rows.extend(self.mean_rows("read_miss", l, &|o| {
+            Some(b(!o[0].correct && o[cq].correct && o[kq].correct))
+        }));
+        rows
+    }
+
+    /// The rows of forced run `f` (quantity `q`): its accuracy, the accuracy change (pp)
+    /// and the logit-difference change against the clean run.
+    fn force_rows(&self, f: Force, q: usize) -> Vec<LongRow> {
+        let (p, reps, seed) = (self.p, self.reps, self.seed);
+        let mut rows = self.mean_rows(&format!("accuracy{}", f.suffix()), None, &|o| {
+            Some(b(o[q].correct))
+        });
+        let mut c = Clusters::<2>::new(p);
+        for (l, r, o) in self.obs {
+            c.add(*l, *r, [b(o[0].correct), b(o[q].correct)]);
+        }
+        let (per, pooled) = per_phase(&c, |s, n| 100.0 * (s[1] - s[0]) / n as f64, reps, seed);
+        rows.extend(self.rc.phase_rows(
+            &format!("acc_change_pp{}", f.suffix()),
+            None,
+            self.phases,
+            &per,
+            pooled,
+        ));
+        let mut c = Clusters::<1>::new(p);
+        for (l, r, o) in self.obs {
+            let d = f64::from(o[q].ld) - f64::from(o[0].ld);
+            if d.is_finite() {
+                c.add(*l, *r, [d]);
+            }
+        }
+        let (per, pooled) = per_phase(&c, frac, reps, seed);
+        rows.extend(self.rc.phase_rows(
+            &format!("logit_diff_change{}", f.suffix()),
+            None,
+            self.phases,
+            &per,
+            pooled,
+        ));
+        rows
+    }
+}
+
+fn run(cfg: &IndexerDiagnostics, ctx: &mut Ctx) -> Result<KindOutput> {
+    let layers = csa_layers(cfg, ctx)?;
+    let set = ctx.eval_set()?;
+    let p = ctx.p();
+    let phases = ctx.task.phases.clone();
+    let groups = evaluate(cfg, ctx, &set, &layers)?;
     let rc = ctx.rows.clone();
     // (logical, phase, per-quantity outcomes) per prompt.
-    let obs: Vec<(u64, u32, Vec<Outcome>)> = groups
+    let obs: Vec<PromptObs> = groups
         .iter()
         .flat_map(|(meta, res)| {
             meta.iter()
@@ -349,69 +513,21 @@ fn run(cfg: &IndexerDiagnostics, ctx: &mut Ctx) -> Result<KindOutput> {
                 .collect::<Vec<_>>()
         })
         .collect();
-    let acc = accuracy_clusters(p, obs.iter().map(|(l, r, o)| (*l, *r, o[0].correct)));
-    let mut rows: Vec<LongRow> = baseline_rows(&rc, "", &acc, &phases, reps, seed);
-    let frac = |s: &[f64; 1], n: u64| s[0] / n as f64;
-    let add = |metric: &str, layer: Option<u32>, f: &dyn Fn(&[Outcome]) -> Option<f64>| {
-        let mut c = Clusters::<1>::new(p);
-        for (l, r, o) in &obs {
-            if let Some(v) = f(o) {
-                c.add(*l, *r, [v]);
-            }
-        }
-        let (per, pooled) = per_phase(&c, frac, reps, seed);
-        rc.phase_rows(metric, layer.map(|l| (l, None)), &phases, &per, pooled)
+    let sum = Summary {
+        rc: &rc,
+        obs: &obs,
+        phases: &phases,
+        p,
+        reps: ctx.reps(),
+        seed: ctx.seed(),
     };
-    let b = |x: bool| f64::from(u8::from(x));
+    let acc = accuracy_clusters(p, obs.iter().map(|(l, r, o)| (*l, *r, o[0].correct)));
+    let mut rows: Vec<LongRow> = baseline_rows(&rc, "", &acc, &phases, sum.reps, sum.seed);
     for (li, &(l, _, _)) in layers.iter().enumerate() {
-        let (kq, cq) = (1 + 2 * li, 2 + 2 * li);
-        let l = Some(l as u32);
-        rows.extend(add("needle_selected", l, &|o| {
-            o[cq].correct.then(|| b(o[kq].correct))
-        }));
-        rows.extend(add("needle_rank", l, &|o| {
-            o[cq].correct.then(|| f64::from(o[kq].ld))
-        }));
-        rows.extend(add("needle_open", l, &|o| Some(b(!o[cq].correct))));
-        rows.extend(add("selection_miss", l, &|o| {
-            Some(b(!o[0].correct && o[cq].correct && !o[kq].correct))
-        }));
-        rows.extend(add("read_miss", l, &|o| {
-            Some(b(!o[0].correct && o[cq].correct && o[kq].correct))
-        }));
+        rows.extend(sum.layer_rows(li, l));
     }
-    for (fi, f) in cfg.force.iter().enumerate() {
-        let q = 1 + 2 * layers.len() + fi;
-        rows.extend(add(&format!("accuracy{}", f.suffix()), None, &|o| {
-            Some(b(o[q].correct))
-        }));
-        let mut c = Clusters::<2>::new(p);
-        for (l, r, o) in &obs {
-            c.add(*l, *r, [b(o[0].correct), b(o[q].correct)]);
-        }
-        let (per, pooled) = per_phase(&c, |s, n| 100.0 * (s[1] - s[0]) / n as f64, reps, seed);
-        rows.extend(rc.phase_rows(
-            &format!("acc_change_pp{}", f.suffix()),
-            None,
-            &phases,
-            &per,
-            pooled,
-        ));
-        let mut c = Clusters::<1>::new(p);
-        for (l, r, o) in &obs {
-            let d = f64::from(o[q].ld) - f64::from(o[0].ld);
-            if d.is_finite() {
-                c.add(*l, *r, [d]);
-            }
-        }
-        let (per, pooled) = per_phase(&c, frac, reps, seed);
-        rows.extend(rc.phase_rows(
-            &format!("logit_diff_change{}", f.suffix()),
-            None,
-            &phases,
-            &per,
-            pooled,
-        ));
+    for (fi, &f) in cfg.force.iter().enumerate() {
+        rows.extend(sum.force_rows(f, 1 + 2 * layers.len() + fi));
     }
     Ok(KindOutput {
         tables: vec![("indexer".into(), rows)],
@@ -477,48 +593,55 @@ fn draw(cfg: &IndexerDiagnostics, f: &mut Figures) -> Result<()> {
         }
     }
     for &l in &layers {
-        let series: Vec<BandSeries> = [
-            ("needle_selected", "needle entry kept"),
-            ("selection_miss", "selection miss"),
-            ("read_miss", "read miss"),
-        ]
-        .iter()
-        .filter_map(|(metric, name)| layer_series(f, metric, l, name.to_string()))
-        .collect();
-        if !series.is_empty() {
-            let spec = LinePlotSpec {
-                series,
-                title: format!("{m}: indexer, layer {l}"),
-                x_label: "phase of the target key (t_K mod P)".into(),
-                y_label: "fraction of prompts (95% CI)".into(),
-                y_range: Some((0.0, 1.0)),
-                size: None,
-            };
-            let fig = line_with_bands(f.dir.join(format!("indexer_misses_L{l}")), &spec)?;
-            push(
-                &mut f.files,
-                &mut f.report,
-                &format!("Layer {l}: needle kept, selection and read misses by phase"),
-                fig,
-            );
-        }
-        if let Some(s) = layer_series(f, "needle_rank", l, format!("layer {l}")) {
-            let spec = LinePlotSpec {
-                series: vec![s],
-                title: format!("{m}: rank of the needle's entry, layer {l}"),
-                x_label: "phase of the target key (t_K mod P)".into(),
-                y_label: "mean rank among closed entries (0 = top)".into(),
-                y_range: None,
-                size: None,
-            };
-            let fig = line_with_bands(f.dir.join(format!("needle_rank_L{l}")), &spec)?;
-            push(
-                &mut f.files,
-                &mut f.report,
-                &format!("Layer {l}: rank of the needle's entry by phase"),
-                fig,
-            );
-        }
+        layer_figures(f, &m, l)?;
+    }
+    Ok(())
+}
+
+/// Layer `l`'s figures: needle kept, selection and read misses by phase, and the rank
+/// of the needle's entry by phase.
+fn layer_figures(f: &mut Figures, m: &str, l: u32) -> Result<()> {
+    let series: Vec<BandSeries> = [
+        ("needle_selected", "needle entry kept"),
+        ("selection_miss", "selection miss"),
+        ("read_miss", "read miss"),
+    ]
+    .iter()
+    .filter_map(|(metric, name)| layer_series(f, metric, l, name.to_string()))
+    .collect();
+    if !series.is_empty() {
+        let spec = LinePlotSpec {
+            series,
+            title: format!("{m}: indexer, layer {l}"),
+            x_label: "phase of the target key (t_K mod P)".into(),
+            y_label: "fraction of prompts (95% CI)".into(),
+            y_range: Some((0.0, 1.0)),
+            size: None,
+        };
+        let fig = line_with_bands(f.dir.join(format!("indexer_misses_L{l}")), &spec)?;
+        push(
+            &mut f.files,
+            &mut f.report,
+            &format!("Layer {l}: needle kept, selection and read misses by phase"),
+            fig,
+        );
+    }
+    if let Some(s) = layer_series(f, "needle_rank", l, format!("layer {l}")) {
+        let spec = LinePlotSpec {
+            series: vec![s],
+            title: format!("{m}: rank of the needle's entry, layer {l}"),
+            x_label: "phase of the target key (t_K mod P)".into(),
+            y_label: "mean rank among closed entries (0 = top)".into(),
+            y_range: None,
+            size: None,
+        };
+        let fig = line_with_bands(f.dir.join(format!("needle_rank_L{l}")), &spec)?;
+        push(
+            &mut f.files,
+            &mut f.report,
+            &format!("Layer {l}: rank of the needle's entry by phase"),
+            fig,
+        );
     }
     Ok(())
 }

@@ -8,23 +8,27 @@
 //!   position) by its per-phase-group mean (default) or zero; relative change per
 //!   layer x phase.
 
-use std::collections::{BTreeSet};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 
 use crate::analysis::{accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::hooks::{HookPoint, Site};
-use crate::output::{HeadKind, Headline, HeatmapSpec, LongRow, heatmap};
+use crate::output::{HeadKind, Headline, HeatmapSpec, LongRow, Report, heatmap};
 
-use super::super::rows::{baseline_rows, specialization_rows};
-use super::super::experiment::{Experiment, Selection};
 use super::super::exec::Group;
-use super::super::report::{Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap};
+use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Positions};
 use super::super::prompts::clean_prompts;
+use super::super::report::{
+    ExperimentData, Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking,
+    spec_index_heatmap,
+};
+use super::super::rows::{baseline_rows, specialization_rows};
 use super::super::setup;
 use super::ablate::{acc, change_clusters, rel};
-use super::{Ctx, Kind, KindOutput, base_obs, no_source, head_cells};
+use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, head_cells, no_source};
 
 /// `[knockout]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -58,7 +62,6 @@ impl Default for Knockout {
     }
 }
 
-
 impl Kind for Knockout {
     fn name(&self) -> &'static str {
         "knockout"
@@ -74,7 +77,12 @@ impl Kind for Knockout {
 
     fn check(&self, exp: &Experiment) -> Result<()> {
         no_source(exp, "knockout", "method", &[self.method])?;
-        no_source(exp, "knockout", "layer_output_fill", &[self.layer_output_fill])?;
+        no_source(
+            exp,
+            "knockout",
+            "layer_output_fill",
+            &[self.layer_output_fill],
+        )?;
         if self.layer_output && self.band == 0 {
             return Err(exp.err("knockout", "band", "must be at least 1"));
         }
@@ -90,6 +98,50 @@ impl Kind for Knockout {
     }
 }
 
+/// The layer-output band must fit in the prompts.
+fn check_band(cfg: &Knockout, ctx: &Ctx, prompt_len: usize) -> Result<()> {
+    if cfg.layer_output && cfg.band > prompt_len {
+        return Err(ctx.exp.err(
+            "knockout",
+            "band",
+            format!("{} positions, but prompts have {}", cfg.band, prompt_len),
+        ));
+    }
+    Ok(())
+}
+
+/// The cells of one group of `n` prompts: one knockout per KV head, then (with
+/// `layer_output`) one attention-output replacement per layer, each over every prompt.
+fn knockout_cells(cfg: &Knockout, heads: &[HeadCell], layers: &[usize], n: usize) -> Vec<Cell> {
+    let all: Vec<usize> = (0..n).collect();
+    let mut cells: Vec<Cell> = heads
+        .iter()
+        .map(|h| Cell {
+            edit: Edit::Replace {
+                point: h.point(),
+                heads: Some(h.query_heads.clone()),
+                positions: cfg.positions.clone(),
+                fill: cfg.method,
+            },
+            prompts: all.clone(),
+        })
+        .collect();
+    if cfg.layer_output {
+        for &l in layers {
+            cells.push(Cell {
+                edit: Edit::Replace {
+                    point: HookPoint::block(l, Site::AttnOut),
+                    heads: None,
+                    positions: Positions::Final(cfg.band),
+                    fill: cfg.layer_output_fill,
+                },
+                prompts: all.clone(),
+            });
+        }
+    }
+    cells
+}
+
 fn run(cfg: &Knockout, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "knockout", &cfg.layers, &ctx.info, false)?;
     let heads = head_cells(
@@ -101,48 +153,14 @@ fn run(cfg: &Knockout, ctx: &mut Ctx) -> Result<KindOutput> {
         &cfg.kv_heads,
     )?;
     let set = ctx.eval_set()?;
-    if cfg.layer_output && cfg.band > set.prompt_len {
-        return Err(ctx.exp.err(
-            "knockout",
-            "band",
-            format!(
-                "{} positions, but prompts have {}",
-                cfg.band, set.prompt_len
-            ),
-        ));
-    }
+    check_band(cfg, ctx, set.prompt_len)?;
     let p = ctx.p();
     let mut groups = Vec::new();
     let mut metas = Vec::new();
     for &r in &ctx.task.phases {
         let ex = ctx.examples(&set, r);
         let (prompts, meta) = clean_prompts(&ex, |_| 0);
-        let all: Vec<usize> = (0..prompts.n()).collect();
-        let mut cells: Vec<Cell> = heads
-            .iter()
-            .map(|h| Cell {
-                edit: Edit::Replace {
-                    point: h.point(),
-                    heads: Some(h.query_heads.clone()),
-                    positions: cfg.positions.clone(),
-                    fill: cfg.method,
-                },
-                prompts: all.clone(),
-            })
-            .collect();
-        if cfg.layer_output {
-            for &l in &layers {
-                cells.push(Cell {
-                    edit: Edit::Replace {
-                        point: HookPoint::block(l, Site::AttnOut),
-                        heads: None,
-                        positions: Positions::Final(cfg.band),
-                        fill: cfg.layer_output_fill,
-                    },
-                    prompts: all.clone(),
-                });
-            }
-        }
+        let cells = knockout_cells(cfg, &heads, &layers, prompts.n());
         groups.push(Group {
             key: format!("p{r}"),
             prompts,
@@ -202,18 +220,8 @@ fn draw(_cfg: &Knockout, f: &mut Figures) -> Result<()> {
         "Relative change of top-1 accuracy, 100 x (knockout - clean) / clean, when one KV head of one \
          layer is removed (every query head reading it), per source phase.",
     );
-    if let Some((k, v)) = cell_map(d, m, "rel_change_pct", HeadKind::Kv)
-        .iter()
-        .filter(|((_, _, p), v)| p.is_none() && v.is_finite())
-        .min_by(|a, b| a.1.total_cmp(b.1))
-    {
-        report.headline(
-            Headline::new(
-                "Most damaging KV-head knockout (all phases)",
-                format!("L{}.KV{}", k.0, k.1),
-            )
-            .with_detail(format!("{v:.1}% relative change")),
-        );
+    if let Some(h) = most_damaging(d, m) {
+        report.headline(h);
     }
     if let Some(f) = layer_kv_phase_map(
         &dir.join("knockout_kv"),
@@ -231,48 +239,7 @@ fn draw(_cfg: &Knockout, f: &mut Figures) -> Result<()> {
             f,
         );
     }
-    let rows: Vec<&LongRow> = d
-        .find(m, "layer_out_rel_change_pct")
-        .filter(|r| r.head.is_none() && r.layer.is_some())
-        .collect();
-    if !rows.is_empty() {
-        let layers: BTreeSet<u32> = rows.iter().filter_map(|r| r.layer).collect();
-        let layers: Vec<u32> = layers.into_iter().collect();
-        let matrix = layers
-            .iter()
-            .map(|&l| {
-                phases
-                    .iter()
-                    .map(|&p| {
-                        rows.iter()
-                            .find(|r| r.layer == Some(l) && r.phase == Some(p))
-                            .map_or(f64::NAN, |r| r.value)
-                    })
-                    .collect()
-            })
-            .collect();
-        let spec = HeatmapSpec {
-            matrix,
-            row_labels: layers.iter().map(|l| format!("L{l}")).collect(),
-            col_labels: phases.iter().map(|p| p.to_string()).collect(),
-            title: format!("{m}: attention-output replacement over the final positions"),
-            x_label: "source phase (t_K mod P)".into(),
-            y_label: "layer".into(),
-            colorbar_label: "relative change of accuracy (%)".into(),
-            diverging: true,
-            range: None,
-            annotate: true,
-            size: None,
-        };
-        report.section("Layer-output replacement");
-        let f = heatmap(dir.join("layer_output"), &spec)?;
-        push(
-            files,
-            report,
-            "Whole-layer attention-output replacement over a band of final query positions",
-            f,
-        );
-    }
+    layer_output_figure(d, m, phases, dir, report, files)?;
     report.section("Phase specialization");
     if let Some(f) = spec_index_heatmap(
         &dir.join("specialization_index"),
@@ -291,6 +258,78 @@ fn draw(_cfg: &Knockout, f: &mut Figures) -> Result<()> {
         report,
         "Most phase-specialized KV heads",
         &ranking(d, m, "rel_change_pct", phases, |v| -v),
+    );
+    Ok(())
+}
+
+/// The headline of the most damaging KV-head knockout over all phases, if any.
+fn most_damaging(d: &ExperimentData, m: &str) -> Option<Headline> {
+    let cells = cell_map(d, m, "rel_change_pct", HeadKind::Kv);
+    let (k, v) = cells
+        .iter()
+        .filter(|((_, _, p), v)| p.is_none() && v.is_finite())
+        .min_by(|a, b| a.1.total_cmp(b.1))?;
+    Some(
+        Headline::new(
+            "Most damaging KV-head knockout (all phases)",
+            format!("L{}.KV{}", k.0, k.1),
+        )
+        .with_detail(format!("{v:.1}% relative change")),
+    )
+}
+
+/// The layer x phase heatmap of the layer-output replacement and its report section
+/// (nothing when the tables have no `layer_out_rel_change_pct` rows).
+fn layer_output_figure(
+    d: &ExperimentData,
+    m: &str,
+    phases: &[u32],
+    dir: &Path,
+    report: &mut Report,
+    files: &mut Vec<PathBuf>,
+) -> Result<()> {
+    let rows: Vec<&LongRow> = d
+        .find(m, "layer_out_rel_change_pct")
+        .filter(|r| r.head.is_none() && r.layer.is_some())
+        .collect();
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let layers: BTreeSet<u32> = rows.iter().filter_map(|r| r.layer).collect();
+    let layers: Vec<u32> = layers.into_iter().collect();
+    let matrix = layers
+        .iter()
+        .map(|&l| {
+            phases
+                .iter()
+                .map(|&p| {
+                    rows.iter()
+                        .find(|r| r.layer == Some(l) && r.phase == Some(p))
+                        .map_or(f64::NAN, |r| r.value)
+                })
+                .collect()
+        })
+        .collect();
+    let spec = HeatmapSpec {
+        matrix,
+        row_labels: layers.iter().map(|l| format!("L{l}")).collect(),
+        col_labels: phases.iter().map(|p| p.to_string()).collect(),
+        title: format!("{m}: attention-output replacement over the final positions"),
+        x_label: "source phase (t_K mod P)".into(),
+        y_label: "layer".into(),
+        colorbar_label: "relative change of accuracy (%)".into(),
+        diverging: true,
+        range: None,
+        annotate: true,
+        size: None,
+    };
+    report.section("Layer-output replacement");
+    let f = heatmap(dir.join("layer_output"), &spec)?;
+    push(
+        files,
+        report,
+        "Whole-layer attention-output replacement over a band of final query positions",
+        f,
     );
     Ok(())
 }

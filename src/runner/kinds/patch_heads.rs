@@ -21,15 +21,19 @@ use crate::analysis::normalized_logit_diff;
 use crate::analysis::{Clusters, accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::output::{HeadKind, Headline, LongRow};
+use crate::tasks::KvEvalSet;
 
-use super::super::rows::{baseline_rows, specialization_rows};
+use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
-use super::super::exec::Group;
-use super::super::report::{Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map, push, ranked_table, ranking, spec_index_heatmap, sym_range};
 use super::super::patching::{Cell, Edit, Fill, Positions};
-use super::super::prompts::paired_prompts;
+use super::super::prompts::{PromptMeta, paired_prompts};
+use super::super::report::{
+    CellMap, Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map,
+    ranked_table, ranking, spec_index_heatmap, sym_range,
+};
+use super::super::rows::{RowCtx, baseline_rows, specialization_rows};
 use super::super::setup;
-use super::{Ctx, Kind, KindOutput, empty_list, base_obs, head_cells};
+use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells};
 
 fn both_kinds() -> Vec<HeadKind> {
     vec![HeadKind::Query, HeadKind::Kv]
@@ -86,7 +90,6 @@ impl Default for PatchHeads {
     }
 }
 
-
 impl Kind for PatchHeads {
     fn name(&self) -> &'static str {
         "patch-heads"
@@ -124,6 +127,178 @@ impl Kind for PatchHeads {
     }
 }
 
+/// The cells of one group of `n` clean then `n` corrupted prompts: per direction, one
+/// patch per head into the receiving half (the corrupted prompts when denoising, the
+/// clean ones when noising).
+fn patch_cells(cfg: &PatchHeads, heads: &[HeadCell], n: usize) -> Vec<Cell> {
+    let mut cells = Vec::new();
+    for d in &cfg.directions {
+        let receivers: Vec<usize> = match d {
+            Direction::Denoise => (n..2 * n).collect(),
+            Direction::Noise => (0..n).collect(),
+        };
+        for h in heads {
+            cells.push(Cell {
+                edit: Edit::Replace {
+                    point: h.point(),
+                    heads: Some(h.query_heads.clone()),
+                    positions: cfg.positions.clone(),
+                    fill: Fill::Source,
+                },
+                prompts: receivers.clone(),
+            });
+        }
+    }
+    cells
+}
+
+/// One group of paired (clean, corrupted) prompts per phase with its cells, and the
+/// prompts' metas.
+fn patch_groups(
+    cfg: &PatchHeads,
+    ctx: &Ctx,
+    set: &KvEvalSet,
+    heads: &[HeadCell],
+) -> Result<(Vec<Group>, Vec<Vec<PromptMeta>>)> {
+    let assign = if ctx.task.prompt.assign {
+        ctx.task.space.assign().len()
+    } else {
+        0
+    };
+    let mut groups = Vec::new();
+    let mut metas = Vec::new();
+    for &r in &ctx.task.phases {
+        let ex = ctx.examples(set, r);
+        let (prompts, meta) = paired_prompts(
+            &ex,
+            &ctx.task.space,
+            assign,
+            ctx.task.prompt.key_len,
+            ctx.task.seed,
+        )?;
+        groups.push(Group {
+            key: format!("p{r}"),
+            prompts,
+            cells: patch_cells(cfg, heads, ex.len()),
+        });
+        metas.push(meta);
+    }
+    Ok((groups, metas))
+}
+
+/// NLD of summed `(LD_patched, LD_clean, LD_corrupted)` over `n` prompts.
+fn nld(s: &[f64; 3], n: u64) -> f64 {
+    let k = n as f64;
+    normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
+}
+
+/// The evaluated groups of a run (metas and results of each group) and what their
+/// rows need: the row context, phases, bootstrap settings.
+struct Outcomes<'a> {
+    metas: &'a [Vec<PromptMeta>],
+    results: &'a [GroupResult],
+    rc: &'a RowCtx,
+    phases: &'a [u32],
+    p: usize,
+    reps: usize,
+    seed: u64,
+}
+
+impl Outcomes<'_> {
+    /// Baselines: clean and corrupted accuracy, and both logit differences (clean
+    /// orientation).
+    fn baselines(&self) -> Vec<LongRow> {
+        let (p, phases, reps, seed, rc) = (self.p, self.phases, self.reps, self.seed, self.rc);
+        let mut acc = Vec::new();
+        let mut acc_corrupt = Vec::new();
+        let mut ld_clean = Clusters::<1>::new(p);
+        let mut ld_corrupt = Clusters::<1>::new(p);
+        for (meta, res) in self.metas.iter().zip(self.results) {
+            acc.extend(base_obs(meta, res));
+            let n = meta.len() / 2;
+            for (i, m) in meta.iter().take(n).enumerate() {
+                acc_corrupt.push((m.logical, m.phase, res.base[n + i].correct));
+                ld_clean.add(m.logical, m.phase, [res.base[i].ld as f64]);
+                ld_corrupt.add(m.logical, m.phase, [-res.base[n + i].ld as f64]);
+            }
+        }
+        let mut rows: Vec<LongRow> =
+            baseline_rows(rc, "", &accuracy_clusters(p, acc), phases, reps, seed);
+        rows.extend(baseline_rows(
+            rc,
+            "_corrupted",
+            &accuracy_clusters(p, acc_corrupt),
+            phases,
+            reps,
+            seed,
+        ));
+        for (metric, c) in [
+            ("logit_diff_clean", &ld_clean),
+            ("logit_diff_corrupted", &ld_corrupt),
+        ] {
+            let (per, pooled) = per_phase(c, |s, n| s[0] / n as f64, reps, seed);
+            rows.extend(rc.phase_rows(metric, None, phases, &per, pooled));
+        }
+        rows
+    }
+
+    /// Clusters of `(LD_patched, LD_clean, LD_corrupted)` of cell `ci` (direction `d`).
+    fn nld_clusters(&self, d: Direction, ci: usize) -> Clusters<3> {
+        let mut c = Clusters::<3>::new(self.p);
+        for (meta, res) in self.metas.iter().zip(self.results) {
+            let n = meta.len() / 2;
+            for (j, o) in res.cells[ci].iter().enumerate() {
+                // Denoising rows are corrupted prompts: flip their LD to the clean orientation.
+                let (i, sign) = match d {
+                    Direction::Denoise => (j, -1.0),
+                    Direction::Noise => (j, 1.0),
+                };
+                let m = &meta[i];
+                c.add(
+                    m.logical,
+                    m.phase,
+                    [
+                        sign * o.ld as f64,
+                        res.base[i].ld as f64,
+                        -res.base[n + i].ld as f64,
+                    ],
+                );
+            }
+        }
+        c
+    }
+
+    /// The rows of head `h` (cell `ci`) under direction `d`: its NLD per phase and, for
+    /// the `first` direction, its specialization.
+    fn head_rows(&self, d: Direction, first: bool, h: &HeadCell, ci: usize) -> Vec<LongRow> {
+        let (phases, rc) = (self.phases, self.rc);
+        let c = self.nld_clusters(d, ci);
+        let (per, pooled) = per_phase(&c, nld, self.reps, self.seed);
+        let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
+        let mut rows = rc.phase_rows(d.metric(), at, phases, &per, pooled);
+        if first {
+            // Specialization from the first direction's effect: NLD for denoising,
+            // 1 - NLD (the damage) for noising.
+            let effect: Vec<f64> = phases
+                .iter()
+                .map(|&r| match d {
+                    Direction::Denoise => per[r as usize].value,
+                    Direction::Noise => 1.0 - per[r as usize].value,
+                })
+                .collect();
+            rows.extend(specialization_rows(
+                rc,
+                h.layer as u32,
+                h.head as u32,
+                h.kind,
+                phases,
+                &effect,
+            ));
+        }
+        rows
+    }
+}
+
 fn run(cfg: &PatchHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "patch", &cfg.layers, &ctx.info, false)?;
     let heads = head_cells(
@@ -135,137 +310,24 @@ fn run(cfg: &PatchHeads, ctx: &mut Ctx) -> Result<KindOutput> {
         &cfg.kv_heads,
     )?;
     let set = ctx.eval_set()?;
-    let p = ctx.p();
-    let assign = if ctx.task.prompt.assign {
-        ctx.task.space.assign().len()
-    } else {
-        0
-    };
-    let mut groups = Vec::new();
-    let mut metas = Vec::new();
-    for &r in &ctx.task.phases {
-        let ex = ctx.examples(&set, r);
-        let n = ex.len();
-        let (prompts, meta) = paired_prompts(
-            &ex,
-            &ctx.task.space,
-            assign,
-            ctx.task.prompt.key_len,
-            ctx.task.seed,
-        )?;
-        let mut cells = Vec::new();
-        for d in &cfg.directions {
-            let receivers: Vec<usize> = match d {
-                Direction::Denoise => (n..2 * n).collect(),
-                Direction::Noise => (0..n).collect(),
-            };
-            for h in &heads {
-                cells.push(Cell {
-                    edit: Edit::Replace {
-                        point: h.point(),
-                        heads: Some(h.query_heads.clone()),
-                        positions: cfg.positions.clone(),
-                        fill: Fill::Source,
-                    },
-                    prompts: receivers.clone(),
-                });
-            }
-        }
-        groups.push(Group {
-            key: format!("p{r}"),
-            prompts,
-            cells,
-        });
-        metas.push(meta);
-    }
+    let (groups, metas) = patch_groups(cfg, ctx, &set, &heads)?;
     let results = ctx.execute(&format!("{} patch-heads", ctx.mref.name), &groups)?;
-
-    // Baselines: clean and corrupted accuracy, LDs (clean orientation).
-    let mut acc = Vec::new();
-    let mut acc_corrupt = Vec::new();
-    let mut ld_clean = Clusters::<1>::new(p);
-    let mut ld_corrupt = Clusters::<1>::new(p);
-    for (meta, res) in metas.iter().zip(&results) {
-        acc.extend(base_obs(meta, res));
-        let n = meta.len() / 2;
-        for (i, m) in meta.iter().take(n).enumerate() {
-            acc_corrupt.push((m.logical, m.phase, res.base[n + i].correct));
-            ld_clean.add(m.logical, m.phase, [res.base[i].ld as f64]);
-            ld_corrupt.add(m.logical, m.phase, [-res.base[n + i].ld as f64]);
-        }
-    }
     let phases = ctx.task.phases.clone();
-    let (reps, seed) = (ctx.reps(), ctx.seed());
     let rc = ctx.rows.clone();
-    let mut rows: Vec<LongRow> =
-        baseline_rows(&rc, "", &accuracy_clusters(p, acc), &phases, reps, seed);
-    rows.extend(baseline_rows(
-        &rc,
-        "_corrupted",
-        &accuracy_clusters(p, acc_corrupt),
-        &phases,
-        reps,
-        seed,
-    ));
-    for (metric, c) in [
-        ("logit_diff_clean", &ld_clean),
-        ("logit_diff_corrupted", &ld_corrupt),
-    ] {
-        let (per, pooled) = per_phase(c, |s, n| s[0] / n as f64, reps, seed);
-        rows.extend(rc.phase_rows(metric, None, &phases, &per, pooled));
-    }
-
-    // Cells: per direction and head, clusters of (LD_patched, LD_clean, LD_corrupted).
-    let nld = |s: &[f64; 3], n: u64| {
-        let k = n as f64;
-        normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
+    let out = Outcomes {
+        metas: &metas,
+        results: &results,
+        rc: &rc,
+        phases: &phases,
+        p: ctx.p(),
+        reps: ctx.reps(),
+        seed: ctx.seed(),
     };
+    let mut rows = out.baselines();
+    // Cells: per direction and head, clusters of (LD_patched, LD_clean, LD_corrupted).
     for (di, d) in cfg.directions.iter().enumerate() {
         for (hi, h) in heads.iter().enumerate() {
-            let ci = di * heads.len() + hi;
-            let mut c = Clusters::<3>::new(p);
-            for (meta, res) in metas.iter().zip(&results) {
-                let n = meta.len() / 2;
-                for (j, o) in res.cells[ci].iter().enumerate() {
-                    // Denoising rows are corrupted prompts: flip their LD to the clean orientation.
-                    let (i, sign) = match d {
-                        Direction::Denoise => (j, -1.0),
-                        Direction::Noise => (j, 1.0),
-                    };
-                    let m = &meta[i];
-                    c.add(
-                        m.logical,
-                        m.phase,
-                        [
-                            sign * o.ld as f64,
-                            res.base[i].ld as f64,
-                            -res.base[n + i].ld as f64,
-                        ],
-                    );
-                }
-            }
-            let (per, pooled) = per_phase(&c, nld, reps, seed);
-            let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
-            rows.extend(rc.phase_rows(d.metric(), at, &phases, &per, pooled));
-            if di == 0 {
-                // Specialization from the first direction's effect: NLD for denoising,
-                // 1 - NLD (the damage) for noising.
-                let effect: Vec<f64> = phases
-                    .iter()
-                    .map(|&r| match d {
-                        Direction::Denoise => per[r as usize].value,
-                        Direction::Noise => 1.0 - per[r as usize].value,
-                    })
-                    .collect();
-                rows.extend(specialization_rows(
-                    &rc,
-                    h.layer as u32,
-                    h.head as u32,
-                    h.kind,
-                    &phases,
-                    &effect,
-                ));
-            }
+            rows.extend(out.head_rows(*d, di == 0, h, di * heads.len() + hi));
         }
     }
     Ok(KindOutput {
@@ -275,11 +337,8 @@ fn run(cfg: &PatchHeads, ctx: &mut Ctx) -> Result<KindOutput> {
 
 /// This kind's figures and report section, from its tables alone.
 fn draw(cfg: &PatchHeads, f: &mut Figures) -> Result<()> {
-    let (d, m, phases, dir) = (f.data, f.model.as_str(), &f.phases[..], f.dir);
-    let (report, files) = (&mut f.report, &mut f.files);
-    let directions = cfg.directions.clone();
-    report.section("Activation patching of hook_z");
-    report.paragraph(
+    f.report.section("Activation patching of hook_z");
+    f.report.paragraph(
         "Normalised logit difference NLD = (LD_patched - LD_corrupted) / (LD_clean - LD_corrupted), \
          LD = logit(clean answer) - logit(corrupted answer) at the read position, summed over the \
          prompts of each source phase. Denoising patches the clean activation into the corrupted run \
@@ -287,133 +346,158 @@ fn draw(cfg: &PatchHeads, f: &mut Figures) -> Result<()> {
          into the clean run (0 = the head alone destroys it). KV-head cells patch every query head \
          that reads the KV head.",
     );
-    for (di, d_) in directions.iter().enumerate() {
-        let metric = d_.metric();
-        if !d.has(m, metric) {
-            continue;
-        }
-        let cells = cell_map(d, m, metric, HeadKind::Query);
-        let (layers, heads) = head_axes(d, m, metric, HeadKind::Query);
-        if let Some((best, v)) = cells
-            .iter()
-            .filter(|((_, _, p), v)| p.is_none() && v.is_finite())
-            .max_by(|a, b| a.1.total_cmp(b.1))
-        {
-            report.headline(
-                Headline::new(
-                    format!("Strongest query head ({metric}, all phases)"),
-                    format!("L{}.H{}", best.0, best.1),
-                )
-                .with_detail(format!("NLD {v:.3}")),
-            );
-        }
-        if !layers.is_empty() {
-            let range = sym_range(cells.values().copied());
-            for &p in phases {
-                let f = layer_head_heatmap(
-                    &dir.join(format!("{metric}_phase{p}")),
-                    &cells,
-                    &layers,
-                    &heads,
-                    Some(p),
-                    format!("{m}: {metric}, source phase {p}"),
-                    "normalised logit difference",
-                    range,
-                    "H",
-                    true,
-                )?;
-                if di == 0 {
-                    push(
-                        files,
-                        report,
-                        &format!("{metric} per layer x query head, source phase {p}"),
-                        f,
-                    );
-                } else {
-                    // Written, not embedded: the report stays readable.
-                    files.push(f.png);
-                    files.push(f.svg);
-                }
-            }
-            let f = layer_head_heatmap(
-                &dir.join(format!("{metric}_all_phases")),
-                &cells,
-                &layers,
-                &heads,
-                None,
-                format!("{m}: {metric}, all phases pooled"),
-                "normalised logit difference",
-                range,
-                "H",
-                true,
-            )?;
-            push(
-                files,
-                report,
-                &format!("{metric} per layer x query head, all phases"),
-                f,
-            );
-        }
-        if let Some(f) = layer_kv_phase_map(
-            &dir.join(format!("{metric}_kv")),
-            d,
-            m,
-            metric,
-            phases,
-            format!("{m}: {metric} per layer x KV head x source phase"),
-            "normalised logit difference",
-        )? {
-            push(
-                files,
-                report,
-                &format!("{metric} per layer x KV head x source phase"),
-                f,
-            );
+    for (di, &dir) in cfg.directions.iter().enumerate() {
+        if f.data.has(&f.model, dir.metric()) {
+            direction_figures(f, dir, di == 0)?;
         }
     }
-    if let Some(second) = directions.get(1) {
-        report.paragraph(format!(
+    if let Some(second) = cfg.directions.get(1) {
+        f.report.paragraph(format!(
             "Per-phase heatmaps of {} are in this folder as {}_phase<r>.png / .svg.",
             second.metric(),
             second.metric()
         ));
     }
-    if let Some(first) = directions.first()
-        && d.has(m, first.metric())
+    if let Some(&first) = cfg.directions.first()
+        && f.data.has(&f.model, first.metric())
     {
-        report.section("Phase specialization");
-        report.paragraph(format!(
-            "Specialization index of a head: S = 1 - (exp(H) - 1) / (P - 1) of its normalised positive \
-             effect profile over phases (effect = {}); S = 1: all of the effect on one phase, S = 0: spread evenly.",
-            match first {
-                Direction::Denoise => "the denoising NLD",
-                Direction::Noise => "1 - the noising NLD",
-            }
-        ));
-        if let Some(f) = head_phase_map(
-            &dir.join("specialization_map"),
-            d,
-            m,
-            first.metric(),
-            phases,
-            format!("{m}: {} per head x source phase", first.metric()),
-            "normalised logit difference",
-        )? {
-            push(files, report, "Head x phase specialization map", f);
-        }
-        if let Some(f) = spec_index_heatmap(
-            &dir.join("specialization_index"),
-            d,
-            m,
-            format!("{m}: specialization index per head"),
-        )? {
-            push(files, report, "Specialization index per layer x head", f);
-        }
-        let ranked = match first {
-            Direction::Denoise => ranking(d, m, first.metric(), phases, |v| v),
-            Direction::Noise => ranking(d, m, first.metric(), phases, |v| 1.0 - v),
-        };
-        ranked_table(report, "Most phase-specialized heads", &ranked);
+        specialization_section(f, first)?;
     }
+    Ok(())
+}
+
+/// The strongest query head of `cells` over all phases, as a headline.
+fn strongest_query_head(cells: &CellMap, metric: &str) -> Option<Headline> {
+    let (best, v) = cells
+        .iter()
+        .filter(|((_, _, p), v)| p.is_none() && v.is_finite())
+        .max_by(|a, b| a.1.total_cmp(b.1))?;
+    Some(
+        Headline::new(
+            format!("Strongest query head ({metric}, all phases)"),
+            format!("L{}.H{}", best.0, best.1),
+        )
+        .with_detail(format!("NLD {v:.3}")),
+    )
+}
+
+/// The figures of one direction's NLD: the strongest query head, layer x query head
+/// heatmaps per source phase (embedded for the `first` direction, else only written)
+/// and pooled, and the layer x KV head x phase map.
+fn direction_figures(f: &mut Figures, dir: Direction, first: bool) -> Result<()> {
+    let (d, m) = (f.data, f.model.clone());
+    let metric = dir.metric();
+    let cells = cell_map(d, &m, metric, HeadKind::Query);
+    let (layers, heads) = head_axes(d, &m, metric, HeadKind::Query);
+    if let Some(h) = strongest_query_head(&cells, metric) {
+        f.report.headline(h);
+    }
+    if !layers.is_empty() {
+        query_head_heatmaps(f, metric, &cells, &layers, &heads, first)?;
+    }
+    if let Some(fig) = layer_kv_phase_map(
+        &f.dir.join(format!("{metric}_kv")),
+        d,
+        &m,
+        metric,
+        &f.phases,
+        format!("{m}: {metric} per layer x KV head x source phase"),
+        "normalised logit difference",
+    )? {
+        f.push(&format!("{metric} per layer x KV head x source phase"), fig);
+    }
+    Ok(())
+}
+
+/// Layer x query head heatmaps of `metric` per source phase (embedded when `embed`,
+/// else only written: the report stays readable) and pooled over phases, on one
+/// colour range.
+fn query_head_heatmaps(
+    f: &mut Figures,
+    metric: &str,
+    cells: &CellMap,
+    layers: &[u32],
+    heads: &[u32],
+    embed: bool,
+) -> Result<()> {
+    let m = f.model.clone();
+    let range = sym_range(cells.values().copied());
+    for p in f.phases.clone() {
+        let fig = layer_head_heatmap(
+            &f.dir.join(format!("{metric}_phase{p}")),
+            cells,
+            layers,
+            heads,
+            Some(p),
+            format!("{m}: {metric}, source phase {p}"),
+            "normalised logit difference",
+            range,
+            "H",
+            true,
+        )?;
+        if embed {
+            f.push(
+                &format!("{metric} per layer x query head, source phase {p}"),
+                fig,
+            );
+        } else {
+            // Written, not embedded: the report stays readable.
+            f.files.push(fig.png);
+            f.files.push(fig.svg);
+        }
+    }
+    let fig = layer_head_heatmap(
+        &f.dir.join(format!("{metric}_all_phases")),
+        cells,
+        layers,
+        heads,
+        None,
+        format!("{m}: {metric}, all phases pooled"),
+        "normalised logit difference",
+        range,
+        "H",
+        true,
+    )?;
+    f.push(&format!("{metric} per layer x query head, all phases"), fig);
+    Ok(())
+}
+
+/// "Phase specialization" from the first direction's effect: the head x phase map,
+/// the specialization index and the most specialized heads.
+fn specialization_section(f: &mut Figures, first: Direction) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
+    f.report.section("Phase specialization");
+    f.report.paragraph(format!(
+        "Specialization index of a head: S = 1 - (exp(H) - 1) / (P - 1) of its normalised positive \
+         effect profile over phases (effect = {}); S = 1: all of the effect on one phase, S = 0: spread evenly.",
+        match first {
+            Direction::Denoise => "the denoising NLD",
+            Direction::Noise => "1 - the noising NLD",
+        }
+    ));
+    if let Some(fig) = head_phase_map(
+        &dir.join("specialization_map"),
+        d,
+        &m,
+        first.metric(),
+        &f.phases,
+        format!("{m}: {} per head x source phase", first.metric()),
+        "normalised logit difference",
+    )? {
+        f.push("Head x phase specialization map", fig);
+    }
+    if let Some(fig) = spec_index_heatmap(
+        &dir.join("specialization_index"),
+        d,
+        &m,
+        format!("{m}: specialization index per head"),
+    )? {
+        f.push("Specialization index per layer x head", fig);
+    }
+    let ranked = match first {
+        Direction::Denoise => ranking(d, &m, first.metric(), &f.phases, |v| v),
+        Direction::Noise => ranking(d, &m, first.metric(), &f.phases, |v| 1.0 - v),
+    };
+    ranked_table(&mut f.report, "Most phase-specialized heads", &ranked);
     Ok(())
 }

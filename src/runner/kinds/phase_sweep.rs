@@ -8,17 +8,17 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::{DEFAULT_LEVEL, phase_gap};
+use crate::analysis::{DEFAULT_LEVEL, PhaseGap, phase_gap};
 use crate::analysis::{accuracy_clusters, phase_clusters};
 use crate::error::{Error, Result};
 use crate::output::{PhaseAccuracyRow, phase_accuracy_table, write_parquet_copy};
 use crate::tasks::Protocol;
 
-use super::super::rows::{baseline_rows};
-use super::super::experiment::{Experiment};
-use super::super::exec::Group;
+use super::super::exec::{Group, GroupResult};
+use super::super::experiment::Experiment;
+use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{Figures, accuracy_figure, baseline_headlines};
-use super::super::prompts::clean_prompts;
+use super::super::rows::baseline_rows;
 use super::{Ctx, Kind, KindOutput};
 
 /// Short protocol name of the `phase_accuracy` table (`prefix`, `in-sequence`).
@@ -55,7 +55,6 @@ impl Default for PhaseSweep {
         }
     }
 }
-
 
 impl Kind for PhaseSweep {
     fn name(&self) -> &'static str {
@@ -106,9 +105,12 @@ impl Kind for PhaseSweep {
     }
 }
 
-fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
-    let p = ctx.p();
-    let mut sets = Vec::new();
+/// The prompt metas of one phase group, with the protocol it was rendered under.
+type GroupMeta = (Protocol, Vec<PromptMeta>);
+
+/// One group of clean prompts per protocol and phase (each protocol's evaluation set
+/// checked against the model first), with their metas.
+fn sweep_groups(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<(Vec<Group>, Vec<GroupMeta>)> {
     let mut groups = Vec::new();
     let mut metas = Vec::new();
     for &proto in &cfg.protocols {
@@ -124,81 +126,89 @@ fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
             });
             metas.push((proto, meta));
         }
-        sets.push(set);
     }
-    let results = ctx.execute(&format!("{} phase-sweep", ctx.mref.name), &groups)?;
-    let (reps, seed) = (ctx.reps(), ctx.seed());
-    let rc = ctx.rows.clone();
-    let phases = ctx.task.phases.clone();
-    let mut rows = Vec::new();
-    let mut table_rows = Vec::new();
-    let mut per_protocol = serde_json::Map::new();
-    let mut first: Option<serde_json::Value> = None;
-    for &proto in &cfg.protocols {
-        let obs: Vec<(u64, u32, bool)> = metas
-            .iter()
-            .zip(&results)
-            .filter(|((pr, _), _)| *pr == proto)
-            .flat_map(|((_, meta), res)| {
-                meta.iter()
-                    .zip(&res.base)
-                    .map(|(m, o)| (m.logical, m.phase, o.correct))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        let acc = accuracy_clusters(p, obs.clone());
-        rows.extend(baseline_rows(
-            &rc,
-            protocol_suffix(proto),
-            &acc,
-            &phases,
-            reps,
-            seed,
-        ));
-        for &r in &phases {
+    Ok((groups, metas))
+}
+
+/// `(logical, phase, correct)` of every prompt evaluated under `proto`.
+fn protocol_obs(
+    metas: &[GroupMeta],
+    results: &[GroupResult],
+    proto: Protocol,
+) -> Vec<(u64, u32, bool)> {
+    metas
+        .iter()
+        .zip(results)
+        .filter(|((pr, _), _)| *pr == proto)
+        .flat_map(|((_, meta), res)| {
+            meta.iter()
+                .zip(&res.base)
+                .map(|(m, o)| (m.logical, m.phase, o.correct))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The `phase_accuracy` rows of one model and protocol: trials and successes per phase.
+fn phase_accuracy_rows(
+    model: &str,
+    proto: Protocol,
+    phases: &[u32],
+    obs: &[(u64, u32, bool)],
+) -> Vec<PhaseAccuracyRow> {
+    phases
+        .iter()
+        .map(|&r| {
             let (n, correct) = obs
                 .iter()
                 .filter(|(_, ph, _)| *ph == r)
                 .fold((0u64, 0u64), |(n, c), (_, _, ok)| {
                     (n + 1, c + u64::from(*ok))
                 });
-            table_rows.push(PhaseAccuracyRow::new(
-                &rc.model,
-                protocol_label(proto),
-                r,
-                n,
-                correct,
-            ));
-        }
-        let gap = phase_gap(&phase_clusters(&acc), reps, seed, DEFAULT_LEVEL).ok();
-        let s = serde_json::json!({
-            "protocol": proto.name(),
-            "mean_accuracy": gap.as_ref().map(|g| g.mean_accuracy),
-            "mean_accuracy_ci95": gap.as_ref().map(|g| [g.mean_ci.0, g.mean_ci.1]),
-            "best_phase": gap.as_ref().map(|g| g.best_phase),
-            "worst_phase": gap.as_ref().map(|g| g.worst_phase),
-            "phase_gap_pp": gap.as_ref().map(|g| g.gap_pp),
-            "phase_gap_ci95": gap.as_ref().map(|g| [g.ci_lo_pp, g.ci_hi_pp]),
-            "n_logical": ctx.task.n_logical,
-            "bootstrap_reps": reps,
-        });
-        if first.is_none() {
-            first = Some(s.clone());
-        }
-        per_protocol.insert(proto.name().to_string(), s);
-    }
+            PhaseAccuracyRow::new(model, protocol_label(proto), r, n, correct)
+        })
+        .collect()
+}
+
+/// The `summary.json` entry of one protocol (nulls where the phase gap is undefined).
+fn protocol_summary(
+    proto: Protocol,
+    gap: Option<&PhaseGap>,
+    n_logical: usize,
+    reps: usize,
+) -> serde_json::Value {
+    serde_json::json!({
+        "protocol": proto.name(),
+        "mean_accuracy": gap.map(|g| g.mean_accuracy),
+        "mean_accuracy_ci95": gap.map(|g| [g.mean_ci.0, g.mean_ci.1]),
+        "best_phase": gap.map(|g| g.best_phase),
+        "worst_phase": gap.map(|g| g.worst_phase),
+        "phase_gap_pp": gap.map(|g| g.gap_pp),
+        "phase_gap_ci95": gap.map(|g| [g.ci_lo_pp, g.ci_hi_pp]),
+        "n_logical": n_logical,
+        "bootstrap_reps": reps,
+    })
+}
+
+/// Write the model's `phase_accuracy` table (+ Parquet copy) and `summary.json` (the
+/// first protocol's numbers at the top, every protocol's under `protocols`).
+fn write_model_files(
+    ctx: &Ctx,
+    table_rows: &[PhaseAccuracyRow],
+    first: serde_json::Value,
+    per_protocol: serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
     let dir = ctx.data_dir.join(&ctx.mref.name);
-    let t = phase_accuracy_table("phase_accuracy", &table_rows).with_provenance(&ctx.exp.text);
+    let t = phase_accuracy_table("phase_accuracy", table_rows).with_provenance(&ctx.exp.text);
     let path = dir.join("phase_accuracy.arrow");
     t.write_arrow(&path)?;
     write_parquet_copy(&path)?;
-    let first = first.unwrap_or_default();
     let summary = serde_json::json!({
         "model": ctx.mref.name,
         "compressed": ctx.info.compressed(),
         "stride": ctx.info.strides().first(),
         "strides": ctx.info.strides(),
-        "period": p,
+        "period": ctx.p(),
         "protocol": first["protocol"],
         "mean_accuracy": first["mean_accuracy"],
         "best_phase": first["best_phase"],
@@ -212,7 +222,40 @@ fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
         &dir.join("summary.json"),
         format!("{summary:#}\n").as_bytes(),
     )
-    .map_err(|e| Error::io(dir.join("summary.json"), e))?;
+    .map_err(|e| Error::io(dir.join("summary.json"), e))
+}
+
+fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
+    let p = ctx.p();
+    let (groups, metas) = sweep_groups(cfg, ctx)?;
+    let results = ctx.execute(&format!("{} phase-sweep", ctx.mref.name), &groups)?;
+    let (reps, seed) = (ctx.reps(), ctx.seed());
+    let rc = ctx.rows.clone();
+    let phases = ctx.task.phases.clone();
+    let mut rows = Vec::new();
+    let mut table_rows = Vec::new();
+    let mut per_protocol = serde_json::Map::new();
+    let mut first: Option<serde_json::Value> = None;
+    for &proto in &cfg.protocols {
+        let obs = protocol_obs(&metas, &results, proto);
+        let acc = accuracy_clusters(p, obs.clone());
+        rows.extend(baseline_rows(
+            &rc,
+            protocol_suffix(proto),
+            &acc,
+            &phases,
+            reps,
+            seed,
+        ));
+        table_rows.extend(phase_accuracy_rows(&rc.model, proto, &phases, &obs));
+        let gap = phase_gap(&phase_clusters(&acc), reps, seed, DEFAULT_LEVEL).ok();
+        let s = protocol_summary(proto, gap.as_ref(), ctx.task.n_logical, reps);
+        if first.is_none() {
+            first = Some(s.clone());
+        }
+        per_protocol.insert(proto.name().to_string(), s);
+    }
+    write_model_files(ctx, &table_rows, first.unwrap_or_default(), per_protocol)?;
     Ok(KindOutput {
         tables: vec![("phase_sweep".into(), rows)],
     })
