@@ -326,7 +326,7 @@ impl SmallMultiplesSpec {
             .x_label_formatter(&fmt)
             .y_label_formatter(&fmt)
             .x_desc(&self.x_label)
-            .y_desc(if k % self.cols.max(1) == 0 {
+            .y_desc(if k.is_multiple_of(self.cols.max(1)) {
                 self.y_label.as_str()
             } else {
                 ""

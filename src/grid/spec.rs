@@ -383,11 +383,14 @@ fn load_base(src: Source, folder: &Path, g: &GridSection) -> Result<(PathBuf, to
     Ok((base, base_table))
 }
 
+/// One axis of the grid: its key and its values.
+type Axis = (Spanned<String>, Spanned<Vec<toml::Value>>);
+
 /// The axes in file order; an axis without values is an error.
 fn sorted_axes(
     src: Source,
     axes: &BTreeMap<Spanned<String>, Spanned<Vec<toml::Value>>>,
-) -> Result<Vec<(Spanned<String>, Spanned<Vec<toml::Value>>)>> {
+) -> Result<Vec<Axis>> {
     let mut v: Vec<_> = axes
         .iter()
         .map(|(k, vals)| (k.clone(), vals.clone()))
