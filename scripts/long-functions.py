@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """List Rust functions longer than N lines (default 80), outside #[cfg(test)] modules
-and tests/. Usage: python3 scripts/long-functions.py [N] [paths...] (default: src).
+and tests/. Test-only files are skipped too: a file named `tests.rs` under src/ is a
+#[cfg(test)] module kept in its own file (src/tasks/tests.rs, src/output/figure/tests.rs).
+Usage: python3 scripts/long-functions.py [N] [paths...] (default: src).
 
 A function starts at a line whose code begins with `fn`/`pub fn`/... and ends where
 its braces balance; lines are counted from the signature to the closing brace. Brace
@@ -57,6 +59,7 @@ def main():
         files = [root] if root.endswith(".rs") else [
             os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".rs")
         ]
+        files = [f for f in files if os.path.basename(f) != "tests.rs"]  # test-only modules
         for f in sorted(files):
             found += scan(f, limit)
     for n, path, line, name in sorted(found, reverse=True):

@@ -427,36 +427,14 @@ pub fn phase_gap(
             found: observed.len(),
         });
     }
-    let (mut best, mut worst) = (observed[0], observed[0]);
-    for &r in &observed {
-        if accuracy[r] > accuracy[best] {
-            best = r;
-        }
-        if accuracy[r] < accuracy[worst] {
-            worst = r;
-        }
-    }
+    let (best, worst) = best_and_worst(&accuracy, &observed);
     let gap = accuracy[best] - accuracy[worst];
     let mean = observed.iter().map(|&r| accuracy[r]).sum::<f64>() / observed.len() as f64;
-
-    let mut max_contrast = Vec::with_capacity(reps);
-    let mut fixed_pair = Vec::with_capacity(reps);
-    let mut means = Vec::with_capacity(reps);
-    for_each_resample(clusters, reps, seed, |s| {
-        let acc = phase_accuracy(s.iter().copied());
-        let centred: Vec<f64> = observed.iter().map(|&r| acc[r] - accuracy[r]).collect();
-        if centred.iter().any(|d| !d.is_finite()) {
-            // A resample that lost a phase: the contrasts are undefined.
-            max_contrast.push(f64::NAN);
-            means.push(f64::NAN);
-        } else {
-            let hi = centred.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let lo = centred.iter().copied().fold(f64::INFINITY, f64::min);
-            max_contrast.push(hi - lo);
-            means.push(observed.iter().map(|&r| acc[r]).sum::<f64>() / observed.len() as f64);
-        }
-        fixed_pair.push(acc[best] - acc[worst]);
-    });
+    let GapReplicates {
+        mut max_contrast,
+        fixed_pair,
+        means,
+    } = gap_replicates(clusters, reps, seed, &accuracy, &observed, (best, worst));
 
     let valid_reps = max_contrast.iter().filter(|v| v.is_finite()).count();
     max_contrast.retain(|v| v.is_finite());
@@ -488,6 +466,65 @@ pub fn phase_gap(
         valid_reps,
         n_clusters: clusters.len(),
     })
+}
+
+/// The observed phases with the highest and the lowest accuracy (ties: the lowest
+/// phase index).
+fn best_and_worst(accuracy: &[f64], observed: &[usize]) -> (usize, usize) {
+    let (mut best, mut worst) = (observed[0], observed[0]);
+    for &r in observed {
+        if accuracy[r] > accuracy[best] {
+            best = r;
+        }
+        if accuracy[r] < accuracy[worst] {
+            worst = r;
+        }
+    }
+    (best, worst)
+}
+
+/// Per cluster resample of [`phase_gap`]: the largest centred contrast and the mean
+/// accuracy over the `observed` phases (NaN when the resample lost one of them), and
+/// the fixed pair's gap.
+struct GapReplicates {
+    max_contrast: Vec<f64>,
+    fixed_pair: Vec<f64>,
+    means: Vec<f64>,
+}
+
+/// The [`GapReplicates`] of `reps` resamples, centred on the observed per-phase
+/// `accuracy`, with the fixed pair `(best, worst)`.
+fn gap_replicates(
+    clusters: &[PhaseCluster],
+    reps: usize,
+    seed: u64,
+    accuracy: &[f64],
+    observed: &[usize],
+    (best, worst): (usize, usize),
+) -> GapReplicates {
+    let mut max_contrast = Vec::with_capacity(reps);
+    let mut fixed_pair = Vec::with_capacity(reps);
+    let mut means = Vec::with_capacity(reps);
+    for_each_resample(clusters, reps, seed, |s| {
+        let acc = phase_accuracy(s.iter().copied());
+        let centred: Vec<f64> = observed.iter().map(|&r| acc[r] - accuracy[r]).collect();
+        if centred.iter().any(|d| !d.is_finite()) {
+            // A resample that lost a phase: the contrasts are undefined.
+            max_contrast.push(f64::NAN);
+            means.push(f64::NAN);
+        } else {
+            let hi = centred.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let lo = centred.iter().copied().fold(f64::INFINITY, f64::min);
+            max_contrast.push(hi - lo);
+            means.push(observed.iter().map(|&r| acc[r]).sum::<f64>() / observed.len() as f64);
+        }
+        fixed_pair.push(acc[best] - acc[worst]);
+    });
+    GapReplicates {
+        max_contrast,
+        fixed_pair,
+        means,
+    }
 }
 
 /// The number of phases shared by all clusters.

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use clap::{Args, Subcommand};
 
 use phaselens::device::DeviceSpec;
@@ -227,7 +227,28 @@ fn forward(b: ForwardBench) -> Result<()> {
         .map(|i| (i * 31 % 251) as i64)
         .collect();
     let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b.batch, tokens_len]), &device);
-    let variants: Vec<(&str, HookSpec)> = vec![
+    let variants = hook_variants(b.layers)?;
+    println!(
+        "kvc forward: {} layers, d_model {}, {} heads / {} KV heads, W=S=8, batch {} x {} tokens, {} reps (median)",
+        b.layers, b.d_model, b.heads, b.kv_heads, b.batch, tokens_len, b.reps
+    );
+    let medians = time_variants(&model, &tokens, &variants, b.reps)?;
+    let base = medians[0];
+    for ((name, _), t) in variants.iter().zip(&medians) {
+        println!(
+            "  {name:<52} {:>9.0} tokens/s   {:>7.1} ms   x{:.3} vs no hooks",
+            (b.batch * tokens_len) as f64 / t,
+            t * 1e3,
+            t / base
+        );
+    }
+    empty_dispatch(&device, b.layers, base)
+}
+
+/// The hook specs `bench forward` compares, with their names: none, two captures on
+/// every layer, one intervention on the last of `layers`.
+fn hook_variants(layers: usize) -> Result<Vec<(&'static str, HookSpec)>> {
+    Ok(vec![
         ("no hooks (empty HookSpec)", HookSpec::new()),
         (
             "capture hook_z + hook_pattern, all layers",
@@ -238,23 +259,28 @@ fn forward(b: ForwardBench) -> Result<()> {
         (
             "one intervention (zero-ablate head 0, last layer)",
             HookSpec::new().intervene_point(
-                HookPoint::block(b.layers - 1, Site::AttnZ),
+                HookPoint::block(layers - 1, Site::AttnZ),
                 Action::Zero,
                 Scope::heads([0]),
             ),
         ),
-    ];
-    println!(
-        "kvc forward: {} layers, d_model {}, {} heads / {} KV heads, W=S=8, batch {} x {} tokens, {} reps (median)",
-        b.layers, b.d_model, b.heads, b.kv_heads, b.batch, tokens_len, b.reps
-    );
+    ])
+}
+
+/// The median forward time of each variant over `reps` runs, after one warm-up each.
+fn time_variants(
+    model: &KvcModel,
+    tokens: &Tensor<2, Int>,
+    variants: &[(&str, HookSpec)],
+    reps: usize,
+) -> Result<Vec<f64>> {
     // Warm up, then time the variants round-robin so that load changes on a shared
     // machine hit every variant alike.
-    for (_, spec) in &variants {
+    for (_, spec) in variants {
         let _ = model.forward(tokens.clone(), spec)?.logits.into_data();
     }
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
-    for _ in 0..b.reps {
+    for _ in 0..reps {
         for (i, (_, spec)) in variants.iter().enumerate() {
             let t0 = Instant::now();
             let out = model.forward(tokens.clone(), spec)?;
@@ -262,20 +288,15 @@ fn forward(b: ForwardBench) -> Result<()> {
             times[i].push(t0.elapsed().as_secs_f64());
         }
     }
-    let medians: Vec<f64> = times.into_iter().map(median).collect();
-    let base = medians[0];
-    for ((name, _), t) in variants.iter().zip(&medians) {
-        println!(
-            "  {name:<52} {:>9.0} tokens/s   {:>7.1} ms   x{:.3} vs no hooks",
-            (b.batch * tokens_len) as f64 / t,
-            t * 1e3,
-            t / base
-        );
-    }
-    // The empty spec's per-point dispatch, measured directly: a forward makes about 12
-    // hook calls per layer; time a million of them.
+    Ok(times.into_iter().map(median).collect())
+}
+
+/// Print the empty spec's per-point dispatch cost, measured directly, against a
+/// forward of `layers` layers taking `base` seconds.
+fn empty_dispatch(device: &Device, layers: usize, base: f64) -> Result<()> {
+    // A forward makes about 12 hook calls per layer; time a million of them.
     let spec = HookSpec::new();
-    let x = Tensor::<3>::zeros([1, 1, 1], &device);
+    let x = Tensor::<3>::zeros([1, 1, 1], device);
     let calls = 1_000_000;
     let t0 = Instant::now();
     let mut run = spec.run();
@@ -284,7 +305,7 @@ fn forward(b: ForwardBench) -> Result<()> {
         y = run.apply(HookPoint::block(i % 4, Site::AttnZ), y)?;
     }
     let per_call = t0.elapsed().as_secs_f64() / calls as f64;
-    let per_forward = per_call * (12 * b.layers + 2) as f64;
+    let per_forward = per_call * (12 * layers + 2) as f64;
     println!(
         "  empty HookSpec dispatch: {:.1} ns per hook point, {:.2} us per forward = {:.5}% of a forward",
         per_call * 1e9,

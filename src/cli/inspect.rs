@@ -5,16 +5,16 @@
 //! during loading, minus the resident set before it; the peak is reset first by writing
 //! `5` to /proc/self/clear_refs where the kernel allows it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use clap::Args;
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::HookSpec;
-use phaselens::model::load_model;
+use phaselens::model::{LanguageModel, LayerKind, ModelInfo, load_model};
 
 use super::forward::read_ids;
 
@@ -57,6 +57,22 @@ fn rss() -> Option<(u64, u64)> {
     Some((field("VmRSS:")?, field("VmHWM:")?))
 }
 
+/// What `inspect` measured of a model.
+struct Measured {
+    /// Kind of each layer (`full`, `sliding(W)`, `compressed(wW/sS+T)`).
+    kinds: Vec<String>,
+    n_params: Option<usize>,
+    /// The model's size in f32.
+    bytes: Option<u64>,
+    load_s: f64,
+    /// `(VmRSS, VmHWM)` before loading.
+    before: Option<(u64, u64)>,
+    /// The peak RSS increase while loading, and whether it is exact (not an upper bound).
+    peak: Option<(u64, bool)>,
+    /// `--time-forward`: the ids' shape, the median time and every run's time.
+    forward: Option<([usize; 2], f64, Vec<f64>)>,
+}
+
 pub fn run(args: InspectArgs) -> Result<()> {
     let device = args.device.device()?;
     // Reset the peak so that it measures loading only.
@@ -69,7 +85,6 @@ pub fn run(args: InspectArgs) -> Result<()> {
     let after = rss();
     let info = model.info();
     let n_params = model.n_params();
-    let bytes = n_params.map(|n| n as u64 * 4);
     let peak = match (before, after) {
         (Some((rss0, hwm0)), Some((_, hwm1))) => {
             // Without a reset the peak may predate loading: then only an upper bound.
@@ -77,74 +92,115 @@ pub fn run(args: InspectArgs) -> Result<()> {
         }
         _ => None,
     };
-    let mut forward = None;
-    if let Some(ids_path) = &args.time_forward {
-        let (ids, shape) = read_ids(ids_path, info.vocab_size)?;
-        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, shape), &device);
-        let spec = HookSpec::new();
-        let _ = model.forward(tokens.clone(), &spec)?.logits.into_data();
-        let mut times: Vec<f64> = (0..args.reps.max(1))
-            .map(|_| -> Result<f64> {
-                let t = Instant::now();
-                let _ = model.forward(tokens.clone(), &spec)?.logits.into_data();
-                Ok(t.elapsed().as_secs_f64())
-            })
-            .collect::<Result<_>>()?;
-        times.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
-        forward = Some((shape, times[times.len() / 2], times));
-    }
-
-    let kinds: Vec<String> = info
-        .layers
-        .iter()
-        .map(|l| match &l.kind {
-            phaselens::model::LayerKind::Full => "full".to_string(),
-            phaselens::model::LayerKind::Sliding { window } => format!("sliding({window})"),
-            phaselens::model::LayerKind::Compressed {
-                window,
-                stride,
-                local_tail,
-            } => format!("compressed(w{window}/s{stride}+{local_tail})"),
-        })
-        .collect();
+    let forward = match &args.time_forward {
+        Some(ids_path) => Some(time_forward(
+            model.as_ref(),
+            ids_path,
+            info.vocab_size,
+            args.reps,
+            &device,
+        )?),
+        None => None,
+    };
+    let m = Measured {
+        kinds: info.layers.iter().map(|l| layer_kind(&l.kind)).collect(),
+        n_params,
+        bytes: n_params.map(|n| n as u64 * 4),
+        load_s,
+        before,
+        peak,
+        forward,
+    };
     if args.json {
-        let mut j = serde_json::json!({
-            "model": args.model.display().to_string(),
-            "arch": info.arch,
-            "layers": kinds,
-            "n_params": n_params,
-            "model_f32_bytes": bytes,
-            "load_s": load_s,
-            "rss_before_bytes": before.map(|b| b.0),
-            "load_peak_rss_increase_bytes": peak.map(|p| p.0),
-            "peak_is_exact": peak.map(|p| p.1),
-            "peak_over_model_f32": match (peak, bytes) {
-                (Some(p), Some(b)) if b > 0 => Some(p.0 as f64 / b as f64),
-                _ => None,
-            },
-        });
-        if let Some((shape, med, times)) = &forward {
-            j["forward"] = serde_json::json!({
-                "batch": shape[0], "seq_len": shape[1], "median_s": med, "runs_s": times,
-            });
-        }
-        println!("{}", serde_json::to_string_pretty(&j)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&to_json(&args, &info, &m))?
+        );
         return Ok(());
     }
+    print_text(&args, &info, &m);
+    Ok(())
+}
+
+/// One warm-up, then `reps` (at least 1) timed forwards on the ids of `ids_path`:
+/// their shape, the median time and every time, sorted.
+fn time_forward(
+    model: &dyn LanguageModel,
+    ids_path: &Path,
+    vocab_size: usize,
+    reps: usize,
+    device: &Device,
+) -> Result<([usize; 2], f64, Vec<f64>)> {
+    let (ids, shape) = read_ids(ids_path, vocab_size)?;
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, shape), device);
+    let spec = HookSpec::new();
+    let _ = model.forward(tokens.clone(), &spec)?.logits.into_data();
+    let mut times: Vec<f64> = (0..reps.max(1))
+        .map(|_| -> Result<f64> {
+            let t = Instant::now();
+            let _ = model.forward(tokens.clone(), &spec)?.logits.into_data();
+            Ok(t.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_>>()?;
+    times.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+    Ok((shape, times[times.len() / 2], times))
+}
+
+/// A layer's kind as `inspect` prints it.
+fn layer_kind(kind: &LayerKind) -> String {
+    match kind {
+        LayerKind::Full => "full".to_string(),
+        LayerKind::Sliding { window } => format!("sliding({window})"),
+        LayerKind::Compressed {
+            window,
+            stride,
+            local_tail,
+        } => format!("compressed(w{window}/s{stride}+{local_tail})"),
+    }
+}
+
+/// The `--json` report.
+fn to_json(args: &InspectArgs, info: &ModelInfo, m: &Measured) -> serde_json::Value {
+    let (peak, bytes) = (m.peak, m.bytes);
+    let mut j = serde_json::json!({
+        "model": args.model.display().to_string(),
+        "arch": info.arch,
+        "layers": m.kinds,
+        "n_params": m.n_params,
+        "model_f32_bytes": bytes,
+        "load_s": m.load_s,
+        "rss_before_bytes": m.before.map(|b| b.0),
+        "load_peak_rss_increase_bytes": peak.map(|p| p.0),
+        "peak_is_exact": peak.map(|p| p.1),
+        "peak_over_model_f32": match (peak, bytes) {
+            (Some(p), Some(b)) if b > 0 => Some(p.0 as f64 / b as f64),
+            _ => None,
+        },
+    });
+    if let Some((shape, med, times)) = &m.forward {
+        j["forward"] = serde_json::json!({
+            "batch": shape[0], "seq_len": shape[1], "median_s": med, "runs_s": times,
+        });
+    }
+    j
+}
+
+/// The text report.
+fn print_text(args: &InspectArgs, info: &ModelInfo, m: &Measured) {
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     println!(
         "{} ({}), {} layers: {}",
         args.model.display(),
         info.arch,
         info.layers.len(),
-        kinds.join(", ")
+        m.kinds.join(", ")
     );
-    match (n_params, bytes) {
+    match (m.n_params, m.bytes) {
         (Some(n), Some(b)) => println!("parameters: {n} ({:.1} MiB in f32)", mib(b)),
         _ => println!("parameters: unknown"),
     }
-    print!("load: {load_s:.3} s");
-    match (peak, bytes, before) {
+    print!("load: {:.3} s", m.load_s);
+    match (m.peak, m.bytes, m.before) {
         (Some((p, exact)), Some(b), Some((rss0, _))) => println!(
             "; peak RSS while loading: +{:.1} MiB over {:.1} MiB before = {:.2}x the f32 model{}",
             mib(p),
@@ -154,7 +210,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
         ),
         _ => println!("; peak RSS: not available on this system"),
     }
-    if let Some((shape, med, _)) = forward {
+    if let Some((shape, med, _)) = &m.forward {
         println!(
             "forward: batch {} x {} tokens, median {:.3} ms over {} runs",
             shape[0],
@@ -163,5 +219,4 @@ pub fn run(args: InspectArgs) -> Result<()> {
             args.reps.max(1)
         );
     }
-    Ok(())
 }

@@ -14,6 +14,7 @@
 use std::path::{Path, PathBuf};
 
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use crate::error::{Error, Result};
@@ -88,113 +89,150 @@ impl FigureSpec for PointRangeSpec {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
         root.fill(&WHITE).map_err(de)?;
         let root = root.titled(&self.title, (FONT, 28)).map_err(de)?;
-        let n = self.categories.len();
         let panels = root.split_evenly((self.panels.len(), 1));
         for (k, (area, p)) in panels.iter().zip(&self.panels).enumerate() {
-            let vals = p
-                .series
-                .iter()
-                .flat_map(|s| s.y.iter().chain(&s.lo).chain(&s.hi))
-                .copied()
-                .filter(|v| v.is_finite());
-            let (lo, hi) = vals.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
-                (a.min(v), b.max(v))
-            });
-            let (ylo, yhi) = p.y_range.unwrap_or(if lo.is_finite() {
-                // Headroom above the data for the legend (upper right).
-                let pad = ((hi - lo.min(0.0)) * 0.3).max(0.5);
-                (lo.min(0.0) - pad * 0.05, hi + pad)
-            } else {
-                (0.0, 1.0)
-            });
-            let last = k + 1 == self.panels.len();
-            // Category labels horizontal when they fit their slot, else vertical.
-            let longest = self
-                .categories
-                .iter()
-                .map(|c| c.chars().count())
-                .max()
-                .unwrap_or(0);
-            let slot = area.dim_in_pixel().0.saturating_sub(120) / n.max(1) as u32;
-            let vertical = longest as u32 * 9 > slot;
-            let mut chart = ChartBuilder::on(area)
-                .margin(12)
-                .x_label_area_size(match (last, vertical) {
-                    (false, _) => 20,
-                    (true, false) => 40,
-                    (true, true) => 20 + 9 * longest as u32,
-                })
-                .y_label_area_size(90)
-                .build_cartesian_2d(0f64..n as f64, ylo..yhi)
-                .map_err(de)?;
-            let cats = &self.categories;
-            let xfmt = |v: &f64| {
-                let i = v.floor();
-                if last && i >= 0.0 && (v - i - 0.5).abs() < 1e-6 {
-                    cats.get(i as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            };
-            let yfmt = |v: &f64| fmt_num(*v);
-            chart
-                .configure_mesh()
-                .disable_x_mesh()
-                .x_labels(2 * n + 1)
-                .x_label_formatter(&xfmt)
-                .y_label_formatter(&yfmt)
-                .y_desc(&p.y_label)
-                .axis_desc_style((FONT, 20))
-                .x_label_style(if vertical {
-                    (FONT, 15)
-                        .into_font()
-                        .transform(FontTransform::Rotate270)
-                        .into_text_style(area)
-                } else {
-                    (FONT, 15).into_font().into_text_style(area)
-                })
-                .y_label_style((FONT, 16))
-                .light_line_style(RGBColor(235, 235, 235))
-                .bold_line_style(RGBColor(210, 210, 210))
-                .draw()
-                .map_err(de)?;
-            let m = p.series.len().max(1) as f64;
-            for (si, s) in p.series.iter().enumerate() {
-                let color = series_color(si);
-                let dx = (si as f64 + 0.5) / m * 0.6 + 0.2;
-                let pts: Vec<(f64, f64, f64, f64)> = (0..n)
-                    .filter(|&i| s.y[i].is_finite())
-                    .map(|i| (i as f64 + dx, s.y[i], s.lo[i], s.hi[i]))
-                    .collect();
-                chart
-                    .draw_series(
-                        pts.iter()
-                            .filter(|p| p.2.is_finite() && p.3.is_finite())
-                            .map(|&(x, _, lo, hi)| {
-                                PathElement::new(vec![(x, lo), (x, hi)], color.stroke_width(3))
-                            }),
-                    )
-                    .map_err(de)?;
-                chart
-                    .draw_series(
-                        pts.iter()
-                            .map(|&(x, y, _, _)| Circle::new((x, y), 6, color.filled())),
-                    )
-                    .map_err(de)?
-                    .label(&s.name)
-                    .legend(move |(x, y)| Circle::new((x + 10, y), 6, color.filled()));
-            }
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(RGBColor(160, 160, 160))
-                .label_font((FONT, 16))
-                .draw()
-                .map_err(de)?;
+            self.draw_panel(area, p, k + 1 == self.panels.len())?;
         }
         Ok(())
     }
+}
+
+/// The chart of a figure panel: f64 on both axes.
+type Chart<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+impl PointPanel {
+    /// The y range fitted to the data (headroom above it for the legend), or 0..1
+    /// without finite values.
+    fn fitted_range(&self) -> (f64, f64) {
+        let vals = self
+            .series
+            .iter()
+            .flat_map(|s| s.y.iter().chain(&s.lo).chain(&s.hi))
+            .copied()
+            .filter(|v| v.is_finite());
+        let (lo, hi) = vals.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+            (a.min(v), b.max(v))
+        });
+        if lo.is_finite() {
+            // Headroom above the data for the legend (upper right).
+            let pad = ((hi - lo.min(0.0)) * 0.3).max(0.5);
+            (lo.min(0.0) - pad * 0.05, hi + pad)
+        } else {
+            (0.0, 1.0)
+        }
+    }
+}
+
+impl PointRangeSpec {
+    /// Panel `p` in `area`: axes, one point-range series per protocol, the legend;
+    /// category labels only under the `last` panel.
+    fn draw_panel<DB: DrawingBackend>(
+        &self,
+        area: &DrawingArea<DB, Shift>,
+        p: &PointPanel,
+        last: bool,
+    ) -> DrawResult {
+        let n = self.categories.len();
+        let (ylo, yhi) = p.y_range.unwrap_or_else(|| p.fitted_range());
+        // Category labels horizontal when they fit their slot, else vertical.
+        let longest = self
+            .categories
+            .iter()
+            .map(|c| c.chars().count())
+            .max()
+            .unwrap_or(0);
+        let slot = area.dim_in_pixel().0.saturating_sub(120) / n.max(1) as u32;
+        let vertical = longest as u32 * 9 > slot;
+        let mut chart = ChartBuilder::on(area)
+            .margin(12)
+            .x_label_area_size(match (last, vertical) {
+                (false, _) => 20,
+                (true, false) => 40,
+                (true, true) => 20 + 9 * longest as u32,
+            })
+            .y_label_area_size(90)
+            .build_cartesian_2d(0f64..n as f64, ylo..yhi)
+            .map_err(de)?;
+        let cats = &self.categories;
+        let xfmt = |v: &f64| {
+            let i = v.floor();
+            if last && i >= 0.0 && (v - i - 0.5).abs() < 1e-6 {
+                cats.get(i as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        };
+        let yfmt = |v: &f64| fmt_num(*v);
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(2 * n + 1)
+            .x_label_formatter(&xfmt)
+            .y_label_formatter(&yfmt)
+            .y_desc(&p.y_label)
+            .axis_desc_style((FONT, 20))
+            .x_label_style(if vertical {
+                (FONT, 15)
+                    .into_font()
+                    .transform(FontTransform::Rotate270)
+                    .into_text_style(area)
+            } else {
+                (FONT, 15).into_font().into_text_style(area)
+            })
+            .y_label_style((FONT, 16))
+            .light_line_style(RGBColor(235, 235, 235))
+            .bold_line_style(RGBColor(210, 210, 210))
+            .draw()
+            .map_err(de)?;
+        let m = p.series.len().max(1) as f64;
+        for (si, s) in p.series.iter().enumerate() {
+            draw_points(&mut chart, s, si, n, m)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(160, 160, 160))
+            .label_font((FONT, 16))
+            .draw()
+            .map_err(de)?;
+        Ok(())
+    }
+}
+
+/// Series `si` of `m` in a point-range panel of `n` categories: CI bars, then the
+/// points (labelled for the legend), offset within each category.
+fn draw_points<DB: DrawingBackend>(
+    chart: &mut Chart<'_, DB>,
+    s: &PointSeries,
+    si: usize,
+    n: usize,
+    m: f64,
+) -> DrawResult {
+    let color = series_color(si);
+    let dx = (si as f64 + 0.5) / m * 0.6 + 0.2;
+    let pts: Vec<(f64, f64, f64, f64)> = (0..n)
+        .filter(|&i| s.y[i].is_finite())
+        .map(|i| (i as f64 + dx, s.y[i], s.lo[i], s.hi[i]))
+        .collect();
+    chart
+        .draw_series(
+            pts.iter()
+                .filter(|p| p.2.is_finite() && p.3.is_finite())
+                .map(|&(x, _, lo, hi)| {
+                    PathElement::new(vec![(x, lo), (x, hi)], color.stroke_width(3))
+                }),
+        )
+        .map_err(de)?;
+    chart
+        .draw_series(
+            pts.iter()
+                .map(|&(x, y, _, _)| Circle::new((x, y), 6, color.filled())),
+        )
+        .map_err(de)?
+        .label(&s.name)
+        .legend(move |(x, y)| Circle::new((x + 10, y), 6, color.filled()));
+    Ok(())
 }
 
 /// One small panel of [`SmallMultiplesSpec`].
@@ -252,84 +290,108 @@ impl FigureSpec for SmallMultiplesSpec {
         root.fill(&WHITE).map_err(de)?;
         let root = root.titled(&self.title, (FONT, 28)).map_err(de)?;
         let areas = root.split_evenly((self.rows(), self.cols.max(1)));
-        let (ylo, yhi) = self.y_range;
         for (k, (area, p)) in areas.iter().zip(&self.panels).enumerate() {
-            let xmax = p
-                .series
-                .iter()
-                .flat_map(|s| s.x.iter().copied())
-                .fold(0f64, f64::max);
-            let mut chart = ChartBuilder::on(area)
-                .caption(&p.title, (FONT, 19))
-                .margin(8)
-                .x_label_area_size(42)
-                .y_label_area_size(52)
-                .build_cartesian_2d(-0.3f64..xmax + 0.3, ylo..yhi)
-                .map_err(de)?;
-            let fmt = |v: &f64| fmt_num(*v);
-            chart
-                .configure_mesh()
-                .x_labels((xmax as usize + 1).min(13))
-                .y_labels(6)
-                .x_label_formatter(&fmt)
-                .y_label_formatter(&fmt)
-                .x_desc(&self.x_label)
-                .y_desc(if k % self.cols.max(1) == 0 {
-                    self.y_label.as_str()
-                } else {
-                    ""
-                })
-                .axis_desc_style((FONT, 15))
-                .label_style((FONT, 13))
-                .light_line_style(RGBColor(238, 238, 238))
-                .bold_line_style(RGBColor(215, 215, 215))
-                .draw()
-                .map_err(de)?;
-            for (si, s) in p.series.iter().enumerate() {
-                let color = series_color(si);
-                let band: Vec<usize> = (0..s.x.len())
-                    .filter(|&i| s.lo[i].is_finite() && s.hi[i].is_finite())
-                    .collect();
-                if band.len() >= 2 {
-                    let mut poly: Vec<(f64, f64)> =
-                        band.iter().map(|&i| (s.x[i], s.hi[i])).collect();
-                    poly.extend(band.iter().rev().map(|&i| (s.x[i], s.lo[i])));
-                    chart
-                        .draw_series(std::iter::once(Polygon::new(
-                            poly,
-                            color.mix(0.18).filled(),
-                        )))
-                        .map_err(de)?;
-                }
-                let pts: Vec<(f64, f64)> = (0..s.x.len())
-                    .filter(|&i| s.y[i].is_finite())
-                    .map(|i| (s.x[i], s.y[i]))
-                    .collect();
-                let line = chart
-                    .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
-                    .map_err(de)?;
-                if k == 0 {
-                    line.label(&s.name).legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-                    });
-                }
-                chart
-                    .draw_series(pts.iter().map(|&q| Circle::new(q, 3, color.filled())))
-                    .map_err(de)?;
-            }
-            if k == 0 {
-                chart
-                    .configure_series_labels()
-                    .position(SeriesLabelPosition::LowerRight)
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(RGBColor(160, 160, 160))
-                    .label_font((FONT, 13))
-                    .draw()
-                    .map_err(de)?;
-            }
+            self.draw_panel(area, k, p)?;
         }
         Ok(())
     }
+}
+
+impl SmallMultiplesSpec {
+    /// Panel `k` (`p`) in `area`: axes, its series, and the legend in the first panel.
+    fn draw_panel<DB: DrawingBackend>(
+        &self,
+        area: &DrawingArea<DB, Shift>,
+        k: usize,
+        p: &MiniPanel,
+    ) -> DrawResult {
+        let (ylo, yhi) = self.y_range;
+        let xmax = p
+            .series
+            .iter()
+            .flat_map(|s| s.x.iter().copied())
+            .fold(0f64, f64::max);
+        let mut chart = ChartBuilder::on(area)
+            .caption(&p.title, (FONT, 19))
+            .margin(8)
+            .x_label_area_size(42)
+            .y_label_area_size(52)
+            .build_cartesian_2d(-0.3f64..xmax + 0.3, ylo..yhi)
+            .map_err(de)?;
+        let fmt = |v: &f64| fmt_num(*v);
+        chart
+            .configure_mesh()
+            .x_labels((xmax as usize + 1).min(13))
+            .y_labels(6)
+            .x_label_formatter(&fmt)
+            .y_label_formatter(&fmt)
+            .x_desc(&self.x_label)
+            .y_desc(if k.is_multiple_of(self.cols.max(1)) {
+                self.y_label.as_str()
+            } else {
+                ""
+            })
+            .axis_desc_style((FONT, 15))
+            .label_style((FONT, 13))
+            .light_line_style(RGBColor(238, 238, 238))
+            .bold_line_style(RGBColor(215, 215, 215))
+            .draw()
+            .map_err(de)?;
+        for (si, s) in p.series.iter().enumerate() {
+            draw_band_line(&mut chart, s, si, k == 0)?;
+        }
+        if k == 0 {
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::LowerRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(RGBColor(160, 160, 160))
+                .label_font((FONT, 13))
+                .draw()
+                .map_err(de)?;
+        }
+        Ok(())
+    }
+}
+
+/// Series `si` of a small panel: its band (where it has two or more finite bounds),
+/// line and points; the line is `labelled` for the legend in the first panel.
+fn draw_band_line<DB: DrawingBackend>(
+    chart: &mut Chart<'_, DB>,
+    s: &BandSeries,
+    si: usize,
+    labelled: bool,
+) -> DrawResult {
+    let color = series_color(si);
+    let band: Vec<usize> = (0..s.x.len())
+        .filter(|&i| s.lo[i].is_finite() && s.hi[i].is_finite())
+        .collect();
+    if band.len() >= 2 {
+        let mut poly: Vec<(f64, f64)> = band.iter().map(|&i| (s.x[i], s.hi[i])).collect();
+        poly.extend(band.iter().rev().map(|&i| (s.x[i], s.lo[i])));
+        chart
+            .draw_series(std::iter::once(Polygon::new(
+                poly,
+                color.mix(0.18).filled(),
+            )))
+            .map_err(de)?;
+    }
+    let pts: Vec<(f64, f64)> = (0..s.x.len())
+        .filter(|&i| s.y[i].is_finite())
+        .map(|i| (s.x[i], s.y[i]))
+        .collect();
+    let line = chart
+        .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+        .map_err(de)?;
+    if labelled {
+        line.label(&s.name).legend(move |(x, y)| {
+            PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+        });
+    }
+    chart
+        .draw_series(pts.iter().map(|&q| Circle::new(q, 3, color.filled())))
+        .map_err(de)?;
+    Ok(())
 }
 
 fn ferr(e: crate::output::FigureError) -> Error {
@@ -399,6 +461,44 @@ pub fn seed_groups(grid: &Grid, m: &Merged) -> Vec<(String, Vec<String>)> {
     groups
 }
 
+/// The detail rows (slot or bindings sweeps, plus the final sweep in the same
+/// protocol) of a design, sorted by `x`.
+pub fn detail<'a>(
+    m: &'a Merged,
+    design: &str,
+    eval: &str,
+    x: fn(&SummaryRow) -> i64,
+) -> Vec<&'a SummaryRow> {
+    let Some(proto) = m
+        .summary
+        .iter()
+        .find(|r| r.design == design && r.eval == eval)
+        .map(|r| r.protocol.clone())
+    else {
+        return Vec::new();
+    };
+    let mut rows: Vec<&SummaryRow> = m
+        .summary
+        .iter()
+        .filter(|r| {
+            r.design == design && r.protocol == proto && (r.eval == eval || r.eval == "final")
+        })
+        .collect();
+    rows.sort_by_key(|r| x(r));
+    rows.dedup_by_key(|r| x(r));
+    rows
+}
+
+/// The query slot of a row (the x of the slot sweeps).
+pub fn slot_of(r: &SummaryRow) -> i64 {
+    r.query_slot
+}
+
+/// The number of bindings of a row (the x of the bindings sweeps).
+pub fn bindings_of(r: &SummaryRow) -> i64 {
+    r.n_bindings
+}
+
 /// Draw every grid figure into `dir` (PNG + SVG); returns the PNG paths.
 pub fn draw(grid: &Grid, m: &Merged, dir: &Path) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
@@ -413,171 +513,213 @@ pub fn draw(grid: &Grid, m: &Merged, dir: &Path) -> Result<Vec<PathBuf>> {
         .cloned()
         .collect();
     if !cats.is_empty() {
-        let series = |f: &dyn Fn(&SummaryRow) -> (f64, f64, f64)| -> Vec<PointSeries> {
-            protos
-                .iter()
-                .map(|p| {
-                    let v: Vec<(f64, f64, f64)> = cats
-                        .iter()
-                        .map(|d| final_row(m, d, p).map_or((f64::NAN, f64::NAN, f64::NAN), f))
-                        .collect();
-                    PointSeries {
-                        name: format!("{p} padding"),
-                        y: v.iter().map(|t| t.0).collect(),
-                        lo: v.iter().map(|t| t.1).collect(),
-                        hi: v.iter().map(|t| t.2).collect(),
-                    }
-                })
-                .collect()
-        };
-        let spec = PointRangeSpec {
-            categories: cats.clone(),
-            title: format!(
-                "{}: phase gap and mean accuracy, final query (95% CI)",
-                grid.name
-            ),
-            panels: vec![
-                PointPanel {
-                    y_label: "phase gap (pp)".into(),
-                    series: series(&|r| (r.gap_pp, r.gap_ci.0, r.gap_ci.1)),
-                    y_range: None,
-                },
-                PointPanel {
-                    y_label: "mean accuracy".into(),
-                    series: series(&|r| (r.mean_accuracy, r.mean_ci.0, r.mean_ci.1)),
-                    y_range: Some((0.0, 1.05)),
-                },
-            ],
-        };
-        out.push(render(dir.join("phase_gap"), &spec).map_err(ferr)?.png);
-
-        let panels = cats
-            .iter()
-            .map(|d| MiniPanel {
-                title: d.clone(),
-                series: protos
-                    .iter()
-                    .map(|p| profile(&final_phases(m, d, p), p))
-                    .filter(|s| !s.x.is_empty())
-                    .collect(),
-            })
-            .collect();
-        let spec = SmallMultiplesSpec {
-            panels,
-            cols: 4.min(cats.len()),
-            title: format!(
-                "{}: accuracy by phase of the target key (final query, 95% Wilson)",
-                grid.name
-            ),
-            x_label: "phase (t_K mod P)".into(),
-            y_label: "accuracy".into(),
-            y_range: (0.0, 1.02),
-        };
-        out.push(
-            render(dir.join("accuracy_by_phase"), &spec)
-                .map_err(ferr)?
-                .png,
-        );
+        out.push(phase_gap(grid, m, &protos, &cats, dir)?);
+        out.push(accuracy_by_phase(grid, m, &protos, &cats, dir)?);
     }
-
     let groups = seed_groups(grid, m);
-    for (gi, (key, members)) in groups.iter().enumerate() {
-        let p = protos.first().cloned().unwrap_or_else(|| "prefix".into());
-        let gaps: Vec<f64> = members
-            .iter()
-            .filter_map(|d| final_row(m, d, &p).map(|r| r.gap_pp))
-            .collect();
-        let (mean, sd) = mean_sd(&gaps);
-        let spec = LinePlotSpec {
-            series: members
-                .iter()
-                .map(|d| profile(&final_phases(m, d, &p), d))
-                .filter(|s| !s.x.is_empty())
-                .collect(),
-            title: format!(
-                "seeds of {}: accuracy by phase ({p}); gap {mean:.1} +- {sd:.1} pp (mean +- sd)",
-                if key.is_empty() {
-                    grid.name.as_str()
-                } else {
-                    key.as_str()
-                }
-            ),
-            x_label: "phase (t_K mod P)".into(),
-            y_label: "accuracy (final query)".into(),
-            y_range: Some((0.0, 1.02)),
-            size: None,
-        };
-        if spec.series.is_empty() {
-            continue;
-        }
+    let p = protos.first().cloned().unwrap_or_else(|| "prefix".into());
+    for (gi, group) in groups.iter().enumerate() {
         let base = if groups.len() == 1 {
             "seed_variance".to_string()
         } else {
             format!("seed_variance_{gi}")
         };
-        out.push(line_with_bands(dir.join(base), &spec).map_err(ferr)?.png);
+        out.extend(seed_variance(grid, m, &p, group, &dir.join(base))?);
     }
-
-    for (eval, x_of, file, x_label, title) in [
-        (
-            "slot",
-            (|r: &SummaryRow| r.query_slot) as fn(&SummaryRow) -> i64,
-            "accuracy_by_slot",
-            "query slot of the final query (k - 1 queries before it)",
-            "accuracy by query slot (a flat line: no gain from the queries before)",
-        ),
-        (
-            "bindings",
-            |r: &SummaryRow| r.n_bindings,
-            "accuracy_by_bindings",
-            "bindings in the prompt",
-            "accuracy of a single final query by number of bindings",
-        ),
-    ] {
-        let series: Vec<BandSeries> = m
-            .designs
-            .iter()
-            .filter_map(|d| {
-                let detail = m
-                    .summary
-                    .iter()
-                    .find(|r| r.design == *d && r.eval == eval)?
-                    .protocol
-                    .clone();
-                let mut rows: Vec<&SummaryRow> = m
-                    .summary
-                    .iter()
-                    .filter(|r| {
-                        r.design == *d
-                            && r.protocol == detail
-                            && (r.eval == eval || r.eval == "final")
-                    })
-                    .collect();
-                rows.sort_by_key(|r| x_of(r));
-                rows.dedup_by_key(|r| x_of(r));
-                Some(BandSeries {
-                    name: d.clone(),
-                    x: rows.iter().map(|r| x_of(r) as f64).collect(),
-                    y: rows.iter().map(|r| r.mean_accuracy).collect(),
-                    lo: rows.iter().map(|r| r.mean_ci.0).collect(),
-                    hi: rows.iter().map(|r| r.mean_ci.1).collect(),
-                })
-            })
-            .collect();
-        if series.is_empty() {
-            continue;
-        }
-        let spec = LinePlotSpec {
-            series,
-            title: format!("{}: {title}", grid.name),
-            x_label: x_label.into(),
-            y_label: "mean accuracy (95% CI)".into(),
-            y_range: Some((0.0, 1.02)),
-            size: Some((1200, 760)),
-        };
-        out.push(line_with_bands(dir.join(file), &spec).map_err(ferr)?.png);
+    for fig in &DETAIL_FIGURES {
+        out.extend(detail_figure(grid, m, fig, dir)?);
     }
     Ok(out)
+}
+
+/// `phase_gap`: phase gap and mean accuracy of the final query per design (`cats`),
+/// one point-range series per protocol.
+fn phase_gap(
+    grid: &Grid,
+    m: &Merged,
+    protos: &[String],
+    cats: &[String],
+    dir: &Path,
+) -> Result<PathBuf> {
+    let series = |f: &dyn Fn(&SummaryRow) -> (f64, f64, f64)| -> Vec<PointSeries> {
+        protos
+            .iter()
+            .map(|p| {
+                let v: Vec<(f64, f64, f64)> = cats
+                    .iter()
+                    .map(|d| final_row(m, d, p).map_or((f64::NAN, f64::NAN, f64::NAN), f))
+                    .collect();
+                PointSeries {
+                    name: format!("{p} padding"),
+                    y: v.iter().map(|t| t.0).collect(),
+                    lo: v.iter().map(|t| t.1).collect(),
+                    hi: v.iter().map(|t| t.2).collect(),
+                }
+            })
+            .collect()
+    };
+    let spec = PointRangeSpec {
+        categories: cats.to_vec(),
+        title: format!(
+            "{}: phase gap and mean accuracy, final query (95% CI)",
+            grid.name
+        ),
+        panels: vec![
+            PointPanel {
+                y_label: "phase gap (pp)".into(),
+                series: series(&|r| (r.gap_pp, r.gap_ci.0, r.gap_ci.1)),
+                y_range: None,
+            },
+            PointPanel {
+                y_label: "mean accuracy".into(),
+                series: series(&|r| (r.mean_accuracy, r.mean_ci.0, r.mean_ci.1)),
+                y_range: Some((0.0, 1.05)),
+            },
+        ],
+    };
+    Ok(render(dir.join("phase_gap"), &spec).map_err(ferr)?.png)
+}
+
+/// `accuracy_by_phase`: one small panel per design (`cats`), accuracy by phase of the
+/// final query for each protocol.
+fn accuracy_by_phase(
+    grid: &Grid,
+    m: &Merged,
+    protos: &[String],
+    cats: &[String],
+    dir: &Path,
+) -> Result<PathBuf> {
+    let panels = cats
+        .iter()
+        .map(|d| MiniPanel {
+            title: d.clone(),
+            series: protos
+                .iter()
+                .map(|p| profile(&final_phases(m, d, p), p))
+                .filter(|s| !s.x.is_empty())
+                .collect(),
+        })
+        .collect();
+    let spec = SmallMultiplesSpec {
+        panels,
+        cols: 4.min(cats.len()),
+        title: format!(
+            "{}: accuracy by phase of the target key (final query, 95% Wilson)",
+            grid.name
+        ),
+        x_label: "phase (t_K mod P)".into(),
+        y_label: "accuracy".into(),
+        y_range: (0.0, 1.02),
+    };
+    Ok(render(dir.join("accuracy_by_phase"), &spec)
+        .map_err(ferr)?
+        .png)
+}
+
+/// `seed_variance[_<group>]` at `base`: the accuracy-by-phase profiles of a seed group
+/// (its key and members) in protocol `p` overlaid; `None` when none has a profile.
+fn seed_variance(
+    grid: &Grid,
+    m: &Merged,
+    p: &str,
+    (key, members): &(String, Vec<String>),
+    base: &Path,
+) -> Result<Option<PathBuf>> {
+    let gaps: Vec<f64> = members
+        .iter()
+        .filter_map(|d| final_row(m, d, p).map(|r| r.gap_pp))
+        .collect();
+    let (mean, sd) = mean_sd(&gaps);
+    let spec = LinePlotSpec {
+        series: members
+            .iter()
+            .map(|d| profile(&final_phases(m, d, p), d))
+            .filter(|s| !s.x.is_empty())
+            .collect(),
+        title: format!(
+            "seeds of {}: accuracy by phase ({p}); gap {mean:.1} +- {sd:.1} pp (mean +- sd)",
+            if key.is_empty() {
+                grid.name.as_str()
+            } else {
+                key.as_str()
+            }
+        ),
+        x_label: "phase (t_K mod P)".into(),
+        y_label: "accuracy (final query)".into(),
+        y_range: Some((0.0, 1.02)),
+        size: None,
+    };
+    if spec.series.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(line_with_bands(base, &spec).map_err(ferr)?.png))
+}
+
+/// A detail-sweep figure: mean accuracy of the final query against `x_of`, per design.
+struct DetailFigure {
+    eval: &'static str,
+    x_of: fn(&SummaryRow) -> i64,
+    file: &'static str,
+    x_label: &'static str,
+    title: &'static str,
+}
+
+/// The detail-sweep figures, in drawing order.
+const DETAIL_FIGURES: [DetailFigure; 2] = [
+    DetailFigure {
+        eval: "slot",
+        x_of: slot_of,
+        file: "accuracy_by_slot",
+        x_label: "query slot of the final query (k - 1 queries before it)",
+        title: "accuracy by query slot (a flat line: no gain from the queries before)",
+    },
+    DetailFigure {
+        eval: "bindings",
+        x_of: bindings_of,
+        file: "accuracy_by_bindings",
+        x_label: "bindings in the prompt",
+        title: "accuracy of a single final query by number of bindings",
+    },
+];
+
+/// Draw `fig` into `dir`; `None` when no design has that sweep.
+fn detail_figure(
+    grid: &Grid,
+    m: &Merged,
+    fig: &DetailFigure,
+    dir: &Path,
+) -> Result<Option<PathBuf>> {
+    let x_of = fig.x_of;
+    let series: Vec<BandSeries> = m
+        .designs
+        .iter()
+        .filter_map(|d| {
+            let rows = detail(m, d, fig.eval, x_of);
+            (!rows.is_empty()).then(|| BandSeries {
+                name: d.clone(),
+                x: rows.iter().map(|r| x_of(r) as f64).collect(),
+                y: rows.iter().map(|r| r.mean_accuracy).collect(),
+                lo: rows.iter().map(|r| r.mean_ci.0).collect(),
+                hi: rows.iter().map(|r| r.mean_ci.1).collect(),
+            })
+        })
+        .collect();
+    if series.is_empty() {
+        return Ok(None);
+    }
+    let spec = LinePlotSpec {
+        series,
+        title: format!("{}: {}", grid.name, fig.title),
+        x_label: fig.x_label.into(),
+        y_label: "mean accuracy (95% CI)".into(),
+        y_range: Some((0.0, 1.02)),
+        size: Some((1200, 760)),
+    };
+    Ok(Some(
+        line_with_bands(dir.join(fig.file), &spec)
+            .map_err(ferr)?
+            .png,
+    ))
 }
 
 /// Mean and sample standard deviation (0 for fewer than two values).

@@ -207,60 +207,17 @@ fn build_part(
     record: Option<&DesignRecord>,
 ) -> Result<(DataFrame, DataFrame)> {
     let mut phases: Option<DataFrame> = None;
-    let mut srows: Vec<(String, i64, i64, String, serde_json::Value, f64)> = Vec::new();
+    let mut srows: Vec<SummarySource> = Vec::new();
     let mut period = 0i64;
     for (s, arrow, json) in found {
-        let mut df = read_dataframe(arrow)?;
-        let h = df.height();
-        let _ = df.drop_in_place("model");
-        for c in [
-            Column::new("design".into(), vec![d.name.clone(); h]),
-            Column::new("eval".into(), vec![s.kind.name().to_string(); h]),
-            Column::new("n_bindings".into(), vec![s.n_bindings as i64; h]),
-            Column::new("query_slot".into(), vec![s.n_queries as i64; h]),
-        ] {
-            df.with_column(c).map_err(perr(arrow))?;
-        }
+        let df = sweep_frame(d, s, arrow)?;
         let text = std::fs::read_to_string(json).map_err(|e| Error::io(json, e))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
             path: json.clone(),
             message: e.to_string(),
         })?;
         period = v["period"].as_i64().unwrap_or(0);
-        let acc = df
-            .column("accuracy")
-            .map_err(perr(arrow))?
-            .f64()
-            .map_err(perr(arrow))?
-            .clone();
-        let proto = df
-            .column("protocol")
-            .map_err(perr(arrow))?
-            .str()
-            .map_err(perr(arrow))?
-            .clone();
-        if let Some(m) = v["protocols"].as_object() {
-            for (pname, p) in m {
-                let label = match pname.as_str() {
-                    "prefix_padding" => "prefix",
-                    _ => "in-sequence",
-                };
-                let worst = proto
-                    .iter()
-                    .zip(acc.iter())
-                    .filter(|(pr, _)| *pr == Some(label))
-                    .filter_map(|(_, a)| a)
-                    .fold(f64::INFINITY, f64::min);
-                srows.push((
-                    s.kind.name().to_string(),
-                    s.n_bindings as i64,
-                    s.n_queries as i64,
-                    label.to_string(),
-                    p.clone(),
-                    worst,
-                ));
-            }
-        }
+        srows.extend(summary_sources(s, &df, &v, arrow)?);
         match &mut phases {
             None => phases = Some(df),
             Some(all) => {
@@ -269,77 +226,156 @@ fn build_part(
         }
     }
     let phases = phases.unwrap_or_default();
-    let n = srows.len();
-    let f = |g: &dyn Fn(&serde_json::Value) -> f64| -> Vec<f64> {
-        srows.iter().map(|r| g(&r.4)).collect()
-    };
-    let summary = DataFrame::new(
-        n,
-        vec![
-            Column::new("design".into(), vec![d.name.clone(); n]),
-            Column::new(
-                "eval".into(),
-                srows.iter().map(|r| r.0.clone()).collect::<Vec<_>>(),
-            ),
-            Column::new(
-                "n_bindings".into(),
-                srows.iter().map(|r| r.1).collect::<Vec<_>>(),
-            ),
-            Column::new(
-                "query_slot".into(),
-                srows.iter().map(|r| r.2).collect::<Vec<_>>(),
-            ),
-            Column::new(
-                "protocol".into(),
-                srows.iter().map(|r| r.3.clone()).collect::<Vec<_>>(),
-            ),
-            Column::new("phase_period".into(), vec![period; n]),
-            Column::new(
-                "n_logical".into(),
-                srows
-                    .iter()
-                    .map(|r| r.4["n_logical"].as_i64().unwrap_or(0))
-                    .collect::<Vec<_>>(),
-            ),
-            Column::new("mean_accuracy".into(), f(&|p| num(&p["mean_accuracy"]))),
-            Column::new(
-                "mean_ci_lo".into(),
-                f(&|p| num(&p["mean_accuracy_ci95"][0])),
-            ),
-            Column::new(
-                "mean_ci_hi".into(),
-                f(&|p| num(&p["mean_accuracy_ci95"][1])),
-            ),
-            Column::new("phase_gap_pp".into(), f(&|p| num(&p["phase_gap_pp"]))),
-            Column::new("gap_ci_lo".into(), f(&|p| num(&p["phase_gap_ci95"][0]))),
-            Column::new("gap_ci_hi".into(), f(&|p| num(&p["phase_gap_ci95"][1]))),
-            Column::new(
-                "best_phase".into(),
-                srows
-                    .iter()
-                    .map(|r| r.4["best_phase"].as_i64().unwrap_or(-1))
-                    .collect::<Vec<_>>(),
-            ),
-            Column::new(
-                "worst_phase".into(),
-                srows
-                    .iter()
-                    .map(|r| r.4["worst_phase"].as_i64().unwrap_or(-1))
-                    .collect::<Vec<_>>(),
-            ),
-            Column::new(
-                "worst_accuracy".into(),
-                srows.iter().map(|r| r.5).collect::<Vec<_>>(),
-            ),
-            Column::new("train_steps".into(), vec![record.map(|r| r.steps); n]),
-            Column::new(
-                "final_batch_accuracy".into(),
-                vec![record.and_then(|r| r.final_batch_accuracy); n],
-            ),
-        ],
-    )
-    .map_err(perr(format!("<summary of design `{}`>", d.name)))?;
+    let summary = summary_frame(d, &srows, period, record)?;
     Ok((phases, summary))
+}
+
+/// One sweep's `phase_accuracy.arrow` (at `arrow`) without its `model` column, with
+/// the design and the sweep (`eval`, `n_bindings`, `query_slot`) as columns.
+fn sweep_frame(d: &Design, s: &EvalSpec, arrow: &Path) -> Result<DataFrame> {
+    let mut df = read_dataframe(arrow)?;
+    let h = df.height();
+    let _ = df.drop_in_place("model");
+    for c in [
+        Column::new("design".into(), vec![d.name.clone(); h]),
+        Column::new("eval".into(), vec![s.kind.name().to_string(); h]),
+        Column::new("n_bindings".into(), vec![s.n_bindings as i64; h]),
+        Column::new("query_slot".into(), vec![s.n_queries as i64; h]),
+    ] {
+        df.with_column(c).map_err(perr(arrow))?;
+    }
+    Ok(df)
+}
+
+/// What one summary row is made of: the sweep, the protocol, its statistics from
+/// `summary.json`, and its worst phase accuracy.
+struct SummarySource {
+    eval: String,
+    n_bindings: i64,
+    query_slot: i64,
+    protocol: String,
+    stats: serde_json::Value,
+    worst: f64,
+}
+
+/// The summary sources of one sweep `s`: one per protocol of its `summary.json` (`v`),
+/// with the worst phase accuracy read off its phase frame `df` (from `arrow`).
+fn summary_sources(
+    s: &EvalSpec,
+    df: &DataFrame,
+    v: &serde_json::Value,
+    arrow: &Path,
+) -> Result<Vec<SummarySource>> {
+    let acc = df
+        .column("accuracy")
+        .map_err(perr(arrow))?
+        .f64()
+        .map_err(perr(arrow))?
+        .clone();
+    let proto = df
+        .column("protocol")
+        .map_err(perr(arrow))?
+        .str()
+        .map_err(perr(arrow))?
+        .clone();
+    let mut out = Vec::new();
+    if let Some(m) = v["protocols"].as_object() {
+        for (pname, p) in m {
+            let label = match pname.as_str() {
+                "prefix_padding" => "prefix",
+                _ => "in-sequence",
+            };
+            let worst = proto
+                .iter()
+                .zip(acc.iter())
+                .filter(|(pr, _)| *pr == Some(label))
+                .filter_map(|(_, a)| a)
+                .fold(f64::INFINITY, f64::min);
+            out.push(SummarySource {
+                eval: s.kind.name().to_string(),
+                n_bindings: s.n_bindings as i64,
+                query_slot: s.n_queries as i64,
+                protocol: label.to_string(),
+                stats: p.clone(),
+                worst,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// A design's summary part frame: one row per source, the phase period, and the
+/// training record's steps and final batch accuracy.
+fn summary_frame(
+    d: &Design,
+    srows: &[SummarySource],
+    period: i64,
+    record: Option<&DesignRecord>,
+) -> Result<DataFrame> {
+    let n = srows.len();
+    let mut columns = vec![
+        Column::new("design".into(), vec![d.name.clone(); n]),
+        Column::new(
+            "eval".into(),
+            srows.iter().map(|r| r.eval.clone()).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "n_bindings".into(),
+            srows.iter().map(|r| r.n_bindings).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "query_slot".into(),
+            srows.iter().map(|r| r.query_slot).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "protocol".into(),
+            srows.iter().map(|r| r.protocol.clone()).collect::<Vec<_>>(),
+        ),
+        Column::new("phase_period".into(), vec![period; n]),
+    ];
+    columns.extend(stat_columns(srows));
+    columns.extend([
+        Column::new("train_steps".into(), vec![record.map(|r| r.steps); n]),
+        Column::new(
+            "final_batch_accuracy".into(),
+            vec![record.and_then(|r| r.final_batch_accuracy); n],
+        ),
+    ]);
+    DataFrame::new(n, columns).map_err(perr(format!("<summary of design `{}`>", d.name)))
+}
+
+/// The statistics columns of the summary (`n_logical` to `worst_accuracy`).
+fn stat_columns(srows: &[SummarySource]) -> Vec<Column> {
+    let f = |g: &dyn Fn(&serde_json::Value) -> f64| -> Vec<f64> {
+        srows.iter().map(|r| g(&r.stats)).collect()
+    };
+    let int = |key: &str, default: i64| -> Vec<i64> {
+        srows
+            .iter()
+            .map(|r| r.stats[key].as_i64().unwrap_or(default))
+            .collect()
+    };
+    vec![
+        Column::new("n_logical".into(), int("n_logical", 0)),
+        Column::new("mean_accuracy".into(), f(&|p| num(&p["mean_accuracy"]))),
+        Column::new(
+            "mean_ci_lo".into(),
+            f(&|p| num(&p["mean_accuracy_ci95"][0])),
+        ),
+        Column::new(
+            "mean_ci_hi".into(),
+            f(&|p| num(&p["mean_accuracy_ci95"][1])),
+        ),
+        Column::new("phase_gap_pp".into(), f(&|p| num(&p["phase_gap_pp"]))),
+        Column::new("gap_ci_lo".into(), f(&|p| num(&p["phase_gap_ci95"][0]))),
+        Column::new("gap_ci_hi".into(), f(&|p| num(&p["phase_gap_ci95"][1]))),
+        Column::new("best_phase".into(), int("best_phase", -1)),
+        Column::new("worst_phase".into(), int("worst_phase", -1)),
+        Column::new(
+            "worst_accuracy".into(),
+            srows.iter().map(|r| r.worst).collect::<Vec<_>>(),
+        ),
+    ]
 }
 
 /// A polars frame as a phaselens [`Table`] (String, Int64, UInt64, Float64, Boolean;
@@ -508,54 +544,21 @@ fn with_keys(grid: &Grid, mut df: DataFrame) -> Result<DataFrame> {
 /// Merge, draw and report (see the module docs). Returns what was written.
 pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
     let data = opts.data_dir(grid);
-    let bar = if opts.progress == crate::runner::ProgressMode::Auto {
-        indicatif::ProgressBar::new(grid.designs.len() as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("merge [{bar:30}] {pos}/{len} designs  {msg}")
-            .expect("template")
-            .progress_chars("=> "),
-    );
-    let mut phases: Option<DataFrame> = None;
-    let mut summary: Option<DataFrame> = None;
-    let mut merged = Vec::new();
-    let mut missing = Vec::new();
-    for d in &grid.designs {
-        bar.set_message(d.name.clone());
-        match part(grid, d, opts)? {
-            None => missing.push((d.name.clone(), progress_label(grid, d, opts))),
-            Some((a, s)) => {
-                merged.push(d.name.clone());
-                for (acc, df) in [(&mut phases, a), (&mut summary, s)] {
-                    match acc {
-                        None => *acc = Some(df),
-                        Some(all) => {
-                            all.vstack_mut_owned(df)
-                                .map_err(perr(opts.design_data_dir(grid, d)))?;
-                        }
-                    }
-                }
-            }
-        }
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+    let parts = stack_parts(grid, opts)?;
     let progress = grid
         .designs
         .iter()
         .map(|d| (d.name.clone(), progress_label(grid, d, opts)))
         .collect();
     let mut out = MergeSummary {
-        merged: merged.clone(),
-        missing,
+        merged: parts.merged.clone(),
+        missing: parts.missing,
         tables: Vec::new(),
         figures: Vec::new(),
         report: None,
     };
     let dir = opts.report_dir(grid);
-    let (Some(phases), Some(summary)) = (phases, summary) else {
+    let (Some(phases), Some(summary)) = (parts.phases, parts.summary) else {
         // Nothing swept yet: no tables or figures, but a report that lists every
         // design and how far it got.
         let m = Merged {
@@ -585,12 +588,64 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
     let m = Merged {
         phases: phase_rows(&phases)?,
         summary: summary_rows(&summary)?,
-        designs: merged,
+        designs: parts.merged,
         progress,
     };
     out.figures = super::figures::draw(grid, &m, &dir)?;
     out.report = Some(super::report::write(grid, &m, &dir, &out.figures)?);
     Ok(out)
+}
+
+/// Every design's part frames stacked in grid order, and which designs had one.
+struct Parts {
+    phases: Option<DataFrame>,
+    summary: Option<DataFrame>,
+    merged: Vec<String>,
+    /// Designs without a part, with how far they got.
+    missing: Vec<(String, String)>,
+}
+
+/// Build or read each design's part (with a progress bar) and stack them.
+fn stack_parts(grid: &Grid, opts: &GridOptions) -> Result<Parts> {
+    let bar = if opts.progress == crate::runner::ProgressMode::Auto {
+        indicatif::ProgressBar::new(grid.designs.len() as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("merge [{bar:30}] {pos}/{len} designs  {msg}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    let mut parts = Parts {
+        phases: None,
+        summary: None,
+        merged: Vec::new(),
+        missing: Vec::new(),
+    };
+    for d in &grid.designs {
+        bar.set_message(d.name.clone());
+        match part(grid, d, opts)? {
+            None => parts
+                .missing
+                .push((d.name.clone(), progress_label(grid, d, opts))),
+            Some((a, s)) => {
+                parts.merged.push(d.name.clone());
+                for (acc, df) in [(&mut parts.phases, a), (&mut parts.summary, s)] {
+                    match acc {
+                        None => *acc = Some(df),
+                        Some(all) => {
+                            all.vstack_mut_owned(df)
+                                .map_err(perr(opts.design_data_dir(grid, d)))?;
+                        }
+                    }
+                }
+            }
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(parts)
 }
 
 fn col<'a>(df: &'a DataFrame, name: &str) -> Result<&'a Column> {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use crate::error::Result;
 use crate::output::{Headline, Report};
 
-use super::figures::{final_row, mean_sd, seed_groups};
+use super::figures::{bindings_of, detail, final_row, mean_sd, seed_groups, slot_of};
 use super::merge::{Merged, SummaryRow};
 use super::spec::Grid;
 
@@ -31,41 +31,6 @@ fn with_ci(x: f64, ci: (f64, f64), digits: usize) -> String {
     }
 }
 
-/// The detail rows (slot or bindings sweeps, plus the final sweep in the same
-/// protocol) of a design, sorted by `x`.
-fn detail<'a>(
-    m: &'a Merged,
-    design: &str,
-    eval: &str,
-    x: fn(&SummaryRow) -> i64,
-) -> Vec<&'a SummaryRow> {
-    let Some(proto) = m
-        .summary
-        .iter()
-        .find(|r| r.design == design && r.eval == eval)
-        .map(|r| r.protocol.clone())
-    else {
-        return Vec::new();
-    };
-    let mut rows: Vec<&SummaryRow> = m
-        .summary
-        .iter()
-        .filter(|r| {
-            r.design == design && r.protocol == proto && (r.eval == eval || r.eval == "final")
-        })
-        .collect();
-    rows.sort_by_key(|r| x(r));
-    rows.dedup_by_key(|r| x(r));
-    rows
-}
-
-fn slot_of(r: &SummaryRow) -> i64 {
-    r.query_slot
-}
-fn bindings_of(r: &SummaryRow) -> i64 {
-    r.n_bindings
-}
-
 /// What a design learned, in one paragraph, read off its merged numbers.
 pub fn learned(m: &Merged, design: &str, chance: f64) -> String {
     let Some(r) = final_row(m, design, "prefix").or_else(|| {
@@ -75,21 +40,46 @@ pub fn learned(m: &Merged, design: &str, chance: f64) -> String {
     }) else {
         return "no final-query sweep yet.".into();
     };
-    let mut s = Vec::new();
     if r.mean_accuracy < 3.0 * chance {
-        s.push(format!(
+        return format!(
             "did not learn the lookup: single final queries are answered at {} ({} padding), about chance ({:.3}).",
             pct(r.mean_accuracy),
             r.protocol,
             chance
-        ));
-        return s.join(" ");
+        );
     }
-    s.push(format!(
-        "answers {} of single final queries ({} padding)",
+    let mut text = format!(
+        "answers {} of single final queries ({} padding) {}.",
         pct(r.mean_accuracy),
-        r.protocol
-    ));
+        r.protocol,
+        phase_clause(m, design, r)
+    );
+    if let Some(q) = final_row(m, design, "in-sequence") {
+        text.push_str(&format!(
+            " In-sequence padding: {} (gap {:.1} pp, CI {:.1}-{:.1}).",
+            pct(q.mean_accuracy),
+            q.gap_pp,
+            q.gap_ci.0,
+            q.gap_ci.1
+        ));
+    }
+    if let Some(slots) = slot_clause(m, design) {
+        text.push_str(&slots);
+    }
+    let nb = detail(m, design, "bindings", bindings_of);
+    if nb.len() >= 2 {
+        let parts: Vec<String> = nb
+            .iter()
+            .map(|r| format!("{} at N = {}", pct(r.mean_accuracy), r.n_bindings))
+            .collect();
+        text.push_str(&format!(" By bindings: {}.", parts.join(", ")));
+    }
+    text
+}
+
+/// The phase clause of [`learned`]: phase-sensitive (with its weak phases) or not,
+/// read off the final row `r` and the design's phase rows in the same protocol.
+fn phase_clause(m: &Merged, design: &str, r: &SummaryRow) -> String {
     let phases: Vec<_> = m
         .phases
         .iter()
@@ -110,7 +100,7 @@ pub fn learned(m: &Merged, design: &str, chance: f64) -> String {
             .filter(|p| p.accuracy < mid)
             .map(|p| format!("{} ({})", p.phase, pct(p.accuracy)))
             .collect();
-        s.push(format!(
+        format!(
             "and is phase-sensitive: weak at phase{} {} mod {} against {} at its best phase, a gap of {:.1} pp (CI {:.1}-{:.1})",
             if weak.len() == 1 { "" } else { "s" },
             weak.join(", "),
@@ -119,74 +109,57 @@ pub fn learned(m: &Merged, design: &str, chance: f64) -> String {
             r.gap_pp,
             r.gap_ci.0,
             r.gap_ci.1
-        ));
+        )
     } else {
-        s.push(format!(
+        format!(
             "with no clear phase profile (gap {:.1} pp, CI {:.1}-{:.1})",
             r.gap_pp, r.gap_ci.0, r.gap_ci.1
-        ));
+        )
     }
-    let mut text = s.join(" ") + ".";
-    if let Some(q) = final_row(m, design, "in-sequence") {
-        text.push_str(&format!(
-            " In-sequence padding: {} (gap {:.1} pp, CI {:.1}-{:.1}).",
-            pct(q.mean_accuracy),
-            q.gap_pp,
-            q.gap_ci.0,
-            q.gap_ci.1
-        ));
-    }
+}
+
+/// The by-query-slot sentence of [`learned`] (with its elimination verdict), or
+/// `None` when the design has fewer than two slots swept.
+fn slot_clause(m: &Merged, design: &str) -> Option<String> {
     let slots = detail(m, design, "slot", slot_of);
-    if let Some(a) = slots.first()
-        && slots.len() >= 2
-    {
-        // The first slot (a single query) against every later one: a gain beyond both
-        // 95% CIs at any slot means the model uses the queries before the target.
-        let better = slots[1..]
-            .iter()
-            .filter(|r| r.mean_ci.0 > a.mean_ci.1)
-            .max_by(|x, y| x.mean_accuracy.total_cmp(&y.mean_accuracy));
-        let worse = slots[1..]
-            .iter()
-            .filter(|r| r.mean_ci.1 < a.mean_ci.0)
-            .min_by(|x, y| x.mean_accuracy.total_cmp(&y.mean_accuracy));
-        let verdict = match (better, worse) {
-            (Some(b), _) => format!(
-                "later queries are answered better (slot {}: {}, CI {}-{}, against {}, CI {}-{}, at slot {}): it gains from the queries before the target (elimination)",
-                b.query_slot,
-                pct(b.mean_accuracy),
-                pct(b.mean_ci.0),
-                pct(b.mean_ci.1),
-                pct(a.mean_accuracy),
-                pct(a.mean_ci.0),
-                pct(a.mean_ci.1),
-                a.query_slot
-            ),
-            (None, Some(w)) => format!(
-                "later queries are answered worse (slot {}: {})",
-                w.query_slot,
-                pct(w.mean_accuracy)
-            ),
-            (None, None) => {
-                "the queries before the target do not help beyond the CIs: no elimination gain"
-                    .to_string()
-            }
-        };
-        let parts: Vec<String> = slots
-            .iter()
-            .map(|r| format!("{} at slot {}", pct(r.mean_accuracy), r.query_slot))
-            .collect();
-        text.push_str(&format!(" By query slot: {}; {verdict}.", parts.join(", ")));
-    }
-    let nb = detail(m, design, "bindings", bindings_of);
-    if nb.len() >= 2 {
-        let parts: Vec<String> = nb
-            .iter()
-            .map(|r| format!("{} at N = {}", pct(r.mean_accuracy), r.n_bindings))
-            .collect();
-        text.push_str(&format!(" By bindings: {}.", parts.join(", ")));
-    }
-    text
+    let a = slots.first().filter(|_| slots.len() >= 2)?;
+    // The first slot (a single query) against every later one: a gain beyond both
+    // 95% CIs at any slot means the model uses the queries before the target.
+    let better = slots[1..]
+        .iter()
+        .filter(|r| r.mean_ci.0 > a.mean_ci.1)
+        .max_by(|x, y| x.mean_accuracy.total_cmp(&y.mean_accuracy));
+    let worse = slots[1..]
+        .iter()
+        .filter(|r| r.mean_ci.1 < a.mean_ci.0)
+        .min_by(|x, y| x.mean_accuracy.total_cmp(&y.mean_accuracy));
+    let verdict = match (better, worse) {
+        (Some(b), _) => format!(
+            "later queries are answered better (slot {}: {}, CI {}-{}, against {}, CI {}-{}, at slot {}): it gains from the queries before the target (elimination)",
+            b.query_slot,
+            pct(b.mean_accuracy),
+            pct(b.mean_ci.0),
+            pct(b.mean_ci.1),
+            pct(a.mean_accuracy),
+            pct(a.mean_ci.0),
+            pct(a.mean_ci.1),
+            a.query_slot
+        ),
+        (None, Some(w)) => format!(
+            "later queries are answered worse (slot {}: {})",
+            w.query_slot,
+            pct(w.mean_accuracy)
+        ),
+        (None, None) => {
+            "the queries before the target do not help beyond the CIs: no elimination gain"
+                .to_string()
+        }
+    };
+    let parts: Vec<String> = slots
+        .iter()
+        .map(|r| format!("{} at slot {}", pct(r.mean_accuracy), r.query_slot))
+        .collect();
+    Some(format!(" By query slot: {}; {verdict}.", parts.join(", ")))
 }
 
 fn chance_of(grid: &Grid, design: &str) -> f64 {
@@ -203,6 +176,51 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
     if !grid.description.is_empty() {
         rep.paragraph(grid.description.clone());
     }
+    headlines(&mut rep, grid, m);
+    side_by_side(&mut rep, grid, m);
+    rep.section("What each design learned");
+    for (name, progress) in &m.progress {
+        let mut text = if m.designs.contains(name) {
+            format!("{name}: {}", learned(m, name, chance_of(grid, name)))
+        } else {
+            format!("{name}: {progress}; nothing measured yet.")
+        };
+        if let Ok(d) = grid.design(name)
+            && !d.note.is_empty()
+        {
+            text.push_str(&format!(" Note: {}", d.note));
+        }
+        rep.paragraph(text);
+    }
+    for sweep in &DETAIL_SWEEPS {
+        detail_section(&mut rep, m, sweep);
+    }
+    seed_section(&mut rep, grid, m);
+    if !figures.is_empty() {
+        rep.section("Figures");
+    }
+    for f in figures {
+        rep.figure(figure_caption(f), f);
+    }
+    if m.designs.is_empty() {
+        rep.section("Grid file");
+        rep.paragraph("No design has a finished sweep yet: no tables or figures.");
+    } else {
+        rep.section("Tables and grid file");
+        rep.paragraph(
+            "grid.arrow / grid.parquet: one row per design x sweep x protocol x phase; \
+             grid_summary.arrow / .parquet: one row per design x sweep x protocol (docs/grid.md).",
+        );
+    }
+    if let Ok(text) = std::fs::read_to_string(&grid.path) {
+        rep.code("toml", text);
+    }
+    let files = rep.write(dir)?;
+    Ok(files.markdown)
+}
+
+/// The headlines: designs merged, and the largest and smallest final-query phase gaps.
+fn headlines(rep: &mut Report, grid: &Grid, m: &Merged) {
     let finals: Vec<&SummaryRow> = m
         .designs
         .iter()
@@ -236,7 +254,11 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
             )),
         );
     }
+}
 
+/// The "designs side by side" section: the final-query table over every design of
+/// the grid, the designs not merged yet, and what the paper reports.
+fn side_by_side(rep: &mut Report, grid: &Grid, m: &Merged) {
     rep.section("Designs side by side: the paper's single final query");
     rep.paragraph(
         "Accuracy of one query at the end of the prompt (the paper's protocol), 95% \
@@ -261,47 +283,11 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
         ]
         .map(String::from),
     );
-    let mut rows = Vec::new();
-    for (name, progress) in &m.progress {
-        let Ok(d) = grid.design(name) else { continue };
-        let mut row = vec![name.clone()];
-        for c in &grid.columns {
-            row.push(d.value(c).map_or("-".into(), |v| {
-                v.as_str().map_or_else(|| v.to_string(), String::from)
-            }));
-        }
-        let p = final_row(m, name, "prefix");
-        let q = final_row(m, name, "in-sequence");
-        let any = p.or(q);
-        row.push(progress.clone());
-        row.push(any.map_or("-".into(), |r| r.period.to_string()));
-        row.push(
-            any.and_then(|r| r.steps)
-                .map_or("-".into(), |s| s.to_string()),
-        );
-        row.push(any.and_then(|r| r.batch_accuracy).map_or("-".into(), pct));
-        match p {
-            Some(r) => row.extend([
-                with_ci(r.mean_accuracy, r.mean_ci, 2),
-                with_ci(r.gap_pp, r.gap_ci, 1),
-                format!("{} ({})", r.worst_phase, pct(r.worst_accuracy)),
-            ]),
-            None => row.extend(["-".into(), "-".into(), "-".into()]),
-        }
-        match q {
-            Some(r) => row.extend([
-                with_ci(r.mean_accuracy, r.mean_ci, 2),
-                with_ci(r.gap_pp, r.gap_ci, 1),
-            ]),
-            None => row.extend(["-".into(), "-".into()]),
-        }
-        row.push(if d.paper.is_empty() {
-            "-".into()
-        } else {
-            d.paper.clone()
-        });
-        rows.push(row);
-    }
+    let rows = m
+        .progress
+        .iter()
+        .filter_map(|(name, progress)| design_row(grid, m, name, progress))
+        .collect();
     rep.table(
         "Final query, by design (every design of the grid)",
         header,
@@ -328,165 +314,199 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
         rep.subsection("What the paper reports");
         rep.paragraph(grid.paper.clone());
     }
+}
 
-    rep.section("What each design learned");
-    for (name, progress) in &m.progress {
-        let mut text = if m.designs.contains(name) {
-            format!("{name}: {}", learned(m, name, chance_of(grid, name)))
-        } else {
-            format!("{name}: {progress}; nothing measured yet.")
-        };
-        if let Ok(d) = grid.design(name)
-            && !d.note.is_empty()
-        {
-            text.push_str(&format!(" Note: {}", d.note));
-        }
-        rep.paragraph(text);
+/// One row of the side-by-side table (`None` for a name the grid does not define).
+fn design_row(grid: &Grid, m: &Merged, name: &str, progress: &str) -> Option<Vec<String>> {
+    let d = grid.design(name).ok()?;
+    let mut row = vec![name.to_string()];
+    for c in &grid.columns {
+        row.push(d.value(c).map_or("-".into(), |v| {
+            v.as_str().map_or_else(|| v.to_string(), String::from)
+        }));
     }
+    let p = final_row(m, name, "prefix");
+    let q = final_row(m, name, "in-sequence");
+    let any = p.or(q);
+    row.push(progress.to_string());
+    row.push(any.map_or("-".into(), |r| r.period.to_string()));
+    row.push(
+        any.and_then(|r| r.steps)
+            .map_or("-".into(), |s| s.to_string()),
+    );
+    row.push(any.and_then(|r| r.batch_accuracy).map_or("-".into(), pct));
+    match p {
+        Some(r) => row.extend([
+            with_ci(r.mean_accuracy, r.mean_ci, 2),
+            with_ci(r.gap_pp, r.gap_ci, 1),
+            format!("{} ({})", r.worst_phase, pct(r.worst_accuracy)),
+        ]),
+        None => row.extend(["-".into(), "-".into(), "-".into()]),
+    }
+    match q {
+        Some(r) => row.extend([
+            with_ci(r.mean_accuracy, r.mean_ci, 2),
+            with_ci(r.gap_pp, r.gap_ci, 1),
+        ]),
+        None => row.extend(["-".into(), "-".into()]),
+    }
+    row.push(if d.paper.is_empty() {
+        "-".into()
+    } else {
+        d.paper.clone()
+    });
+    Some(row)
+}
 
-    for (eval, title, x, label, what) in [
-        (
-            "slot",
-            "Accuracy by query slot (does the model gain from the queries before?)",
-            slot_of as fn(&SummaryRow) -> i64,
-            "slot",
-            "The final query is the k-th query of its prompt; the k - 1 before it (teacher-forced, \
+/// A detail sweep reported as its own section: accuracy by `label` (query slot or
+/// number of bindings), one row per design.
+struct DetailSweep {
+    eval: &'static str,
+    title: &'static str,
+    x: fn(&SummaryRow) -> i64,
+    label: &'static str,
+    what: &'static str,
+}
+
+/// The detail sweeps of the report, in section order.
+const DETAIL_SWEEPS: [DetailSweep; 2] = [
+    DetailSweep {
+        eval: "slot",
+        title: "Accuracy by query slot (does the model gain from the queries before?)",
+        x: slot_of,
+        label: "slot",
+        what: "The final query is the k-th query of its prompt; the k - 1 before it (teacher-forced, \
              never the target) could help a model that eliminates bindings already asked. A flat \
              row means retrieval only.",
-        ),
-        (
-            "bindings",
-            "Accuracy by number of bindings",
-            bindings_of,
-            "N",
-            "A single final query among N bindings (the designs were trained with the count of \
+    },
+    DetailSweep {
+        eval: "bindings",
+        title: "Accuracy by number of bindings",
+        x: bindings_of,
+        label: "N",
+        what: "A single final query among N bindings (the designs were trained with the count of \
              their recipe).",
-        ),
-    ] {
-        let mut xs: Vec<i64> = Vec::new();
-        let mut per: Vec<(String, Vec<&SummaryRow>)> = Vec::new();
-        for name in &m.designs {
-            let rows = detail(m, name, eval, x);
-            for r in &rows {
-                if !xs.contains(&x(r)) {
-                    xs.push(x(r));
-                }
-            }
-            if !rows.is_empty() {
-                per.push((name.clone(), rows));
-            }
-        }
-        if per.is_empty() {
-            continue;
-        }
-        xs.sort_unstable();
-        rep.section(title);
-        rep.paragraph(what);
-        let mut header = vec!["design".to_string(), "protocol".into()];
-        header.extend(xs.iter().map(|v| format!("{label} = {v}")));
-        let rows = per
-            .iter()
-            .map(|(name, rs)| {
-                let mut row = vec![name.clone(), rs[0].protocol.clone()];
-                row.extend(xs.iter().map(|v| {
-                    rs.iter()
-                        .find(|r| x(r) == *v)
-                        .map_or("-".into(), |r| with_ci(r.mean_accuracy, r.mean_ci, 2))
-                }));
-                row
-            })
-            .collect();
-        rep.table(format!("Mean accuracy by {label} (95% CI)"), header, rows);
-    }
+    },
+];
 
+/// The section of one detail sweep (nothing when no design has rows for it).
+fn detail_section(rep: &mut Report, m: &Merged, sweep: &DetailSweep) {
+    let DetailSweep {
+        eval,
+        title,
+        x,
+        label,
+        what,
+    } = *sweep;
+    let mut xs: Vec<i64> = Vec::new();
+    let mut per: Vec<(String, Vec<&SummaryRow>)> = Vec::new();
+    for name in &m.designs {
+        let rows = detail(m, name, eval, x);
+        for r in &rows {
+            if !xs.contains(&x(r)) {
+                xs.push(x(r));
+            }
+        }
+        if !rows.is_empty() {
+            per.push((name.clone(), rows));
+        }
+    }
+    if per.is_empty() {
+        return;
+    }
+    xs.sort_unstable();
+    rep.section(title);
+    rep.paragraph(what);
+    let mut header = vec!["design".to_string(), "protocol".into()];
+    header.extend(xs.iter().map(|v| format!("{label} = {v}")));
+    let rows = per
+        .iter()
+        .map(|(name, rs)| {
+            let mut row = vec![name.clone(), rs[0].protocol.clone()];
+            row.extend(xs.iter().map(|v| {
+                rs.iter()
+                    .find(|r| x(r) == *v)
+                    .map_or("-".into(), |r| with_ci(r.mean_accuracy, r.mean_ci, 2))
+            }));
+            row
+        })
+        .collect();
+    rep.table(format!("Mean accuracy by {label} (95% CI)"), header, rows);
+}
+
+/// The seed-variance section (nothing when no designs differ only in seed).
+fn seed_section(rep: &mut Report, grid: &Grid, m: &Merged) {
     let groups = seed_groups(grid, m);
-    if !groups.is_empty() {
-        rep.section("Seed variance");
-        let mut rows = Vec::new();
-        for (key, members) in &groups {
-            for proto in ["prefix", "in-sequence"] {
-                let rs: Vec<&SummaryRow> = members
-                    .iter()
-                    .filter_map(|d| final_row(m, d, proto))
-                    .collect();
-                if rs.is_empty() {
-                    continue;
-                }
-                let gaps: Vec<f64> = rs.iter().map(|r| r.gap_pp).collect();
-                let means: Vec<f64> = rs.iter().map(|r| r.mean_accuracy).collect();
-                let (gm, gs) = mean_sd(&gaps);
-                let (mm, ms) = mean_sd(&means);
-                let worst: Vec<String> = rs.iter().map(|r| r.worst_phase.to_string()).collect();
-                rows.push(vec![
-                    if key.is_empty() {
-                        "-".into()
-                    } else {
-                        key.clone()
-                    },
-                    proto.to_string(),
-                    rs.len().to_string(),
-                    format!("{mm:.2} +- {ms:.2}"),
-                    format!("{gm:.1} +- {gs:.1}"),
-                    gaps.iter()
-                        .map(|g| format!("{g:.1}"))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    worst.join(", "),
-                ]);
+    if groups.is_empty() {
+        return;
+    }
+    rep.section("Seed variance");
+    let mut rows = Vec::new();
+    for (key, members) in &groups {
+        for proto in ["prefix", "in-sequence"] {
+            let rs: Vec<&SummaryRow> = members
+                .iter()
+                .filter_map(|d| final_row(m, d, proto))
+                .collect();
+            if !rs.is_empty() {
+                rows.push(seed_row(key, proto, &rs));
             }
         }
-        rep.table(
-            "Designs that differ only in seed (final query; mean +- sd over seeds)",
-            [
-                "other keys",
-                "protocol",
-                "seeds",
-                "mean accuracy",
-                "gap pp",
-                "gaps pp",
-                "worst phases",
-            ]
-            .map(String::from)
-            .to_vec(),
-            rows,
-        );
     }
+    rep.table(
+        "Designs that differ only in seed (final query; mean +- sd over seeds)",
+        [
+            "other keys",
+            "protocol",
+            "seeds",
+            "mean accuracy",
+            "gap pp",
+            "gaps pp",
+            "worst phases",
+        ]
+        .map(String::from)
+        .to_vec(),
+        rows,
+    );
+}
 
-    if !figures.is_empty() {
-        rep.section("Figures");
+/// One row of the seed-variance table: the final rows `rs` of a seed group in `proto`.
+fn seed_row(key: &str, proto: &str, rs: &[&SummaryRow]) -> Vec<String> {
+    let gaps: Vec<f64> = rs.iter().map(|r| r.gap_pp).collect();
+    let means: Vec<f64> = rs.iter().map(|r| r.mean_accuracy).collect();
+    let (gm, gs) = mean_sd(&gaps);
+    let (mm, ms) = mean_sd(&means);
+    let worst: Vec<String> = rs.iter().map(|r| r.worst_phase.to_string()).collect();
+    vec![
+        if key.is_empty() {
+            "-".into()
+        } else {
+            key.to_string()
+        },
+        proto.to_string(),
+        rs.len().to_string(),
+        format!("{mm:.2} +- {ms:.2}"),
+        format!("{gm:.1} +- {gs:.1}"),
+        gaps.iter()
+            .map(|g| format!("{g:.1}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        worst.join(", "),
+    ]
+}
+
+/// The caption of a grid figure, from its file stem.
+fn figure_caption(f: &Path) -> String {
+    let stem = f
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match stem.as_str() {
+        "phase_gap" => "Phase gap and mean accuracy per design (final query, 95% CI)".to_string(),
+        "accuracy_by_phase" => "Accuracy by phase, one panel per design (95% Wilson)".to_string(),
+        "accuracy_by_slot" => "Accuracy by query slot".to_string(),
+        "accuracy_by_bindings" => "Accuracy by number of bindings".to_string(),
+        s if s.starts_with("seed_variance") => "Seeds overlaid (accuracy by phase)".to_string(),
+        s => s.to_string(),
     }
-    for f in figures {
-        let stem = f
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let caption = match stem.as_str() {
-            "phase_gap" => {
-                "Phase gap and mean accuracy per design (final query, 95% CI)".to_string()
-            }
-            "accuracy_by_phase" => {
-                "Accuracy by phase, one panel per design (95% Wilson)".to_string()
-            }
-            "accuracy_by_slot" => "Accuracy by query slot".to_string(),
-            "accuracy_by_bindings" => "Accuracy by number of bindings".to_string(),
-            s if s.starts_with("seed_variance") => "Seeds overlaid (accuracy by phase)".to_string(),
-            s => s.to_string(),
-        };
-        rep.figure(caption, f);
-    }
-    if m.designs.is_empty() {
-        rep.section("Grid file");
-        rep.paragraph("No design has a finished sweep yet: no tables or figures.");
-    } else {
-        rep.section("Tables and grid file");
-        rep.paragraph(
-            "grid.arrow / grid.parquet: one row per design x sweep x protocol x phase; \
-             grid_summary.arrow / .parquet: one row per design x sweep x protocol (docs/grid.md).",
-        );
-    }
-    if let Ok(text) = std::fs::read_to_string(&grid.path) {
-        rep.code("toml", text);
-    }
-    let files = rep.write(dir)?;
-    Ok(files.markdown)
 }

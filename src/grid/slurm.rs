@@ -261,29 +261,7 @@ pub fn submit(
     resume: bool,
     dry_run: bool,
 ) -> Result<Submitted> {
-    for n in only {
-        grid.design(n)?;
-    }
-    write_recipes(grid)?;
-    let queued = if resume {
-        queued_designs(grid)?
-    } else {
-        Default::default()
-    };
-    let mut waiting = Vec::new();
-    let todo: Vec<&Design> = grid
-        .designs
-        .iter()
-        .filter(|d| only.is_empty() || only.contains(&d.name))
-        .filter(|d| opts.fresh || finished(grid, d, opts).is_none())
-        .filter(|d| {
-            let q = queued.contains(&d.index);
-            if q {
-                waiting.push(d.name.clone());
-            }
-            !q
-        })
-        .collect();
+    let (todo, waiting) = to_submit(grid, opts, only, resume)?;
     if todo.is_empty() {
         return Ok(Submitted::Nothing { queued: waiting });
     }
@@ -337,6 +315,46 @@ pub fn submit(
         script: array_path,
         logs: absolute(&state.join("logs"))?,
     };
+    record_submission(grid, &sub)?;
+    Ok(Submitted::Jobs(sub))
+}
+
+/// The designs [`submit`] runs (after checking `only` and writing every recipe), and
+/// those left out because they are already queued or running (with `resume`).
+fn to_submit<'g>(
+    grid: &'g Grid,
+    opts: &GridOptions,
+    only: &[String],
+    resume: bool,
+) -> Result<(Vec<&'g Design>, Vec<String>)> {
+    for n in only {
+        grid.design(n)?;
+    }
+    write_recipes(grid)?;
+    let queued = if resume {
+        queued_designs(grid)?
+    } else {
+        Default::default()
+    };
+    let mut waiting = Vec::new();
+    let todo: Vec<&Design> = grid
+        .designs
+        .iter()
+        .filter(|d| only.is_empty() || only.contains(&d.name))
+        .filter(|d| opts.fresh || finished(grid, d, opts).is_none())
+        .filter(|d| {
+            let q = queued.contains(&d.index);
+            if q {
+                waiting.push(d.name.clone());
+            }
+            !q
+        })
+        .collect();
+    Ok((todo, waiting))
+}
+
+/// Append `sub` to the grid's submission record (`jobs.json`).
+fn record_submission(grid: &Grid, sub: &Submission) -> Result<()> {
     let mut all = submissions(grid)?;
     all.push(sub.clone());
     let p = jobs_path(grid);
@@ -346,8 +364,7 @@ pub fn submit(
             .expect("serialises")
             .as_bytes(),
     )
-    .map_err(|e| Error::io(&p, e))?;
-    Ok(Submitted::Jobs(sub))
+    .map_err(|e| Error::io(&p, e))
 }
 
 /// One job (or array task) as Slurm reports it.
@@ -592,42 +609,14 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
         .filter_map(|d| task_id(d.index))
         .collect();
     wanted.extend(subs.iter().map(|s| s.merge_job.clone()));
-    let mut jobs: Vec<String> = Vec::new();
-    for s in &subs {
-        for j in [&s.array_job, &s.merge_job] {
-            if !jobs.contains(j) {
-                jobs.push(j.clone());
-            }
-        }
-    }
-    let queue = squeue(&jobs);
-    let (acct, acct_error) = sacct(&jobs);
-    let unresolved = |id: &String| row_of(&queue, id).is_none() && row_of(&acct, id).is_none();
-    let mut fallback: Vec<String> = Vec::new();
-    for id in wanted.iter().filter(|id| unresolved(id)) {
-        let job = id.split('_').next().unwrap_or(id).to_string();
-        if !fallback.contains(&job) {
-            fallback.push(job);
-        }
-    }
-    let recent = scontrol(&fallback);
-    let state_of = |id: &str| -> Option<String> {
-        let j = row_of(&queue, id)
-            .or_else(|| row_of(&acct, id))
-            .or_else(|| row_of(&recent, id))?;
-        Some(if j.elapsed.is_empty() || j.id != id {
-            j.state.clone()
-        } else {
-            format!("{} {}", j.state, j.elapsed)
-        })
-    };
+    let (known, acct_error) = Known::query(&subs, &wanted);
     let mut rows = Vec::new();
     let mut failed = Vec::new();
     let mut no_record = 0;
     for d in &grid.designs {
         let state = match task_id(d.index) {
             None => "not submitted".to_string(),
-            Some(id) => match state_of(&id) {
+            Some(id) => match known.state_of(&id) {
                 Some(st) => format!("{id} {st}"),
                 None => {
                     no_record += 1;
@@ -646,15 +635,83 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
         .map(|s| {
             (
                 s.merge_job.clone(),
-                state_of(&s.merge_job).unwrap_or_else(|| {
+                known.state_of(&s.merge_job).unwrap_or_else(|| {
                     no_record += 1;
                     "(no record)".into()
                 }),
             )
         })
         .collect();
+    let acct_error = acct_error.filter(|_| !subs.is_empty());
+    let notes = status_notes(grid, acct_error, no_record, &failed);
+    Ok(StatusReport { rows, merge, notes })
+}
+
+/// What Slurm knows of the submitted jobs: `squeue`'s rows, `sacct`'s, and
+/// `scontrol`'s for the ids neither knows.
+struct Known {
+    queue: Vec<JobState>,
+    acct: Vec<JobState>,
+    recent: Vec<JobState>,
+}
+
+impl Known {
+    /// Ask Slurm about every job of `subs`, for the `wanted` ids; also returns why
+    /// `sacct` gave nothing, if it failed.
+    fn query(subs: &[Submission], wanted: &[String]) -> (Known, Option<String>) {
+        let mut jobs: Vec<String> = Vec::new();
+        for s in subs {
+            for j in [&s.array_job, &s.merge_job] {
+                if !jobs.contains(j) {
+                    jobs.push(j.clone());
+                }
+            }
+        }
+        let queue = squeue(&jobs);
+        let (acct, acct_error) = sacct(&jobs);
+        let unresolved = |id: &String| row_of(&queue, id).is_none() && row_of(&acct, id).is_none();
+        let mut fallback: Vec<String> = Vec::new();
+        for id in wanted.iter().filter(|id| unresolved(id)) {
+            let job = id.split('_').next().unwrap_or(id).to_string();
+            if !fallback.contains(&job) {
+                fallback.push(job);
+            }
+        }
+        let recent = scontrol(&fallback);
+        (
+            Known {
+                queue,
+                acct,
+                recent,
+            },
+            acct_error,
+        )
+    }
+
+    /// The state of job or task `id` (with its elapsed time when its own row has
+    /// one), or `None` when no source has it.
+    fn state_of(&self, id: &str) -> Option<String> {
+        let j = row_of(&self.queue, id)
+            .or_else(|| row_of(&self.acct, id))
+            .or_else(|| row_of(&self.recent, id))?;
+        Some(if j.elapsed.is_empty() || j.id != id {
+            j.state.clone()
+        } else {
+            format!("{} {}", j.state, j.elapsed)
+        })
+    }
+}
+
+/// The notes under the status table: no accounting (`acct_error`, with how many ids
+/// had no record) and the designs that failed.
+fn status_notes(
+    grid: &Grid,
+    acct_error: Option<String>,
+    no_record: usize,
+    failed: &[String],
+) -> Vec<String> {
     let mut notes = Vec::new();
-    if let Some(e) = acct_error.filter(|_| !subs.is_empty()) {
+    if let Some(e) = acct_error {
         notes.push(if no_record > 0 {
             format!(
                 "no accounting ({e}): finished jobs come from scontrol, which forgets them after slurmctld's MinJobAge; the others show as (no record), their progress column still holds"
@@ -671,7 +728,7 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
             grid.path.display()
         ));
     }
-    Ok(StatusReport { rows, merge, notes })
+    notes
 }
 
 #[cfg(test)]

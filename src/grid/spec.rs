@@ -213,61 +213,14 @@ impl Grid {
     /// [`Grid::load`] from text (`path` names the file in errors).
     pub fn parse(path: &Path, text: &str) -> Result<Grid> {
         let raw: RawGrid = parse_toml(path, text)?;
-        let bad = |span: Option<std::ops::Range<usize>>, m: String| Error::Config {
-            path: path.to_path_buf(),
-            message: match span {
-                Some(s) => format!("line {}: {m}", line_of(text, s.start)),
-                None => m,
-            },
-        };
+        let src = Source { path, text };
         let folder = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-        let name = match &raw.grid.name {
-            Some(n) => n.clone(),
-            None => path
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "grid".into()),
-        };
-        if !valid_name(&name) {
-            return Err(bad(
-                None,
-                format!("[grid] name `{name}`: use lower-case letters, digits, '-', '_', '.'"),
-            ));
-        }
-        let base = folder.join(&raw.grid.base);
-        let base_text = std::fs::read_to_string(&base).map_err(|e| {
-            bad(
-                None,
-                format!("[grid] base = {}: {e}", raw.grid.base.display()),
-            )
-        })?;
-        // The base must be a valid recipe on its own.
-        OrganismFile::parse(&base, &base_text)?;
-        let base_table: toml::Table = toml::from_str(&base_text).map_err(|e| Error::Config {
-            path: base.clone(),
-            message: e.message().to_string(),
-        })?;
+        let name = grid_name(src, &raw.grid)?;
+        let (base, base_table) = load_base(src, &folder, &raw.grid)?;
         let dir = folder.join(raw.grid.out.clone().unwrap_or_else(|| name.clone().into()));
 
         let common = ordered(&raw.set);
-        let axes: Vec<(Spanned<String>, Spanned<Vec<toml::Value>>)> = {
-            let mut v: Vec<_> = raw
-                .axes
-                .iter()
-                .map(|(k, vals)| (k.clone(), vals.clone()))
-                .collect();
-            v.sort_by_key(|(k, _)| k.span().start);
-            v
-        };
-        for (k, vals) in &axes {
-            if vals.get_ref().is_empty() {
-                return Err(bad(
-                    Some(vals.span()),
-                    format!("[axes] `{}`: the list of values is empty", k.get_ref()),
-                ));
-            }
-        }
-
+        let axes = sorted_axes(src, &raw.axes)?;
         // Explicit designs (or the base alone), crossed with the axes.
         let named: Vec<Named> = if raw.design.is_empty() {
             vec![(None, Vec::new())]
@@ -278,102 +231,31 @@ impl Grid {
                 .collect()
         };
         if raw.design.is_empty() && axes.is_empty() {
-            return Err(bad(
+            return Err(src.bad(
                 None,
                 "a grid needs [axes] or [[design]] entries (or both)".into(),
             ));
         }
         let combos = product(&axes);
+        let expander = Expander {
+            src,
+            base: &base,
+            base_table: &base_table,
+            dir: &dir,
+            common: &common,
+            eval: &raw.eval,
+        };
         let mut designs = Vec::new();
         let mut columns: Vec<(usize, String)> = Vec::new();
         for (raw_d, set) in &named {
             for combo in &combos {
-                let mut keys: Vec<(String, toml::Value)> = set
-                    .iter()
-                    .map(|(k, v)| (k.get_ref().clone(), v.get_ref().clone()))
-                    .collect();
-                let mut parts: Vec<String> = raw_d
-                    .map(|d| vec![d.name.get_ref().clone()])
-                    .unwrap_or_default();
-                for (k, v) in combo {
-                    keys.push((k.get_ref().clone(), v.clone()));
-                    parts.push(name_part(k.get_ref(), v));
-                }
                 for (k, _) in set {
                     columns.push((k.span().start, k.get_ref().clone()));
                 }
                 for (k, _) in combo {
                     columns.push((k.span().start, k.get_ref().clone()));
                 }
-                let name = parts.join("-");
-                let span = raw_d.map(|d| d.name.span());
-                if !valid_name(&name) {
-                    return Err(bad(
-                        span.clone(),
-                        format!(
-                            "design name `{name}`: use lower-case letters, digits, '-', '_', '.'"
-                        ),
-                    ));
-                }
-                if designs.iter().any(|d: &Design| d.name == name) {
-                    return Err(bad(span.clone(), format!("two designs are named `{name}`")));
-                }
-                let mut recipe = base_table.clone();
-                let ordered_keys = common
-                    .iter()
-                    .map(|(k, v)| (*k, v.get_ref()))
-                    .chain(set.iter().map(|(k, v)| (*k, v.get_ref())))
-                    .chain(combo.iter().map(|(k, v)| (*k, v)));
-                for (k, v) in ordered_keys {
-                    apply(&mut recipe, k.get_ref(), v)
-                        .map_err(|m| bad(Some(k.span()), format!("key `{}`: {m}", k.get_ref())))?;
-                }
-                let org = recipe
-                    .entry("organism")
-                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-                if let Some(t) = org.as_table_mut() {
-                    t.insert("name".into(), name.clone().into());
-                    t.insert("model_dir".into(), "model".into());
-                    t.insert("run_dir".into(), "run".into());
-                    let what: Vec<String> =
-                        keys.iter().map(|(k, v)| format!("{k} = {v}")).collect();
-                    t.insert(
-                        "description".into(),
-                        format!("grid `{name}` of {}: {}", path.display(), what.join(", ")).into(),
-                    );
-                }
-                let design = Design {
-                    index: designs.len(),
-                    name,
-                    keys,
-                    recipe,
-                    note: raw_d.map(|d| d.note.clone()).unwrap_or_default(),
-                    paper: raw_d.map(|d| d.paper.clone()).unwrap_or_default(),
-                };
-                let file = match design.organism(&dir) {
-                    Ok(f) => f,
-                    Err(e) => {
-                        // A key the recipe does not accept at all is named with its line
-                        // in the grid file; anything else is the design's error.
-                        let all = common
-                            .iter()
-                            .map(|(k, v)| (*k, v.get_ref()))
-                            .chain(set.iter().map(|(k, v)| (*k, v.get_ref())))
-                            .chain(combo.iter().map(|(k, v)| (*k, v)));
-                        for (k, v) in all {
-                            if let Err(m) = check_key(&base, &base_table, k.get_ref(), v) {
-                                return Err(bad(
-                                    Some(k.span()),
-                                    format!("key `{}`: {m}", k.get_ref()),
-                                ));
-                            }
-                        }
-                        return Err(bad(span.clone(), format!("design `{}`: {e}", design.name)));
-                    }
-                };
-                check_period(&file)
-                    .and_then(|()| check_slots(&file, &raw.eval))
-                    .map_err(|m| bad(span, format!("design `{}`: {m}", design.name)))?;
+                let design = expander.design(*raw_d, set, combo, &designs)?;
                 designs.push(design);
             }
         }
@@ -384,7 +266,7 @@ impl Grid {
                 cols.push(c);
             }
         }
-        check_eval(&raw.eval).map_err(|m| bad(None, format!("[eval] {m}")))?;
+        check_eval(&raw.eval).map_err(|m| src.bad(None, format!("[eval] {m}")))?;
         Ok(Grid {
             path: path.to_path_buf(),
             name,
@@ -446,6 +328,223 @@ impl Design {
     /// path); `None` when the recipe leaves it at its default.
     pub fn value(&self, key: &str) -> Option<&toml::Value> {
         get_path(&self.recipe, &paths_of(key)[0])
+    }
+}
+
+/// The grid file and its text, for errors that name the file and the line.
+#[derive(Clone, Copy)]
+struct Source<'a> {
+    path: &'a Path,
+    text: &'a str,
+}
+
+impl Source<'_> {
+    /// A config error about the grid file, at the line of `span` when there is one.
+    fn bad(&self, span: Option<std::ops::Range<usize>>, m: String) -> Error {
+        Error::Config {
+            path: self.path.to_path_buf(),
+            message: match span {
+                Some(s) => format!("line {}: {m}", line_of(self.text, s.start)),
+                None => m,
+            },
+        }
+    }
+}
+
+/// The grid's name: `[grid] name`, else the file stem (checked like a design name).
+fn grid_name(src: Source, g: &GridSection) -> Result<String> {
+    let name = match &g.name {
+        Some(n) => n.clone(),
+        None => src
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "grid".into()),
+    };
+    if !valid_name(&name) {
+        return Err(src.bad(
+            None,
+            format!("[grid] name `{name}`: use lower-case letters, digits, '-', '_', '.'"),
+        ));
+    }
+    Ok(name)
+}
+
+/// The base recipe's path and table; it must be a valid recipe on its own.
+fn load_base(src: Source, folder: &Path, g: &GridSection) -> Result<(PathBuf, toml::Table)> {
+    let base = folder.join(&g.base);
+    let base_text = std::fs::read_to_string(&base)
+        .map_err(|e| src.bad(None, format!("[grid] base = {}: {e}", g.base.display())))?;
+    OrganismFile::parse(&base, &base_text)?;
+    let base_table: toml::Table = toml::from_str(&base_text).map_err(|e| Error::Config {
+        path: base.clone(),
+        message: e.message().to_string(),
+    })?;
+    Ok((base, base_table))
+}
+
+/// One axis of the grid: its key and its values.
+type Axis = (Spanned<String>, Spanned<Vec<toml::Value>>);
+
+/// The axes in file order; an axis without values is an error.
+fn sorted_axes(
+    src: Source,
+    axes: &BTreeMap<Spanned<String>, Spanned<Vec<toml::Value>>>,
+) -> Result<Vec<Axis>> {
+    let mut v: Vec<_> = axes
+        .iter()
+        .map(|(k, vals)| (k.clone(), vals.clone()))
+        .collect();
+    v.sort_by_key(|(k, _)| k.span().start);
+    for (k, vals) in &v {
+        if vals.get_ref().is_empty() {
+            return Err(src.bad(
+                Some(vals.span()),
+                format!("[axes] `{}`: the list of values is empty", k.get_ref()),
+            ));
+        }
+    }
+    Ok(v)
+}
+
+/// Keys of the grid file in file order, as [`ordered`] gives them.
+type Keys<'a> = [(&'a Spanned<String>, &'a Spanned<toml::Value>)];
+/// One combination of axis values, as [`product`] gives it.
+type Combo<'a> = [(&'a Spanned<String>, toml::Value)];
+
+/// What every design of a grid is built from: the base recipe, the `[set]` keys, the
+/// designs' folder and `[eval]` (checked against each design).
+struct Expander<'a> {
+    src: Source<'a>,
+    base: &'a Path,
+    base_table: &'a toml::Table,
+    dir: &'a Path,
+    common: &'a Keys<'a>,
+    eval: &'a EvalConfig,
+}
+
+impl Expander<'_> {
+    /// The design of explicit entry `raw_d` (or the base) crossed with `combo`, named,
+    /// built and checked like `phaselens train` would; `taken` are the designs before.
+    fn design(
+        &self,
+        raw_d: Option<&RawDesign>,
+        set: &Keys,
+        combo: &Combo,
+        taken: &[Design],
+    ) -> Result<Design> {
+        let mut keys: Vec<(String, toml::Value)> = set
+            .iter()
+            .map(|(k, v)| (k.get_ref().clone(), v.get_ref().clone()))
+            .collect();
+        let mut parts: Vec<String> = raw_d
+            .map(|d| vec![d.name.get_ref().clone()])
+            .unwrap_or_default();
+        for (k, v) in combo {
+            keys.push((k.get_ref().clone(), v.clone()));
+            parts.push(name_part(k.get_ref(), v));
+        }
+        let name = parts.join("-");
+        let span = raw_d.map(|d| d.name.span());
+        if !valid_name(&name) {
+            return Err(self.src.bad(
+                span.clone(),
+                format!("design name `{name}`: use lower-case letters, digits, '-', '_', '.'"),
+            ));
+        }
+        if taken.iter().any(|d: &Design| d.name == name) {
+            return Err(self
+                .src
+                .bad(span.clone(), format!("two designs are named `{name}`")));
+        }
+        let recipe = self.recipe(&name, &keys, set, combo)?;
+        let design = Design {
+            index: taken.len(),
+            name,
+            keys,
+            recipe,
+            note: raw_d.map(|d| d.note.clone()).unwrap_or_default(),
+            paper: raw_d.map(|d| d.paper.clone()).unwrap_or_default(),
+        };
+        let file = match design.organism(self.dir) {
+            Ok(f) => f,
+            Err(e) => return Err(self.rejected(&design, e, span, set, combo)),
+        };
+        check_period(&file)
+            .and_then(|()| check_slots(&file, self.eval))
+            .map_err(|m| self.src.bad(span, format!("design `{}`: {m}", design.name)))?;
+        Ok(design)
+    }
+
+    /// Every key a design applies, in order: `[set]`, the design's own, the axes'.
+    fn all_keys<'s>(
+        &'s self,
+        set: &'s Keys,
+        combo: &'s Combo,
+    ) -> impl Iterator<Item = (&'s Spanned<String>, &'s toml::Value)> + 's {
+        self.common
+            .iter()
+            .map(|(k, v)| (*k, v.get_ref()))
+            .chain(set.iter().map(|(k, v)| (*k, v.get_ref())))
+            .chain(combo.iter().map(|(k, v)| (*k, v)))
+    }
+
+    /// The recipe of design `name`: the base with every key applied and the
+    /// `[organism]` table the grid sets (name, folders, description from `keys`).
+    fn recipe(
+        &self,
+        name: &str,
+        keys: &[(String, toml::Value)],
+        set: &Keys,
+        combo: &Combo,
+    ) -> Result<toml::Table> {
+        let mut recipe = self.base_table.clone();
+        for (k, v) in self.all_keys(set, combo) {
+            apply(&mut recipe, k.get_ref(), v).map_err(|m| {
+                self.src
+                    .bad(Some(k.span()), format!("key `{}`: {m}", k.get_ref()))
+            })?;
+        }
+        let org = recipe
+            .entry("organism")
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if let Some(t) = org.as_table_mut() {
+            t.insert("name".into(), name.to_string().into());
+            t.insert("model_dir".into(), "model".into());
+            t.insert("run_dir".into(), "run".into());
+            let what: Vec<String> = keys.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+            t.insert(
+                "description".into(),
+                format!(
+                    "grid `{name}` of {}: {}",
+                    self.src.path.display(),
+                    what.join(", ")
+                )
+                .into(),
+            );
+        }
+        Ok(recipe)
+    }
+
+    /// The error for a design whose recipe does not load (`e`): a key the recipe does
+    /// not accept at all is named with its line in the grid file; anything else is the
+    /// design's error.
+    fn rejected(
+        &self,
+        design: &Design,
+        e: Error,
+        span: Option<std::ops::Range<usize>>,
+        set: &Keys,
+        combo: &Combo,
+    ) -> Error {
+        for (k, v) in self.all_keys(set, combo) {
+            if let Err(m) = check_key(self.base, self.base_table, k.get_ref(), v) {
+                return self
+                    .src
+                    .bad(Some(k.span()), format!("key `{}`: {m}", k.get_ref()));
+            }
+        }
+        self.src.bad(span, format!("design `{}`: {e}", design.name))
     }
 }
 

@@ -339,48 +339,8 @@ fn scope_mask<const D: usize>(
         }
         return row_scope_mask(point, rows, dims, device);
     }
-    let info = point.site.info();
-    let mut axes: Vec<(usize, &Vec<usize>)> = Vec::new();
-    if let Some(rows) = &scope.batch {
-        axes.push((0, rows));
-    }
-    if let Some(heads) = &scope.heads {
-        let (axis, _) = info.head_axis.ok_or_else(|| {
-            Error::hook(
-                point.to_string(),
-                "this point has no head axis; drop the head scope",
-            )
-        })?;
-        axes.push((axis, heads));
-    }
-    if let Some(pos) = &scope.positions {
-        let axis = info
-            .pos_axis
-            .ok_or_else(|| Error::hook(point.to_string(), "this point has no position axis"))?;
-        axes.push((axis, pos));
-    }
-    let mut mshape = [1usize; D];
-    for (axis, idx) in &axes {
-        if *axis >= D {
-            return Err(Error::hook(
-                point.to_string(),
-                format!("axis {axis} out of range for rank {D}"),
-            ));
-        }
-        let n = dims[*axis];
-        if let Some(bad) = idx.iter().find(|&&i| i >= n) {
-            let what = match axis {
-                0 => "batch row",
-                a if Some(*a) == info.pos_axis => "position",
-                _ => "head",
-            };
-            return Err(Error::hook(
-                point.to_string(),
-                format!("{what} {bad} out of range 0..{n}"),
-            ));
-        }
-        mshape[*axis] = n;
-    }
+    let axes = scoped_axes(point, scope)?;
+    let mshape = mask_shape(point, &axes, dims)?;
     // Per-axis membership, then the outer product over the mask's shape.
     let mut member: Vec<Vec<bool>> = mshape.iter().map(|&n| vec![true; n]).collect();
     for (axis, idx) in &axes {
@@ -408,6 +368,65 @@ fn scope_mask<const D: usize>(
     }
     let mask = Tensor::<D, Bool>::from_data(TensorData::new(values, mshape), device);
     Ok(mask.expand(dims))
+}
+
+/// The axes a (non-row) scope restricts, with the indices it keeps there: batch (axis
+/// 0), then the point's head and position axes; an error when the point lacks one.
+fn scoped_axes<'s>(point: &HookPoint, scope: &'s Scope) -> Result<Vec<(usize, &'s Vec<usize>)>> {
+    let info = point.site.info();
+    let mut axes: Vec<(usize, &Vec<usize>)> = Vec::new();
+    if let Some(rows) = &scope.batch {
+        axes.push((0, rows));
+    }
+    if let Some(heads) = &scope.heads {
+        let (axis, _) = info.head_axis.ok_or_else(|| {
+            Error::hook(
+                point.to_string(),
+                "this point has no head axis; drop the head scope",
+            )
+        })?;
+        axes.push((axis, heads));
+    }
+    if let Some(pos) = &scope.positions {
+        let axis = info
+            .pos_axis
+            .ok_or_else(|| Error::hook(point.to_string(), "this point has no position axis"))?;
+        axes.push((axis, pos));
+    }
+    Ok(axes)
+}
+
+/// The mask's shape: `dims` on the scoped `axes`, 1 elsewhere; an axis or index out of
+/// range is an error.
+fn mask_shape<const D: usize>(
+    point: &HookPoint,
+    axes: &[(usize, &Vec<usize>)],
+    dims: [usize; D],
+) -> Result<[usize; D]> {
+    let pos_axis = point.site.info().pos_axis;
+    let mut mshape = [1usize; D];
+    for (axis, idx) in axes {
+        if *axis >= D {
+            return Err(Error::hook(
+                point.to_string(),
+                format!("axis {axis} out of range for rank {D}"),
+            ));
+        }
+        let n = dims[*axis];
+        if let Some(bad) = idx.iter().find(|&&i| i >= n) {
+            let what = match axis {
+                0 => "batch row",
+                a if Some(*a) == pos_axis => "position",
+                _ => "head",
+            };
+            return Err(Error::hook(
+                point.to_string(),
+                format!("{what} {bad} out of range 0..{n}"),
+            ));
+        }
+        mshape[*axis] = n;
+    }
+    Ok(mshape)
 }
 
 /// The mask of a per-row scope: `[rows, pos?, head?]` over the point's batch, position

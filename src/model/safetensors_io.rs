@@ -176,6 +176,109 @@ pub fn check_finite(path: &Path, name: &str, values: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// Open `path` and read its safetensors header: the open file, the header's JSON
+/// object, where the data starts and the file's length.
+fn read_header(
+    path: &Path,
+) -> Result<(File, serde_json::Map<String, serde_json::Value>, u64, u64)> {
+    let bad = |m: String| Error::Safetensors {
+        path: path.to_path_buf(),
+        message: m,
+    };
+    let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
+    let file_len = f.metadata().map_err(|e| Error::io(path, e))?.len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)
+        .map_err(|_| bad(format!("file is {file_len} bytes, too short for a header")))?;
+    let header_len = u64::from_le_bytes(n);
+    if header_len > 100_000_000 || 8 + header_len > file_len {
+        return Err(bad(format!(
+            "header claims {header_len} bytes but the file has {file_len} (truncated or not safetensors)"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    f.read_exact(&mut header).map_err(|e| Error::io(path, e))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+    let serde_json::Value::Object(obj) = json else {
+        return Err(bad("header is not a JSON object".into()));
+    };
+    Ok((f, obj, 8 + header_len, file_len))
+}
+
+/// Where a file's tensor data lies: the file's index in the reader, the byte where
+/// the data starts (after the header) and the file's length.
+struct DataSpan {
+    file: usize,
+    data_start: u64,
+    file_len: u64,
+}
+
+/// The entry of tensor `name` from its header value `v`: dtype, shape and offsets,
+/// checked against each other and against the file's data `span`.
+fn parse_entry(
+    path: &Path,
+    name: &str,
+    v: &serde_json::Value,
+    span: &DataSpan,
+) -> Result<TensorEntry> {
+    let DataSpan {
+        file,
+        data_start,
+        file_len,
+    } = *span;
+    let terr = |m: String| Error::tensor(path, name, m);
+    let dtype_name = v["dtype"]
+        .as_str()
+        .ok_or_else(|| terr("no dtype".into()))?
+        .to_string();
+    let dtype = StDtype::parse(&dtype_name)
+        .ok_or_else(|| terr(format!("unsupported dtype {dtype_name}")))?;
+    let shape: Vec<usize> = v["shape"]
+        .as_array()
+        .ok_or_else(|| terr("no shape".into()))?
+        .iter()
+        .map(|d| d.as_u64().map(|d| d as usize))
+        .collect::<Option<_>>()
+        .ok_or_else(|| terr("shape is not a list of integers".into()))?;
+    let offs = v["data_offsets"]
+        .as_array()
+        .filter(|a| a.len() == 2)
+        .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
+        .ok_or_else(|| terr("bad data_offsets".into()))?;
+    let expect = shape
+        .iter()
+        .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64))
+        .filter(|&b| b <= file_len)
+        .ok_or_else(|| {
+            terr(format!(
+                "shape {shape:?} of {dtype_name} needs more bytes than the file has ({file_len})"
+            ))
+        })?;
+    if offs.1 < offs.0 || offs.1 - offs.0 != expect {
+        return Err(terr(format!(
+            "data_offsets {:?} span {} bytes but shape {:?} of {dtype_name} needs {expect}",
+            offs,
+            offs.1.saturating_sub(offs.0),
+            shape
+        )));
+    }
+    if offs.1 > file_len - data_start {
+        return Err(terr(format!(
+            "data ends at byte {} but the file has only {file_len} bytes (truncated file)",
+            data_start.saturating_add(offs.1)
+        )));
+    }
+    Ok(TensorEntry {
+        file,
+        dtype,
+        dtype_name,
+        shape,
+        start: data_start + offs.0,
+        len: expect,
+    })
+}
+
 /// Where one tensor lives.
 #[derive(Debug, Clone)]
 pub struct TensorEntry {
@@ -223,33 +326,17 @@ impl SafetensorsReader {
         Ok(r)
     }
 
+    /// Read the header of `path` and add its tensors; a tensor already present (from
+    /// another file) is an error.
     fn add_file(&mut self, path: &Path) -> Result<()> {
-        let bad = |m: String| Error::Safetensors {
-            path: path.to_path_buf(),
-            message: m,
+        let (f, obj, data_start, file_len) = read_header(path)?;
+        let span = DataSpan {
+            file: self.files.len(),
+            data_start,
+            file_len,
         };
-        let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
-        let file_len = f.metadata().map_err(|e| Error::io(path, e))?.len();
-        let mut n = [0u8; 8];
-        f.read_exact(&mut n)
-            .map_err(|_| bad(format!("file is {file_len} bytes, too short for a header")))?;
-        let header_len = u64::from_le_bytes(n);
-        if header_len > 100_000_000 || 8 + header_len > file_len {
-            return Err(bad(format!(
-                "header claims {header_len} bytes but the file has {file_len} (truncated or not safetensors)"
-            )));
-        }
-        let mut header = vec![0u8; header_len as usize];
-        f.read_exact(&mut header).map_err(|e| Error::io(path, e))?;
-        let json: serde_json::Value =
-            serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-        let obj = json
-            .as_object()
-            .ok_or_else(|| bad("header is not a JSON object".into()))?;
-        let data_start = 8 + header_len;
-        let file_idx = self.files.len();
         let mut metadata = BTreeMap::new();
-        for (name, v) in obj {
+        for (name, v) in &obj {
             if name == "__metadata__" {
                 if let Some(m) = v.as_object() {
                     for (k, val) in m {
@@ -258,67 +345,17 @@ impl SafetensorsReader {
                 }
                 continue;
             }
-            let terr = |m: String| Error::tensor(path, name, m);
-            let dtype_name = v["dtype"]
-                .as_str()
-                .ok_or_else(|| terr("no dtype".into()))?
-                .to_string();
-            let dtype = StDtype::parse(&dtype_name)
-                .ok_or_else(|| terr(format!("unsupported dtype {dtype_name}")))?;
-            let shape: Vec<usize> = v["shape"]
-                .as_array()
-                .ok_or_else(|| terr("no shape".into()))?
-                .iter()
-                .map(|d| d.as_u64().map(|d| d as usize))
-                .collect::<Option<_>>()
-                .ok_or_else(|| terr("shape is not a list of integers".into()))?;
-            let offs = v["data_offsets"]
-                .as_array()
-                .filter(|a| a.len() == 2)
-                .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
-                .ok_or_else(|| terr("bad data_offsets".into()))?;
-            let expect = shape
-                .iter()
-                .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64))
-                .filter(|&b| b <= file_len)
-                .ok_or_else(|| {
-                    terr(format!(
-                        "shape {shape:?} of {dtype_name} needs more bytes than the file has ({file_len})"
-                    ))
-                })?;
-            if offs.1 < offs.0 || offs.1 - offs.0 != expect {
-                return Err(terr(format!(
-                    "data_offsets {:?} span {} bytes but shape {:?} of {dtype_name} needs {expect}",
-                    offs,
-                    offs.1.saturating_sub(offs.0),
-                    shape
-                )));
-            }
-            if offs.1 > file_len - data_start {
-                return Err(terr(format!(
-                    "data ends at byte {} but the file has only {file_len} bytes (truncated file)",
-                    data_start.saturating_add(offs.1)
-                )));
-            }
+            let entry = parse_entry(path, name, v, &span)?;
             if let Some(prev) = self.tensors.get(name) {
-                return Err(terr(format!(
-                    "also present in {}",
-                    self.files[prev.file].path.display()
-                )));
+                return Err(Error::tensor(
+                    path,
+                    name,
+                    format!("also present in {}", self.files[prev.file].path.display()),
+                ));
             }
-            self.tensors.insert(
-                name.clone(),
-                TensorEntry {
-                    file: file_idx,
-                    dtype,
-                    dtype_name,
-                    shape,
-                    start: data_start + offs.0,
-                    len: expect,
-                },
-            );
+            self.tensors.insert(name.clone(), entry);
         }
-        check_layout(path, &self.tensors, file_idx, data_start, file_len)?;
+        check_layout(path, &self.tensors, span.file, data_start, file_len)?;
         self.files.push(OpenFile {
             path: path.to_path_buf(),
             file: Mutex::new(f),

@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 use plotters::coord::Shift;
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -715,23 +716,7 @@ impl FigureSpec for LinePlotSpec {
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
         root.fill(&WHITE).map_err(de)?;
-        let xs = padded_range(
-            self.series.iter().flat_map(|s| s.x.iter().copied()),
-            0.04,
-            (0.0, 1.0),
-        );
-        let ys = match self.y_range {
-            Some((a, b)) => a..b,
-            None => padded_range(
-                self.series
-                    .iter()
-                    .flat_map(|s| s.y.iter().chain(&s.lo).chain(&s.hi).copied()),
-                0.08,
-                (0.0, 1.0),
-            ),
-        };
-        // Headroom above the data for the legend, so it never hides a point.
-        let ys = ys.start..ys.end + 0.06 * (1 + self.series.len()) as f64 * (ys.end - ys.start);
+        let (xs, ys) = self.ranges();
         let mut chart = ChartBuilder::on(root)
             .caption(&self.title, (FONT, TITLE_SIZE))
             .margin(16)
@@ -754,44 +739,7 @@ impl FigureSpec for LinePlotSpec {
             .map_err(de)?;
 
         for (i, s) in self.series.iter().enumerate() {
-            let color = series_color(i);
-            let band: Vec<usize> = (0..s.x.len())
-                .filter(|&k| s.lo[k].is_finite() && s.hi[k].is_finite())
-                .collect();
-            if band.len() >= 2 {
-                let mut poly: Vec<(f64, f64)> = band.iter().map(|&k| (s.x[k], s.hi[k])).collect();
-                poly.extend(band.iter().rev().map(|&k| (s.x[k], s.lo[k])));
-                chart
-                    .draw_series(std::iter::once(Polygon::new(
-                        poly,
-                        color.mix(0.18).filled(),
-                    )))
-                    .map_err(de)?;
-            } else {
-                // A single point: an error bar instead of a band.
-                chart
-                    .draw_series(band.iter().map(|&k| {
-                        PathElement::new(
-                            vec![(s.x[k], s.lo[k]), (s.x[k], s.hi[k])],
-                            color.stroke_width(2),
-                        )
-                    }))
-                    .map_err(de)?;
-            }
-            let pts: Vec<(f64, f64)> = (0..s.x.len())
-                .filter(|&k| s.y[k].is_finite())
-                .map(|k| (s.x[k], s.y[k]))
-                .collect();
-            chart
-                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))
-                .map_err(de)?
-                .label(&s.name)
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
-                });
-            chart
-                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
-                .map_err(de)?;
+            draw_band_series(&mut chart, s, i)?;
         }
         chart
             .configure_series_labels()
@@ -803,6 +751,76 @@ impl FigureSpec for LinePlotSpec {
             .map_err(de)?;
         Ok(())
     }
+}
+
+impl LinePlotSpec {
+    /// The x and y ranges: fitted to the data and bands (y unless given), with
+    /// headroom above for the legend, so it never hides a point.
+    fn ranges(&self) -> (Range<f64>, Range<f64>) {
+        let xs = padded_range(
+            self.series.iter().flat_map(|s| s.x.iter().copied()),
+            0.04,
+            (0.0, 1.0),
+        );
+        let ys = match self.y_range {
+            Some((a, b)) => a..b,
+            None => padded_range(
+                self.series
+                    .iter()
+                    .flat_map(|s| s.y.iter().chain(&s.lo).chain(&s.hi).copied()),
+                0.08,
+                (0.0, 1.0),
+            ),
+        };
+        let ys = ys.start..ys.end + 0.06 * (1 + self.series.len()) as f64 * (ys.end - ys.start);
+        (xs, ys)
+    }
+}
+
+/// Series `i` of a line plot: its band (an error bar for a single point), the line
+/// (labelled for the legend) and its points.
+fn draw_band_series<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    s: &BandSeries,
+    i: usize,
+) -> DrawResult {
+    let color = series_color(i);
+    let band: Vec<usize> = (0..s.x.len())
+        .filter(|&k| s.lo[k].is_finite() && s.hi[k].is_finite())
+        .collect();
+    if band.len() >= 2 {
+        let mut poly: Vec<(f64, f64)> = band.iter().map(|&k| (s.x[k], s.hi[k])).collect();
+        poly.extend(band.iter().rev().map(|&k| (s.x[k], s.lo[k])));
+        chart
+            .draw_series(std::iter::once(Polygon::new(
+                poly,
+                color.mix(0.18).filled(),
+            )))
+            .map_err(de)?;
+    } else {
+        // A single point: an error bar instead of a band.
+        chart
+            .draw_series(band.iter().map(|&k| {
+                PathElement::new(
+                    vec![(s.x[k], s.lo[k]), (s.x[k], s.hi[k])],
+                    color.stroke_width(2),
+                )
+            }))
+            .map_err(de)?;
+    }
+    let pts: Vec<(f64, f64)> = (0..s.x.len())
+        .filter(|&k| s.y[k].is_finite())
+        .map(|k| (s.x[k], s.y[k]))
+        .collect();
+    chart
+        .draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))
+        .map_err(de)?
+        .label(&s.name)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+    chart
+        .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
+        .map_err(de)?;
+    Ok(())
 }
 
 /// Writes a line plot with CI bands (see [`LinePlotSpec`]).
@@ -1025,19 +1043,7 @@ impl FigureSpec for BarProfileSpec {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
         root.fill(&WHITE).map_err(de)?;
         let n = self.values.len();
-        let extent = self
-            .values
-            .iter()
-            .copied()
-            .chain(self.reference)
-            .chain(std::iter::once(0.0));
-        let r = padded_range(extent, 0.08, (0.0, 1.0));
-        // Bars grow from 0: keep 0 on the axis edge when all values are >= 0.
-        let ys = if self.values.iter().all(|v| !v.is_finite() || *v >= 0.0) {
-            0.0..r.end
-        } else {
-            r
-        };
+        let ys = self.y_range();
         let mut chart = ChartBuilder::on(root)
             .caption(&self.title, (FONT, TITLE_SIZE))
             .margin(16)
@@ -1080,28 +1086,60 @@ impl FigureSpec for BarProfileSpec {
             )
             .map_err(de)?;
         if let Some(y) = self.reference {
-            let red = RGBColor(214, 39, 40);
-            let series = chart
-                .draw_series(DashedLineSeries::new(
-                    vec![(0.0, y), (n as f64, y)],
-                    10,
-                    6,
-                    red.stroke_width(2),
-                ))
+            self.draw_reference(&mut chart, y)?;
+        }
+        Ok(())
+    }
+}
+
+impl BarProfileSpec {
+    /// The y range: fitted to the bars, the reference and 0; from 0 when no bar is
+    /// negative.
+    fn y_range(&self) -> Range<f64> {
+        let extent = self
+            .values
+            .iter()
+            .copied()
+            .chain(self.reference)
+            .chain(std::iter::once(0.0));
+        let r = padded_range(extent, 0.08, (0.0, 1.0));
+        // Bars grow from 0: keep 0 on the axis edge when all values are >= 0.
+        if self.values.iter().all(|v| !v.is_finite() || *v >= 0.0) {
+            0.0..r.end
+        } else {
+            r
+        }
+    }
+
+    /// The dashed reference line at height `y` across the bars, with its legend
+    /// entry when it has a label.
+    fn draw_reference<'a, DB: DrawingBackend + 'a>(
+        &self,
+        chart: &mut ChartContext<'a, DB, Cartesian2d<Cells, RangedCoordf64>>,
+        y: f64,
+    ) -> DrawResult {
+        let n = self.values.len();
+        let red = RGBColor(214, 39, 40);
+        let series = chart
+            .draw_series(DashedLineSeries::new(
+                vec![(0.0, y), (n as f64, y)],
+                10,
+                6,
+                red.stroke_width(2),
+            ))
+            .map_err(de)?;
+        if let Some(label) = &self.reference_label {
+            series.label(label).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2))
+            });
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(RGBColor(160, 160, 160))
+                .label_font((FONT, LABEL_SIZE))
+                .draw()
                 .map_err(de)?;
-            if let Some(label) = &self.reference_label {
-                series.label(label).legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], red.stroke_width(2))
-                });
-                chart
-                    .configure_series_labels()
-                    .position(SeriesLabelPosition::UpperRight)
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(RGBColor(160, 160, 160))
-                    .label_font((FONT, LABEL_SIZE))
-                    .draw()
-                    .map_err(de)?;
-            }
         }
         Ok(())
     }

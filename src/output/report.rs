@@ -295,49 +295,12 @@ impl Report {
                     body.push_str(&format!("<h{level}>{}</h{level}>\n", esc(text)));
                 }
                 Block::Paragraph(text) => body.push_str(&format!("<p>{}</p>\n", esc(text.trim()))),
-                Block::Headlines(list) => {
-                    body.push_str("<div class=\"headlines\">\n");
-                    for h in list {
-                        body.push_str(&format!(
-                            "<div class=\"headline\"><div class=\"label\">{}</div><div class=\"value\">{}</div>",
-                            esc(&h.label),
-                            esc(&h.value)
-                        ));
-                        if let Some(d) = &h.detail {
-                            body.push_str(&format!("<div class=\"detail\">{}</div>", esc(d)));
-                        }
-                        body.push_str("</div>\n");
-                    }
-                    body.push_str("</div>\n");
-                }
+                Block::Headlines(list) => html_headlines(&mut body, list),
                 Block::Table {
                     caption,
                     header,
                     rows,
-                } => {
-                    body.push_str("<table>\n");
-                    if !caption.is_empty() {
-                        body.push_str(&format!("<caption>{}</caption>\n", esc(caption)));
-                    }
-                    body.push_str("<thead><tr>");
-                    for h in header {
-                        body.push_str(&format!("<th>{}</th>", esc(h)));
-                    }
-                    body.push_str("</tr></thead>\n<tbody>\n");
-                    for r in rows {
-                        body.push_str("<tr>");
-                        for c in r {
-                            let class = if looks_numeric(c) {
-                                " class=\"num\""
-                            } else {
-                                ""
-                            };
-                            body.push_str(&format!("<td{class}>{}</td>", esc(c)));
-                        }
-                        body.push_str("</tr>\n");
-                    }
-                    body.push_str("</tbody>\n</table>\n");
-                }
+                } => html_table(&mut body, caption, header, rows),
                 Block::Figure {
                     caption,
                     image,
@@ -399,6 +362,49 @@ impl Report {
         })?;
         Ok(ReportFiles { markdown, html })
     }
+}
+
+/// A headlines block as HTML, appended to `body`.
+fn html_headlines(body: &mut String, list: &[Headline]) {
+    body.push_str("<div class=\"headlines\">\n");
+    for h in list {
+        body.push_str(&format!(
+            "<div class=\"headline\"><div class=\"label\">{}</div><div class=\"value\">{}</div>",
+            esc(&h.label),
+            esc(&h.value)
+        ));
+        if let Some(d) = &h.detail {
+            body.push_str(&format!("<div class=\"detail\">{}</div>", esc(d)));
+        }
+        body.push_str("</div>\n");
+    }
+    body.push_str("</div>\n");
+}
+
+/// A table block as HTML (numeric-looking cells classed `num`), appended to `body`.
+fn html_table(body: &mut String, caption: &str, header: &[String], rows: &[Vec<String>]) {
+    body.push_str("<table>\n");
+    if !caption.is_empty() {
+        body.push_str(&format!("<caption>{}</caption>\n", esc(caption)));
+    }
+    body.push_str("<thead><tr>");
+    for h in header {
+        body.push_str(&format!("<th>{}</th>", esc(h)));
+    }
+    body.push_str("</tr></thead>\n<tbody>\n");
+    for r in rows {
+        body.push_str("<tr>");
+        for c in r {
+            let class = if looks_numeric(c) {
+                " class=\"num\""
+            } else {
+                ""
+            };
+            body.push_str(&format!("<td{class}>{}</td>", esc(c)));
+        }
+        body.push_str("</tr>\n");
+    }
+    body.push_str("</tbody>\n</table>\n");
 }
 
 /// The headline numbers of a phase sweep: mean accuracy, best and worst phase,

@@ -169,6 +169,20 @@ pub fn binding_filler_probe(
     space: &TokenSpace,
     cfg: &BindingProbeConfig,
 ) -> TaskResult<Vec<FillerProbeItem>> {
+    check_binding_config(space, cfg)?;
+    let n_bind = cfg.n_other_bindings + 2;
+    let mut out = Vec::new();
+    for inst in 0..cfg.n_instances {
+        let context = BindingContext::sample(space, cfg, inst, n_bind);
+        for l in cfg.lengths.iter() {
+            out.push(context.prompt(space, cfg, l)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Check a binding probe's config against the token space; the error names the field.
+fn check_binding_config(space: &TokenSpace, cfg: &BindingProbeConfig) -> TaskResult<()> {
     cfg.lengths.validate()?;
     if cfg.n_instances == 0 {
         return Err(TaskError::config("n_instances", "must be at least 1"));
@@ -205,10 +219,23 @@ pub fn binding_filler_probe(
     if cfg.bos && space.bos().is_none() {
         return Err(TaskError::config("bos", "the token space has no BOS token"));
     }
-    let assign: &[u32] = if cfg.assign { space.assign() } else { &[] };
-    let sep: &[u32] = if cfg.binding_sep { space.sep() } else { &[] };
-    let mut out = Vec::new();
-    for inst in 0..cfg.n_instances {
+    Ok(())
+}
+
+/// One context of the binding probe: its bindings (`keys[0] -> values[0]` correct,
+/// `keys[1] -> values[1]` the distractor), their order in the prompt, and the longest
+/// filler (each prompt takes its first `L` atoms).
+struct BindingContext {
+    instance: usize,
+    keys: Vec<Vec<u32>>,
+    values: Vec<Vec<u32>>,
+    order: Vec<usize>,
+    filler: Vec<u32>,
+}
+
+impl BindingContext {
+    /// Draw context `inst` of `n_bind` bindings (from its own seeded stream).
+    fn sample(space: &TokenSpace, cfg: &BindingProbeConfig, inst: usize, n_bind: usize) -> Self {
         let mut rng = rng_for(cfg.seed, inst as u64);
         let keys = sample_tuples(&mut rng, space.key_atoms(), cfg.key_len, n_bind, true);
         let mut values = sample_tuples(&mut rng, space.value_atoms(), cfg.value_len, n_bind, false);
@@ -226,60 +253,76 @@ pub fn binding_filler_probe(
                 .map(|_| space.filler_atoms()[rng.random_range(0..space.filler_atoms().len())])
                 .collect(),
         };
-        for l in cfg.lengths.iter() {
-            let mut t = Vec::new();
-            if cfg.bos {
-                t.extend(space.bos());
-            }
-            let mut span = (0, 0);
-            let mut put_filler = |t: &mut Vec<u32>| {
-                span = (t.len(), t.len() + l);
-                t.extend_from_slice(&filler[..l]);
-            };
-            if cfg.filler_position == FillerPosition::BeforeContext {
-                put_filler(&mut t);
-            }
-            let mut key_pos = vec![0; n_bind];
-            for &b in &order {
-                key_pos[b] = t.len();
-                t.extend_from_slice(&keys[b]);
-                t.extend_from_slice(assign);
-                t.extend_from_slice(&values[b]);
-                t.extend_from_slice(sep);
-            }
-            if cfg.filler_position == FillerPosition::BeforeQuery {
-                put_filler(&mut t);
-            }
-            if cfg.query_marker {
-                t.extend_from_slice(space.query_marker());
-            }
-            t.extend_from_slice(&keys[0]);
-            t.extend_from_slice(assign);
-            if let Some(max) = cfg.max_len
-                && t.len() > max
-            {
-                return Err(TaskError::config(
-                    "max_len",
-                    format!(
-                        "the prompt for L = {l} needs {} tokens, more than max_len = {max}",
-                        t.len()
-                    ),
-                ));
-            }
-            out.push(FillerProbeItem {
-                instance: inst,
-                filler_len: l,
-                filler_span: span,
-                read_pos: t.len() - 1,
-                tokens: t,
-                correct: values[0].clone(),
-                distractor: values[1].clone(),
-                correct_key_pos: Some(key_pos[0]),
-                distractor_key_pos: Some(key_pos[1]),
-            });
+        BindingContext {
+            instance: inst,
+            keys,
+            values,
+            order,
+            filler,
         }
     }
-    Ok(out)
+
+    /// The prompt of this context with filler length `l`; longer than `max_len` is an
+    /// error.
+    fn prompt(
+        &self,
+        space: &TokenSpace,
+        cfg: &BindingProbeConfig,
+        l: usize,
+    ) -> TaskResult<FillerProbeItem> {
+        let assign: &[u32] = if cfg.assign { space.assign() } else { &[] };
+        let sep: &[u32] = if cfg.binding_sep { space.sep() } else { &[] };
+        let mut t = Vec::new();
+        if cfg.bos {
+            t.extend(space.bos());
+        }
+        let mut span = (0, 0);
+        let mut put_filler = |t: &mut Vec<u32>| {
+            span = (t.len(), t.len() + l);
+            t.extend_from_slice(&self.filler[..l]);
+        };
+        if cfg.filler_position == FillerPosition::BeforeContext {
+            put_filler(&mut t);
+        }
+        let mut key_pos = vec![0; self.keys.len()];
+        for &b in &self.order {
+            key_pos[b] = t.len();
+            t.extend_from_slice(&self.keys[b]);
+            t.extend_from_slice(assign);
+            t.extend_from_slice(&self.values[b]);
+            t.extend_from_slice(sep);
+        }
+        if cfg.filler_position == FillerPosition::BeforeQuery {
+            put_filler(&mut t);
+        }
+        if cfg.query_marker {
+            t.extend_from_slice(space.query_marker());
+        }
+        t.extend_from_slice(&self.keys[0]);
+        t.extend_from_slice(assign);
+        if let Some(max) = cfg.max_len
+            && t.len() > max
+        {
+            return Err(TaskError::config(
+                "max_len",
+                format!(
+                    "the prompt for L = {l} needs {} tokens, more than max_len = {max}",
+                    t.len()
+                ),
+            ));
+        }
+        Ok(FillerProbeItem {
+            instance: self.instance,
+            filler_len: l,
+            filler_span: span,
+            read_pos: t.len() - 1,
+            tokens: t,
+            correct: self.values[0].clone(),
+            distractor: self.values[1].clone(),
+            correct_key_pos: Some(key_pos[0]),
+            distractor_key_pos: Some(key_pos[1]),
+        })
+    }
 }
 
 const DEFAULT_TEMPLATE: &str = "BLOCK = 32\n\ndef block_size():\n    \"\"\"Return the block size.\n\n    {filler}\n    \"\"\"\n    return 8\n\nassert block_size() ==";
@@ -343,17 +386,56 @@ pub fn text_filler_probe(
             "must contain `{filler}` exactly once",
         ));
     }
-    let encode = |what: &str, text: &str, special: bool| {
-        tokenizer
-            .encode_char_offsets(text, special)
-            .map_err(|e| TaskError::Tokenize {
-                what: what.to_string(),
-                text: text.to_string(),
-                message: e.to_string(),
-            })
-    };
-    let correct = encode("correct", &cfg.correct, false)?.get_ids().to_vec();
-    let distractor = encode("distractor", &cfg.distractor, false)?
+    let (correct, distractor) = answer_ids(tokenizer, cfg)?;
+    let fs = prefix.chars().count();
+    let mut out = Vec::new();
+    for l in cfg.lengths.iter() {
+        let filler = cfg.filler_unit.repeat(l);
+        let fe = fs + filler.chars().count();
+        let text = format!("{prefix}{filler}{suffix}");
+        let enc = encode(tokenizer, "template", &text, cfg.add_special_tokens)?;
+        let ids = enc.get_ids().to_vec();
+        if ids.is_empty() {
+            return Err(TaskError::config("template", "encodes to no token"));
+        }
+        out.push(FillerProbeItem {
+            instance: 0,
+            filler_len: l,
+            filler_span: filler_span(&enc, fs, fe),
+            read_pos: ids.len() - 1,
+            tokens: ids,
+            correct: correct.clone(),
+            distractor: distractor.clone(),
+            correct_key_pos: None,
+            distractor_key_pos: None,
+        });
+    }
+    Ok(out)
+}
+
+/// Encode `text` (the probe's `what`, named in errors) with character offsets.
+fn encode(
+    tokenizer: &Tokenizer,
+    what: &str,
+    text: &str,
+    special: bool,
+) -> TaskResult<tokenizers::Encoding> {
+    tokenizer
+        .encode_char_offsets(text, special)
+        .map_err(|e| TaskError::Tokenize {
+            what: what.to_string(),
+            text: text.to_string(),
+            message: e.to_string(),
+        })
+}
+
+/// The ids of the correct and the distractor continuation: neither empty, first
+/// tokens different.
+fn answer_ids(tokenizer: &Tokenizer, cfg: &TextProbeConfig) -> TaskResult<(Vec<u32>, Vec<u32>)> {
+    let correct = encode(tokenizer, "correct", &cfg.correct, false)?
+        .get_ids()
+        .to_vec();
+    let distractor = encode(tokenizer, "distractor", &cfg.distractor, false)?
         .get_ids()
         .to_vec();
     if correct.is_empty() {
@@ -371,42 +453,26 @@ pub fn text_filler_probe(
             ),
         ));
     }
-    let fs = prefix.chars().count();
-    let mut out = Vec::new();
-    for l in cfg.lengths.iter() {
-        let filler = cfg.filler_unit.repeat(l);
-        let fe = fs + filler.chars().count();
-        let text = format!("{prefix}{filler}{suffix}");
-        let enc = encode("template", &text, cfg.add_special_tokens)?;
-        let ids = enc.get_ids().to_vec();
-        if ids.is_empty() {
-            return Err(TaskError::config("template", "encodes to no token"));
+    Ok((correct, distractor))
+}
+
+/// The token range `[start, end)` of the non-special tokens of `enc` whose character
+/// offsets overlap the filler text `fs..fe`; without any, the empty range at the first
+/// token from `fs` on.
+fn filler_span(enc: &tokenizers::Encoding, fs: usize, fe: usize) -> (usize, usize) {
+    let n = enc.get_ids().len();
+    let offsets = enc.get_offsets();
+    let special = enc.get_special_tokens_mask();
+    let inside: Vec<usize> = (0..n)
+        .filter(|&i| special.get(i) != Some(&1) && offsets[i].0 < fe && offsets[i].1 > fs)
+        .collect();
+    match (inside.first(), inside.last()) {
+        (Some(&a), Some(&b)) => (a, b + 1),
+        _ => {
+            let k = (0..n)
+                .find(|&i| special.get(i) != Some(&1) && offsets[i].0 >= fs)
+                .unwrap_or(n);
+            (k, k)
         }
-        let offsets = enc.get_offsets();
-        let special = enc.get_special_tokens_mask();
-        let inside: Vec<usize> = (0..ids.len())
-            .filter(|&i| special.get(i) != Some(&1) && offsets[i].0 < fe && offsets[i].1 > fs)
-            .collect();
-        let span = match (inside.first(), inside.last()) {
-            (Some(&a), Some(&b)) => (a, b + 1),
-            _ => {
-                let k = (0..ids.len())
-                    .find(|&i| special.get(i) != Some(&1) && offsets[i].0 >= fs)
-                    .unwrap_or(ids.len());
-                (k, k)
-            }
-        };
-        out.push(FillerProbeItem {
-            instance: 0,
-            filler_len: l,
-            filler_span: span,
-            read_pos: ids.len() - 1,
-            tokens: ids,
-            correct: correct.clone(),
-            distractor: distractor.clone(),
-            correct_key_pos: None,
-            distractor_key_pos: None,
-        });
     }
-    Ok(out)
 }

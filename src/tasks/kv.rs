@@ -133,44 +133,7 @@ impl KvPromptConfig {
     /// Check the config against a token space. Field names are given as they appear
     /// under `prompt` in [`KvEvalConfig`] / [`KvTrainConfig`].
     pub fn validate(&self, space: &TokenSpace) -> TaskResult<()> {
-        if self.n_bindings == 0 {
-            return Err(TaskError::config("prompt.n_bindings", "must be at least 1"));
-        }
-        if self.key_len == 0 {
-            return Err(TaskError::config("prompt.key_len", "must be at least 1"));
-        }
-        if self.value_len == 0 {
-            return Err(TaskError::config("prompt.value_len", "must be at least 1"));
-        }
-        if self.n_queries == 0 {
-            return Err(TaskError::config("prompt.n_queries", "must be at least 1"));
-        }
-        for (key, v) in [
-            ("prompt.n_bindings", self.n_bindings),
-            ("prompt.n_queries", self.n_queries),
-            ("prompt.key_len", self.key_len),
-            ("prompt.value_len", self.value_len),
-        ] {
-            if v > super::MAX_HAYSTACK_LEN {
-                return Err(TaskError::config(
-                    key,
-                    format!(
-                        "{v} is more than a prompt can hold ({} tokens at most)",
-                        super::MAX_HAYSTACK_LEN
-                    ),
-                ));
-            }
-        }
-        if self.query_sampling == QuerySampling::Distinct && self.n_queries > self.n_bindings {
-            return Err(TaskError::config(
-                "prompt.n_queries",
-                format!(
-                    "{} queries but only {} bindings (each query asks a distinct binding; \
-                     query_sampling = \"with_replacement\" allows repeats)",
-                    self.n_queries, self.n_bindings
-                ),
-            ));
-        }
+        self.validate_counts()?;
         let keys = space.key_space(self.key_len);
         if self.n_bindings as u128 > keys {
             return Err(TaskError::config(
@@ -209,6 +172,50 @@ impl KvPromptConfig {
             return Err(TaskError::config(
                 "prompt.bos",
                 "the token space has no BOS token (set bos = false or configure one)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The counts and lengths on their own: at least 1, at most a prompt's length, and
+    /// no more distinct queries than bindings.
+    fn validate_counts(&self) -> TaskResult<()> {
+        if self.n_bindings == 0 {
+            return Err(TaskError::config("prompt.n_bindings", "must be at least 1"));
+        }
+        if self.key_len == 0 {
+            return Err(TaskError::config("prompt.key_len", "must be at least 1"));
+        }
+        if self.value_len == 0 {
+            return Err(TaskError::config("prompt.value_len", "must be at least 1"));
+        }
+        if self.n_queries == 0 {
+            return Err(TaskError::config("prompt.n_queries", "must be at least 1"));
+        }
+        for (key, v) in [
+            ("prompt.n_bindings", self.n_bindings),
+            ("prompt.n_queries", self.n_queries),
+            ("prompt.key_len", self.key_len),
+            ("prompt.value_len", self.value_len),
+        ] {
+            if v > super::MAX_HAYSTACK_LEN {
+                return Err(TaskError::config(
+                    key,
+                    format!(
+                        "{v} is more than a prompt can hold ({} tokens at most)",
+                        super::MAX_HAYSTACK_LEN
+                    ),
+                ));
+            }
+        }
+        if self.query_sampling == QuerySampling::Distinct && self.n_queries > self.n_bindings {
+            return Err(TaskError::config(
+                "prompt.n_queries",
+                format!(
+                    "{} queries but only {} bindings (each query asks a distinct binding; \
+                     query_sampling = \"with_replacement\" allows repeats)",
+                    self.n_queries, self.n_bindings
+                ),
             ));
         }
         Ok(())
@@ -700,22 +707,9 @@ fn balanced_bases(rng: &mut ChaCha8Rng, n: usize, p: usize, d: &Design) -> Vec<u
     bases
 }
 
-/// Generate a phase-matched evaluation set.
-///
-/// Each of `n_logical` logical examples (bindings, values, query order, target
-/// binding `j`, alignment `a`) is rendered `P` times, once per residue `r`, by shifting
-/// its target key from its base position `B` to `t_K = B + s` with
-/// `s = (r - B) mod P` in `0..P`:
-///
-/// - prefix padding: `s` pads before the prompt, `P-1-s` after the last answer;
-/// - in-sequence padding: `s` pads right before the target binding, `P-1-s` right
-///   after it.
-///
-/// Every prompt of the set has the same length; the groups hold the same logical
-/// examples; the query position is identical across groups (in-sequence) or its
-/// per-group multiset is identical (prefix); the mean and variance of `t_K` are
-/// exactly equal across groups (balanced design of `B`, see `docs/prompt_format.md`).
-pub fn generate_eval_set(space: &TokenSpace, cfg: &KvEvalConfig) -> TaskResult<KvEvalSet> {
+/// Check an evaluation set's config: the prompt, enough bindings for the queries
+/// before the target, and `n_logical` a multiple of the matched block.
+fn check_eval_config(space: &TokenSpace, cfg: &KvEvalConfig) -> TaskResult<()> {
     cfg.prompt.validate(space)?;
     if cfg.prompt.query_sampling == QuerySampling::WithReplacement
         && cfg.prompt.n_queries > 1
@@ -739,6 +733,28 @@ pub fn generate_eval_set(space: &TokenSpace, cfg: &KvEvalConfig) -> TaskResult<K
             ),
         ));
     }
+    Ok(())
+}
+
+/// Generate a phase-matched evaluation set.
+///
+/// Each of `n_logical` logical examples (bindings, values, query order, target
+/// binding `j`, alignment `a`) is rendered `P` times, once per residue `r`, by shifting
+/// its target key from its base position `B` to `t_K = B + s` with
+/// `s = (r - B) mod P` in `0..P`:
+///
+/// - prefix padding: `s` pads before the prompt, `P-1-s` after the last answer;
+/// - in-sequence padding: `s` pads right before the target binding, `P-1-s` right
+///   after it.
+///
+/// Every prompt of the set has the same length; the groups hold the same logical
+/// examples; the query position is identical across groups (in-sequence) or its
+/// per-group multiset is identical (prefix); the mean and variance of `t_K` are
+/// exactly equal across groups (balanced design of `B`, see `docs/prompt_format.md`).
+pub fn generate_eval_set(space: &TokenSpace, cfg: &KvEvalConfig) -> TaskResult<KvEvalSet> {
+    check_eval_config(space, cfg)?;
+    let period = cfg.period;
+    let p = period.len();
     let prompt = &cfg.prompt;
     let design = design_geometry(prompt, space, p);
     let prompt_len = prompt.unpadded_len(space) + design.align + (p - 1);

@@ -370,37 +370,16 @@ impl TokenSpace {
     /// A Hugging Face token space from an already loaded tokenizer
     /// (`cfg.tokenizer` is not read).
     pub fn huggingface_with(tokenizer: Tokenizer, cfg: &HfVocabConfig) -> TaskResult<Self> {
-        let encode = |what: &str, text: &str| -> TaskResult<Vec<u32>> {
-            tokenizer
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| TaskError::Tokenize {
-                    what: what.to_string(),
-                    text: text.to_string(),
-                    message: e.to_string(),
-                })
-        };
-        let single = |field: &str, text: &str| -> TaskResult<u32> {
-            if let Some(id) = tokenizer.token_to_id(text) {
-                return Ok(id);
-            }
-            let ids = encode(field, text)?;
-            match ids.as_slice() {
-                [id] => Ok(*id),
-                _ => Err(TaskError::config(
-                    field.to_string(),
-                    format!(
-                        "{text:?} must be one token, but encodes to {} tokens {ids:?}",
-                        ids.len()
-                    ),
-                )),
-            }
-        };
-        let pad = single("pad", &cfg.pad)?;
-        let bos = cfg.bos.as_deref().map(|b| single("bos", b)).transpose()?;
-        let sep = encode("sep", &cfg.sep)?;
-        let assign = encode("assign", &cfg.assign)?;
-        let query = encode("query", &cfg.query)?;
+        let tk = &tokenizer;
+        let pad = hf_single(tk, "pad", &cfg.pad)?;
+        let bos = cfg
+            .bos
+            .as_deref()
+            .map(|b| hf_single(tk, "bos", b))
+            .transpose()?;
+        let sep = hf_encode(tk, "sep", &cfg.sep)?;
+        let assign = hf_encode(tk, "assign", &cfg.assign)?;
+        let query = hf_encode(tk, "query", &cfg.query)?;
         // Ids that can never be atoms: the unknown token and special added tokens.
         let mut banned: Vec<u32> = tokenizer
             .get_added_tokens_decoder()
@@ -411,38 +390,12 @@ impl TokenSpace {
         banned.extend(unk_id(&tokenizer));
         banned.push(pad);
         let mut dropped = Vec::new();
-        let mut atoms = |field: &str, words: &[String]| -> TaskResult<Vec<u32>> {
-            let mut out: Vec<u32> = Vec::new();
-            for w in words {
-                let ids = encode(field, w)?;
-                match ids.as_slice() {
-                    [id] if !banned.contains(id) && !out.contains(id) => out.push(*id),
-                    _ => dropped.push(w.clone()),
-                }
-            }
-            Ok(out)
-        };
+        let mut atoms =
+            |field: &str, words: &[String]| hf_atoms(tk, &banned, &mut dropped, field, words);
         let keys = atoms("key_words", &cfg.key_words)?;
         let values = atoms("value_words", &cfg.value_words)?;
         let filler = atoms("filler_words", &cfg.filler_words)?;
-        if keys.is_empty() {
-            return Err(TaskError::config(
-                "key_words",
-                "no word encodes to exactly one token with this tokenizer",
-            ));
-        }
-        if values.is_empty() {
-            return Err(TaskError::config(
-                "value_words",
-                "no word encodes to exactly one token with this tokenizer",
-            ));
-        }
-        if let Some(k) = keys.iter().find(|k| values.contains(k)) {
-            return Err(TaskError::config(
-                "value_words",
-                format!("token {k} is both a key atom and a value atom"),
-            ));
-        }
+        check_hf_atoms(&keys, &values)?;
         let vocab_size = tokenizer.get_vocab_size(true);
         Ok(TokenSpace {
             pad,
@@ -542,6 +495,80 @@ impl TokenSpace {
                 .join(" "),
         }
     }
+}
+
+/// The ids of `text` (field `what`, named in errors), without special tokens.
+fn hf_encode(tokenizer: &Tokenizer, what: &str, text: &str) -> TaskResult<Vec<u32>> {
+    tokenizer
+        .encode(text, false)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| TaskError::Tokenize {
+            what: what.to_string(),
+            text: text.to_string(),
+            message: e.to_string(),
+        })
+}
+
+/// The one id of `text` (a token of the vocabulary, or text that encodes to one
+/// token); anything else is an error naming `field`.
+fn hf_single(tokenizer: &Tokenizer, field: &str, text: &str) -> TaskResult<u32> {
+    if let Some(id) = tokenizer.token_to_id(text) {
+        return Ok(id);
+    }
+    let ids = hf_encode(tokenizer, field, text)?;
+    match ids.as_slice() {
+        [id] => Ok(*id),
+        _ => Err(TaskError::config(
+            field.to_string(),
+            format!(
+                "{text:?} must be one token, but encodes to {} tokens {ids:?}",
+                ids.len()
+            ),
+        )),
+    }
+}
+
+/// The atoms of `words` (field `field`): each word that encodes to one token, not
+/// `banned` and not seen before; the other words go to `dropped`.
+fn hf_atoms(
+    tokenizer: &Tokenizer,
+    banned: &[u32],
+    dropped: &mut Vec<String>,
+    field: &str,
+    words: &[String],
+) -> TaskResult<Vec<u32>> {
+    let mut out: Vec<u32> = Vec::new();
+    for w in words {
+        let ids = hf_encode(tokenizer, field, w)?;
+        match ids.as_slice() {
+            [id] if !banned.contains(id) && !out.contains(id) => out.push(*id),
+            _ => dropped.push(w.clone()),
+        }
+    }
+    Ok(out)
+}
+
+/// Key and value atoms: neither empty, no token both.
+fn check_hf_atoms(keys: &[u32], values: &[u32]) -> TaskResult<()> {
+    if keys.is_empty() {
+        return Err(TaskError::config(
+            "key_words",
+            "no word encodes to exactly one token with this tokenizer",
+        ));
+    }
+    if values.is_empty() {
+        return Err(TaskError::config(
+            "value_words",
+            "no word encodes to exactly one token with this tokenizer",
+        ));
+    }
+    if let Some(k) = keys.iter().find(|k| values.contains(k)) {
+        return Err(TaskError::config(
+            "value_words",
+            format!("token {k} is both a key atom and a value atom"),
+        ));
+    }
+    Ok(())
 }
 
 /// The id of the model's unknown token, if it has one.

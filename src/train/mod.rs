@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::Module;
+use burn::optim::ModuleOptimizer;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -207,6 +208,8 @@ pub fn training_sampler(path: &Path, file: &OrganismFile) -> Result<KvTrainSampl
     Ok(sampler)
 }
 
+/// [`train`] for one model type: `build` makes it from weights, `open` reads a
+/// checkpoint's weights, `save` writes them.
 fn train_model<M: Module + LanguageModel>(
     path: &Path,
     file: &OrganismFile,
@@ -219,153 +222,32 @@ fn train_model<M: Module + LanguageModel>(
     let tc = &file.train;
     let sampler = training_sampler(path, file)?;
     step::tune_allocator();
-    let run = file.run_dir(path);
-    let hash = config_hash(file);
-    // One training of an organism at a time; then remove what killed writers left.
-    let _lock = crate::output::lock::RunLock::acquire(
-        &run.join(".lock"),
-        &format!("training of `{}`", file.organism.name),
-    )?;
-    let model_dir = file.model_dir(path);
-    for (dir, depth) in [(&run, 3), (&model_dir, 2)] {
-        crate::output::clean_stale_temps(dir, depth).map_err(|e| Error::io(dir, e))?;
-    }
+    let t = Training {
+        path,
+        file,
+        run: file.run_dir(path),
+        hash: config_hash(file),
+        build,
+        open,
+        save,
+    };
+    let _lock = t.lock()?;
     let ad = device.clone().autodiff();
-    let mut optim = optimizer(tc);
-
-    let latest = if opts.fresh {
-        None
-    } else {
-        latest_checkpoint(&run)?
-    };
-    let (mut model, start, mut history, resumed_from) = match latest {
-        Some((dir, meta)) => {
-            if meta.config_hash != hash {
-                return Err(Error::Config {
-                    path: path.to_path_buf(),
-                    message: format!(
-                        "{} holds a checkpoint of a different recipe (hash {} vs {hash}); \
-                         rerun with --fresh to start over",
-                        run.display(),
-                        meta.config_hash
-                    ),
-                });
-            }
-            let src = open(&dir)?;
-            let model = build(&Vb::new(src.as_ref(), &ad))?;
-            let bytes = std::fs::read(dir.join("optim.bpk"))
-                .map_err(|e| Error::io(dir.join("optim.bpk"), e))?;
-            optim = optim
-                .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
-                .map_err(|e| Error::Other(format!("{}: optimizer state: {e}", dir.display())))?;
-            (model, meta.step, meta.history, Some(meta.step))
-        }
-        None => (
-            build(&Vb::new(&RandomInit { seed: tc.seed }, &ad))?,
-            0,
-            Vec::new(),
-            None,
-        ),
-    };
-
+    let begin = t.start(opts.fresh, &ad)?;
+    let (start, resumed_from) = (begin.step, begin.resumed_from);
     let total = opts.max_steps.map_or(tc.steps, |m| m.min(tc.steps));
     let seq = sampler.seq_len();
     let tokens_per_step = (tc.batch_size * seq) as u64;
-    let bar = if opts.progress {
-        ProgressBar::new(total)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps  {msg}  eta {eta}")
-            .expect("template")
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(file.organism.name.clone());
-    bar.set_position(start);
-    let mut tokens_seen = start * tokens_per_step;
-    let t0 = Instant::now();
-    let mut ema: Option<f64> = history.last().map(|r| r.loss);
-    // `--fresh`: the old checkpoints go only when the first new one is saved, after
-    // every check passed and the model was built.
-    let mut drop_old = opts.fresh;
     let stepper = Stepper {
         sampler: &sampler,
         tc,
         device: ad.clone(),
     };
-    for step in start..total {
-        let (next, out) = stepper.step(model, &mut optim, step)?;
-        model = next;
-        let (loss_v, lr) = (out.loss, out.lr);
-        tokens_seen += tokens_per_step;
-        history.push(LogRow {
-            step,
-            loss: loss_v,
-            lr,
-            tokens_seen,
-            accuracy: out.accuracy,
-        });
-        let e = ema.map_or(loss_v, |e| 0.95 * e + 0.05 * loss_v);
-        ema = Some(e);
-        let done = step + 1 - start;
-        let tps = (done * tokens_per_step) as f64 / t0.elapsed().as_secs_f64().max(1e-9);
-        bar.set_message(format!(
-            "loss {e:.3}  acc {:.2}  {tps:.0} tok/s",
-            history.last().map_or(0.0, |r| r.accuracy)
-        ));
-        bar.inc(1);
-        let last = step + 1 == total;
-        if (step + 1) % tc.checkpoint_every == 0 || last {
-            if std::mem::take(&mut drop_old) {
-                let old = run.join("checkpoints");
-                if old.exists() {
-                    std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
-                }
-            }
-            save_checkpoint(
-                &run,
-                &model,
-                save,
-                &optim,
-                step + 1,
-                loss_v,
-                tokens_seen,
-                &hash,
-                &history,
-                tc.keep_checkpoints,
-            )?;
-            write_loss_curve(&run, &file.organism.name, &history, &hash)?;
-            if opts.progress && !std::io::stderr().is_terminal() {
-                // Logs and CI get one line per checkpoint instead of a bar.
-                eprintln!(
-                    "{}: step {}/{total}  loss {e:.4}  batch acc {:.3}  {tps:.0} tok/s  checkpoint saved",
-                    file.organism.name,
-                    step + 1,
-                    history.last().map_or(0.0, |r| r.accuracy)
-                );
-            }
-        }
-    }
-    bar.finish();
+    let (model, history) = t.train_steps(begin, &stepper, total, tokens_per_step, opts)?;
     let final_step = total.max(start);
     let out = file.model_dir(path);
     if final_step == tc.steps {
-        let inference = model.valid();
-        save(&inference, &out)?;
-        let meta = serde_json::json!({
-            "organism": file.organism.name,
-            "steps": final_step,
-            "tokens_seen": final_step * tokens_per_step,
-            "final_loss": history.last().map(|r| r.loss),
-            "config_hash": hash,
-            "phaselens_version": env!("CARGO_PKG_VERSION"),
-        });
-        write_atomic(
-            &out.join("training.json"),
-            format!("{:#}\n", meta).as_bytes(),
-        )?;
-        write_loss_curve(&out.join("training"), &file.organism.name, &history, &hash)?;
+        t.save_final(&model.valid(), &out, final_step * tokens_per_step, &history)?;
     }
     Ok(TrainSummary {
         resumed_from,
@@ -373,6 +255,260 @@ fn train_model<M: Module + LanguageModel>(
         history,
         model_dir: out,
     })
+}
+
+/// One training run: the recipe (at `path`), its run folder and config hash, and how
+/// to build, open and save its model.
+struct Training<'a, M> {
+    path: &'a Path,
+    file: &'a OrganismFile,
+    run: PathBuf,
+    hash: String,
+    build: Build<'a, M>,
+    open: Open<'a>,
+    save: Save<'a, M>,
+}
+
+/// Where a run starts: the model and its optimizer, its step, the loss history so
+/// far, and the step it resumed from (`None` for a fresh start).
+struct Start<M> {
+    model: M,
+    optim: ModuleOptimizer,
+    step: u64,
+    history: Vec<LogRow>,
+    resumed_from: Option<u64>,
+}
+
+impl<M: Module + LanguageModel> Training<'_, M> {
+    /// Resume from the latest checkpoint (unless `fresh`) with its optimizer state;
+    /// else a randomly initialised model at step 0. A checkpoint of a different recipe
+    /// is an error.
+    fn start(&self, fresh: bool, ad: &Device) -> Result<Start<M>> {
+        let optim = optimizer(&self.file.train);
+        let latest = if fresh {
+            None
+        } else {
+            latest_checkpoint(&self.run)?
+        };
+        let Some((dir, meta)) = latest else {
+            return Ok(Start {
+                model: (self.build)(&Vb::new(
+                    &RandomInit {
+                        seed: self.file.train.seed,
+                    },
+                    ad,
+                ))?,
+                optim,
+                step: 0,
+                history: Vec::new(),
+                resumed_from: None,
+            });
+        };
+        if meta.config_hash != self.hash {
+            return Err(Error::Config {
+                path: self.path.to_path_buf(),
+                message: format!(
+                    "{} holds a checkpoint of a different recipe (hash {} vs {}); \
+                     rerun with --fresh to start over",
+                    self.run.display(),
+                    meta.config_hash,
+                    self.hash
+                ),
+            });
+        }
+        let src = (self.open)(&dir)?;
+        let model = (self.build)(&Vb::new(src.as_ref(), ad))?;
+        let bytes = std::fs::read(dir.join("optim.bpk"))
+            .map_err(|e| Error::io(dir.join("optim.bpk"), e))?;
+        let optim = optim
+            .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
+            .map_err(|e| Error::Other(format!("{}: optimizer state: {e}", dir.display())))?;
+        Ok(Start {
+            model,
+            optim,
+            step: meta.step,
+            history: meta.history,
+            resumed_from: Some(meta.step),
+        })
+    }
+
+    /// Take the run's lock (one training of an organism at a time), then remove what
+    /// killed writers left in the run and model folders.
+    fn lock(&self) -> Result<crate::output::lock::RunLock> {
+        let lock = crate::output::lock::RunLock::acquire(
+            &self.run.join(".lock"),
+            &format!("training of `{}`", self.file.organism.name),
+        )?;
+        let model_dir = self.file.model_dir(self.path);
+        for (dir, depth) in [(&self.run, 3), (&model_dir, 2)] {
+            crate::output::clean_stale_temps(dir, depth).map_err(|e| Error::io(dir, e))?;
+        }
+        Ok(lock)
+    }
+
+    /// Train from `begin` up to step `total` (on a progress bar), saving a checkpoint
+    /// every `checkpoint_every` steps and after the last; returns the model and the
+    /// whole loss history.
+    fn train_steps(
+        &self,
+        begin: Start<M>,
+        stepper: &Stepper,
+        total: u64,
+        tokens_per_step: u64,
+        opts: &TrainOptions,
+    ) -> Result<(M, Vec<LogRow>)> {
+        let Start {
+            mut model,
+            mut optim,
+            step: start,
+            mut history,
+            ..
+        } = begin;
+        let bar = self.progress_bar(opts.progress, total, start);
+        let mut tokens_seen = start * tokens_per_step;
+        let mut meter = Meter {
+            bar: &bar,
+            t0: Instant::now(),
+            ema: history.last().map(|r| r.loss),
+            start,
+            tokens_per_step,
+        };
+        // `--fresh`: the old checkpoints go only when the first new one is saved, after
+        // every check passed and the model was built.
+        let mut drop_old = opts.fresh;
+        for step in start..total {
+            let (next, out) = stepper.step(model, &mut optim, step)?;
+            model = next;
+            tokens_seen += tokens_per_step;
+            let row = LogRow {
+                step,
+                loss: out.loss,
+                lr: out.lr,
+                tokens_seen,
+                accuracy: out.accuracy,
+            };
+            history.push(row);
+            let (e, tps) = meter.tick(&row);
+            if (step + 1) % self.file.train.checkpoint_every == 0 || step + 1 == total {
+                self.checkpoint(&model, &optim, &row, &history, &mut drop_old)?;
+                if opts.progress && !std::io::stderr().is_terminal() {
+                    // Logs and CI get one line per checkpoint instead of a bar.
+                    eprintln!(
+                        "{}: step {}/{total}  loss {e:.4}  batch acc {:.3}  {tps:.0} tok/s  checkpoint saved",
+                        self.file.organism.name,
+                        step + 1,
+                        row.accuracy
+                    );
+                }
+            }
+        }
+        bar.finish();
+        Ok((model, history))
+    }
+
+    /// The training progress bar (hidden without `progress`), at `start` of `total`.
+    fn progress_bar(&self, progress: bool, total: u64, start: u64) -> ProgressBar {
+        let bar = if progress {
+            ProgressBar::new(total)
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_style(
+            ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps  {msg}  eta {eta}")
+                .expect("template")
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(self.file.organism.name.clone());
+        bar.set_position(start);
+        bar
+    }
+
+    /// Save a checkpoint after step `row` (removing the old checkpoints first when
+    /// `drop_old` is still set) and the loss curve so far.
+    fn checkpoint(
+        &self,
+        model: &M,
+        optim: &ModuleOptimizer,
+        row: &LogRow,
+        history: &[LogRow],
+        drop_old: &mut bool,
+    ) -> Result<()> {
+        if std::mem::take(drop_old) {
+            let old = self.run.join("checkpoints");
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+            }
+        }
+        save_checkpoint(
+            &self.run,
+            model,
+            self.save,
+            optim,
+            row.step + 1,
+            row.loss,
+            row.tokens_seen,
+            &self.hash,
+            history,
+            self.file.train.keep_checkpoints,
+        )?;
+        write_loss_curve(&self.run, &self.file.organism.name, history, &self.hash)
+    }
+
+    /// Save the finished model into `out`, with `training.json` and the loss curve.
+    fn save_final(
+        &self,
+        inference: &M,
+        out: &Path,
+        tokens_seen: u64,
+        history: &[LogRow],
+    ) -> Result<()> {
+        (self.save)(inference, out)?;
+        let steps = self.file.train.steps;
+        let meta = serde_json::json!({
+            "organism": self.file.organism.name,
+            "steps": steps,
+            "tokens_seen": tokens_seen,
+            "final_loss": history.last().map(|r| r.loss),
+            "config_hash": self.hash,
+            "phaselens_version": env!("CARGO_PKG_VERSION"),
+        });
+        write_atomic(
+            &out.join("training.json"),
+            format!("{:#}\n", meta).as_bytes(),
+        )?;
+        write_loss_curve(
+            &out.join("training"),
+            &self.file.organism.name,
+            history,
+            &self.hash,
+        )
+    }
+}
+
+/// The progress of a run on its bar: smoothed loss, batch accuracy, throughput.
+struct Meter<'a> {
+    bar: &'a ProgressBar,
+    t0: Instant,
+    /// Exponential moving average of the loss.
+    ema: Option<f64>,
+    start: u64,
+    tokens_per_step: u64,
+}
+
+impl Meter<'_> {
+    /// Count step `row` on the bar; returns the smoothed loss and tokens per second.
+    fn tick(&mut self, row: &LogRow) -> (f64, f64) {
+        let e = self.ema.map_or(row.loss, |e| 0.95 * e + 0.05 * row.loss);
+        self.ema = Some(e);
+        let done = row.step + 1 - self.start;
+        let tps = (done * self.tokens_per_step) as f64 / self.t0.elapsed().as_secs_f64().max(1e-9);
+        self.bar.set_message(format!(
+            "loss {e:.3}  acc {:.2}  {tps:.0} tok/s",
+            row.accuracy
+        ));
+        self.bar.inc(1);
+        (e, tps)
+    }
 }
 
 /// The loss curve as `loss.arrow` (columns `step, loss, lr, tokens_seen, accuracy`) and

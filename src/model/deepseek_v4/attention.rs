@@ -100,39 +100,12 @@ impl Attention {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
-        let [b, t, _] = x.dims();
-        let (nh, dh) = (self.n_heads, self.head_dim);
         let q_tables = match self.kind {
             AttnType::Sliding => &tables.main,
             _ => &tables.compress,
         };
-        let q_res = self.q_a_norm.forward(self.q_a_proj.forward(x.clone()));
-        let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, nh, dh]);
-        let q = rms_normalize(q, self.eps);
-        let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
-        let q = rope::rotate(q, q_tables, false);
-        let kv = self
-            .kv_norm
-            .forward(self.kv_proj.forward(x.clone()))
-            .reshape([b, t, 1, dh]);
-        let (kp, vp) = (
-            HookPoint::block(layer, Site::AttnK),
-            HookPoint::block(layer, Site::AttnV),
-        );
-        // Keys are rotated at their own positions, before they join the state.
-        let (k, v) = if hooks.touches(&kp) || hooks.touches(&vp) {
-            let k = hooks.apply(kp, kv.clone())?;
-            let v = hooks.apply(vp, kv)?;
-            (
-                rope::rotate(k, q_tables, false),
-                rope::rotate(v, q_tables, false),
-            )
-        } else {
-            let kv = rope::rotate(kv, q_tables, false);
-            (kv.clone(), kv)
-        };
-        let k = flow.full(layer, "k", k)?;
-        let v = flow.full(layer, "v", v)?;
+        let (q, q_res) = self.queries(layer, &x, q_tables, hooks)?;
+        let (k, v) = self.keys(layer, &x, q_tables, flow, hooks)?;
         let entries = self.entries(layer, &x, tables, flow, hooks)?;
         let mut selector = match (&entries, &self.compressor) {
             (
@@ -157,7 +130,7 @@ impl Attention {
             sink: Some(self.sinks.val()),
         };
         let pattern = HookPoint::block(layer, Site::AttnPattern);
-        let scale = 1.0 / (dh as f64).sqrt();
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
         let z = attend(
             q,
             flow.queries(),
@@ -173,6 +146,60 @@ impl Attention {
         let z = rope::rotate(z, q_tables, true);
         let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
         self.output(layer, z, hooks)
+    }
+
+    /// The queries `[b, t, n_heads, head_dim]` (low-rank, per-head normalised, hooked
+    /// at `attn_q`, then rotated) and the normalised low-rank residual `q_res` the CSA
+    /// indexer reads.
+    fn queries(
+        &self,
+        layer: usize,
+        x: &Tensor<3>,
+        q_tables: &RopeTables,
+        hooks: &mut HookRun,
+    ) -> Result<(Tensor<4>, Tensor<3>)> {
+        let [b, t, _] = x.dims();
+        let q_res = self.q_a_norm.forward(self.q_a_proj.forward(x.clone()));
+        let q = self
+            .q_b_proj
+            .forward(q_res.clone())
+            .reshape([b, t, self.n_heads, self.head_dim]);
+        let q = rms_normalize(q, self.eps);
+        let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
+        Ok((rope::rotate(q, q_tables, false), q_res))
+    }
+
+    /// The shared K = V head of every position `flow` holds: hooked at `attn_k` /
+    /// `attn_v`, rotated at their own positions before they join the state.
+    fn keys(
+        &self,
+        layer: usize,
+        x: &Tensor<3>,
+        q_tables: &RopeTables,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<(Tensor<4>, Tensor<4>)> {
+        let [b, t, _] = x.dims();
+        let kv = self
+            .kv_norm
+            .forward(self.kv_proj.forward(x.clone()))
+            .reshape([b, t, 1, self.head_dim]);
+        let (kp, vp) = (
+            HookPoint::block(layer, Site::AttnK),
+            HookPoint::block(layer, Site::AttnV),
+        );
+        let (k, v) = if hooks.touches(&kp) || hooks.touches(&vp) {
+            let k = hooks.apply(kp, kv.clone())?;
+            let v = hooks.apply(vp, kv)?;
+            (
+                rope::rotate(k, q_tables, false),
+                rope::rotate(v, q_tables, false),
+            )
+        } else {
+            let kv = rope::rotate(kv, q_tables, false);
+            (kv.clone(), kv)
+        };
+        Ok((flow.full(layer, "k", k)?, flow.full(layer, "v", v)?))
     }
 
     /// The compressed entries of a CSA / HCA layer (pooled from the per-token

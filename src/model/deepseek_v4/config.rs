@@ -277,13 +277,15 @@ impl DeepseekV4Config {
 
     /// Check the resolved values; the error names the field.
     pub fn validate(&self) -> Result<()> {
-        let pos = |name: &str, v: usize| {
-            if v == 0 {
-                Err(Error::field(name, "must be at least 1"))
-            } else {
-                Ok(())
-            }
-        };
+        self.validate_sizes()?;
+        self.validate_rope()?;
+        self.validate_scalars()
+    }
+
+    /// The sizes: every count at least 1, the experts per token at most the experts,
+    /// the output groups dividing the heads.
+    fn validate_sizes(&self) -> Result<()> {
+        let pos = at_least_one;
         pos("vocab_size", self.vocab_size)?;
         pos("hidden_size", self.hidden_size)?;
         pos("num_hidden_layers", self.num_hidden_layers)?;
@@ -318,6 +320,13 @@ impl DeepseekV4Config {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// The rotary embeddings: rotated dims even and within the heads (and the CSA
+    /// indexer's heads, with its sizes), thetas and YaRN parameters finite.
+    fn validate_rope(&self) -> Result<()> {
+        let pos = at_least_one;
         for (name, r) in [("main", &self.rope_main), ("compress", &self.rope_compress)] {
             if r.rot_dims % 2 != 0 || r.rot_dims > self.head_dim {
                 return Err(Error::field(
@@ -371,6 +380,11 @@ impl DeepseekV4Config {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The float parameters: finite, and the epsilons and SwiGLU limit in range.
+    fn validate_scalars(&self) -> Result<()> {
         for (name, v) in [
             ("rms_norm_eps", self.rms_norm_eps),
             ("hc_eps", self.hc_eps),
@@ -465,6 +479,15 @@ impl DeepseekV4Config {
             total += per_type(*t, self.mlp_layer_types[l] == MlpType::Moe);
         }
         total
+    }
+}
+
+/// `v` as the value of field `name`: an error unless at least 1.
+fn at_least_one(name: &str, v: usize) -> Result<()> {
+    if v == 0 {
+        Err(Error::field(name, "must be at least 1"))
+    } else {
+        Ok(())
     }
 }
 

@@ -139,13 +139,16 @@ pub struct KvcConfig {
 impl KvcConfig {
     /// Check every field; the error names the field and the allowed values.
     pub fn validate(&self) -> Result<()> {
-        let pos = |name: &str, v: usize| {
-            if v == 0 {
-                Err(Error::field(name, "must be at least 1"))
-            } else {
-                Ok(())
-            }
-        };
+        self.validate_shape()?;
+        self.validate_rope()?;
+        self.validate_scalars()?;
+        self.validate_compression()
+    }
+
+    /// The model type and the sizes: every count at least 1, KV heads dividing the
+    /// query heads, a head width that `d_model` gives or `d_head` sets.
+    fn validate_shape(&self) -> Result<()> {
+        let pos = at_least_one;
         if self.model_type != MODEL_TYPE {
             return Err(Error::field(
                 "model_type",
@@ -173,8 +176,12 @@ impl KvcConfig {
                 "d_model is not divisible by n_heads; set d_head",
             ));
         }
+        pos("d_head", self.d_head())
+    }
+
+    /// The rotary mode against the head width (`rope_dims` only with partial RoPE).
+    fn validate_rope(&self) -> Result<()> {
         let dh = self.d_head();
-        pos("d_head", dh)?;
         match self.rope {
             RopeMode::All if !dh.is_multiple_of(2) => {
                 return Err(Error::field(
@@ -201,6 +208,11 @@ impl KvcConfig {
                 "only allowed with rope = \"partial\"",
             ));
         }
+        Ok(())
+    }
+
+    /// The float parameters (finite and in range) and the number of layers.
+    fn validate_scalars(&self) -> Result<()> {
         // Written so that NaN is rejected too.
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
             return Err(Error::field(
@@ -227,6 +239,12 @@ impl KvcConfig {
                 format!("{} layers is more than {MAX_LAYERS}", self.n_layers),
             ));
         }
+        Ok(())
+    }
+
+    /// `[compression]`: present exactly with compressed attention, window >= stride.
+    fn validate_compression(&self) -> Result<()> {
+        let pos = at_least_one;
         match (self.attention, &self.compression) {
             (AttentionKind::Compressed, None) => {
                 return Err(Error::field(
@@ -336,5 +354,14 @@ impl KvcConfig {
             serde_json::from_str(text).map_err(|e| crate::model::json_error(text, &e))?;
         c.validate().map_err(|e| e.to_string())?;
         Ok(c)
+    }
+}
+
+/// `v` as the value of field `name`: an error unless at least 1.
+fn at_least_one(name: &str, v: usize) -> Result<()> {
+    if v == 0 {
+        Err(Error::field(name, "must be at least 1"))
+    } else {
+        Ok(())
     }
 }
