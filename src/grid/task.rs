@@ -272,60 +272,11 @@ pub fn run_design(grid: &Grid, d: &Design, opts: &GridOptions) -> Result<DesignR
     let file = OrganismFile::load(&recipe)?;
     let hash = config_hash(&file);
     let model_dir = file.model_dir(&recipe);
-    let device = opts.device.device()?;
-    if !opts.fresh && trained(&model_dir, &hash, file.train.steps) {
-        eprintln!("{}: trained ({})", d.name, model_dir.display());
-    } else {
-        let topts = TrainOptions {
-            fresh: opts.fresh,
-            max_steps: None,
-            progress: opts.progress != ProgressMode::Hidden,
-        };
-        let s = train(&recipe, &file, &device, &topts)
-            .map_err(|e| e.context(format!("design `{}`: training", d.name)))?;
-        if let Some(from) = s.resumed_from {
-            eprintln!("{}: resumed from step {from}", d.name);
-        }
-    }
+    train_design(d, &recipe, &file, &hash, opts)?;
     let data = opts.design_data_dir(grid, d);
     let specs = eval_specs(grid, &file);
     for s in &specs {
-        let text = experiment_text(grid, d, &file, s);
-        let exp_path = d
-            .dir(&grid.dir)
-            .join("eval")
-            .join(format!("{}.toml", s.name));
-        write_if_changed(&exp_path, &text)?;
-        let done_path = data.join(&s.name).join("done.json");
-        let done = SweepDone {
-            experiment_sha: sha(&text),
-            config_hash: hash.clone(),
-        };
-        let current = std::fs::read_to_string(&done_path)
-            .ok()
-            .and_then(|t| serde_json::from_str::<SweepDone>(&t).ok());
-        if !opts.fresh && current.as_ref() == Some(&done) {
-            continue;
-        }
-        let ropts = RunOptions {
-            data_root: data.clone(),
-            reports_root: data.join("reports"),
-            fresh: opts.fresh,
-            device: Some(opts.device.clone()),
-            progress: opts.progress,
-            figures: false,
-        };
-        run_experiment(&exp_path, &ropts)
-            .map_err(|e| e.context(format!("design `{}`: sweep {}", d.name, s.name)))?;
-        // The shards only serve to resume an interrupted sweep.
-        let _ = std::fs::remove_dir_all(data.join(&s.name).join("shards"));
-        write_bytes_atomic(
-            &done_path,
-            serde_json::to_string_pretty(&done)
-                .expect("serialises")
-                .as_bytes(),
-        )
-        .map_err(|e| Error::io(&done_path, e))?;
+        sweep_design(grid, d, &file, &hash, s, &data, opts)?;
     }
     let (final_loss, final_batch_accuracy) = loss_tail(&model_dir.join("training/loss.arrow"));
     let record = DesignRecord {
@@ -338,15 +289,89 @@ pub fn run_design(grid: &Grid, d: &Design, opts: &GridOptions) -> Result<DesignR
         evals: specs.into_iter().map(|s| s.name).collect(),
         phaselens_version: env!("CARGO_PKG_VERSION").into(),
     };
-    let p = data.join("design.json");
+    write_json(&data.join("design.json"), &record)?;
+    Ok(record)
+}
+
+/// Train a design's recipe unless its model directory already holds this training.
+fn train_design(
+    d: &Design,
+    recipe: &Path,
+    file: &OrganismFile,
+    hash: &str,
+    opts: &GridOptions,
+) -> Result<()> {
+    let model_dir = file.model_dir(recipe);
+    let device = opts.device.device()?;
+    if !opts.fresh && trained(&model_dir, hash, file.train.steps) {
+        eprintln!("{}: trained ({})", d.name, model_dir.display());
+        return Ok(());
+    }
+    let topts = TrainOptions {
+        fresh: opts.fresh,
+        max_steps: None,
+        progress: opts.progress != ProgressMode::Hidden,
+    };
+    let s = train(recipe, file, &device, &topts)
+        .map_err(|e| e.context(format!("design `{}`: training", d.name)))?;
+    if let Some(from) = s.resumed_from {
+        eprintln!("{}: resumed from step {from}", d.name);
+    }
+    Ok(())
+}
+
+/// Write one eval experiment of a design and run it, unless its `done.json` says this
+/// experiment text already ran on this training.
+fn sweep_design(
+    grid: &Grid,
+    d: &Design,
+    file: &OrganismFile,
+    hash: &str,
+    s: &EvalSpec,
+    data: &Path,
+    opts: &GridOptions,
+) -> Result<()> {
+    let text = experiment_text(grid, d, file, s);
+    let exp_path = d
+        .dir(&grid.dir)
+        .join("eval")
+        .join(format!("{}.toml", s.name));
+    write_if_changed(&exp_path, &text)?;
+    let done_path = data.join(&s.name).join("done.json");
+    let done = SweepDone {
+        experiment_sha: sha(&text),
+        config_hash: hash.to_string(),
+    };
+    let current = std::fs::read_to_string(&done_path)
+        .ok()
+        .and_then(|t| serde_json::from_str::<SweepDone>(&t).ok());
+    if !opts.fresh && current.as_ref() == Some(&done) {
+        return Ok(());
+    }
+    let ropts = RunOptions {
+        data_root: data.to_path_buf(),
+        reports_root: data.join("reports"),
+        fresh: opts.fresh,
+        device: Some(opts.device.clone()),
+        progress: opts.progress,
+        figures: false,
+    };
+    run_experiment(&exp_path, &ropts)
+        .map_err(|e| e.context(format!("design `{}`: sweep {}", d.name, s.name)))?;
+    // The shards only serve to resume an interrupted sweep.
+    let _ = std::fs::remove_dir_all(data.join(&s.name).join("shards"));
+    write_json(&done_path, &done)
+}
+
+/// Pretty JSON, written atomically.
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
     write_bytes_atomic(
-        &p,
-        serde_json::to_string_pretty(&record)
+        path,
+        serde_json::to_string_pretty(value)
             .expect("serialises")
             .as_bytes(),
     )
-    .map_err(|e| Error::io(&p, e))?;
-    Ok(record)
+    .map_err(|e| Error::io(path, e))
 }
 
 /// Mean loss and batch accuracy over the last 50 steps of a `loss.arrow`.
