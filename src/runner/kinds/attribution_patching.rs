@@ -28,12 +28,14 @@ use std::collections::BTreeMap;
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::{Clusters, Est, accuracy_clusters, normalized_logit_diff, per_phase, spearman, topk_recall};
+use crate::analysis::{
+    Clusters, Est, accuracy_clusters, normalized_logit_diff, per_phase, spearman, topk_recall,
+};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
 use crate::model::LanguageModel;
 use crate::output::{
-    HeadKind, HeatmapSpec, Headline, LongRow, ScatterSeries, ScatterSpec, heatmap,
+    HeadKind, Headline, HeatmapSpec, LongRow, ScatterSeries, ScatterSpec, heatmap,
     scatter_predicted_vs_observed,
 };
 
@@ -41,7 +43,9 @@ use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Outcome, Positions, Prompts, Target, readout};
 use super::super::prompts::{PromptMeta, paired_prompts};
-use super::super::report::{ExperimentData, Figures, cell_map, head_axes, layer_head_heatmap, sym_range};
+use super::super::report::{
+    ExperimentData, Figures, cell_map, head_axes, layer_head_heatmap, sym_range,
+};
 use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
 use super::atp_star::{exact_clusters, weighted_ld, weights};
@@ -244,7 +248,10 @@ pub fn atp_terms(
     for (&l, leaf) in layers.iter().zip(&leaves) {
         let p = HookPoint::block(l, Site::AttnZ);
         let grad = leaf.grad(&grads).ok_or_else(|| {
-            Error::hook(p.to_string(), "no gradient reached this point (does the model run it?)")
+            Error::hook(
+                p.to_string(),
+                "no gradient reached this point (does the model run it?)",
+            )
         })?;
         let z = out
             .cache
@@ -277,8 +284,14 @@ fn z_terms(z: Tensor<4>, grad: Tensor<4>, directions: &[Direction]) -> Result<Ve
     let mut out = Vec::with_capacity(directions.len());
     for d in directions {
         let (delta, gr) = match d {
-            Direction::Denoise => (zc.clone() - zx.clone(), grad.clone().slice([n..n2, 0..len, 0..h, 0..dh])),
-            Direction::Noise => (zx.clone() - zc.clone(), grad.clone().slice([0..n, 0..len, 0..h, 0..dh])),
+            Direction::Denoise => (
+                zc.clone() - zx.clone(),
+                grad.clone().slice([n..n2, 0..len, 0..h, 0..dh]),
+            ),
+            Direction::Noise => (
+                zx.clone() - zc.clone(),
+                grad.clone().slice([0..n, 0..len, 0..h, 0..dh]),
+            ),
         };
         let term = (delta * gr).sum_dim(3).reshape([n * len * h]);
         out.push(term.try_into_vec_as::<f32>()?);
@@ -390,7 +403,13 @@ impl NldRows {
 
     /// Append the rows of `metric` (the NLD of `c` per phase and pooled) and return
     /// their values.
-    pub(super) fn push(&self, c: &Clusters<3>, metric: &str, at: At, rows: &mut Vec<LongRow>) -> (Vec<f64>, f64) {
+    pub(super) fn push(
+        &self,
+        c: &Clusters<3>,
+        metric: &str,
+        at: At,
+        rows: &mut Vec<LongRow>,
+    ) -> (Vec<f64>, f64) {
         let (per, pooled) = per_phase(c, nld, self.reps, self.seed);
         rows.extend(self.rc.phase_rows(metric, at, &self.phases, &per, pooled));
         (per.iter().map(|e| e.value).collect(), pooled.value)
@@ -413,7 +432,11 @@ pub(super) fn agreement_stats(
     let mae = if est.is_empty() {
         f64::NAN
     } else {
-        est.iter().zip(exact).map(|(a, b)| (a - b).abs()).sum::<f64>() / n as f64
+        est.iter()
+            .zip(exact)
+            .map(|(a, b)| (a - b).abs())
+            .sum::<f64>()
+            / n as f64
     };
     [
         ("spearman".to_string(), sp),
@@ -422,7 +445,14 @@ pub(super) fn agreement_stats(
     ]
     .into_iter()
     .map(|(stat, v)| {
-        let row = rc.row(metric(&stat), Est { value: v, ci: None, n });
+        let row = rc.row(
+            metric(&stat),
+            Est {
+                value: v,
+                ci: None,
+                n,
+            },
+        );
         match ph {
             Some(ph) => row.at_phase(ph),
             None => row,
@@ -583,12 +613,20 @@ impl CellRows<'_> {
     /// Position sets patched exactly: the kind's positions, and the band's offsets with
     /// `validate_positions`.
     fn n_pos_sets(&self) -> usize {
-        1 + if self.cfg.validate_positions { self.offsets.len() } else { 0 }
+        1 + if self.cfg.validate_positions {
+            self.offsets.len()
+        } else {
+            0
+        }
     }
 
     /// Estimate rows (head level and every offset of the band) and, with `exact`, exact
     /// rows per direction x head; the values of both.
-    fn cell_rows(&self, exact: Option<&[GroupResult]>, rows: &mut Vec<LongRow>) -> (CellVals, CellVals) {
+    fn cell_rows(
+        &self,
+        exact: Option<&[GroupResult]>,
+        rows: &mut Vec<LongRow>,
+    ) -> (CellVals, CellVals) {
         let mut est_vals: CellVals = BTreeMap::new();
         let mut exact_vals: CellVals = BTreeMap::new();
         for (di, d) in self.cfg.directions.iter().enumerate() {
@@ -604,7 +642,11 @@ impl CellRows<'_> {
                 // Exact values from the executor's outcomes.
                 if let Some(res) = exact {
                     for ps in 0..self.n_pos_sets() {
-                        let off = if ps == 0 { None } else { Some(self.offsets[ps - 1]) };
+                        let off = if ps == 0 {
+                            None
+                        } else {
+                            Some(self.offsets[ps - 1])
+                        };
                         let ci = (ps * self.cfg.directions.len() + di) * self.heads.len() + hi;
                         let c = exact_clusters(&self.groups.metas, res, ci, *d, self.p);
                         let metric = match off {
@@ -634,7 +676,11 @@ impl CellRows<'_> {
                 };
                 let tg = &prompts.targets[row].positions;
                 let pos: Vec<usize> = match off {
-                    None => self.cfg.positions.resolve(tg).unwrap_or_else(|| (0..prompts.len).collect()),
+                    None => self
+                        .cfg
+                        .positions
+                        .resolve(tg)
+                        .unwrap_or_else(|| (0..prompts.len).collect()),
                     Some(o) => Positions::Offset(o).resolve(tg).unwrap_or_default(),
                 };
                 let delta = terms.sum(di, li, i, &h.query_heads, &pos);
@@ -653,7 +699,9 @@ impl CellRows<'_> {
     fn agreement_rows(&self, est: &CellVals, exact: &CellVals, rows: &mut Vec<LongRow>) {
         for (di, d) in self.cfg.directions.iter().enumerate() {
             for kind in [HeadKind::Query, HeadKind::Kv] {
-                let hs: Vec<usize> = (0..self.heads.len()).filter(|&i| self.heads[i].kind == kind).collect();
+                let hs: Vec<usize> = (0..self.heads.len())
+                    .filter(|&i| self.heads[i].kind == kind)
+                    .collect();
                 if hs.is_empty() {
                     continue;
                 }
@@ -670,10 +718,18 @@ impl CellRows<'_> {
                             .flat_map(|&h| self.offsets.iter().map(move |&o| (h, Some(o))))
                             .collect(),
                     };
-                    let metric = |stat: &str| format!("{}{suffix}", agreement_metric(stat, *d, kind));
+                    let metric =
+                        |stat: &str| format!("{}{suffix}", agreement_metric(stat, *d, kind));
                     for ph in self.nld.phases.iter().map(|&p| Some(p)).chain([None]) {
                         let (e, x) = finite_pairs(est, exact, di, &keys, ph.map(|p| p as usize));
-                        rows.extend(agreement_stats(&self.nld.rc, self.cfg.top_k, &metric, ph, &e, &x));
+                        rows.extend(agreement_stats(
+                            &self.nld.rc,
+                            self.cfg.top_k,
+                            &metric,
+                            ph,
+                            &e,
+                            &x,
+                        ));
                     }
                 }
             }
@@ -685,18 +741,41 @@ impl CellRows<'_> {
         let (rc, g) = (&self.nld.rc, self.groups);
         let n_dirs = self.cfg.directions.len();
         let n_groups = g.prompts.len().max(1) as f64;
-        let atp_cells = (self.heads.len() * n_dirs * g.prompts.first().map_or(0, |p| p.len)) as f64 * n_groups;
-        rows.push(rc.row("atp_seconds", Est { value: g.seconds, ci: None, n: n_groups as u64 }));
+        let atp_cells =
+            (self.heads.len() * n_dirs * g.prompts.first().map_or(0, |p| p.len)) as f64 * n_groups;
+        rows.push(rc.row(
+            "atp_seconds",
+            Est {
+                value: g.seconds,
+                ci: None,
+                n: n_groups as u64,
+            },
+        ));
         rows.push(rc.row(
             "atp_cells_per_s",
-            Est { value: atp_cells / g.seconds.max(1e-9), ci: None, n: atp_cells as u64 },
+            Est {
+                value: atp_cells / g.seconds.max(1e-9),
+                ci: None,
+                n: atp_cells as u64,
+            },
         ));
         if let Some(secs) = exact_secs {
             let cells = (self.heads.len() * n_dirs * self.n_pos_sets()) as f64 * n_groups;
-            rows.push(rc.row("exact_seconds", Est { value: secs, ci: None, n: n_groups as u64 }));
+            rows.push(rc.row(
+                "exact_seconds",
+                Est {
+                    value: secs,
+                    ci: None,
+                    n: n_groups as u64,
+                },
+            ));
             rows.push(rc.row(
                 "exact_cells_per_s",
-                Est { value: cells / secs.max(1e-9), ci: None, n: cells as u64 },
+                Est {
+                    value: cells / secs.max(1e-9),
+                    ci: None,
+                    n: cells as u64,
+                },
             ));
         }
     }
@@ -725,7 +804,14 @@ fn finite_pairs(
 
 fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "atp", &cfg.layers, &ctx.info, false)?;
-    let heads = head_cells(ctx, "atp", &layers, &cfg.head_kinds, &cfg.heads, &cfg.kv_heads)?;
+    let heads = head_cells(
+        ctx,
+        "atp",
+        &layers,
+        &cfg.head_kinds,
+        &cfg.heads,
+        &cfg.kv_heads,
+    )?;
     let groups = atp_groups(ctx, &layers, &cfg.directions)?;
     // Exact patching of the same cells (and, optionally, of every offset of the band).
     let exact = if cfg.validate {
@@ -770,7 +856,11 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
 }
 
 fn fmt3(v: f64) -> String {
-    if v.is_finite() { format!("{v:.3}") } else { "n/a".into() }
+    if v.is_finite() {
+        format!("{v:.3}")
+    } else {
+        "n/a".into()
+    }
 }
 
 /// The value of `metric` at phase `ph` (None: pooled), NaN when absent.
@@ -797,10 +887,16 @@ fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
          that read it.",
     );
     // Speed headline.
-    if let (Some(a), Some(x)) = (d.scalar(m, "atp_cells_per_s"), d.scalar(m, "exact_cells_per_s")) {
+    if let (Some(a), Some(x)) = (
+        d.scalar(m, "atp_cells_per_s"),
+        d.scalar(m, "exact_cells_per_s"),
+    ) {
         f.report.headline(
-            Headline::new("AtP head x position cells/s vs exact head cells/s", format!("{:.0}x", a.value / x.value))
-                .with_detail(format!("{:.0} vs {:.1} cells/s", a.value, x.value)),
+            Headline::new(
+                "AtP head x position cells/s vs exact head cells/s",
+                format!("{:.0}x", a.value / x.value),
+            )
+            .with_detail(format!("{:.0} vs {:.1} cells/s", a.value, x.value)),
         );
     }
     for dirn in &cfg.directions {
@@ -831,7 +927,13 @@ fn direction_section(cfg: &AttributionPatching, f: &mut Figures, dirn: Direction
 }
 
 /// Layer x query head heatmaps of the estimate `am` and of the exact `xm`, all phases.
-fn query_heatmaps(f: &mut Figures, am: &str, xm: &str, layers: &[u32], heads: &[u32]) -> Result<()> {
+fn query_heatmaps(
+    f: &mut Figures,
+    am: &str,
+    xm: &str,
+    layers: &[u32],
+    heads: &[u32],
+) -> Result<()> {
     let (d, m, dir) = (f.data, f.model.clone(), f.dir);
     let est = cell_map(d, &m, am, HeadKind::Query);
     let ex = cell_map(d, &m, xm, HeadKind::Query);
@@ -848,7 +950,10 @@ fn query_heatmaps(f: &mut Figures, am: &str, xm: &str, layers: &[u32], heads: &[
         "H",
         true,
     )?;
-    f.push(&format!("AtP estimate of {xm} per layer x query head, all phases"), fig);
+    f.push(
+        &format!("AtP estimate of {xm} per layer x query head, all phases"),
+        fig,
+    );
     if !ex.is_empty() {
         let fig = layer_head_heatmap(
             &dir.join(format!("{xm}_all_phases")),
@@ -862,7 +967,10 @@ fn query_heatmaps(f: &mut Figures, am: &str, xm: &str, layers: &[u32], heads: &[
             "H",
             true,
         )?;
-        f.push(&format!("Exact {xm} per layer x query head, all phases"), fig);
+        f.push(
+            &format!("Exact {xm} per layer x query head, all phases"),
+            fig,
+        );
     }
     Ok(())
 }
@@ -899,7 +1007,10 @@ fn estimate_scatter(f: &mut Figures, am: &str, xm: &str) -> Result<()> {
                 size: None,
             },
         )?;
-        f.push(&format!("AtP estimate vs exact {xm}, every head x source phase"), fig);
+        f.push(
+            &format!("AtP estimate vs exact {xm}, every head x source phase"),
+            fig,
+        );
     }
     Ok(())
 }
@@ -930,7 +1041,10 @@ fn agreement_section(cfg: &AttributionPatching, f: &mut Figures, dirn: Direction
         body.push(row);
     }
     f.report.table(
-        format!("Agreement of AtP with exact patching ({xm}; top-{} recall over |NLD|)", cfg.top_k),
+        format!(
+            "Agreement of AtP with exact patching ({xm}; top-{} recall over |NLD|)",
+            cfg.top_k
+        ),
         header,
         body,
     );
@@ -962,7 +1076,11 @@ fn failure_text(cfg: &AttributionPatching, f: &Figures, dirn: Direction) -> Stri
             })
             .collect();
         if !bad.is_empty() {
-            weak.push(format!("{} heads at phase {}", kind.as_str(), bad.join(", phase ")));
+            weak.push(format!(
+                "{} heads at phase {}",
+                kind.as_str(),
+                bad.join(", phase ")
+            ));
         }
     }
     let worst = worst_cells(d, m, &atp_metric(dirn), dirn.metric());
@@ -1007,7 +1125,10 @@ fn worst_cells(d: &ExperimentData, m: &str, am: &str, xm: &str) -> Vec<(f64, Str
                     HeadKind::Query => format!("L{l}.H{h}"),
                     HeadKind::Kv => format!("L{l}.KV{h}"),
                 };
-                worst.push(((v - o).abs(), format!("{name} at phase {ph}: AtP {v:.3}, exact {o:.3}")));
+                worst.push((
+                    (v - o).abs(),
+                    format!("{name} at phase {ph}: AtP {v:.3}, exact {o:.3}"),
+                ));
             }
         }
     }
@@ -1032,7 +1153,12 @@ fn positions_heatmap(
             let vals: Vec<f64> = (0..cfg.position_band)
                 .map(|o| {
                     d.find(&m, &format!("{am}{}", offset_suffix(o)))
-                        .find(|r| r.layer == Some(l) && r.head == Some(h) && r.head_kind == Some(HeadKind::Query) && r.phase.is_none())
+                        .find(|r| {
+                            r.layer == Some(l)
+                                && r.head == Some(h)
+                                && r.head_kind == Some(HeadKind::Query)
+                                && r.phase.is_none()
+                        })
                         .map_or(f64::NAN, |r| r.value)
                 })
                 .collect();
@@ -1059,6 +1185,9 @@ fn positions_heatmap(
         size: None,
     };
     let fig = heatmap(dir.join(format!("{am}_positions")), &spec)?;
-    f.push(&format!("AtP estimate of {xm} per query head x position (one position patched at a time)"), fig);
+    f.push(
+        &format!("AtP estimate of {xm} per query head x position (one position patched at a time)"),
+        fig,
+    );
     Ok(())
 }

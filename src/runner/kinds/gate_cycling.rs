@@ -28,12 +28,12 @@ use crate::hooks::{Act, Action, HookPoint, Site};
 use crate::model::LayerKind;
 use crate::output::{Headline, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed};
 
-use super::super::rows::{RowCtx, baseline_rows};
-use super::super::experiment::{Experiment, GateKind, Selection};
 use super::super::exec::Group;
-use super::super::report::{ExperimentData, Figures, accuracy_figure, ci_text, push};
+use super::super::experiment::{Experiment, GateKind, Selection};
 use super::super::patching::{Cell, Edit};
 use super::super::prompts::{PromptMeta, clean_prompts};
+use super::super::report::{ExperimentData, Figures, accuracy_figure, ci_text, push};
+use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
 use super::{Ctx, Kind, KindOutput, base_obs};
 
@@ -77,7 +77,6 @@ impl Default for GateCycling {
         }
     }
 }
-
 
 impl Kind for GateCycling {
     fn name(&self) -> &'static str {
@@ -134,7 +133,11 @@ fn check_offsets(cfg: &GateCycling, ctx: &mut Ctx, layers: &[usize]) {
             // The offsets a shift moves: the window's (whole gates, kvc bias) or, for a
             // DeepSeek-V4 bias, the rate's (position_bias has one row per offset in the stride).
             let ds = ctx.info.arch == crate::model::deepseek_v4::MODEL_TYPE;
-            let offsets = if cfg.roll == Roll::Bias && ds { stride } else { window };
+            let offsets = if cfg.roll == Roll::Bias && ds {
+                stride
+            } else {
+                window
+            };
             if offsets != p {
                 let w = format!(
                     "layer {l} rolls over {offsets} offsets but P = {p}: rolling by delta offsets shifts phases by delta only when they are equal"
@@ -349,7 +352,10 @@ impl GateBias {
         match self.deepseek {
             Some((2, dim)) => {
                 let slots = Tensor::cat(
-                    vec![diff.clone().slice_dim(1, 0..dim), diff.slice_dim(1, dim..2 * dim)],
+                    vec![
+                        diff.clone().slice_dim(1, 0..dim),
+                        diff.slice_dim(1, dim..2 * dim),
+                    ],
                     0,
                 );
                 Act::new(slots.reshape([1, 1, 2 * m, 1, dim]))
@@ -379,7 +385,11 @@ fn gate_biases(ctx: &Ctx, layers: &[usize], gates: &[GateKind]) -> Result<Vec<Ga
         let m = crate::model::deepseek_v4::load(dir, &ctx.device)?;
         for &l in layers {
             let Some(c) = m.model.layers[l].self_attn.compressor.as_ref() else {
-                return Err(ctx.exp.err("cycling", "layers", format!("layer {l} has no compressor")));
+                return Err(ctx.exp.err(
+                    "cycling",
+                    "layers",
+                    format!("layer {l} has no compressor"),
+                ));
             };
             let p = &c.pooler;
             for g in gates {
@@ -470,7 +480,12 @@ fn draw(cfg: &GateCycling, f: &mut Figures) -> Result<()> {
         &series,
         &format!("{m}: accuracy by phase with rolled gates"),
     )? {
-        push(&mut f.files, &mut f.report, "Accuracy profiles with rolled gates", fig);
+        push(
+            &mut f.files,
+            &mut f.report,
+            "Accuracy profiles with rolled gates",
+            fig,
+        );
     }
     Ok(())
 }
@@ -504,7 +519,12 @@ fn intro(cfg: &GateCycling, f: &mut Figures) {
 
 /// Shift `dl`'s predicted vs observed accuracy per phase and its row of the agreement
 /// table (R^2, MAE and their intervals); None without observed rows.
-fn shift_summary(d: &ExperimentData, m: &str, phases: &[u32], dl: i64) -> Option<(ScatterSeries, Vec<String>)> {
+fn shift_summary(
+    d: &ExperimentData,
+    m: &str,
+    phases: &[u32],
+    dl: i64,
+) -> Option<(ScatterSeries, Vec<String>)> {
     let sfx = delta_suffix(dl);
     let pred: BTreeMap<u32, f64> = d
         .find(m, &format!("cycling_predicted{sfx}"))

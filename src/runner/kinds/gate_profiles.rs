@@ -21,16 +21,19 @@ use crate::analysis::{Est, accuracy_clusters};
 use crate::error::{Error, Result, ResultExt};
 use crate::hooks::{ActivationCache, HookPoint, Site};
 use crate::model::{LanguageModel, load_model};
-use crate::output::{BandSeries, BarProfileSpec, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow, Report, bar_profile, heatmap, line_with_bands};
+use crate::output::{
+    BandSeries, BarProfileSpec, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow, Report,
+    bar_profile, heatmap, line_with_bands,
+};
 use crate::tasks::KvEvalSet;
 
-use super::super::rows::{RowCtx, baseline_rows};
 use super::super::experiment::{GateKind, Selection};
 use super::super::patching::base_run_with;
 use super::super::progress::Progress;
 use super::super::prompts::clean_prompts;
-use super::super::setup;
 use super::super::report::{ExperimentData, Figures, push};
+use super::super::rows::{RowCtx, baseline_rows};
+use super::super::setup;
 use super::{Ctx, Kind, KindOutput};
 
 const GATES: [(GateKind, Site); 2] = [
@@ -181,7 +184,6 @@ pub struct GateProfiles {
     /// file: the statistics are also computed at every checkpoint.
     pub checkpoints: Option<PathBuf>,
 }
-
 
 impl Kind for GateProfiles {
     fn name(&self) -> &'static str {
@@ -392,7 +394,12 @@ fn entropy_heatmap(f: &mut Figures, keys: &BTreeSet<(u32, u32)>, w: u32) -> Resu
     let spec = HeatmapSpec {
         matrix: keys
             .iter()
-            .map(|&(l, h)| metrics.iter().map(|(mt, _)| head_val(d, mt, &m, l, h)).collect())
+            .map(|&(l, h)| {
+                metrics
+                    .iter()
+                    .map(|(mt, _)| head_val(d, mt, &m, l, h))
+                    .collect()
+            })
             .collect(),
         row_labels: keys.iter().map(|(l, h)| format!("L{l} KV{h}")).collect(),
         col_labels: metrics.iter().map(|(_, n)| n.to_string()).collect(),
@@ -406,7 +413,12 @@ fn entropy_heatmap(f: &mut Figures, keys: &BTreeSet<(u32, u32)>, w: u32) -> Resu
         size: None,
     };
     let fig = heatmap(dir.join("gate_entropy"), &spec)?;
-    push(&mut f.files, &mut f.report, "Effective number of offsets per gate", fig);
+    push(
+        &mut f.files,
+        &mut f.report,
+        "Effective number of offsets per gate",
+        fig,
+    );
     Ok(())
 }
 
@@ -453,6 +465,11 @@ fn trajectory(f: &mut Figures, keys: &BTreeSet<(u32, u32)>, w: u32) -> Result<()
         size: None,
     };
     let fig = line_with_bands(dir.join("gate_trajectory"), &spec)?;
-    push(&mut f.files, &mut f.report, "Gate sharpness over training checkpoints", fig);
+    push(
+        &mut f.files,
+        &mut f.report,
+        "Gate sharpness over training checkpoints",
+        fig,
+    );
     Ok(())
 }

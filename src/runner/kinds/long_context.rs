@@ -349,7 +349,11 @@ struct Cell {
 
 fn read_cells(path: &Path) -> Result<Vec<Cell>> {
     let t = Table::read_arrow(path)?;
-    let (proto, length, depth) = (t.utf8("protocol")?, t.uint64("length")?, t.float64("depth")?);
+    let (proto, length, depth) = (
+        t.utf8("protocol")?,
+        t.uint64("length")?,
+        t.float64("depth")?,
+    );
     let (phase, n, correct) = (t.uint64("phase")?, t.uint64("n")?, t.uint64("correct")?);
     Ok((0..t.num_rows())
         .map(|i| Cell {

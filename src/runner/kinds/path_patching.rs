@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::analysis::{Clusters, Est, accuracy_clusters, normalized_logit_diff, per_phase};
 use crate::error::{Error, Result};
-use crate::hooks::{Act, ActivationCache, Action, HookPoint, HookSpec, Scope, Site};
+use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
 use crate::model::LanguageModel;
 use crate::output::{HeadKind, HeatmapSpec, LongRow, heatmap};
 
@@ -294,7 +294,11 @@ impl PathRun<'_> {
             let recv = self.receiving(d);
             let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
             for (si, s) in self.senders.iter().enumerate() {
-                if self.cells.iter().any(|c| c.sender == si && c.direction == d) {
+                if self
+                    .cells
+                    .iter()
+                    .any(|c| c.sender == si && c.direction == d)
+                {
                     by_layer.entry(s.layer).or_default().push(si);
                 }
             }
@@ -331,7 +335,10 @@ impl PathRun<'_> {
                 for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
                     let p = HookPoint::block(l, s);
                     let a = out.cache.get(&p).ok_or_else(|| {
-                        Error::hook(p.to_string(), "the sender forward did not produce this activation")
+                        Error::hook(
+                            p.to_string(),
+                            "the sender forward did not produce this activation",
+                        )
                     })?;
                     m.insert(p, a.select_batch(&sel)?);
                 }
@@ -344,7 +351,13 @@ impl PathRun<'_> {
     /// The hooks of a sender forward: at the sender's layer the base z with each row's
     /// sender head from the partner; every other hook_z and every MLP output from that
     /// layer on frozen; the later layers' q / k / v captured.
-    fn sender_spec(&self, ls: usize, chunk: &[usize], recv: &[usize], rows: &[usize]) -> Result<HookSpec> {
+    fn sender_spec(
+        &self,
+        ls: usize,
+        chunk: &[usize],
+        recv: &[usize],
+        rows: &[usize],
+    ) -> Result<HookSpec> {
         let (cache, n2) = (self.cache, self.prompts.n());
         let partner = |p: usize| (p + n2 / 2) % n2;
         let mut spec = HookSpec::new();
@@ -364,15 +377,24 @@ impl PathRun<'_> {
                 .collect();
             blocks.push(splice(b, f, &[self.senders[si].head], &pos)?);
         }
-        spec = spec.intervene_point(zp, Action::Replace(Act::new(Tensor::cat(blocks, 0))), Scope::all());
+        spec = spec.intervene_point(
+            zp,
+            Action::Replace(Act::new(Tensor::cat(blocks, 0))),
+            Scope::all(),
+        );
         // Freeze every other hook_z and every MLP output from the sender's layer on.
         for l in ls..=self.last {
             if l > ls {
                 let p = HookPoint::block(l, Site::AttnZ);
-                spec = spec.intervene_point(p, Action::Replace(act_rows(cache, &p, rows)?), Scope::all());
+                spec = spec.intervene_point(
+                    p,
+                    Action::Replace(act_rows(cache, &p, rows)?),
+                    Scope::all(),
+                );
             }
             let p = HookPoint::block(l, Site::MlpOut);
-            spec = spec.intervene_point(p, Action::Replace(act_rows(cache, &p, rows)?), Scope::all());
+            spec =
+                spec.intervene_point(p, Action::Replace(act_rows(cache, &p, rows)?), Scope::all());
         }
         for l in ls + 1..=self.last {
             for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
@@ -384,7 +406,11 @@ impl PathRun<'_> {
 
     /// Step 2: per receiver layer, chunks of cells; rows = cells x receiving prompts.
     /// One outcome per receiving prompt of every cell.
-    fn receiver_outcomes(&self, captured: &SenderCaptures, progress: &mut Progress) -> Result<Vec<Vec<Outcome>>> {
+    fn receiver_outcomes(
+        &self,
+        captured: &SenderCaptures,
+        progress: &mut Progress,
+    ) -> Result<Vec<Vec<Outcome>>> {
         let k = self.prompts.n() / 2;
         let mut results: Vec<Vec<Outcome>> = vec![Vec::new(); self.cells.len()];
         let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -406,7 +432,12 @@ impl PathRun<'_> {
 
     /// One receiver forward from layer `lr` for the cells `chunk`: each cell's receiver
     /// slice replaced by its capture from the sender forward; the outcomes of its rows.
-    fn receiver_forward(&self, lr: usize, chunk: &[usize], captured: &SenderCaptures) -> Result<Vec<Outcome>> {
+    fn receiver_forward(
+        &self,
+        lr: usize,
+        chunk: &[usize],
+        captured: &SenderCaptures,
+    ) -> Result<Vec<Outcome>> {
         let (cells, k) = (self.cells, self.prompts.n() / 2);
         let rows: Vec<usize> = chunk
             .iter()
@@ -437,7 +468,11 @@ impl PathRun<'_> {
                     .get::<4>()?;
                 blocks.push(splice(b, fill, &[cell.receiver.head], &vec![None; k])?);
             }
-            spec = spec.intervene_point(p, Action::Replace(Act::new(Tensor::cat(blocks, 0))), Scope::all());
+            spec = spec.intervene_point(
+                p,
+                Action::Replace(Act::new(Tensor::cat(blocks, 0))),
+                Scope::all(),
+            );
         }
         let out = self.model.forward_from(tokens, lr, &resid, &spec)?;
         let targets: Vec<&Target> = rows.iter().map(|&p| &self.prompts.targets[p]).collect();
@@ -497,7 +532,12 @@ fn select_paths(cfg: &PathPatching, ctx: &Ctx) -> Result<Paths> {
     let r_layers = resolve(exp, "receiver_layers", &cfg.receiver_layers, nl)?;
     let mut senders = Vec::new();
     for &l in &s_layers {
-        for h in resolve(exp, "sender_heads", &cfg.sender_heads, ctx.info.layers[l].n_heads)? {
+        for h in resolve(
+            exp,
+            "sender_heads",
+            &cfg.sender_heads,
+            ctx.info.layers[l].n_heads,
+        )? {
             senders.push(Sender { layer: l, head: h });
         }
     }
@@ -514,7 +554,11 @@ fn select_paths(cfg: &PathPatching, ctx: &Ctx) -> Result<Paths> {
                     for h in resolve(exp, key, sel, n)? {
                         cells.push(PathCell {
                             sender: si,
-                            receiver: Receiver { layer: lr, head: h, input },
+                            receiver: Receiver {
+                                layer: lr,
+                                head: h,
+                                input,
+                            },
                             direction: d,
                         });
                     }
@@ -534,7 +578,11 @@ fn select_paths(cfg: &PathPatching, ctx: &Ctx) -> Result<Paths> {
 
 /// Every phase group's prompt metadata and outcomes (from the store, or computed and
 /// stored).
-fn path_groups(cfg: &PathPatching, ctx: &mut Ctx, paths: &Paths) -> Result<(Vec<Vec<PromptMeta>>, Vec<GroupResult>)> {
+fn path_groups(
+    cfg: &PathPatching,
+    ctx: &mut Ctx,
+    paths: &Paths,
+) -> Result<(Vec<Vec<PromptMeta>>, Vec<GroupResult>)> {
     let cells = &paths.cells;
     let set = ctx.eval_set()?;
     let assign = if ctx.task.prompt.assign {
@@ -573,8 +621,15 @@ fn path_groups(cfg: &PathPatching, ctx: &mut Ctx, paths: &Paths) -> Result<(Vec<
                 GroupResult { base, cells: v }
             }
             None => {
-                let (base, out) =
-                    path_group(ctx.model, &prompts, &paths.senders, cells, &cfg.positions, ctx.max_rows, &mut progress)?;
+                let (base, out) = path_group(
+                    ctx.model,
+                    &prompts,
+                    &paths.senders,
+                    cells,
+                    &cfg.positions,
+                    ctx.max_rows,
+                    &mut progress,
+                )?;
                 let mut save = out.clone();
                 save.push(base.clone());
                 ctx.store.save(&key, &save)?;
@@ -618,7 +673,12 @@ fn baseline(ctx: &Ctx, metas: &[Vec<PromptMeta>], results: &[GroupResult]) -> Ve
 }
 
 /// The NLD rows of every path cell (at the sender head, per phase and pooled).
-fn cell_rows(ctx: &Ctx, paths: &Paths, metas: &[Vec<PromptMeta>], results: &[GroupResult]) -> Vec<LongRow> {
+fn cell_rows(
+    ctx: &Ctx,
+    paths: &Paths,
+    metas: &[Vec<PromptMeta>],
+    results: &[GroupResult],
+) -> Vec<LongRow> {
     let (p, phases) = (ctx.p(), &ctx.task.phases);
     let (reps, seed) = (ctx.reps(), ctx.seed());
     let mut rows = Vec::new();
@@ -634,13 +694,22 @@ fn cell_rows(ctx: &Ctx, paths: &Paths, metas: &[Vec<PromptMeta>], results: &[Gro
                 c.add(
                     meta[i].logical,
                     meta[i].phase,
-                    [sign * o.ld as f64, res.base[i].ld as f64, -res.base[n + i].ld as f64],
+                    [
+                        sign * o.ld as f64,
+                        res.base[i].ld as f64,
+                        -res.base[n + i].ld as f64,
+                    ],
                 );
             }
         }
         let (per, pooled) = per_phase(&c, nld, reps, seed);
         let s = paths.senders[cell.sender];
-        let metric = path_metric(cell.direction, cell.receiver.input, cell.receiver.layer, cell.receiver.head);
+        let metric = path_metric(
+            cell.direction,
+            cell.receiver.input,
+            cell.receiver.layer,
+            cell.receiver.head,
+        );
         let at = Some((s.layer as u32, Some((s.head as u32, HeadKind::Query))));
         rows.extend(ctx.rows.phase_rows(&metric, at, phases, &per, pooled));
     }
@@ -673,7 +742,8 @@ type PathValues = BTreeMap<String, BTreeMap<(u32, u32), BTreeMap<Option<u32>, f6
 fn draw(f: &mut Figures) -> Result<()> {
     let (d, m) = (f.data, f.model.clone());
     let m = m.as_str();
-    f.report.section("Path patching: sender head -> receiver head (q / k / v)");
+    f.report
+        .section("Path patching: sender head -> receiver head (q / k / v)");
     f.report.paragraph(
         "Each row is a sender query head whose hook_z is patched from the partner prompt, with every other \
          head's hook_z and every MLP output frozen to the receiving prompt's own values, so that the receivers' \
@@ -684,7 +754,11 @@ fn draw(f: &mut Figures) -> Result<()> {
     );
     // metric -> (sender label, phase) -> value
     let mut by_metric: PathValues = BTreeMap::new();
-    for r in d.rows.iter().filter(|r| r.model == m && r.metric.starts_with("path_nld_")) {
+    for r in d
+        .rows
+        .iter()
+        .filter(|r| r.model == m && r.metric.starts_with("path_nld_"))
+    {
         if let (Some(l), Some(h)) = (r.layer, r.head) {
             by_metric
                 .entry(r.metric.clone())
@@ -720,7 +794,11 @@ fn strongest_heatmaps(f: &mut Figures, by_metric: &PathValues) -> Result<()> {
         cols.push(None);
         let matrix: Vec<Vec<f64>> = senders
             .values()
-            .map(|v| cols.iter().map(|c| v.get(c).copied().unwrap_or(f64::NAN)).collect())
+            .map(|v| {
+                cols.iter()
+                    .map(|c| v.get(c).copied().unwrap_or(f64::NAN))
+                    .collect()
+            })
             .collect();
         let spec = HeatmapSpec {
             range: sym_range(matrix.iter().flatten().copied()),
@@ -739,7 +817,12 @@ fn strongest_heatmaps(f: &mut Figures, by_metric: &PathValues) -> Result<()> {
             size: None,
         };
         let fig = heatmap(dir.join(metric), &spec)?;
-        push(&mut f.files, &mut f.report, &format!("{metric}: per sender head x source phase"), fig);
+        push(
+            &mut f.files,
+            &mut f.report,
+            &format!("{metric}: per sender head x source phase"),
+            fig,
+        );
     }
     Ok(())
 }
@@ -761,7 +844,12 @@ fn strongest_paths(f: &mut Figures, by_metric: &PathValues) {
                 .collect();
             edges.push((
                 pooled,
-                vec![format!("L{l}H{h}"), receiver.to_string(), format!("{pooled:.3}"), per.join(" ")],
+                vec![
+                    format!("L{l}H{h}"),
+                    receiver.to_string(),
+                    format!("{pooled:.3}"),
+                    per.join(" "),
+                ],
             ));
         }
     }
@@ -769,7 +857,12 @@ fn strongest_paths(f: &mut Figures, by_metric: &PathValues) {
     if !edges.is_empty() {
         f.report.table(
             format!("Strongest paths (|NLD| pooled over phases; per phase {phases:?})"),
-            vec!["sender".into(), "receiver (direction_input_layer.head)".into(), "NLD all".into(), "NLD per phase".into()],
+            vec![
+                "sender".into(),
+                "receiver (direction_input_layer.head)".into(),
+                "NLD all".into(),
+                "NLD per phase".into(),
+            ],
             edges.into_iter().take(12).map(|e| e.1).collect(),
         );
     }

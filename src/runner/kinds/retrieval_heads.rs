@@ -24,18 +24,17 @@ use crate::hooks::{HookPoint, HookSpec, Site};
 use crate::model::{LayerKind, ModelInfo};
 use crate::output::{HeadKind, Headline, LongRow};
 
+use super::super::exec::ExecStats;
 use super::super::experiment::Selection;
 use super::super::patching::{Outcome, Prompts, Target, readout};
-use super::super::exec::ExecStats;
 use super::super::progress::Progress;
-use super::super::store::Store;
 use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{
-    Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table,
-    ranking,
+    Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking,
 };
-use super::super::rows::{baseline_rows, specialization_rows};
+use super::super::rows::{RowCtx, baseline_rows, specialization_rows};
 use super::super::setup;
+use super::super::store::Store;
 use super::{Ctx, Kind, KindOutput};
 
 /// Metric: fraction of target positions whose top slot is the needle.
@@ -194,7 +193,12 @@ impl<'s> PromptShards<'s> {
 
 /// Prompts per forward when `layers` capture a `[rows, heads, T, slots]` pattern each:
 /// about 2^25 pattern values per forward, at most `max_rows`.
-pub(super) fn pattern_chunk(info: &ModelInfo, layers: &[usize], t: usize, max_rows: usize) -> usize {
+pub(super) fn pattern_chunk(
+    info: &ModelInfo,
+    layers: &[usize],
+    t: usize,
+    max_rows: usize,
+) -> usize {
     let per_row: usize = layers
         .iter()
         .map(|&l| info.layers[l].n_heads * t * (2 * t + 2))
@@ -241,7 +245,9 @@ fn chunk_outcomes(
     for &l in layers {
         spec = spec.capture_point(HookPoint::block(l, Site::AttnPattern));
     }
-    let out = ctx.model.forward(prompts.tokens_of(rows, &ctx.device), &spec)?;
+    let out = ctx
+        .model
+        .forward(prompts.tokens_of(rows, &ctx.device), &spec)?;
     let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
     let (q0, q1) = target_range(targets.iter().copied());
     let mut res = vec![readout(out.logits, &targets)?];
@@ -249,17 +255,27 @@ fn chunk_outcomes(
     for &l in layers {
         let point = HookPoint::block(l, Site::AttnPattern);
         let act = out.cache.get(&point).ok_or_else(|| {
-            Error::hook(point.to_string(), "not produced by the model (was it captured?)")
+            Error::hook(
+                point.to_string(),
+                "not produced by the model (was it captured?)",
+            )
         })?;
         let [b, h, _, k] = <[usize; 4]>::try_from(act.shape().to_vec()).map_err(|_| {
-            Error::hook(point.to_string(), format!("expected rank 4, got {:?}", act.shape()))
+            Error::hook(
+                point.to_string(),
+                format!("expected rank 4, got {:?}", act.shape()),
+            )
         })?;
         let layout = layer_layout(&ctx.info, l, t, k)?;
         let q = q1 - q0;
-        let vals = act.get::<4>()?.slice([0..b, 0..h, q0..q1, 0..k]).into_data();
-        let vals = vals.convert::<f32>().try_to_vec::<f32>().map_err(|e| {
-            Error::Other(format!("{point}: reading the pattern: {e:?}"))
-        })?;
+        let vals = act
+            .get::<4>()?
+            .slice([0..b, 0..h, q0..q1, 0..k])
+            .into_data();
+        let vals = vals
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| Error::Other(format!("{point}: reading the pattern: {e:?}")))?;
         for head in 0..h {
             let mut hits = Vec::with_capacity(b);
             let mut mass = Vec::with_capacity(b);
@@ -289,6 +305,68 @@ fn chunk_outcomes(
     Ok(res)
 }
 
+/// The swept prompts of every phase group with what the kind needs to turn them into
+/// rows.
+struct Scored<'a> {
+    cfg: &'a RetrievalHeads,
+    rc: &'a RowCtx,
+    per_group: &'a [(Vec<PromptMeta>, Vec<Vec<Outcome>>)],
+    phases: &'a [u32],
+    p: usize,
+}
+
+impl Scored<'_> {
+    /// The fraction of prompts scored per phase (all, or the correctly answered ones).
+    fn prompt_rows(&self, seed: u64) -> Vec<LongRow> {
+        let mut scored = Clusters::<1>::new(self.p);
+        for (meta, res) in self.per_group {
+            for (m, o) in meta.iter().zip(&res[0]) {
+                scored.add(
+                    m.logical,
+                    m.phase,
+                    [f64::from(u8::from(o.correct || !self.cfg.only_correct))],
+                );
+            }
+        }
+        let (per, pooled) = per_phase(&scored, |s, _| s[0], 0, seed);
+        self.rc
+            .phase_rows(SCORED_PROMPTS, None, self.phases, &per, pooled)
+    }
+
+    /// Retrieval score and needle attention of query head `h` of layer `l` (head index
+    /// `hi` among the scored heads) per phase, plus its specialization rows.
+    fn head_rows(&self, hi: usize, l: usize, h: usize, reps: usize, seed: u64) -> Vec<LongRow> {
+        let (rc, phases) = (self.rc, self.phases);
+        let at = Some((l as u32, Some((h as u32, HeadKind::Query))));
+        let mut rows = Vec::new();
+        for (qi, metric) in [(1, RETRIEVAL_SCORE), (2, NEEDLE_ATTENTION)] {
+            let mut c = Clusters::<1>::new(self.p);
+            for (meta, res) in self.per_group {
+                for (i, m) in meta.iter().enumerate() {
+                    if self.cfg.only_correct && !res[0][i].correct {
+                        continue;
+                    }
+                    c.add(m.logical, m.phase, [f64::from(res[2 * hi + qi][i].ld)]);
+                }
+            }
+            let (per, pooled) = per_phase(&c, |s, n| s[0] / n as f64, reps, seed);
+            rows.extend(rc.phase_rows(metric, at, phases, &per, pooled));
+            if metric == RETRIEVAL_SCORE {
+                let effect: Vec<f64> = phases.iter().map(|&r| per[r as usize].value).collect();
+                rows.extend(specialization_rows(
+                    rc,
+                    l as u32,
+                    h as u32,
+                    HeadKind::Query,
+                    phases,
+                    &effect,
+                ));
+            }
+        }
+        rows
+    }
+}
+
 fn run(cfg: &RetrievalHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "retrieval", &cfg.layers, &ctx.info, false)?;
     let set = ctx.eval_set()?;
@@ -304,7 +382,10 @@ fn run(cfg: &RetrievalHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     };
     let key_len = ctx.task.prompt.key_len;
     let phases = ctx.task.phases.clone();
-    let total: u64 = phases.iter().map(|&r| ctx.examples(&set, r).len() as u64).sum();
+    let total: u64 = phases
+        .iter()
+        .map(|&r| ctx.examples(&set, r).len() as u64)
+        .sum();
     let mut shards = PromptShards::new(ctx, &format!("{} retrieval-heads", ctx.mref.name), total);
     let mut per_group: Vec<(Vec<PromptMeta>, Vec<Vec<Outcome>>)> = Vec::new();
     for &r in &phases {
@@ -328,33 +409,16 @@ fn run(cfg: &RetrievalHeads, ctx: &mut Ctx) -> Result<KindOutput> {
     });
     let mut rows: Vec<LongRow> =
         baseline_rows(&rc, "", &accuracy_clusters(p, acc), &phases, reps, seed);
-    let mut scored = Clusters::<1>::new(p);
-    for (meta, res) in &per_group {
-        for (m, o) in meta.iter().zip(&res[0]) {
-            scored.add(m.logical, m.phase, [f64::from(u8::from(o.correct || !cfg.only_correct))]);
-        }
-    }
-    let (per, pooled) = per_phase(&scored, |s, _| s[0], 0, seed);
-    rows.extend(rc.phase_rows(SCORED_PROMPTS, None, &phases, &per, pooled));
+    let scored = Scored {
+        cfg,
+        rc: &rc,
+        per_group: &per_group,
+        phases: &phases,
+        p,
+    };
+    rows.extend(scored.prompt_rows(seed));
     for (hi, &(l, h)) in heads.iter().enumerate() {
-        let at = Some((l as u32, Some((h as u32, HeadKind::Query))));
-        for (qi, metric) in [(1, RETRIEVAL_SCORE), (2, NEEDLE_ATTENTION)] {
-            let mut c = Clusters::<1>::new(p);
-            for (meta, res) in &per_group {
-                for (i, m) in meta.iter().enumerate() {
-                    if cfg.only_correct && !res[0][i].correct {
-                        continue;
-                    }
-                    c.add(m.logical, m.phase, [f64::from(res[2 * hi + qi][i].ld)]);
-                }
-            }
-            let (per, pooled) = per_phase(&c, |s, n| s[0] / n as f64, reps, seed);
-            rows.extend(rc.phase_rows(metric, at, &phases, &per, pooled));
-            if metric == RETRIEVAL_SCORE {
-                let effect: Vec<f64> = phases.iter().map(|&r| per[r as usize].value).collect();
-                rows.extend(specialization_rows(&rc, l as u32, h as u32, HeadKind::Query, &phases, &effect));
-            }
-        }
+        rows.extend(scored.head_rows(hi, l, h, reps, seed));
     }
     Ok(KindOutput {
         tables: vec![("retrieval".into(), rows)],
@@ -380,12 +444,18 @@ fn draw(f: &mut Figures) -> Result<()> {
         .max_by(|a, b| a.1.total_cmp(b.1))
     {
         report.headline(
-            Headline::new("Top retrieval head (all phases)", format!("L{}.H{}", best.0, best.1))
-                .with_detail(format!("retrieval score {v:.3}")),
+            Headline::new(
+                "Top retrieval head (all phases)",
+                format!("L{}.H{}", best.0, best.1),
+            )
+            .with_detail(format!("retrieval score {v:.3}")),
         );
     }
     if let Some(r) = d.scalar(m, SCORED_PROMPTS) {
-        report.headline(Headline::new("Scored prompts", format!("{}", r.value as u64)));
+        report.headline(Headline::new(
+            "Scored prompts",
+            format!("{}", r.value as u64),
+        ));
     }
     for (metric, label) in [
         (RETRIEVAL_SCORE, "retrieval score"),
@@ -417,7 +487,12 @@ fn draw(f: &mut Figures) -> Result<()> {
                 "H",
                 false,
             )?;
-            push(files, report, &format!("{label} per layer x head, all phases"), fig);
+            push(
+                files,
+                report,
+                &format!("{label} per layer x head, all phases"),
+                fig,
+            );
         }
     }
     let ranked = ranking(d, m, RETRIEVAL_SCORE, phases, |v| v);
