@@ -616,6 +616,16 @@ fn accuracy_by_phase(
         .png)
 }
 
+/// A seed group's name in a figure title: its other keys when they fit on the title
+/// line, else its first and last design (the report's seed table lists the keys).
+fn seed_group_label(grid: &Grid, key: &str, members: &[String]) -> String {
+    match (members.first(), members.last()) {
+        _ if key.is_empty() => grid.name.clone(),
+        (Some(first), Some(last)) if key.len() > 40 => format!("{first} .. {last}"),
+        _ => key.to_string(),
+    }
+}
+
 /// `seed_variance[_<group>]` at `base`: the accuracy-by-phase profiles of a seed group
 /// (its key and members) in protocol `p` overlaid; `None` when none has a profile.
 fn seed_variance(
@@ -638,11 +648,7 @@ fn seed_variance(
             .collect(),
         title: format!(
             "seeds of {}: accuracy by phase ({p}); gap {mean:.1} +- {sd:.1} pp (mean +- sd)",
-            if key.is_empty() {
-                grid.name.as_str()
-            } else {
-                key.as_str()
-            }
+            seed_group_label(grid, key, members)
         ),
         x_label: "phase (t_K mod P)".into(),
         y_label: "accuracy (final query)".into(),
