@@ -15,8 +15,8 @@ use crate::analysis::{RankedHead, rank_specialized};
 use crate::error::{Error, Result};
 use crate::output::{
     BandSeries, FigureFiles, HeadKind, Headline, HeatmapSpec, LinePlotSpec, LongRow,
-    META_EXPERIMENT_TOML, META_SCHEMA, Report, Table, committed_files, heatmap, line_with_bands,
-    ranked_heads_rows, read_long_rows,
+    META_EXPERIMENT_TOML, META_SCHEMA, Report, ScatterSeries, Table, committed_files, heatmap,
+    line_with_bands, ranked_heads_rows, read_long_rows,
 };
 
 use super::experiment::Experiment;
@@ -337,6 +337,25 @@ pub(crate) fn cell_map(d: &ExperimentData, model: &str, metric: &str, kind: Head
         .filter(|r| r.head_kind == Some(kind))
         .filter_map(|r| Some(((r.layer?, r.head?, r.phase), r.value)))
         .collect()
+}
+
+/// A scatter series of `estimated` against `observed` over the per-phase cells both
+/// maps hold (pooled cells left out); `None` when they share none.
+pub(crate) fn paired_series(
+    name: String,
+    estimated: &CellMap,
+    observed: &CellMap,
+) -> Option<ScatterSeries> {
+    let (predicted, observed): (Vec<f64>, Vec<f64>) = estimated
+        .iter()
+        .filter(|((_, _, ph), _)| ph.is_some())
+        .filter_map(|(k, v)| observed.get(k).map(|o| (*v, *o)))
+        .unzip();
+    (!predicted.is_empty()).then_some(ScatterSeries {
+        name,
+        predicted,
+        observed,
+    })
 }
 
 pub(crate) fn sym_range(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {

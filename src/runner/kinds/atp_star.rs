@@ -50,12 +50,12 @@ use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
 use crate::model::attention::MASKED;
 use crate::model::{ForwardOutput, LanguageModel};
-use crate::output::{HeadKind, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed};
+use crate::output::{HeadKind, LongRow, ScatterSpec, scatter_predicted_vs_observed};
 
 use super::super::exec::{Group, GroupResult};
 use super::super::patching::{Cell, Edit, Fill, Positions, Prompts, Target, readout};
 use super::super::prompts::PromptMeta;
-use super::super::report::{Figures, cell_map, push};
+use super::super::report::{Figures, cell_map, paired_series, push};
 use super::super::rows::RowCtx;
 use super::attribution_patching::{AtpTerms, AttributionPatching, NldRows, agreement_stats};
 use super::patch_heads::Direction;
@@ -591,10 +591,7 @@ fn exact_cells(
 ) -> Vec<Cell> {
     let mut cells = Vec::new();
     for d in dirs {
-        let receivers: Vec<usize> = match d {
-            Direction::Denoise => (n..2 * n).collect(),
-            Direction::Noise => (0..n).collect(),
-        };
+        let receivers = d.receivers(n);
         for h in heads {
             let (site, pos) = match h.kind {
                 HeadKind::Query => (Site::AttnQ, positions.clone()),
@@ -997,18 +994,8 @@ fn qk_scatter(f: &mut Figures, m: &str, dirn: Direction) -> Result<()> {
         let x = cell_map(d, m, &exact_qk_metric(site, dirn), site.kind());
         for method in [QkMethod::Atp, QkMethod::AtpStar] {
             let e = cell_map(d, m, &est_qk_metric(method, site, dirn), site.kind());
-            let (pe, po): (Vec<f64>, Vec<f64>) = e
-                .iter()
-                .filter(|((_, _, ph), _)| ph.is_some())
-                .filter_map(|(k, v)| x.get(k).map(|o| (*v, *o)))
-                .unzip();
-            if !pe.is_empty() {
-                series.push(ScatterSeries {
-                    name: format!("{} {}", method.as_str(), site.as_str()),
-                    predicted: pe,
-                    observed: po,
-                });
-            }
+            let name = format!("{} {}", method.as_str(), site.as_str());
+            series.extend(paired_series(name, &e, &x));
         }
     }
     if series.is_empty() {

@@ -35,21 +35,20 @@ use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
 use crate::model::LanguageModel;
 use crate::output::{
-    HeadKind, Headline, HeatmapSpec, LongRow, ScatterSeries, ScatterSpec, heatmap,
-    scatter_predicted_vs_observed,
+    HeadKind, Headline, HeatmapSpec, LongRow, ScatterSpec, heatmap, scatter_predicted_vs_observed,
 };
 
 use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
-use super::super::patching::{Cell, Edit, Fill, Outcome, Positions, Prompts, Target, readout};
+use super::super::patching::{Cell, Outcome, Positions, Prompts, Target, readout};
 use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{
-    ExperimentData, Figures, cell_map, head_axes, layer_head_heatmap, sym_range,
+    ExperimentData, Figures, cell_map, head_axes, layer_head_heatmap, paired_series, sym_range,
 };
 use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
 use super::atp_star::{exact_clusters, weighted_ld, weights};
-use super::patch_heads::Direction;
+use super::patch_heads::{Direction, head_patch_cells};
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells};
 
 /// `[atp]` (attribution-patching).
@@ -516,31 +515,14 @@ fn atp_groups(ctx: &mut Ctx, layers: &[usize], dirs: &[Direction]) -> Result<Atp
 /// The exact cells of a group of `n` pairs: per position set (the kind's positions,
 /// then with `validate_positions` each offset of the band), direction and head.
 fn exact_cells(cfg: &AttributionPatching, heads: &[HeadCell], n: usize) -> Vec<Cell> {
-    let mut cells = Vec::new();
     let mut positions = vec![cfg.positions.clone()];
     if cfg.validate_positions {
         positions.extend((0..cfg.position_band).map(Positions::Offset));
     }
-    for pos in &positions {
-        for d in &cfg.directions {
-            let receivers: Vec<usize> = match d {
-                Direction::Denoise => (n..2 * n).collect(),
-                Direction::Noise => (0..n).collect(),
-            };
-            for h in heads {
-                cells.push(Cell {
-                    edit: Edit::Replace {
-                        point: h.point(),
-                        heads: Some(h.query_heads.clone()),
-                        positions: pos.clone(),
-                        fill: Fill::Source,
-                    },
-                    prompts: receivers.clone(),
-                });
-            }
-        }
-    }
-    cells
+    positions
+        .iter()
+        .flat_map(|pos| head_patch_cells(&cfg.directions, heads, pos, n))
+        .collect()
 }
 
 /// Exact patching of the estimated cells in every phase group, and its wall time.
@@ -982,18 +964,7 @@ fn estimate_scatter(f: &mut Figures, am: &str, xm: &str) -> Result<()> {
     for kind in [HeadKind::Query, HeadKind::Kv] {
         let e = cell_map(d, &m, am, kind);
         let x = cell_map(d, &m, xm, kind);
-        let (pe, po): (Vec<f64>, Vec<f64>) = e
-            .iter()
-            .filter(|((_, _, ph), _)| ph.is_some())
-            .filter_map(|(k, v)| x.get(k).map(|o| (*v, *o)))
-            .unzip();
-        if !pe.is_empty() {
-            series.push(ScatterSeries {
-                name: format!("{} heads", kind.as_str()),
-                predicted: pe,
-                observed: po,
-            });
-        }
+        series.extend(paired_series(format!("{} heads", kind.as_str()), &e, &x));
     }
     if !series.is_empty() {
         let fig = scatter_predicted_vs_observed(

@@ -57,6 +57,15 @@ impl Direction {
             Direction::Noise => "nld_noise",
         }
     }
+
+    /// The receiving rows of a group of `n` clean then `n` corrupted prompts: the
+    /// corrupted half when denoising, the clean half when noising.
+    pub(crate) fn receivers(self, n: usize) -> Vec<usize> {
+        match self {
+            Direction::Denoise => (n..2 * n).collect(),
+            Direction::Noise => (0..n).collect(),
+        }
+    }
 }
 
 /// `[patch]` (patch-heads).
@@ -131,18 +140,27 @@ impl Kind for PatchHeads {
 /// patch per head into the receiving half (the corrupted prompts when denoising, the
 /// clean ones when noising).
 fn patch_cells(cfg: &PatchHeads, heads: &[HeadCell], n: usize) -> Vec<Cell> {
+    head_patch_cells(&cfg.directions, heads, &cfg.positions, n)
+}
+
+/// Per direction, one patch of each head's output at `positions` from the partner
+/// prompt into the receiving half of a group of `n` pairs (also the exact cells that
+/// attribution patching validates against).
+pub(crate) fn head_patch_cells(
+    directions: &[Direction],
+    heads: &[HeadCell],
+    positions: &Positions,
+    n: usize,
+) -> Vec<Cell> {
     let mut cells = Vec::new();
-    for d in &cfg.directions {
-        let receivers: Vec<usize> = match d {
-            Direction::Denoise => (n..2 * n).collect(),
-            Direction::Noise => (0..n).collect(),
-        };
+    for d in directions {
+        let receivers = d.receivers(n);
         for h in heads {
             cells.push(Cell {
                 edit: Edit::Replace {
                     point: h.point(),
                     heads: Some(h.query_heads.clone()),
-                    positions: cfg.positions.clone(),
+                    positions: positions.clone(),
                     fill: Fill::Source,
                 },
                 prompts: receivers.clone(),
