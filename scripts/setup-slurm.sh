@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent: install Debian's Slurm (slurmctld, slurmd, client tools) and munge, for
-# `phaselens grid --slurm` and its end-to-end test (tests/grid_slurm.rs), which starts a
+# `phaselens grid --slurm` and its end-to-end test (tests/it/grid_slurm.rs), which starts a
 # private single-node cluster with scripts/slurm/start.sh. Nothing is started here:
 # the Debian packages' own services are not enabled by this script (the test's cluster
 # uses its own config, ports, munge key and state directory).

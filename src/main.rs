@@ -46,6 +46,7 @@ enum Command {
 }
 
 fn main() {
+    ensure_runtime_dir();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Forward(a) => cli::forward::run(a),
@@ -63,6 +64,33 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+/// Mesa's software Vulkan driver (wgpu on a machine without a GPU) looks for a Wayland
+/// display while it lists adapters, and libwayland prints `error: XDG_RUNTIME_DIR is
+/// invalid or not set in the environment` when that variable is missing or relative,
+/// although nothing is wrong. A process without a usable runtime folder gets a private
+/// one (`$TMPDIR/phaselens-runtime-UID`, mode 0700), so all-is-well output has no
+/// `error:` line. Runs first in `main`, before any thread exists.
+#[cfg(unix)]
+fn ensure_runtime_dir() {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let usable = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(std::path::PathBuf::from)
+        .is_some_and(|d| d.is_absolute() && d.is_dir());
+    if usable {
+        return;
+    }
+    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("phaselens-runtime-{uid}"));
+    let made = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    if made.is_ok() || dir.is_dir() {
+        // SAFETY: called at the start of `main`, before any other thread is started.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
+    }
+}
+
+#[cfg(not(unix))]
+fn ensure_runtime_dir() {}
 
 /// The error and its causes joined by ": ", each cause once: library errors already
 /// show their source in their own message (`path: No such file or directory`), so

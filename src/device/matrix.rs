@@ -1,7 +1,7 @@
 //! The backend equivalence matrix: every check of [`Check`] on every device, each
 //! compared with the reference (the DeepSeek-V4 fixtures' transformers outputs, or the
 //! same computation on the `flex` CPU backend). `phaselens backends` prints it;
-//! tests/backends.rs asserts it is all `ok` on each device the build has.
+//! tests/it/backends.rs asserts it is all `ok` on each device the build has.
 //!
 //! | check | what must hold | tolerance |
 //! |---|---|---|

@@ -13,8 +13,7 @@ use phaselens::model::kvc::{GateMode, KvcConfig, KvcModel};
 use phaselens::model::weights::{RandomInit, Vb};
 use phaselens::model::{LanguageModel, Suffix, deepseek_v4};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 fn dev() -> Device {
     Device::flex()

@@ -11,8 +11,7 @@ use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
 use phaselens::model::safetensors_io::SafetensorsReader;
 use phaselens::model::{LanguageModel, Suffix};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

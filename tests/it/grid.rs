@@ -1,11 +1,10 @@
 //! `phaselens grid`: grid files, design expansion, the local executor (the same code
 //! path as `phaselens train` + `phase-sweep`), the merge, figures and report.
 
-mod grid_common;
 
 use std::path::Path;
 
-use grid_common::{EVAL, grid_dir, phaselens, text};
+use crate::grid_common::{EVAL, grid_dir, phaselens, text};
 use phaselens::grid::Grid;
 use phaselens::output::Table;
 

@@ -9,13 +9,12 @@
 //! what neither knows) is tested with stand-in tools on PATH, since the test cluster
 //! has no accounting database: that test runs everywhere.
 
-mod grid_common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use grid_common::{EVAL, grid_dir, phaselens, text};
+use crate::grid_common::{EVAL, grid_dir, phaselens, text};
 use phaselens::output::Table;
 
 const REPO: &str = env!("CARGO_MANIFEST_DIR");

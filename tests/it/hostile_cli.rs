@@ -3,13 +3,12 @@
 //! kill the run resumes, no finished shard or checkpoint is ever lost or changed, and
 //! the final tables / weights equal those of an uninterrupted run.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::runner::{experiment, organism, tiny};
+use crate::common::runner::{experiment, organism, tiny};
 use phaselens::output::{Table, read_long_rows};
 
 fn phaselens(args: &[&str], cwd: &Path) -> Output {

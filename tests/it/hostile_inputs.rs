@@ -9,12 +9,12 @@
 //! reader, experiment TOMLs, organism recipes, both config.json families): thousands of
 //! mutated inputs per run, every one must give `Ok` or a named error, never a panic.
 
-mod common;
+use crate::common;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
-use common::runner::{experiment, opts, organism, tiny};
+use crate::common::runner::{experiment, opts, organism, tiny};
 use phaselens::model::KvcConfig;
 use phaselens::model::deepseek_v4::DeepseekV4Config;
 use phaselens::model::safetensors_io::SafetensorsReader;

@@ -9,8 +9,7 @@ use phaselens::model::kvc::{
 };
 use phaselens::model::weights::{RandomInit, Vb};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 fn dev() -> Device {
     Device::flex()

@@ -1,11 +1,10 @@
 //! End-to-end tests of ablate-heads, knockout, gate-profiles, gate-cycling and
 //! phase-sweep on tiny random organisms, and the redraw of figures from tables.
 
-mod common;
 
 use std::collections::BTreeMap;
 
-use common::runner::*;
+use crate::common::runner::*;
 use phaselens::output::{
     HeadKind, LONG_COLUMNS, LongRow, PHASE_ACCURACY_COLUMNS, Table, read_long_rows,
     read_phase_accuracy_rows, validate_columns,

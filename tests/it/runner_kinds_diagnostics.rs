@@ -1,9 +1,9 @@
 //! End-to-end tests of retrieval-heads, filler-probe and indexer-diagnostics on tiny
 //! random organisms (tables, figures, report, resume).
 
-mod common;
+use crate::common;
 
-use common::runner::*;
+use crate::common::runner::*;
 use phaselens::hooks::{HookPoint, HookSpec, Site};
 use phaselens::model::load_model;
 use phaselens::output::{LONG_COLUMNS, LongRow, Table, read_long_rows, validate_columns};

@@ -1,12 +1,11 @@
 //! path-patching: the batched two-step routine against full forwards with the hooks'
 //! own actions, and the kind end to end (tables, report, redraw, resume).
 
-mod common;
 
 use std::sync::Arc;
 
-use common::dev;
-use common::runner::*;
+use crate::common::dev;
+use crate::common::runner::*;
 use phaselens::hooks::{Action, HookPoint, HookSpec, Scope, Site};
 use phaselens::model::LanguageModel;
 use phaselens::output::{LONG_COLUMNS, LongRow, Table, read_long_rows, validate_columns};

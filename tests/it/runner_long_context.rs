@@ -2,13 +2,13 @@
 //! that regenerates every haystack prompt and runs one plain forward per prompt, at any
 //! batch size; a second run resumes everything; figures redraw from the tables.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use common::dev;
-use common::runner::*;
+use crate::common::dev;
+use crate::common::runner::*;
 use phaselens::hooks::HookSpec;
 use phaselens::model::kvc::KvcModel;
 use phaselens::model::load_kvc;

@@ -1,9 +1,8 @@
 //! patch-heads end to end, the batched routine against the one-forward-per-cell
 //! loop, exactness, resume, and the checks before compute.
 
-mod common;
 
-use common::runner::*;
+use crate::common::runner::*;
 use phaselens::hooks::{Action, HookPoint, Site};
 use phaselens::output::{
     LONG_COLUMNS, META_EXPERIMENT_TOML, META_VERSION, Table, read_long_rows, validate_columns,

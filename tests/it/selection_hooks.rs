@@ -14,8 +14,7 @@ use phaselens::model::kvc::{KvcConfig, KvcModel};
 use phaselens::model::safetensors_io::SafetensorsReader;
 use phaselens::model::weights::{RandomInit, Vb};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,0 +1,32 @@
+//! The one integration-test binary: every area of the suite is a module here, so the
+//! test build links burn, polars, LibTorch and wgpu once (not once per test file).
+//! nextest still runs each test in its own process.
+//!
+//! Run one area: `cargo nextest run --features all-backends --test it hostile_cli::`.
+
+mod common;
+mod grid_common;
+
+mod attention_blocks;
+mod backends;
+mod bench_train;
+mod checkpoint;
+mod deepseek_v4_memory;
+mod deepseek_v4_parity;
+mod deepseek_v4_suffix;
+mod grid;
+mod grid_slurm;
+mod hostile_cli;
+mod hostile_inputs;
+mod kvc_core;
+mod model_contract;
+mod organism_v4;
+mod recipes;
+mod runner_kinds;
+mod runner_kinds_atp;
+mod runner_kinds_diagnostics;
+mod runner_kinds_path;
+mod runner_long_context;
+mod runner_patch;
+mod selection_hooks;
+mod train_resume;
