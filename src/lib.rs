@@ -17,3 +17,33 @@ pub mod toml_file;
 pub mod train;
 
 pub use error::{Error, Result};
+
+/// burn, at the exact version phaselens is built with: tensors in and out of
+/// [`LanguageModel::forward`](crate::model::LanguageModel::forward) are
+/// `phaselens::burn::tensor::Tensor`s, so a dependent crate needs no burn of its own.
+pub use burn;
+
+/// What most programs need, in one import: `use phaselens::prelude::*;`
+///
+/// ```no_run
+/// use phaselens::prelude::*;
+/// # fn main() -> phaselens::Result<()> {
+/// let device = DeviceSpec::Cpu.device()?;
+/// let model = load_model(std::path::Path::new("experiments/organisms/kvc-w8s8"), &device)?;
+/// let tokens = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 2, 3, 4], [1, 4]), &device);
+/// let spec = HookSpec::new()
+///     .capture("blocks.*.attn.hook_z")?                                    // globs
+///     .intervene("blocks.1.attn.hook_z", Action::Zero, Scope::heads([3]))?;  // ablate head 3
+/// let out = model.forward(tokens, &spec)?;          // logits + ActivationCache
+/// let z = out.cache.get_name("blocks.0.attn.hook_z")?;
+/// assert_eq!(z.shape().len(), 4);                   // [batch, pos, head, d_head]
+/// # Ok(())
+/// # }
+/// ```
+pub mod prelude {
+    pub use crate::device::DeviceSpec;
+    pub use crate::error::{Error, Result};
+    pub use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, RowScope, Scope};
+    pub use crate::model::{ForwardOutput, LanguageModel, LayerKind, ModelInfo, load_model};
+    pub use burn::tensor::{Int, Tensor, TensorData};
+}
