@@ -36,6 +36,21 @@ pub fn relative_change_pct(x: f64, clean: f64) -> Option<f64> {
     Some(100.0 * (x - clean) / clean)
 }
 
+/// Mean and sample standard deviation (0 for fewer than two values).
+pub fn mean_sd(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let sd = if v.len() > 1 {
+        (v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+    } else {
+        0.0
+    };
+    (mean, sd)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,11 +17,15 @@ use plotters::coord::Shift;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
+use crate::analysis::effects::mean_sd;
 use crate::error::{Error, Result};
 use crate::output::figure::{DrawResult, FigureSpec, fmt_num, series_color};
 use crate::output::{BandSeries, LinePlotSpec, line_with_bands, render};
 
-use super::merge::{Merged, PhaseRow, SummaryRow};
+use super::merged::{
+    Merged, PhaseRow, SummaryRow, bindings_of, detail, final_phases, final_row, protocols,
+    seed_groups, slot_of,
+};
 use super::spec::Grid;
 
 const FONT: &str = "sans-serif";
@@ -398,25 +402,6 @@ fn ferr(e: crate::output::FigureError) -> Error {
     Error::Figure(e)
 }
 
-/// The final-query summary row of `design` for `protocol`.
-pub fn final_row<'a>(m: &'a Merged, design: &str, protocol: &str) -> Option<&'a SummaryRow> {
-    m.summary
-        .iter()
-        .find(|r| r.design == design && r.eval == "final" && r.protocol == protocol)
-}
-
-/// The protocols of the final sweeps, prefix padding first.
-fn protocols(m: &Merged) -> Vec<String> {
-    let mut v: Vec<String> = Vec::new();
-    for r in m.summary.iter().filter(|r| r.eval == "final") {
-        if !v.contains(&r.protocol) {
-            v.push(r.protocol.clone());
-        }
-    }
-    v.sort_by_key(|p| (p != "prefix", p.clone()));
-    v
-}
-
 fn profile(rows: &[&PhaseRow], name: &str) -> BandSeries {
     let mut rows: Vec<&&PhaseRow> = rows.iter().collect();
     rows.sort_by_key(|r| r.phase);
@@ -427,76 +412,6 @@ fn profile(rows: &[&PhaseRow], name: &str) -> BandSeries {
         lo: rows.iter().map(|r| r.wilson_lo).collect(),
         hi: rows.iter().map(|r| r.wilson_hi).collect(),
     }
-}
-
-fn final_phases<'a>(m: &'a Merged, design: &str, protocol: &str) -> Vec<&'a PhaseRow> {
-    m.phases
-        .iter()
-        .filter(|r| r.design == design && r.eval == "final" && r.protocol == protocol)
-        .collect()
-}
-
-/// Groups of merged designs that differ only in `seed` (two or more members), named
-/// by their other keys.
-pub fn seed_groups(grid: &Grid, m: &Merged) -> Vec<(String, Vec<String>)> {
-    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
-    for name in &m.designs {
-        let Ok(d) = grid.design(name) else { continue };
-        if d.value("seed").is_none() {
-            continue;
-        }
-        let others: Vec<String> = grid
-            .columns
-            .iter()
-            .filter(|c| c.as_str() != "seed")
-            .map(|c| format!("{c}={}", d.value(c).map_or("-".into(), |v| v.to_string())))
-            .collect();
-        let key = others.join(" ");
-        match groups.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, v)) => v.push(name.clone()),
-            None => groups.push((key, vec![name.clone()])),
-        }
-    }
-    groups.retain(|(_, v)| v.len() >= 2);
-    groups
-}
-
-/// The detail rows (slot or bindings sweeps, plus the final sweep in the same
-/// protocol) of a design, sorted by `x`.
-pub fn detail<'a>(
-    m: &'a Merged,
-    design: &str,
-    eval: &str,
-    x: fn(&SummaryRow) -> i64,
-) -> Vec<&'a SummaryRow> {
-    let Some(proto) = m
-        .summary
-        .iter()
-        .find(|r| r.design == design && r.eval == eval)
-        .map(|r| r.protocol.clone())
-    else {
-        return Vec::new();
-    };
-    let mut rows: Vec<&SummaryRow> = m
-        .summary
-        .iter()
-        .filter(|r| {
-            r.design == design && r.protocol == proto && (r.eval == eval || r.eval == "final")
-        })
-        .collect();
-    rows.sort_by_key(|r| x(r));
-    rows.dedup_by_key(|r| x(r));
-    rows
-}
-
-/// The query slot of a row (the x of the slot sweeps).
-pub fn slot_of(r: &SummaryRow) -> i64 {
-    r.query_slot
-}
-
-/// The number of bindings of a row (the x of the bindings sweeps).
-pub fn bindings_of(r: &SummaryRow) -> i64 {
-    r.n_bindings
 }
 
 /// Draw every grid figure into `dir` (PNG + SVG); returns the PNG paths.
@@ -726,19 +641,4 @@ fn detail_figure(
             .map_err(ferr)?
             .png,
     ))
-}
-
-/// Mean and sample standard deviation (0 for fewer than two values).
-pub fn mean_sd(v: &[f64]) -> (f64, f64) {
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN);
-    }
-    let n = v.len() as f64;
-    let mean = v.iter().sum::<f64>() / n;
-    let sd = if v.len() > 1 {
-        (v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
-    } else {
-        0.0
-    };
-    (mean, sd)
 }

@@ -241,7 +241,9 @@ pub fn load_kvc(dir: &Path, device: &Device) -> Result<KvcModel> {
         path: path.clone(),
         message: m,
     })?;
-    memory::check_kvc(&config).map_err(|e| e.context(path.display().to_string()))?;
+    config
+        .check_memory()
+        .map_err(|e| e.context(path.display().to_string()))?;
     let src = weights::CheckpointSource::open_dir(dir)?;
     let model = KvcModel::new(&config, &weights::Vb::new(&src, device))?;
     src.check_all_used()?;
