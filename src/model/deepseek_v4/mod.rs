@@ -7,7 +7,7 @@
 //! | `rope.rs` | default / YaRN inverse frequencies, interleaved partial RoPE |
 //! | `attention.rs` | low-rank queries, shared K = V head, window + compressed keys, sinks, grouped output |
 //! | `pooler.rs` | the pooling compressor shared by the compressors and the indexer |
-| `compressor.rs` | HCA (non-overlapping) and CSA (overlapping two-halves) pooling |
+//! | `compressor.rs` | HCA (non-overlapping) and CSA (overlapping two-halves) pooling |
 //! | `indexer.rs` | lightning indexer and its top-k selection |
 //! | `mhc.rs` | hyper-connections (pre / post / comb with Sinkhorn), hyper-head |
 //! | `moe.rs` | router (sqrtsoftplus / sigmoid / softmax, bias, hash routing), experts, shared expert |

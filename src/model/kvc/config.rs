@@ -350,7 +350,11 @@ impl KvcConfig {
 
     /// Parameters (an upper estimate: every optional matrix counted).
     pub fn n_params_f64(&self) -> f64 {
-        let (v, d, f) = (self.vocab_size as f64, self.d_model as f64, self.d_ff as f64);
+        let (v, d, f) = (
+            self.vocab_size as f64,
+            self.d_model as f64,
+            self.d_ff as f64,
+        );
         let (h, kv, dh) = (
             self.n_heads as f64,
             self.n_kv_heads as f64,

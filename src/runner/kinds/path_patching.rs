@@ -23,7 +23,8 @@ use std::collections::BTreeMap;
 use burn::tensor::{Bool, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::{Clusters, Est, accuracy_clusters, normalized_logit_diff, per_phase};
+use crate::analysis::effects::nld_of_sums;
+use crate::analysis::{Clusters, Est, accuracy_clusters, per_phase};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
 use crate::model::LanguageModel;
@@ -31,12 +32,12 @@ use crate::output::{HeadKind, HeatmapSpec, LongRow, heatmap};
 
 use super::super::exec::GroupResult;
 use super::super::experiment::{Experiment, Selection};
+use super::super::heads::Direction;
 use super::super::patching::{Outcome, Positions, Prompts, Target, base_run, readout};
 use super::super::progress::Progress;
 use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{Figures, push, sym_range};
 use super::super::rows::baseline_rows;
-use super::patch_heads::Direction;
 use super::{Ctx, Kind, KindOutput, base_obs, empty_list};
 
 /// The receiver's input a path runs through.
@@ -511,11 +512,6 @@ pub fn path_group(
     Ok((base.outcomes.clone(), results))
 }
 
-fn nld(s: &[f64; 3], n: u64) -> f64 {
-    let k = n as f64;
-    normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
-}
-
 /// The senders and the path cells of a run: per direction, sender, later receiver layer,
 /// receiver input and receiver head.
 struct Paths {
@@ -702,7 +698,7 @@ fn cell_rows(
                 );
             }
         }
-        let (per, pooled) = per_phase(&c, nld, reps, seed);
+        let (per, pooled) = per_phase(&c, nld_of_sums, reps, seed);
         let s = paths.senders[cell.sender];
         let metric = path_metric(
             cell.direction,
