@@ -19,7 +19,9 @@ use plotters::prelude::*;
 
 use crate::analysis::effects::mean_sd;
 use crate::error::{Error, Result};
-use crate::output::figure::{DrawResult, FigureSpec, fmt_num, series_color};
+use crate::output::figure::{
+    BandStyle, DrawResult, FigureSpec, draw_band_series, fmt_num, series_color,
+};
 use crate::output::{BandSeries, LinePlotSpec, line_with_bands, render};
 
 use super::merged::{
@@ -342,7 +344,7 @@ impl SmallMultiplesSpec {
             .draw()
             .map_err(de)?;
         for (si, s) in p.series.iter().enumerate() {
-            draw_band_line(&mut chart, s, si, k == 0)?;
+            draw_band_series(&mut chart, s, si, &BandStyle::small(k == 0))?;
         }
         if k == 0 {
             chart
@@ -356,46 +358,6 @@ impl SmallMultiplesSpec {
         }
         Ok(())
     }
-}
-
-/// Series `si` of a small panel: its band (where it has two or more finite bounds),
-/// line and points; the line is `labelled` for the legend in the first panel.
-fn draw_band_line<DB: DrawingBackend>(
-    chart: &mut Chart<'_, DB>,
-    s: &BandSeries,
-    si: usize,
-    labelled: bool,
-) -> DrawResult {
-    let color = series_color(si);
-    let band: Vec<usize> = (0..s.x.len())
-        .filter(|&i| s.lo[i].is_finite() && s.hi[i].is_finite())
-        .collect();
-    if band.len() >= 2 {
-        let mut poly: Vec<(f64, f64)> = band.iter().map(|&i| (s.x[i], s.hi[i])).collect();
-        poly.extend(band.iter().rev().map(|&i| (s.x[i], s.lo[i])));
-        chart
-            .draw_series(std::iter::once(Polygon::new(
-                poly,
-                color.mix(0.18).filled(),
-            )))
-            .map_err(de)?;
-    }
-    let pts: Vec<(f64, f64)> = (0..s.x.len())
-        .filter(|&i| s.y[i].is_finite())
-        .map(|i| (s.x[i], s.y[i]))
-        .collect();
-    let line = chart
-        .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
-        .map_err(de)?;
-    if labelled {
-        line.label(&s.name).legend(move |(x, y)| {
-            PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-        });
-    }
-    chart
-        .draw_series(pts.iter().map(|&q| Circle::new(q, 3, color.filled())))
-        .map_err(de)?;
-    Ok(())
 }
 
 fn ferr(e: crate::output::FigureError) -> Error {
