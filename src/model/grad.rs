@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope};
 
 /// A point to differentiate at and the shape of its activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct GradPoint {
     pub point: HookPoint,
     /// The activation's shape at `point` for the batch (e.g. `[b, T, n_heads, d_head]`

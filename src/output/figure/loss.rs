@@ -120,7 +120,7 @@ impl FigureSpec for LossCurveSpec {
 
 /// Centred moving average of the y values over a window of `max(5, n / 25)`
 /// points (odd), truncated at both ends.
-fn centred_moving_average(pts: &[(f64, f64)]) -> Vec<(f64, f64)> {
+pub(super) fn centred_moving_average(pts: &[(f64, f64)]) -> Vec<(f64, f64)> {
     let half = (pts.len() / 25).max(5) / 2;
     (0..pts.len())
         .map(|i| {

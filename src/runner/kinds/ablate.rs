@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::effects::{rate_of_sums, rel_change_of_sums};
-use crate::analysis::{Clusters, accuracy_clusters, per_phase};
+use crate::analysis::{accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::output::{HeadKind, LongRow};
 

@@ -19,7 +19,6 @@ use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
 use crate::error::Result;
-use crate::hooks::{HookPoint, Site};
 use crate::model::{LanguageModel, ModelInfo};
 use crate::output::{HeadKind, LongRow};
 use crate::tasks::{KvEvalSet, KvExample};

@@ -61,7 +61,9 @@ use super::super::super::report::{Figures, cell_map, paired_series, push};
 use super::super::super::rows::RowCtx;
 use super::super::{Ctx, HeadCell};
 
-use super::{AtpTerms, AttributionPatching, NldRows, agreement_stats, weighted_ld, weights};
+use super::{
+    AtpTerms, AttributionPatching, NldRows, agreement_stats, exact_clusters, weighted_ld, weights,
+};
 
 /// The node family of a query/key estimate: `q` (hook_q, query heads) or `k` (key
 /// slots, KV heads).

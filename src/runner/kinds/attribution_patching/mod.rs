@@ -25,14 +25,12 @@
 
 use std::collections::BTreeMap;
 
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::effects::nld_of_sums;
 use crate::analysis::{Clusters, Est, accuracy_clusters, per_phase, spearman, topk_recall};
 use crate::error::{Error, Result};
-use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
-use crate::model::LanguageModel;
 use crate::output::{
     HeadKind, Headline, HeatmapSpec, LongRow, ScatterSpec, heatmap, scatter_predicted_vs_observed,
 };
@@ -40,7 +38,7 @@ use crate::output::{
 use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
 use super::super::heads::{Direction, head_patch_cells};
-use super::super::patching::{Cell, Outcome, Positions, Prompts, Target, readout};
+use super::super::patching::{Cell, Outcome, Positions, Prompts};
 use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{
     ExperimentData, Figures, cell_map, head_axes, layer_head_heatmap, paired_series, sym_range,
