@@ -1,12 +1,15 @@
-//! Head cells and patching directions: what the patching kinds (patch-heads,
-//! attribution patching, path patching) share below them.
+//! Head cells, patching directions and the NLD clusters of a patching cell: what the
+//! patching kinds (patch-heads, attribution patching, path patching) share below them.
 
 use serde::{Deserialize, Serialize};
 
+use crate::analysis::Clusters;
 use crate::hooks::{HookPoint, Site};
 use crate::output::HeadKind;
 
+use super::exec::GroupResult;
 use super::patching::{Cell, Edit, Fill, Positions};
+use super::prompts::PromptMeta;
 
 /// A head cell: `(layer, head, kind)` and the query heads its edit covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,4 +83,37 @@ pub fn head_patch_cells(
         }
     }
     cells
+}
+
+/// Clusters of `(LD_patched, LD_clean, LD_corrupted)` of cell `ci` over every group of
+/// `n` clean then `n` corrupted prompts, in the clean orientation (a denoising cell's
+/// rows are the corrupted prompts: their LD is flipped), for the NLD of direction `d`
+/// ([`crate::analysis::effects::nld_of_sums`]).
+pub fn nld_clusters(
+    metas: &[Vec<PromptMeta>],
+    results: &[GroupResult],
+    ci: usize,
+    d: Direction,
+    p: usize,
+) -> Clusters<3> {
+    let sign = match d {
+        Direction::Denoise => -1.0,
+        Direction::Noise => 1.0,
+    };
+    let mut c = Clusters::<3>::new(p);
+    for (meta, res) in metas.iter().zip(results) {
+        let n = meta.len() / 2;
+        for (i, o) in res.cells[ci].iter().enumerate() {
+            c.add(
+                meta[i].logical,
+                meta[i].phase,
+                [
+                    sign * o.ld as f64,
+                    res.base[i].ld as f64,
+                    -res.base[n + i].ld as f64,
+                ],
+            );
+        }
+    }
+    c
 }

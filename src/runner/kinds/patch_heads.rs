@@ -26,7 +26,7 @@ use crate::tasks::KvEvalSet;
 use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
 pub use super::super::heads::Direction;
-use super::super::heads::head_patch_cells;
+use super::super::heads::{head_patch_cells, nld_clusters};
 use super::super::patching::{Cell, Positions};
 use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{
@@ -200,37 +200,11 @@ impl Outcomes<'_> {
         rows
     }
 
-    /// Clusters of `(LD_patched, LD_clean, LD_corrupted)` of cell `ci` (direction `d`).
-    fn nld_clusters(&self, d: Direction, ci: usize) -> Clusters<3> {
-        let mut c = Clusters::<3>::new(self.p);
-        for (meta, res) in self.metas.iter().zip(self.results) {
-            let n = meta.len() / 2;
-            for (j, o) in res.cells[ci].iter().enumerate() {
-                // Denoising rows are corrupted prompts: flip their LD to the clean orientation.
-                let (i, sign) = match d {
-                    Direction::Denoise => (j, -1.0),
-                    Direction::Noise => (j, 1.0),
-                };
-                let m = &meta[i];
-                c.add(
-                    m.logical,
-                    m.phase,
-                    [
-                        sign * o.ld as f64,
-                        res.base[i].ld as f64,
-                        -res.base[n + i].ld as f64,
-                    ],
-                );
-            }
-        }
-        c
-    }
-
     /// The rows of head `h` (cell `ci`) under direction `d`: its NLD per phase and, for
     /// the `first` direction, its specialization.
     fn head_rows(&self, d: Direction, first: bool, h: &HeadCell, ci: usize) -> Vec<LongRow> {
         let (phases, rc) = (self.phases, self.rc);
-        let c = self.nld_clusters(d, ci);
+        let c = nld_clusters(self.metas, self.results, ci, d, self.p);
         let (per, pooled) = per_phase(&c, nld_of_sums, self.reps, self.seed);
         let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
         let mut rows = rc.phase_rows(d.metric(), at, phases, &per, pooled);

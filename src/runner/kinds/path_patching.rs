@@ -24,7 +24,7 @@ use burn::tensor::{Bool, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::effects::nld_of_sums;
-use crate::analysis::{Clusters, Est, accuracy_clusters, per_phase};
+use crate::analysis::{Est, accuracy_clusters, per_phase};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
 use crate::model::LanguageModel;
@@ -32,7 +32,7 @@ use crate::output::{HeadKind, HeatmapSpec, LongRow, heatmap};
 
 use super::super::exec::GroupResult;
 use super::super::experiment::{Experiment, Selection};
-use super::super::heads::Direction;
+use super::super::heads::{Direction, nld_clusters};
 use super::super::patching::{Outcome, Positions, Prompts, Target, base_run, readout};
 use super::super::progress::Progress;
 use super::super::prompts::{PromptMeta, paired_prompts};
@@ -679,25 +679,7 @@ fn cell_rows(
     let (reps, seed) = (ctx.reps(), ctx.seed());
     let mut rows = Vec::new();
     for (ci, cell) in paths.cells.iter().enumerate() {
-        let mut c = Clusters::<3>::new(p);
-        let sign = match cell.direction {
-            Direction::Denoise => -1.0,
-            Direction::Noise => 1.0,
-        };
-        for (meta, res) in metas.iter().zip(results) {
-            let n = meta.len() / 2;
-            for (i, o) in res.cells[ci].iter().enumerate() {
-                c.add(
-                    meta[i].logical,
-                    meta[i].phase,
-                    [
-                        sign * o.ld as f64,
-                        res.base[i].ld as f64,
-                        -res.base[n + i].ld as f64,
-                    ],
-                );
-            }
-        }
+        let c = nld_clusters(metas, results, ci, cell.direction, p);
         let (per, pooled) = per_phase(&c, nld_of_sums, reps, seed);
         let s = paths.senders[cell.sender];
         let metric = path_metric(

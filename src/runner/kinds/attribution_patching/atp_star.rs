@@ -54,16 +54,14 @@ use crate::model::{ForwardOutput, LanguageModel};
 use crate::output::{HeadKind, LongRow, ScatterSpec, scatter_predicted_vs_observed};
 
 use super::super::super::exec::{Group, GroupResult};
-use super::super::super::heads::Direction;
+use super::super::super::heads::{Direction, nld_clusters};
 use super::super::super::patching::{Cell, Edit, Fill, Positions, Prompts, Target, readout};
 use super::super::super::prompts::PromptMeta;
 use super::super::super::report::{Figures, cell_map, paired_series, push};
 use super::super::super::rows::RowCtx;
 use super::super::{Ctx, HeadCell};
 
-use super::{
-    AtpTerms, AttributionPatching, NldRows, agreement_stats, exact_clusters, weighted_ld, weights,
-};
+use super::{AtpTerms, AttributionPatching, NldRows, agreement_stats, weighted_ld, weights};
 
 /// The node family of a query/key estimate: `q` (hook_q, query heads) or `k` (key
 /// slots, KV heads).
@@ -746,7 +744,7 @@ impl Estimates<'_> {
                 }
                 if let Some(res) = exact {
                     let ci = di * inp.heads.len() + hi;
-                    let c = exact_clusters(inp.metas, res, ci, *d, self.p);
+                    let c = nld_clusters(inp.metas, res, ci, *d, self.p);
                     ex.insert((di, hi), nr.push(&c, &exact_qk_metric(site, *d), at, rows));
                 }
             }

@@ -37,7 +37,7 @@ use crate::output::{
 
 use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
-use super::super::heads::{Direction, head_patch_cells};
+use super::super::heads::{Direction, head_patch_cells, nld_clusters};
 use super::super::patching::{Cell, Outcome, Positions, Prompts};
 use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{
@@ -245,37 +245,6 @@ pub(super) fn weighted_ld(logits: Tensor<3>, prompts: &Prompts, w: Vec<f32>) -> 
     let ld = g.clone().slice([0..n2, 0..1]) - g.slice([0..n2, 1..2]);
     let w = Tensor::<2>::from_data(TensorData::new(w, [n2, 1]), &device);
     Ok((ld * w).sum())
-}
-
-/// The exact patched LD of cell `ci` as `(sign * LD_patched, LD_clean, -LD_corrupted)`
-/// clusters (the estimates of AtP and AtP* are clustered the same way).
-pub(super) fn exact_clusters(
-    metas: &[Vec<PromptMeta>],
-    res: &[GroupResult],
-    ci: usize,
-    d: Direction,
-    p: usize,
-) -> Clusters<3> {
-    let sign = match d {
-        Direction::Denoise => -1.0,
-        Direction::Noise => 1.0,
-    };
-    let mut c = Clusters::<3>::new(p);
-    for (meta, g) in metas.iter().zip(res) {
-        let n = meta.len() / 2;
-        for (i, o) in g.cells[ci].iter().enumerate() {
-            c.add(
-                meta[i].logical,
-                meta[i].phase,
-                [
-                    sign * o.ld as f64,
-                    g.base[i].ld as f64,
-                    -g.base[n + i].ld as f64,
-                ],
-            );
-        }
-    }
-    c
 }
 
 /// (direction, head cell, offset or None) -> per-phase values and the pooled value.
@@ -533,7 +502,7 @@ impl CellRows<'_> {
                             Some(self.offsets[ps - 1])
                         };
                         let ci = (ps * self.cfg.directions.len() + di) * self.heads.len() + hi;
-                        let c = exact_clusters(&self.groups.metas, res, ci, *d, self.p);
+                        let c = nld_clusters(&self.groups.metas, res, ci, *d, self.p);
                         let metric = match off {
                             None => d.metric().to_string(),
                             Some(o) => format!("{}{}", d.metric(), offset_suffix(o)),
