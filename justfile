@@ -15,13 +15,9 @@ default:
 build:
     cargo build --bin phaselens --features {{features}}
 
-# The experiment kinds are declared inside the `kinds!` macro (src/runner/kinds/mod.rs),
-# which `cargo fmt` does not enter: rustfmt formats them file by file.
-
-# Format the code (cargo fmt, then the experiment kinds).
+# Format the code (the experiment kinds are plain `pub mod` lines, so cargo fmt reaches them).
 fmt:
     cargo fmt
-    rustfmt --edition 2024 src/runner/kinds/*.rs
 
 # One build with every backend; the backend matrix runs on flex, tch-cpu and wgpu.
 # Run the whole test suite (what CI runs).

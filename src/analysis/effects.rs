@@ -36,6 +36,41 @@ pub fn relative_change_pct(x: f64, clean: f64) -> Option<f64> {
     Some(100.0 * (x - clean) / clean)
 }
 
+/// [`normalized_logit_diff`] of summed `(LD_patched, LD_clean, LD_corrupted)` over `n`
+/// prompts (the means' NLD; NaN when undefined): the estimator the patching kinds
+/// bootstrap.
+pub fn nld_of_sums(s: &[f64; 3], n: u64) -> f64 {
+    let k = n as f64;
+    normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
+}
+
+/// [`relative_change_pct`] of summed `(edited, clean)` outcomes (NaN when undefined):
+/// the ablation kinds' estimator.
+pub fn rel_change_of_sums(s: &[f64; 2], _n: u64) -> f64 {
+    relative_change_pct(s[0], s[1]).unwrap_or(f64::NAN)
+}
+
+/// The mean of the first of summed `(edited, clean)` outcomes over `n` prompts (the
+/// edited run's accuracy when the outcomes are 0/1).
+pub fn rate_of_sums(s: &[f64; 2], n: u64) -> f64 {
+    s[0] / n as f64
+}
+
+/// Mean and sample standard deviation (0 for fewer than two values).
+pub fn mean_sd(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let sd = if v.len() > 1 {
+        (v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+    } else {
+        0.0
+    };
+    (mean, sd)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use phaselens::device::{Check, DeviceSpec, MatrixOptions, default_devices, render, run_matrix};
+use phaselens::backends::{Check, MatrixOptions, default_devices, render, run_matrix};
+use phaselens::device::DeviceSpec;
 
 #[derive(Args, Debug)]
 #[command(after_help = "\

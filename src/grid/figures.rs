@@ -17,11 +17,17 @@ use plotters::coord::Shift;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
+use crate::analysis::effects::mean_sd;
 use crate::error::{Error, Result};
-use crate::output::figure::{DrawResult, FigureSpec, fmt_num, series_color};
+use crate::output::figure::{
+    BandStyle, DrawResult, FigureSpec, draw_band_series, fmt_num, series_color,
+};
 use crate::output::{BandSeries, LinePlotSpec, line_with_bands, render};
 
-use super::merge::{Merged, PhaseRow, SummaryRow};
+use super::merged::{
+    Merged, PhaseRow, SummaryRow, bindings_of, detail, final_phases, final_row, protocols,
+    seed_groups, slot_of,
+};
 use super::spec::Grid;
 
 const FONT: &str = "sans-serif";
@@ -338,7 +344,7 @@ impl SmallMultiplesSpec {
             .draw()
             .map_err(de)?;
         for (si, s) in p.series.iter().enumerate() {
-            draw_band_line(&mut chart, s, si, k == 0)?;
+            draw_band_series(&mut chart, s, si, &BandStyle::small(k == 0))?;
         }
         if k == 0 {
             chart
@@ -354,67 +360,8 @@ impl SmallMultiplesSpec {
     }
 }
 
-/// Series `si` of a small panel: its band (where it has two or more finite bounds),
-/// line and points; the line is `labelled` for the legend in the first panel.
-fn draw_band_line<DB: DrawingBackend>(
-    chart: &mut Chart<'_, DB>,
-    s: &BandSeries,
-    si: usize,
-    labelled: bool,
-) -> DrawResult {
-    let color = series_color(si);
-    let band: Vec<usize> = (0..s.x.len())
-        .filter(|&i| s.lo[i].is_finite() && s.hi[i].is_finite())
-        .collect();
-    if band.len() >= 2 {
-        let mut poly: Vec<(f64, f64)> = band.iter().map(|&i| (s.x[i], s.hi[i])).collect();
-        poly.extend(band.iter().rev().map(|&i| (s.x[i], s.lo[i])));
-        chart
-            .draw_series(std::iter::once(Polygon::new(
-                poly,
-                color.mix(0.18).filled(),
-            )))
-            .map_err(de)?;
-    }
-    let pts: Vec<(f64, f64)> = (0..s.x.len())
-        .filter(|&i| s.y[i].is_finite())
-        .map(|i| (s.x[i], s.y[i]))
-        .collect();
-    let line = chart
-        .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
-        .map_err(de)?;
-    if labelled {
-        line.label(&s.name).legend(move |(x, y)| {
-            PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-        });
-    }
-    chart
-        .draw_series(pts.iter().map(|&q| Circle::new(q, 3, color.filled())))
-        .map_err(de)?;
-    Ok(())
-}
-
 fn ferr(e: crate::output::FigureError) -> Error {
     Error::Figure(e)
-}
-
-/// The final-query summary row of `design` for `protocol`.
-pub fn final_row<'a>(m: &'a Merged, design: &str, protocol: &str) -> Option<&'a SummaryRow> {
-    m.summary
-        .iter()
-        .find(|r| r.design == design && r.eval == "final" && r.protocol == protocol)
-}
-
-/// The protocols of the final sweeps, prefix padding first.
-fn protocols(m: &Merged) -> Vec<String> {
-    let mut v: Vec<String> = Vec::new();
-    for r in m.summary.iter().filter(|r| r.eval == "final") {
-        if !v.contains(&r.protocol) {
-            v.push(r.protocol.clone());
-        }
-    }
-    v.sort_by_key(|p| (p != "prefix", p.clone()));
-    v
 }
 
 fn profile(rows: &[&PhaseRow], name: &str) -> BandSeries {
@@ -427,76 +374,6 @@ fn profile(rows: &[&PhaseRow], name: &str) -> BandSeries {
         lo: rows.iter().map(|r| r.wilson_lo).collect(),
         hi: rows.iter().map(|r| r.wilson_hi).collect(),
     }
-}
-
-fn final_phases<'a>(m: &'a Merged, design: &str, protocol: &str) -> Vec<&'a PhaseRow> {
-    m.phases
-        .iter()
-        .filter(|r| r.design == design && r.eval == "final" && r.protocol == protocol)
-        .collect()
-}
-
-/// Groups of merged designs that differ only in `seed` (two or more members), named
-/// by their other keys.
-pub fn seed_groups(grid: &Grid, m: &Merged) -> Vec<(String, Vec<String>)> {
-    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
-    for name in &m.designs {
-        let Ok(d) = grid.design(name) else { continue };
-        if d.value("seed").is_none() {
-            continue;
-        }
-        let others: Vec<String> = grid
-            .columns
-            .iter()
-            .filter(|c| c.as_str() != "seed")
-            .map(|c| format!("{c}={}", d.value(c).map_or("-".into(), |v| v.to_string())))
-            .collect();
-        let key = others.join(" ");
-        match groups.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, v)) => v.push(name.clone()),
-            None => groups.push((key, vec![name.clone()])),
-        }
-    }
-    groups.retain(|(_, v)| v.len() >= 2);
-    groups
-}
-
-/// The detail rows (slot or bindings sweeps, plus the final sweep in the same
-/// protocol) of a design, sorted by `x`.
-pub fn detail<'a>(
-    m: &'a Merged,
-    design: &str,
-    eval: &str,
-    x: fn(&SummaryRow) -> i64,
-) -> Vec<&'a SummaryRow> {
-    let Some(proto) = m
-        .summary
-        .iter()
-        .find(|r| r.design == design && r.eval == eval)
-        .map(|r| r.protocol.clone())
-    else {
-        return Vec::new();
-    };
-    let mut rows: Vec<&SummaryRow> = m
-        .summary
-        .iter()
-        .filter(|r| {
-            r.design == design && r.protocol == proto && (r.eval == eval || r.eval == "final")
-        })
-        .collect();
-    rows.sort_by_key(|r| x(r));
-    rows.dedup_by_key(|r| x(r));
-    rows
-}
-
-/// The query slot of a row (the x of the slot sweeps).
-pub fn slot_of(r: &SummaryRow) -> i64 {
-    r.query_slot
-}
-
-/// The number of bindings of a row (the x of the bindings sweeps).
-pub fn bindings_of(r: &SummaryRow) -> i64 {
-    r.n_bindings
 }
 
 /// Draw every grid figure into `dir` (PNG + SVG); returns the PNG paths.
@@ -726,19 +603,4 @@ fn detail_figure(
             .map_err(ferr)?
             .png,
     ))
-}
-
-/// Mean and sample standard deviation (0 for fewer than two values).
-pub fn mean_sd(v: &[f64]) -> (f64, f64) {
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN);
-    }
-    let n = v.len() as f64;
-    let mean = v.iter().sum::<f64>() / n;
-    let sd = if v.len() > 1 {
-        (v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
-    } else {
-        0.0
-    };
-    (mean, sd)
 }

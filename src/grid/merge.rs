@@ -1,5 +1,5 @@
-//! Merge every design's phase sweeps into two long tables (polars), then draw the
-//! figures and write the report.
+//! Merge every design's phase sweeps into two long tables (polars) and read them back
+//! as the rows ([`super::merged`]) that the figures and the report draw from.
 //!
 //! - `grid.arrow` (+ `.parquet`): one row per design x sweep x protocol x phase, with
 //!   the `phase_accuracy/v1` columns (`protocol, phase, n, correct, accuracy,
@@ -29,6 +29,7 @@ use crate::output::{
     ColumnData, Table, TableError, read_dataframe, write_bytes_atomic, write_parquet_copy,
 };
 
+use super::merged::{Merged, PhaseRow, SummaryRow};
 use super::spec::{Design, Grid};
 use super::task::{DesignRecord, EvalSpec, GridOptions, eval_specs};
 
@@ -77,53 +78,6 @@ impl fmt::Display for MergeSummary {
         }
         Ok(())
     }
-}
-
-/// One row of the merged phase table, as the figures and report read it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PhaseRow {
-    pub design: String,
-    pub eval: String,
-    pub n_bindings: i64,
-    pub query_slot: i64,
-    pub protocol: String,
-    pub phase: i64,
-    pub n: u64,
-    pub accuracy: f64,
-    pub wilson_lo: f64,
-    pub wilson_hi: f64,
-}
-
-/// One row of the merged summary table.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SummaryRow {
-    pub design: String,
-    pub eval: String,
-    pub n_bindings: i64,
-    pub query_slot: i64,
-    pub protocol: String,
-    pub period: i64,
-    pub mean_accuracy: f64,
-    pub mean_ci: (f64, f64),
-    pub gap_pp: f64,
-    pub gap_ci: (f64, f64),
-    pub best_phase: i64,
-    pub worst_phase: i64,
-    pub worst_accuracy: f64,
-    pub steps: Option<u64>,
-    pub batch_accuracy: Option<f64>,
-}
-
-/// Everything the figures and the report need.
-#[derive(Debug, Clone)]
-pub struct Merged {
-    pub phases: Vec<PhaseRow>,
-    pub summary: Vec<SummaryRow>,
-    /// Merged designs in grid order.
-    pub designs: Vec<String>,
-    /// Every design of the grid, in grid order, with how far it got (`done`,
-    /// `trained; sweeps 3/7`, `not trained (step 750/2000)`, `not trained (not started)`).
-    pub progress: Vec<(String, String)>,
 }
 
 /// How far a design got, as the report and the merge say it.
@@ -541,8 +495,10 @@ fn with_keys(grid: &Grid, mut df: DataFrame) -> Result<DataFrame> {
     Ok(df)
 }
 
-/// Merge, draw and report (see the module docs). Returns what was written.
-pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
+/// Merge every design's sweeps into the two tables (see the module docs). Returns what
+/// was written and the merged rows the figures and the report read; the figures and
+/// tables are not drawn here (`super::merge` draws them next).
+pub fn merge_tables(grid: &Grid, opts: &GridOptions) -> Result<(MergeSummary, Merged)> {
     let data = opts.data_dir(grid);
     let parts = stack_parts(grid, opts)?;
     let progress = grid
@@ -557,7 +513,6 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
         figures: Vec::new(),
         report: None,
     };
-    let dir = opts.report_dir(grid);
     let (Some(phases), Some(summary)) = (parts.phases, parts.summary) else {
         // Nothing swept yet: no tables or figures, but a report that lists every
         // design and how far it got.
@@ -567,8 +522,7 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
             designs: Vec::new(),
             progress,
         };
-        out.report = Some(super::report::write(grid, &m, &dir, &[])?);
-        return Ok(out);
+        return Ok((out, m));
     };
     let phases = with_keys(grid, phases)?;
     let summary = with_keys(grid, summary)?;
@@ -591,9 +545,7 @@ pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
         designs: parts.merged,
         progress,
     };
-    out.figures = super::figures::draw(grid, &m, &dir)?;
-    out.report = Some(super::report::write(grid, &m, &dir, &out.figures)?);
-    Ok(out)
+    Ok((out, m))
 }
 
 /// Every design's part frames stacked in grid order, and which designs had one.

@@ -17,12 +17,14 @@
 //! | [`task`] | one design: recipe, training, sweeps, its `design.json` record |
 //! | [`slurm`] | `sbatch --array` + a dependent merge job, `status` from squeue/sacct, `--resume` |
 //! | [`merge`] | every design's sweeps into long tables (polars), resumable |
+//! | [`merged`] | the merged rows and the look-ups the figures and the report share |
 //! | [`figures`] | phase gap per design, accuracy-by-phase small multiples, seed variance, slots, bindings |
 //! | [`report`] | the designs side by side with the paper's numbers, what each learned |
 
 pub mod figures;
 pub mod keys;
 pub mod merge;
+pub mod merged;
 pub mod report;
 pub mod slurm;
 pub mod spec;
@@ -30,9 +32,20 @@ pub mod task;
 
 use crate::error::{Error, Result};
 
-pub use merge::{MergeSummary, merge};
+pub use merge::MergeSummary;
 pub use spec::{Design, EvalConfig, Grid, SlurmConfig};
 pub use task::{DesignRecord, GridOptions, finished, run_design, write_recipes};
+
+/// Merge the designs' sweeps into the grid tables, then draw the figures, then write
+/// the report (in that order; see [`merge`](mod@merge), [`figures`], [`report`]).
+/// Returns what was written.
+pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
+    let (mut out, m) = merge::merge_tables(grid, opts)?;
+    let dir = opts.report_dir(grid);
+    out.figures = figures::draw(grid, &m, &dir)?;
+    out.report = Some(report::write(grid, &m, &dir, &out.figures)?);
+    Ok(out)
+}
 
 /// Run designs one after another on this machine (all of them, or those named in
 /// `only`), then merge. Finished designs are skipped, interrupted ones resume. With

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use crate::error::Result;
 use crate::output::{Headline, Report};
 
-use super::figures::{bindings_of, detail, final_row, mean_sd, seed_groups, slot_of};
-use super::merge::{Merged, SummaryRow};
+use super::merged::{Merged, SummaryRow, bindings_of, detail, final_row, seed_groups, slot_of};
+use crate::analysis::effects::mean_sd;
 use super::spec::Grid;
 
 fn pct(x: f64) -> String {

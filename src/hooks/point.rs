@@ -9,36 +9,8 @@ use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
-/// Which kind of head: the head axis of a hook site, a cell of an experiment
-/// (`head_kinds = ["query", "kv"]`) and the `head_kind` column of a table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HeadKind {
-    /// A query head (0..n_heads); stored as `"query"`.
-    Query,
-    /// A key/value head (0..n_kv_heads); query head h reads KV head h / (n_heads / n_kv_heads).
-    /// Stored as `"kv"`.
-    Kv,
-}
-
-impl HeadKind {
-    /// The name in TOML files and tables.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Query => "query",
-            Self::Kv => "kv",
-        }
-    }
-
-    /// Parses [`HeadKind::as_str`].
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "query" => Some(Self::Query),
-            "kv" => Some(Self::Kv),
-            _ => None,
-        }
-    }
-}
+/// Which kind of head (defined with the `head_kind` table column it is stored in).
+pub use crate::output::schema::HeadKind;
 
 /// A site in the forward pass. `doc` gives the shape; the axes say which dimension a
 /// head or position scope restricts.

@@ -3,6 +3,10 @@
 //! allocated, with an error naming the key to change, instead of aborting on a failed
 //! allocation halfway through.
 //!
+//! A leaf: the configs call it with their sizes (`KvcConfig::check_memory`,
+//! `DeepseekV4Config::check_memory`), training with its own estimate
+//! (train/memory.rs).
+//!
 //! The budget is `MemAvailable` of `/proc/meminfo` (unknown elsewhere: only the hard
 //! ceiling applies). `PHASELENS_NO_MEMORY_CHECK=1` (or `--no-memory-check` on the
 //! commands that take it) skips the comparison with the machine; sizes beyond
@@ -105,98 +109,15 @@ pub fn check_forward(info: &ModelInfo, rows: usize, len: usize, keys: &str) -> R
     )
 }
 
-/// Refuse to train `file`'s model when the weights, the AdamW state, the gradients and
-/// one batch's activations (kept for the backward pass) cannot fit.
-pub fn check_training(file: &crate::train::OrganismFile, seq_len: usize) -> Result<()> {
-    use crate::train::ModelConfig;
-    let (params, info_keys, d, layers, vocab) = match &file.model {
-        ModelConfig::Kvc(c) => (
-            kvc_params(c),
-            "[model] sizes",
-            c.d_model as f64,
-            c.n_layers as f64,
-            c.vocab_size as f64,
-        ),
-        ModelConfig::DeepseekV4 { resolved, .. } => (
-            resolved.n_params_f64(),
-            "[model] sizes",
-            resolved.hidden_size as f64 * resolved.hc_mult as f64,
-            resolved.num_hidden_layers as f64,
-            resolved.vocab_size as f64,
-        ),
-    };
-    // weights + gradients + two AdamW moments + a copy during the update.
-    let state = 5.0 * 4.0 * params;
-    let tokens = file.train.batch_size as f64 * seq_len as f64;
-    // Autodiff keeps every layer's intermediate tensors: ~24 residual-sized per layer.
-    let acts = tokens * 4.0 * (3.0 * vocab + 24.0 * d * layers.max(1.0));
-    check(
-        &format!(
-            "training `{}` ({} parameters, {} tokens per step)",
-            file.organism.name, params as u64, tokens as u64
-        ),
-        &format!(
-            "{info_keys} or [train] batch_size = {}",
-            file.train.batch_size
-        ),
-        state + acts,
-    )
-}
-
-/// Parameters of a kvc config (an upper estimate: every optional matrix counted).
-pub fn kvc_params(c: &crate::model::KvcConfig) -> f64 {
-    let (v, d, f) = (c.vocab_size as f64, c.d_model as f64, c.d_ff as f64);
-    let (h, kv, dh) = (c.n_heads as f64, c.n_kv_heads as f64, c.d_head() as f64);
-    let emb = v * d * if c.tie_embeddings { 1.0 } else { 2.0 };
-    let window = c.compression.as_ref().map_or(0.0, |x| x.window as f64);
-    let per_layer = 2.0 * d * h * dh
-        + 2.0 * d * kv * dh
-        + 3.0 * d * f
-        + 4.0 * d
-        + 2.0 * kv * dh * (window + 2.0)
-        + h;
-    emb + c.n_layers as f64 * per_layer + d
-}
-
-/// Refuse a kvc config whose weights cannot fit, naming its size keys.
-pub fn check_kvc(c: &crate::model::KvcConfig) -> Result<()> {
-    check(
-        "the model's weights",
-        &format!(
-            "config vocab_size = {}, d_model = {}, n_layers = {}, d_ff = {}, n_heads = {}",
-            c.vocab_size, c.d_model, c.n_layers, c.d_ff, c.n_heads
-        ),
-        4.0 * kvc_params(c),
-    )
-}
-
-/// Refuse a DeepSeek-V4 config whose weights cannot fit (f32), naming its size keys.
-pub fn check_deepseek_v4(c: &crate::model::deepseek_v4::DeepseekV4Config) -> Result<()> {
-    check(
-        "the model's weights (f32)",
-        &format!(
-            "config.json vocab_size = {}, hidden_size = {}, num_hidden_layers = {}, n_routed_experts = {}, moe_intermediate_size = {}",
-            c.vocab_size,
-            c.hidden_size,
-            c.num_hidden_layers,
-            c.n_routed_experts,
-            c.moe_intermediate_size
-        ),
-        4.0 * c.n_params_f64(),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn absurd_sizes_are_refused_even_with_the_override_and_name_the_keys() {
-        let mut c = crate::model::KvcConfig::tiny();
-        check_kvc(&c).unwrap();
-        c.n_layers = 1_000_000_000;
-        c.d_model = 1 << 20;
-        let e = check_kvc(&c).unwrap_err().to_string();
+        let e = check("the model's weights", "config n_layers = 1000000000", 1e18)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("n_layers = 1000000000") && e.contains("ceiling"),
             "{e}"

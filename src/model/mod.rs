@@ -5,6 +5,7 @@ pub mod attention;
 pub mod bench;
 pub mod deepseek_v4;
 pub mod diagnose;
+pub mod grad;
 pub mod kv_state;
 pub mod kvc;
 pub mod layers;
@@ -97,6 +98,16 @@ impl ModelInfo {
     /// Whether any layer compresses.
     pub fn compressed(&self) -> bool {
         !self.strides().is_empty()
+    }
+
+    /// How the model's compressed entries sit on the token axis: at the end of their
+    /// window (DeepSeek-V4) or at its start (kvc).
+    pub fn entry_align(&self) -> crate::analysis::EntryAlign {
+        if self.arch == deepseek_v4::MODEL_TYPE {
+            crate::analysis::EntryAlign::End
+        } else {
+            crate::analysis::EntryAlign::Start
+        }
     }
 }
 
@@ -241,7 +252,9 @@ pub fn load_kvc(dir: &Path, device: &Device) -> Result<KvcModel> {
         path: path.clone(),
         message: m,
     })?;
-    memory::check_kvc(&config).map_err(|e| e.context(path.display().to_string()))?;
+    config
+        .check_memory()
+        .map_err(|e| e.context(path.display().to_string()))?;
     let src = weights::CheckpointSource::open_dir(dir)?;
     let model = KvcModel::new(&config, &weights::Vb::new(&src, device))?;
     src.check_all_used()?;

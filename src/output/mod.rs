@@ -13,11 +13,13 @@
 //! | [`report`] | `report.md` / `report.html` with headline numbers, tables and figures |
 //! | [`atomic`] | the atomic write primitive; stale temporary files (listing and cleaning) |
 //! | [`lock`] | one run at a time per output folder (a lock file naming its process) |
+//! | [`name`] | what may name an output folder (`check_output_name`) |
 
 pub mod atomic;
 pub mod figure;
 pub mod frame;
 pub mod lock;
+pub mod name;
 pub mod report;
 pub mod schema;
 pub mod table;
@@ -31,6 +33,7 @@ pub use figure::{
     line_with_bands, loss_curve, render, scatter_predicted_vs_observed,
 };
 pub use frame::{parquet_path, read_dataframe, write_parquet_copy};
+pub use name::check_output_name;
 pub use report::{
     Headline, Report, ReportError, ReportFiles, phase_gap_headlines, ranked_heads_rows,
 };

@@ -494,8 +494,8 @@ pub fn bench_atp(
     band: usize,
     device: &DeviceSpec,
 ) -> Result<AtpBenchResult> {
+    use super::heads::Direction;
     use super::kinds::attribution_patching::atp_terms;
-    use super::kinds::patch_heads::Direction;
     if band == 0 {
         return Err(Error::Input("--band must be at least 1".into()));
     }
@@ -517,7 +517,7 @@ pub fn bench_atp(
     let atp_seconds = t.elapsed().as_secs_f64();
     let atp_cells = offsets.head_sets.len() * dirs.len() * prompts.len;
     let t = Instant::now();
-    super::kinds::atp_star::qk_terms(model, &prompts, &layers, &dirs)?;
+    super::kinds::attribution_patching::atp_star::qk_terms(model, &prompts, &layers, &dirs)?;
     let star_seconds = t.elapsed().as_secs_f64();
     let star_cells: usize = info
         .layers

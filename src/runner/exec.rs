@@ -1,5 +1,5 @@
 //! Runs batches of cells through the routine with resume and progress: the glue every
-//! kind shares.
+//! kind shares; [`PromptShards`] for kinds that run their own forwards.
 
 use std::time::Instant;
 
@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::model::LanguageModel;
 
 use super::patching::{self, Base, Cell, Outcome, Prompts, base_run_for, plan_chunks, run_chunk};
-use super::progress::Progress;
+use super::progress::{Progress, ProgressMode};
 use super::store::Store;
 
 /// One prompt batch and the cells to evaluate on it.
@@ -40,6 +40,16 @@ pub struct ExecStats {
     pub cells_resumed: u64,
     pub forwards: u64,
     pub seconds: f64,
+}
+
+impl ExecStats {
+    /// Add `other`'s counters to these.
+    pub fn add(&mut self, other: &ExecStats) {
+        self.cells_computed += other.cells_computed;
+        self.cells_resumed += other.cells_resumed;
+        self.forwards += other.forwards;
+        self.seconds += other.seconds;
+    }
 }
 
 /// Evaluates groups, loading finished chunks from the store.
@@ -155,5 +165,77 @@ impl<'a> Executor<'a> {
             base: base.expect("base computed or loaded"),
             cells,
         })
+    }
+}
+
+/// Per-prompt quantities of a kind that runs its own forwards, persisted chunk by chunk
+/// as shards of the run's store (resume), with a progress bar and the run's counters.
+pub struct PromptShards<'s> {
+    store: &'s Store,
+    stats: ExecStats,
+    progress: Progress,
+}
+
+impl<'s> PromptShards<'s> {
+    /// Shards of `store`; progress over `total` prompts labelled `label`.
+    pub fn new(store: &'s Store, mode: ProgressMode, label: &str, total: u64) -> Self {
+        PromptShards {
+            store,
+            stats: ExecStats::default(),
+            progress: Progress::new(mode, label, "prompts", total),
+        }
+    }
+
+    /// Per prompt of `n`, `quantities` values, computed by `compute(rows)` (one `Vec`
+    /// per quantity, one outcome per row) over chunks of `chunk` prompts, each chunk
+    /// persisted as shard `{key}-c{i}` and loaded instead of recomputed on resume.
+    pub fn run(
+        &mut self,
+        key: &str,
+        n: usize,
+        quantities: usize,
+        chunk: usize,
+        mut compute: impl FnMut(&[usize]) -> Result<Vec<Vec<Outcome>>>,
+    ) -> Result<Vec<Vec<Outcome>>> {
+        let mut out: Vec<Vec<Outcome>> = (0..quantities).map(|_| Vec::with_capacity(n)).collect();
+        let idx: Vec<usize> = (0..n).collect();
+        for (i, rows) in idx.chunks(chunk.max(1)).enumerate() {
+            let shard = format!("{key}-c{i:04}");
+            let got = match self.store.load(&shard, &vec![rows.len(); quantities])? {
+                Some(v) => {
+                    self.progress.skip(rows.len() as u64);
+                    self.stats.cells_resumed += rows.len() as u64;
+                    v
+                }
+                None => {
+                    let t0 = std::time::Instant::now();
+                    let v = compute(rows)?;
+                    if v.len() != quantities || v.iter().any(|q| q.len() != rows.len()) {
+                        return Err(Error::Other(format!(
+                            "{shard}: computed {} quantities for {} rows, expected {quantities} x {}",
+                            v.len(),
+                            v.first().map_or(0, Vec::len),
+                            rows.len()
+                        )));
+                    }
+                    self.store.save(&shard, &v)?;
+                    self.progress.inc(rows.len() as u64);
+                    self.stats.cells_computed += rows.len() as u64;
+                    self.stats.forwards += 1;
+                    self.stats.seconds += t0.elapsed().as_secs_f64();
+                    v
+                }
+            };
+            for (o, g) in out.iter_mut().zip(got) {
+                o.extend(g);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Finish the progress bar; the counters of what ran.
+    pub fn finish(mut self) -> ExecStats {
+        self.progress.finish();
+        self.stats
     }
 }

@@ -25,6 +25,7 @@ use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::error::{Error, Result};
+pub use crate::output::check_output_name;
 use crate::tasks::{KvPromptConfig, Protocol, TokenSpaceConfig};
 
 use super::kinds::{Kind, KindConfig};
@@ -500,34 +501,6 @@ pub const MAX_N_LOGICAL: usize = 1_000_000;
 /// The most bootstrap replicates an experiment may ask for (each replicate resamples
 /// every cluster of every cell: 10^11 would run for days and hold gigabytes).
 pub const MAX_BOOTSTRAP_REPS: usize = 1_000_000;
-
-/// An output folder name (`[experiment] name`, the file stem, `[model] name`,
-/// `phaselens figures --experiment`): one plain path component, so outputs stay under
-/// `notebooks-data/` and `reports/`. Returns what is wrong.
-pub fn check_output_name(name: &str) -> std::result::Result<(), String> {
-    let bad = |why: &str| Err(format!("`{name}` cannot name an output folder: {why}"));
-    if name.trim().is_empty() {
-        return bad("it is empty");
-    }
-    if name.contains('/') || name.contains('\\') {
-        return bad(
-            "it holds a path separator (give a plain name; outputs go to notebooks-data/<name>/ and reports/<name>/)",
-        );
-    }
-    if name.contains("..") || name.starts_with('.') {
-        return bad("it starts with `.` or holds `..` (it would leave or hide in the output root)");
-    }
-    if Path::new(name).is_absolute() {
-        return bad("it is an absolute path");
-    }
-    if name.chars().any(char::is_control) {
-        return bad("it holds control characters");
-    }
-    if name.len() > 200 {
-        return bad("it is longer than 200 bytes");
-    }
-    Ok(())
-}
 
 /// 1-based line of `key = ...` inside `[section]` (or of the section header when
 /// `key` is empty).

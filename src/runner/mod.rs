@@ -15,6 +15,7 @@
 //! | [`patching`] | THE batched intervention routine (and its one-forward-per-cell reference) |
 //! | [`exec`], [`store`], [`progress`] | chunks with resume (atomic shard tables), progress with ETA |
 //! | [`rows`] | statistics (from [`crate::analysis`]) -> long-format rows |
+//! | [`heads`] | head cells, patching directions and head patch cells the patching kinds share |
 //! | [`kinds`] | one file per experiment kind ([`Kind`]: settings, cells, rows, figures, report section) |
 //! | [`report`] | the report frame and figure helpers, from the tables alone |
 //! | [`bench`] | batched vs one-forward-per-cell throughput |
@@ -22,6 +23,7 @@
 pub mod bench;
 pub mod exec;
 pub mod experiment;
+pub mod heads;
 pub mod kinds;
 pub mod patching;
 pub mod progress;

@@ -156,7 +156,7 @@ pub fn draw_all(
     only: Option<&str>,
 ) -> Result<Vec<(String, Vec<PathBuf>)>> {
     if let Some(n) = only {
-        super::experiment::check_output_name(n)
+        crate::output::check_output_name(n)
             .map_err(|m| Error::Input(format!("--experiment: {m}")))?;
     }
     let mut names: Vec<String> = match only {

@@ -6,6 +6,34 @@
 use crate::analysis::{self, Clusters, DEFAULT_LEVEL, Est, per_phase, phase_clusters};
 use crate::output::{HeadKind, LongRow};
 
+use super::exec::GroupResult;
+use super::prompts::PromptMeta;
+
+/// Clusters of `(correct_edited, correct_clean)` for cell `ci` over all groups (the
+/// ablation and knockout kinds' relative change).
+pub fn change_clusters(
+    p: usize,
+    metas: &[Vec<PromptMeta>],
+    results: &[GroupResult],
+    ci: usize,
+) -> Clusters<2> {
+    let mut c = Clusters::<2>::new(p);
+    for (meta, res) in metas.iter().zip(results) {
+        for (i, o) in res.cells[ci].iter().enumerate() {
+            let m = &meta[i];
+            c.add(
+                m.logical,
+                m.phase,
+                [
+                    f64::from(u8::from(o.correct)),
+                    f64::from(u8::from(res.base[i].correct)),
+                ],
+            );
+        }
+    }
+    c
+}
+
 /// Identity of the rows of one experiment on one model.
 #[derive(Debug, Clone)]
 pub struct RowCtx {

@@ -203,6 +203,23 @@ impl Protocol {
             Protocol::InSequencePadding => "in_sequence_padding",
         }
     }
+
+    /// Short name in the `protocol` column of the phase-accuracy and long tables
+    /// (`prefix`, `in-sequence`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Protocol::PrefixPadding => "prefix",
+            Protocol::InSequencePadding => "in-sequence",
+        }
+    }
+
+    /// Metric-name suffix of the protocol (`_prefix`, `_in_sequence`).
+    pub fn metric_suffix(self) -> &'static str {
+        match self {
+            Protocol::PrefixPadding => "_prefix",
+            Protocol::InSequencePadding => "_in_sequence",
+        }
+    }
 }
 
 impl fmt::Display for Protocol {

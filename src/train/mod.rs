@@ -8,6 +8,7 @@
 //! complete checkpoint and loses at most one interval.
 
 pub mod bench;
+pub mod memory;
 pub mod organism;
 pub mod schedule;
 pub mod step;
@@ -203,7 +204,7 @@ pub fn training_sampler(path: &Path, file: &OrganismFile) -> Result<KvTrainSampl
             ),
         });
     }
-    crate::model::memory::check_training(file, sampler.seq_len())
+    memory::check_training(file, sampler.seq_len())
         .context_with(|| path.display().to_string())?;
     Ok(sampler)
 }

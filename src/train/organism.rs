@@ -283,7 +283,7 @@ impl OrganismFile {
                 )));
             }
         };
-        if let Err(m) = crate::runner::experiment::check_output_name(&f.organism.name) {
+        if let Err(m) = crate::output::check_output_name(&f.organism.name) {
             return Err(bad(format!("[organism] name: {m}")));
         }
         f.train

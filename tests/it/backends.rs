@@ -1,4 +1,4 @@
-//! The backend equivalence matrix (src/device/matrix.rs) on every device this build has:
+//! The backend equivalence matrix (src/backends/) on every device this build has:
 //! flex always; tch-cpu when built with `tch`; wgpu when built with `wgpu` (on CI through
 //! Mesa's software Vulkan; set PHASELENS_SKIP_WGPU=1 on a machine with no Vulkan driver
 //! at all). Every check must be `ok`; a built device that does not work fails the test.
@@ -7,7 +7,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use phaselens::device::{Check, DeviceSpec, MatrixOptions, Status, render, run_matrix};
+use phaselens::backends::{Check, MatrixOptions, Status, render, run_matrix};
+use phaselens::device::DeviceSpec;
 
 fn matrix_on(spec: DeviceSpec, required: bool) {
     if !spec.is_built() {

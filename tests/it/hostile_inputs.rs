@@ -219,7 +219,7 @@ fn kvc_config_sizes_beyond_memory_are_refused_naming_the_keys() {
     let mut c = KvcConfig::tiny();
     c.vocab_size = 1 << 40;
     c.d_model = 1 << 20;
-    let e = phaselens::model::memory::check_kvc(&c)
+    let e = c.check_memory()
         .unwrap_err()
         .to_string();
     assert!(
@@ -349,7 +349,7 @@ fn deepseek_v4_configs_reject_impossible_values() {
         v["moe_intermediate_size"] = (1u64 << 22).into();
     });
     let c = DeepseekV4Config::from_json(&big).unwrap();
-    let e = phaselens::model::memory::check_deepseek_v4(&c)
+    let e = c.check_memory()
         .unwrap_err()
         .to_string();
     assert!(e.contains("hidden_size = 4194304"), "{e}");
@@ -533,7 +533,7 @@ fn recipes_reject_impossible_settings_where_parsed() {
         let space = f.task.vocab.build().map_err(|e| e.to_string())?;
         let sampler = phaselens::tasks::KvTrainSampler::new(&space, f.task.train.clone())
             .map_err(|e| e.to_string())?;
-        phaselens::model::memory::check_training(&f, sampler.seq_len()).map_err(|e| e.to_string())
+        phaselens::train::memory::check_training(&f, sampler.seq_len()).map_err(|e| e.to_string())
     });
 }
 
@@ -824,19 +824,19 @@ fn fuzz_experiment_and_recipe_toml_parsers() {
             && let Ok(space) = f.task.vocab.build()
             && let Ok(s) = phaselens::tasks::KvTrainSampler::new(&space, f.task.train.clone())
         {
-            let _ = phaselens::model::memory::check_training(&f, s.seq_len());
+            let _ = phaselens::train::memory::check_training(&f, s.seq_len());
         }
     });
     let kvc = serde_json::to_string_pretty(&KvcConfig::tiny()).unwrap();
     fuzz("kvc config.json", kvc.as_bytes(), 1500, |b| {
         if let Ok(c) = KvcConfig::from_json(&String::from_utf8_lossy(b)) {
-            let _ = phaselens::model::memory::check_kvc(&c);
+            let _ = c.check_memory();
         }
     });
     let v4 = std::fs::read_to_string("tests/fixtures/deepseek_v4/pro/config.json").unwrap();
     fuzz("DeepSeek-V4 config.json", v4.as_bytes(), 1500, |b| {
         if let Ok(c) = DeepseekV4Config::from_json(&String::from_utf8_lossy(b)) {
-            let _ = phaselens::model::memory::check_deepseek_v4(&c);
+            let _ = c.check_memory();
             let _ = c.n_params();
         }
     });

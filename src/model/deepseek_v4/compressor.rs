@@ -10,146 +10,18 @@
 //! NEXT window's entry, channels `[dim, 2 dim)` (the B half) its own window's entry. Entry
 //! `w` pools slots `0..m` = A half of tokens `(w-1) m + j` and slots `m..2m` = B half of
 //! tokens `w m + j`; entry 0 has no A slots (weight 0). The lightning indexer uses the
-//! same layout at `index_head_dim` ([`Pooler`] is shared).
+//! same layout at `index_head_dim` ([`Pooler`], in pooler.rs, is shared).
 
-use burn::module::{Module, Param};
+use burn::module::Module;
 use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
 
 use super::indexer::Indexer;
+pub use super::pooler::Pooler;
 use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
-use crate::model::layers::{Linear, RmsNorm, RopeTables};
-use crate::model::weights::{Init, Vb};
-
-/// The projections and norm of one pooling compressor.
-#[derive(Module, Debug)]
-pub struct Pooler {
-    /// `[slots_per_token * dim, d_model]` (2 * dim when overlapping).
-    pub kv_proj: Linear,
-    pub gate_proj: Linear,
-    /// `[rate, slots_per_token * dim]`, added to the gate logits by in-window offset.
-    pub position_bias: Param<Tensor<2>>,
-    /// Weighted RMSNorm over `dim`.
-    pub kv_norm: RmsNorm,
-    #[module(skip)]
-    pub rate: usize,
-    #[module(skip)]
-    pub overlap: bool,
-    #[module(skip)]
-    pub dim: usize,
-}
-
-impl Pooler {
-    /// Build under `vb` (names `kv_proj.weight`, `gate_proj.weight`, `position_bias`,
-    /// `kv_norm.weight`).
-    pub fn new(
-        vb: &Vb,
-        d_model: usize,
-        dim: usize,
-        rate: usize,
-        overlap: bool,
-        eps: f64,
-    ) -> Result<Self> {
-        let w = if overlap { 2 } else { 1 };
-        let std = 1.0 / (d_model as f64).sqrt();
-        Ok(Pooler {
-            kv_proj: Linear::new(&vb.pp("kv_proj"), d_model, w * dim, std)?,
-            gate_proj: Linear::new(&vb.pp("gate_proj"), d_model, w * dim, std)?,
-            position_bias: vb.param("position_bias", [rate, w * dim], Init::Zeros)?,
-            kv_norm: RmsNorm::new(&vb.pp("kv_norm"), dim, eps)?,
-            rate,
-            overlap,
-            dim,
-        })
-    }
-
-    /// Number of closed windows for a sequence of `t` tokens.
-    pub fn n_entries(&self, t: usize) -> usize {
-        t / self.rate
-    }
-
-    /// Gate logits and slot values of every closed window, both `[b, n, slots, dim]`
-    /// (slots = rate, or 2 * rate when overlapping; the logits include the position bias,
-    /// the softmax over slots is the caller's). `None` when no window has closed.
-    pub fn window_logits(&self, x: &Tensor<3>) -> Option<(Tensor<4>, Tensor<4>)> {
-        let [_, t, _] = x.dims();
-        let n = t / self.rate;
-        if n == 0 {
-            return None;
-        }
-        let x = x.clone().slice_dim(1, 0..n * self.rate);
-        self.window_logits_from(self.project(&x))
-    }
-
-    /// Per-token projections `(kv_proj(x), gate_proj(x))`, both `[b, t, slots_per_token *
-    /// dim]` (the gate without its position bias): what [`Pooler::window_logits_from`]
-    /// arranges into windows.
-    pub fn project(&self, x: &Tensor<3>) -> (Tensor<3>, Tensor<3>) {
-        (
-            self.kv_proj.forward(x.clone()),
-            self.gate_proj.forward(x.clone()),
-        )
-    }
-
-    /// Gate weights (the softmax over slots) and slot values of every closed window, from
-    /// per-token projections ([`Pooler::project`]).
-    pub fn windows_from(
-        &self,
-        projections: (Tensor<3>, Tensor<3>),
-    ) -> Option<(Tensor<4>, Tensor<4>)> {
-        self.window_logits_from(projections)
-            .map(|(logits, values)| (softmax(logits, 2), values))
-    }
-
-    /// [`Pooler::window_logits`] from per-token projections ([`Pooler::project`]) of the
-    /// whole sequence (positions past the last closed window are ignored).
-    pub fn window_logits_from(
-        &self,
-        (kv, gate): (Tensor<3>, Tensor<3>),
-    ) -> Option<(Tensor<4>, Tensor<4>)> {
-        let [b, t, _] = kv.dims();
-        let (m, d) = (self.rate, self.dim);
-        let n = t / m;
-        if n == 0 {
-            return None;
-        }
-        let wd = if self.overlap { 2 * d } else { d };
-        let kv = kv.slice_dim(1, 0..n * m).reshape([b, n, m, wd]);
-        let gate = gate.slice_dim(1, 0..n * m).reshape([b, n, m, wd])
-            + self.position_bias.val().reshape([1, 1, m, wd]);
-        let device = kv.device();
-        if !self.overlap {
-            return Some((gate, kv));
-        }
-        let a_kv = kv.clone().slice_dim(3, 0..d);
-        let b_kv = kv.slice_dim(3, d..2 * d);
-        let a_g = gate.clone().slice_dim(3, 0..d);
-        let b_g = gate.slice_dim(3, d..2 * d);
-        // A half of window w-1 goes to entry w; entry 0 gets zero values, -inf gates.
-        let zero_kv = Tensor::<4>::zeros([b, 1, m, d], &device);
-        let ninf_g = Tensor::<4>::full([b, 1, m, d], f32::NEG_INFINITY, &device);
-        let (prev_kv, prev_g) = if n > 1 {
-            (
-                Tensor::cat(vec![zero_kv, a_kv.slice_dim(1, 0..n - 1)], 1),
-                Tensor::cat(vec![ninf_g, a_g.slice_dim(1, 0..n - 1)], 1),
-            )
-        } else {
-            (zero_kv, ninf_g)
-        };
-        let values = Tensor::cat(vec![prev_kv, b_kv], 2);
-        let logits = Tensor::cat(vec![prev_g, b_g], 2);
-        Some((logits, values))
-    }
-
-    /// `kv_norm(sum_slots weights * values)`: `[b, n, dim]`.
-    pub fn pool(&self, weights: Tensor<4>, values: Tensor<4>) -> Tensor<3> {
-        let [b, n, _, d] = values.dims();
-        self.kv_norm
-            .forward((weights * values).sum_dim(2).reshape([b, n, d]))
-    }
-}
+use crate::model::layers::RopeTables;
 
 /// The compressor of a CSA or HCA layer (and, for CSA, its lightning indexer).
 #[derive(Module, Debug)]

@@ -425,6 +425,23 @@ impl DeepseekV4Config {
         self.n_params_f64() as usize
     }
 
+    /// Refuse a config whose weights cannot fit in memory (f32), naming its size keys
+    /// ([`crate::model::memory::check`]).
+    pub fn check_memory(&self) -> Result<()> {
+        crate::model::memory::check(
+            "the model's weights (f32)",
+            &format!(
+                "config.json vocab_size = {}, hidden_size = {}, num_hidden_layers = {}, n_routed_experts = {}, moe_intermediate_size = {}",
+                self.vocab_size,
+                self.hidden_size,
+                self.num_hidden_layers,
+                self.n_routed_experts,
+                self.moe_intermediate_size
+            ),
+            4.0 * self.n_params_f64(),
+        )
+    }
+
     /// [`Self::n_params`] in floating point (no overflow for any config).
     pub fn n_params_f64(&self) -> f64 {
         let f = |x: usize| x as f64;

@@ -10,7 +10,7 @@ use burn::module::Module;
 use burn::tensor::activation::relu;
 use burn::tensor::{Bool, Tensor};
 
-use super::compressor::Pooler;
+use super::pooler::Pooler;
 use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};

@@ -6,6 +6,7 @@
 //! | `config.rs` | config.json (transformers or release form), resolved and validated |
 //! | `rope.rs` | default / YaRN inverse frequencies, interleaved partial RoPE |
 //! | `attention.rs` | low-rank queries, shared K = V head, window + compressed keys, sinks, grouped output |
+//! | `pooler.rs` | the pooling compressor shared by the compressors and the indexer |
 //! | `compressor.rs` | HCA (non-overlapping) and CSA (overlapping two-halves) pooling |
 //! | `indexer.rs` | lightning indexer and its top-k selection |
 //! | `mhc.rs` | hyper-connections (pre / post / comb with Sinkhorn), hyper-head |
@@ -24,6 +25,7 @@ pub mod indexer;
 pub mod mhc;
 pub mod model;
 pub mod moe;
+pub mod pooler;
 pub mod rope;
 pub mod save;
 
@@ -48,7 +50,8 @@ pub fn load(dir: &Path, device: &Device) -> Result<DeepseekV4Model> {
         path: path.clone(),
         message: e.to_string(),
     })?;
-    crate::model::memory::check_deepseek_v4(&config)
+    config
+        .check_memory()
         .map_err(|e| e.context(path.display().to_string()))?;
     let src = V4Checkpoint::open_dir(dir, config.fp8_block)?;
     let model = DeepseekV4Model::new(&config, &Vb::new(&src, device))?;

@@ -348,6 +348,42 @@ impl KvcConfig {
         }
     }
 
+    /// Parameters (an upper estimate: every optional matrix counted).
+    pub fn n_params_f64(&self) -> f64 {
+        let (v, d, f) = (
+            self.vocab_size as f64,
+            self.d_model as f64,
+            self.d_ff as f64,
+        );
+        let (h, kv, dh) = (
+            self.n_heads as f64,
+            self.n_kv_heads as f64,
+            self.d_head() as f64,
+        );
+        let emb = v * d * if self.tie_embeddings { 1.0 } else { 2.0 };
+        let window = self.compression.as_ref().map_or(0.0, |x| x.window as f64);
+        let per_layer = 2.0 * d * h * dh
+            + 2.0 * d * kv * dh
+            + 3.0 * d * f
+            + 4.0 * d
+            + 2.0 * kv * dh * (window + 2.0)
+            + h;
+        emb + self.n_layers as f64 * per_layer + d
+    }
+
+    /// Refuse a config whose weights cannot fit in memory, naming its size keys
+    /// ([`crate::model::memory::check`]).
+    pub fn check_memory(&self) -> Result<()> {
+        crate::model::memory::check(
+            "the model's weights",
+            &format!(
+                "config vocab_size = {}, d_model = {}, n_layers = {}, d_ff = {}, n_heads = {}",
+                self.vocab_size, self.d_model, self.n_layers, self.d_ff, self.n_heads
+            ),
+            4.0 * self.n_params_f64(),
+        )
+    }
+
     /// Parse and validate config.json text.
     pub fn from_json(text: &str) -> std::result::Result<Self, String> {
         let c: KvcConfig =

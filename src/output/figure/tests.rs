@@ -1,3 +1,4 @@
+use super::loss::centred_moving_average;
 use super::*;
 
 /// CRC-32 (IEEE) as used by PNG chunks.

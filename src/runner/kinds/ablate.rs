@@ -4,8 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::relative_change_pct;
-use crate::analysis::{Clusters, accuracy_clusters, per_phase};
+use crate::analysis::effects::{rate_of_sums, rel_change_of_sums};
+use crate::analysis::{accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::output::{HeadKind, LongRow};
 
@@ -17,43 +17,9 @@ use super::super::report::{
     Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, ranked_table, ranking,
     spec_index_heatmap, sym_range,
 };
-use super::super::rows::{baseline_rows, specialization_rows};
+use super::super::rows::{baseline_rows, change_clusters, specialization_rows};
 use super::super::setup;
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells, no_source};
-
-/// Clusters of `(correct_ablated, correct_clean)` for cell `ci` over all groups.
-pub(super) fn change_clusters(
-    p: usize,
-    metas: &[Vec<super::super::prompts::PromptMeta>],
-    results: &[super::super::exec::GroupResult],
-    ci: usize,
-) -> Clusters<2> {
-    let mut c = Clusters::<2>::new(p);
-    for (meta, res) in metas.iter().zip(results) {
-        for (i, o) in res.cells[ci].iter().enumerate() {
-            let m = &meta[i];
-            c.add(
-                m.logical,
-                m.phase,
-                [
-                    f64::from(u8::from(o.correct)),
-                    f64::from(u8::from(res.base[i].correct)),
-                ],
-            );
-        }
-    }
-    c
-}
-
-/// Relative change (%) of the summed outcomes.
-pub(super) fn rel(s: &[f64; 2], _n: u64) -> f64 {
-    relative_change_pct(s[0], s[1]).unwrap_or(f64::NAN)
-}
-
-/// Accuracy of the ablated run.
-pub(super) fn acc(s: &[f64; 2], n: u64) -> f64 {
-    s[0] / n as f64
-}
 
 fn both_kinds() -> Vec<HeadKind> {
     vec![HeadKind::Query, HeadKind::Kv]
@@ -174,7 +140,7 @@ fn run(cfg: &AblateHeads, ctx: &mut Ctx) -> Result<KindOutput> {
         for (hi, h) in heads.iter().enumerate() {
             let c = change_clusters(p, &metas, &results, mi * heads.len() + hi);
             let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
-            let (per, pooled) = per_phase(&c, rel, reps, seed);
+            let (per, pooled) = per_phase(&c, rel_change_of_sums, reps, seed);
             rows.extend(rc.phase_rows(
                 &format!("rel_change_pct_{}", m.name()),
                 at,
@@ -182,7 +148,7 @@ fn run(cfg: &AblateHeads, ctx: &mut Ctx) -> Result<KindOutput> {
                 &per,
                 pooled,
             ));
-            let (pa, pp) = per_phase(&c, acc, reps, seed);
+            let (pa, pp) = per_phase(&c, rate_of_sums, reps, seed);
             rows.extend(rc.phase_rows(&format!("accuracy_{}", m.name()), at, &phases, &pa, pp));
             if mi == 0 {
                 // Specialization of the first method's damage (minus the relative change).

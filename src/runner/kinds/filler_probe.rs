@@ -29,7 +29,6 @@ use super::super::experiment::Experiment;
 use super::super::patching::Outcome;
 use super::super::report::{Figures, ci_text};
 use super::super::rows::{RowCtx, baseline_rows};
-use super::retrieval_heads::PromptShards;
 use super::{Ctx, Kind, KindOutput};
 
 /// Metric: `P(correct) - P(distractor)` per `L mod P` group (and pooled).
@@ -252,11 +251,8 @@ fn evaluate(
     all: &[FillerProbeItem],
     lengths: &[usize],
 ) -> Result<(Vec<ProbeObs>, Vec<Option<usize>>)> {
-    let mut shards = PromptShards::new(
-        ctx,
-        &format!("{} filler-probe", ctx.mref.name),
-        all.len() as u64,
-    );
+    let mut shards =
+        ctx.prompt_shards(&format!("{} filler-probe", ctx.mref.name), all.len() as u64);
     let mut obs: Vec<ProbeObs> = Vec::new();
     let mut key_pos: Vec<Option<usize>> = Vec::new();
     for &l in lengths {
@@ -277,7 +273,7 @@ fn evaluate(
             key_pos.push(it.correct_key_pos);
         }
     }
-    shards.finish(ctx);
+    ctx.finish_shards(shards);
     Ok((obs, key_pos))
 }
 

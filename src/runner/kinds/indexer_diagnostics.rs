@@ -30,7 +30,6 @@ use super::super::patching::{Outcome, Prompts, Target, readout};
 use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{Figures, ci_text, push};
 use super::super::rows::{RowCtx, baseline_rows};
-use super::retrieval_heads::{PromptShards, entry_align};
 use super::{Ctx, Kind, KindOutput, empty_list};
 
 /// Direction of the forced selection.
@@ -128,7 +127,7 @@ fn csa_layers(cfg: &IndexerDiagnostics, ctx: &Ctx) -> Result<Vec<(usize, usize, 
         LayerKind::Compressed { window, stride, .. } if window > stride => Some((window, stride)),
         _ => None,
     };
-    if entry_align(&ctx.info) != EntryAlign::End {
+    if ctx.info.entry_align() != EntryAlign::End {
         return Err(ctx.exp.err(
             "model",
             "",
@@ -365,11 +364,7 @@ fn evaluate(
         .iter()
         .map(|&r| ctx.examples(set, r).len() as u64)
         .sum();
-    let mut shards = PromptShards::new(
-        ctx,
-        &format!("{} indexer-diagnostics", ctx.mref.name),
-        total,
-    );
+    let mut shards = ctx.prompt_shards(&format!("{} indexer-diagnostics", ctx.mref.name), total);
     let nq = 1 + 2 * layers.len() + cfg.force.len();
     let mut groups = Vec::new();
     for &r in &phases {
@@ -391,7 +386,7 @@ fn evaluate(
         )?;
         groups.push((meta, res));
     }
-    shards.finish(ctx);
+    ctx.finish_shards(shards);
     Ok(groups)
 }
 

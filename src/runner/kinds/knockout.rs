@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use crate::analysis::effects::{rate_of_sums, rel_change_of_sums};
 use crate::analysis::{accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::hooks::{HookPoint, Site};
@@ -25,9 +26,8 @@ use super::super::report::{
     ExperimentData, Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking,
     spec_index_heatmap,
 };
-use super::super::rows::{baseline_rows, specialization_rows};
+use super::super::rows::{baseline_rows, change_clusters, specialization_rows};
 use super::super::setup;
-use super::ablate::{acc, change_clusters, rel};
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, head_cells, no_source};
 
 /// `[knockout]`.
@@ -182,9 +182,9 @@ fn run(cfg: &Knockout, ctx: &mut Ctx) -> Result<KindOutput> {
     for (ci, h) in heads.iter().enumerate() {
         let c = change_clusters(p, &metas, &results, ci);
         let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
-        let (per, pooled) = per_phase(&c, rel, reps, seed);
+        let (per, pooled) = per_phase(&c, rel_change_of_sums, reps, seed);
         rows.extend(rc.phase_rows("rel_change_pct", at, &phases, &per, pooled));
-        let (pa, pp) = per_phase(&c, acc, reps, seed);
+        let (pa, pp) = per_phase(&c, rate_of_sums, reps, seed);
         rows.extend(rc.phase_rows("accuracy_knockout", at, &phases, &pa, pp));
         let effect: Vec<f64> = phases.iter().map(|&r| -per[r as usize].value).collect();
         rows.extend(specialization_rows(
@@ -200,9 +200,9 @@ fn run(cfg: &Knockout, ctx: &mut Ctx) -> Result<KindOutput> {
         for (li, &l) in layers.iter().enumerate() {
             let c = change_clusters(p, &metas, &results, heads.len() + li);
             let at = Some((l as u32, None));
-            let (per, pooled) = per_phase(&c, rel, reps, seed);
+            let (per, pooled) = per_phase(&c, rel_change_of_sums, reps, seed);
             rows.extend(rc.phase_rows("layer_out_rel_change_pct", at, &phases, &per, pooled));
-            let (pa, pp) = per_phase(&c, acc, reps, seed);
+            let (pa, pp) = per_phase(&c, rate_of_sums, reps, seed);
             rows.extend(rc.phase_rows("accuracy_layer_out", at, &phases, &pa, pp));
         }
     }

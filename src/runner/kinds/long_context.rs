@@ -28,7 +28,6 @@ use super::super::experiment::Experiment;
 use super::super::prompts::clean_prompts;
 use super::super::report::Figures;
 use super::super::rows::baseline_rows;
-use super::phase_sweep::{protocol_label, protocol_suffix};
 use super::{Ctx, Kind, KindOutput};
 
 /// Schema id of the per-cell table.
@@ -212,11 +211,7 @@ fn run(cfg: &LongContext, ctx: &mut Ctx) -> Result<KindOutput> {
                 let ex: Vec<&KvExample> = cell.iter().map(|h| &h.example).collect();
                 let (prompts, _) = clean_prompts(&ex, |_| 0);
                 groups.push(Group {
-                    key: format!(
-                        "{}-{}-len{length}-depth{di}",
-                        ctx.mref.name,
-                        protocol_label(proto)
-                    ),
+                    key: format!("{}-{}-len{length}-depth{di}", ctx.mref.name, proto.label()),
                     prompts,
                     cells: Vec::new(),
                 });
@@ -257,7 +252,7 @@ fn run(cfg: &LongContext, ctx: &mut Ctx) -> Result<KindOutput> {
                     .filter(|o| o.protocol == proto && o.length == length)
                     .map(|o| (o.logical, o.phase, o.correct)),
             );
-            let suffix = format!("{}_len{length}", protocol_suffix(proto));
+            let suffix = format!("{}_len{length}", proto.metric_suffix());
             rows.extend(baseline_rows(&ctx.rows, &suffix, &acc, &phases, reps, seed));
         }
     }
@@ -287,12 +282,7 @@ fn cell_table(model: &str, obs: &[Obs]) -> Table {
     type Key = (&'static str, usize, u64, u32);
     let mut cells: BTreeMap<Key, (f64, u64, u64, f64)> = BTreeMap::new();
     for o in obs {
-        let key = (
-            protocol_label(o.protocol),
-            o.length,
-            o.depth.to_bits(),
-            o.phase,
-        );
+        let key = (o.protocol.label(), o.length, o.depth.to_bits(), o.phase);
         let c = cells.entry(key).or_insert((o.depth, 0, 0, 0.0));
         c.1 += 1;
         c.2 += u64::from(o.correct);
@@ -399,7 +389,7 @@ fn draw(_cfg: &LongContext, f: &mut Figures) -> Result<()> {
         for proto in Protocol::ALL {
             let mine: Vec<&Cell> = cells
                 .iter()
-                .filter(|c| c.protocol == protocol_label(proto))
+                .filter(|c| c.protocol == proto.label())
                 .collect();
             if mine.is_empty() {
                 continue;
@@ -457,7 +447,7 @@ impl<'c> Grid<'c> {
     /// CIs (long rows), best and worst phase, and accuracy by depth.
     fn headline_table(&self, f: &mut Figures) {
         let (d, m) = (f.data, self.m);
-        let suffix = protocol_suffix(self.proto);
+        let suffix = self.proto.metric_suffix();
         let cell = |metric: String, scale: f64| {
             d.scalar(m, &metric)
                 .map(|r| match (r.ci_lo, r.ci_hi) {
@@ -497,7 +487,7 @@ impl<'c> Grid<'c> {
                 "{} padding: accuracy (%) and phase gap (pp) by prompt length, 95% \
                  cluster-bootstrap CIs over logical examples; last column: accuracy at needle \
                  depths {}",
-                protocol_label(self.proto),
+                self.proto.label(),
                 depth_list.join(" / ")
             ),
             [
@@ -523,7 +513,7 @@ impl<'c> Grid<'c> {
         y_label: &str,
         rows: Vec<(String, Keep<'_>)>,
     ) -> Result<()> {
-        let (m, proto) = (self.m, protocol_label(self.proto));
+        let (m, proto) = (self.m, self.proto.label());
         let n_rows = rows.len() as u32;
         let (labels, keeps): (Vec<String>, Vec<_>) = rows.into_iter().unzip();
         let matrix = keeps

@@ -5,8 +5,12 @@
 //! report frame) is shared.
 //!
 //! Adding a kind: write `kinds/<name>.rs` with a settings type that implements
-//! `Default`, `Serialize`, `Deserialize` and [`Kind`], and add one line to the
-//! [`kinds!`] list at the bottom of this file.
+//! `Default`, `Serialize`, `Deserialize` and [`Kind`], declare it (`pub mod <name>;`)
+//! and register it (one `<name>::<Settings>,` line in the [`kinds!`] list) at the bottom
+//! of this file. What several kinds need lives below them, never in another kind:
+//! [`HeadCell`] / `Direction` / `head_patch_cells` (runner/heads.rs), `PromptShards`
+//! (runner/exec.rs), `change_clusters` (runner/rows.rs), the NLD / relative-change
+//! estimators (analysis/effects.rs), protocol labels (`Protocol::label`).
 
 use std::fmt;
 
@@ -15,14 +19,14 @@ use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
 use crate::error::Result;
-use crate::hooks::{HookPoint, Site};
 use crate::model::{LanguageModel, ModelInfo};
 use crate::output::{HeadKind, LongRow};
 use crate::tasks::{KvEvalSet, KvExample};
 
 use super::RunOptions;
-use super::exec::{ExecStats, Executor, Group, GroupResult};
+use super::exec::{ExecStats, Executor, Group, GroupResult, PromptShards};
 use super::experiment::{Experiment, Selection};
+pub use super::heads::HeadCell;
 use super::patching::Fill;
 use super::progress::Progress;
 use super::prompts::{PromptMeta, group_examples};
@@ -74,11 +78,11 @@ pub trait Kind: fmt::Debug + Send + Sync {
     }
 }
 
-/// Declares the kinds: one `module::SettingsType,` line each. Generates the modules and
+/// Registers the kinds: one `module::SettingsType,` line each (the modules are declared
+/// with plain `pub mod` lines, so that `cargo fmt` reaches them). Generates
 /// [`KindConfig`], the settings of whichever kind a file names.
 macro_rules! kinds {
     ($($module:ident :: $settings:ident),* $(,)?) => {
-        $(pub mod $module;)*
 
         /// The settings of one experiment kind (from its section, or its defaults).
         #[derive(Debug, Clone, PartialEq)]
@@ -251,29 +255,19 @@ impl<'a> Ctx<'a> {
         }
         let s = ex.stats;
         progress.finish();
-        self.stats.cells_computed += s.cells_computed;
-        self.stats.cells_resumed += s.cells_resumed;
-        self.stats.forwards += s.forwards;
-        self.stats.seconds += s.seconds;
+        self.stats.add(&s);
         Ok(out)
     }
-}
 
-/// A head cell: `(layer, head, kind)` and the query heads its edit covers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HeadCell {
-    pub layer: usize,
-    pub head: usize,
-    pub kind: HeadKind,
-    /// Query heads of hook_z the edit touches: the head itself, or for a KV head every
-    /// query head that reads it (`h / (n_heads / n_kv_heads) == kv`).
-    pub query_heads: Vec<usize>,
-}
+    /// Shards of per-prompt quantities for a kind that runs its own forwards: resume
+    /// from the run's store, a progress bar over `total` prompts labelled `label`.
+    pub fn prompt_shards(&self, label: &str, total: u64) -> PromptShards<'a> {
+        PromptShards::new(self.store, self.opts.progress, label, total)
+    }
 
-impl HeadCell {
-    /// The `blocks.{layer}.attn.hook_z` point.
-    pub fn point(&self) -> HookPoint {
-        HookPoint::block(self.layer, Site::AttnZ)
+    /// Finish `shards`' progress bar and add its counters to the run's.
+    pub fn finish_shards(&mut self, shards: PromptShards) {
+        self.stats.add(&shards.finish());
     }
 }
 
@@ -356,8 +350,22 @@ pub fn base_obs<'m>(
         .map(|(m, o)| (m.logical, m.phase, o.correct))
 }
 
-/// AtP* of the query and key nodes (`[atp] qk_fix`), part of attribution-patching.
-pub mod atp_star;
+pub mod ablate;
+pub mod attribution_patching;
+pub mod filler_probe;
+pub mod gate_cycling;
+pub mod gate_profiles;
+pub mod indexer_diagnostics;
+pub mod knockout;
+pub mod long_context;
+pub mod patch_heads;
+pub mod path_patching;
+pub mod phase_sweep;
+pub mod retrieval_heads;
+
+/// AtP* of the query and key nodes (`[atp] qk_fix`), part of attribution-patching
+/// (its old path).
+pub use attribution_patching::atp_star;
 
 kinds! {
     phase_sweep::PhaseSweep,

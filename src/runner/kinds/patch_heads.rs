@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::normalized_logit_diff;
+use crate::analysis::effects::nld_of_sums;
 use crate::analysis::{Clusters, accuracy_clusters, per_phase};
 use crate::error::Result;
 use crate::output::{HeadKind, Headline, LongRow};
@@ -25,7 +25,9 @@ use crate::tasks::KvEvalSet;
 
 use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
-use super::super::patching::{Cell, Edit, Fill, Positions};
+pub use super::super::heads::Direction;
+use super::super::heads::{head_patch_cells, nld_clusters};
+use super::super::patching::{Cell, Positions};
 use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{
     CellMap, Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map,
@@ -37,35 +39,6 @@ use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells};
 
 fn both_kinds() -> Vec<HeadKind> {
     vec![HeadKind::Query, HeadKind::Kv]
-}
-
-/// Direction of activation patching.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Direction {
-    /// Clean activation into the corrupted run (does the component suffice?).
-    Denoise,
-    /// Corrupted activation into the clean run (is the component necessary?).
-    Noise,
-}
-
-impl Direction {
-    /// The metric name of the direction's normalised logit difference.
-    pub fn metric(self) -> &'static str {
-        match self {
-            Direction::Denoise => "nld_denoise",
-            Direction::Noise => "nld_noise",
-        }
-    }
-
-    /// The receiving rows of a group of `n` clean then `n` corrupted prompts: the
-    /// corrupted half when denoising, the clean half when noising.
-    pub(crate) fn receivers(self, n: usize) -> Vec<usize> {
-        match self {
-            Direction::Denoise => (n..2 * n).collect(),
-            Direction::Noise => (0..n).collect(),
-        }
-    }
 }
 
 /// `[patch]` (patch-heads).
@@ -143,33 +116,6 @@ fn patch_cells(cfg: &PatchHeads, heads: &[HeadCell], n: usize) -> Vec<Cell> {
     head_patch_cells(&cfg.directions, heads, &cfg.positions, n)
 }
 
-/// Per direction, one patch of each head's output at `positions` from the partner
-/// prompt into the receiving half of a group of `n` pairs (also the exact cells that
-/// attribution patching validates against).
-pub(crate) fn head_patch_cells(
-    directions: &[Direction],
-    heads: &[HeadCell],
-    positions: &Positions,
-    n: usize,
-) -> Vec<Cell> {
-    let mut cells = Vec::new();
-    for d in directions {
-        let receivers = d.receivers(n);
-        for h in heads {
-            cells.push(Cell {
-                edit: Edit::Replace {
-                    point: h.point(),
-                    heads: Some(h.query_heads.clone()),
-                    positions: positions.clone(),
-                    fill: Fill::Source,
-                },
-                prompts: receivers.clone(),
-            });
-        }
-    }
-    cells
-}
-
 /// One group of paired (clean, corrupted) prompts per phase with its cells, and the
 /// prompts' metas.
 fn patch_groups(
@@ -202,12 +148,6 @@ fn patch_groups(
         metas.push(meta);
     }
     Ok((groups, metas))
-}
-
-/// NLD of summed `(LD_patched, LD_clean, LD_corrupted)` over `n` prompts.
-fn nld(s: &[f64; 3], n: u64) -> f64 {
-    let k = n as f64;
-    normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
 }
 
 /// The evaluated groups of a run (metas and results of each group) and what their
@@ -260,38 +200,12 @@ impl Outcomes<'_> {
         rows
     }
 
-    /// Clusters of `(LD_patched, LD_clean, LD_corrupted)` of cell `ci` (direction `d`).
-    fn nld_clusters(&self, d: Direction, ci: usize) -> Clusters<3> {
-        let mut c = Clusters::<3>::new(self.p);
-        for (meta, res) in self.metas.iter().zip(self.results) {
-            let n = meta.len() / 2;
-            for (j, o) in res.cells[ci].iter().enumerate() {
-                // Denoising rows are corrupted prompts: flip their LD to the clean orientation.
-                let (i, sign) = match d {
-                    Direction::Denoise => (j, -1.0),
-                    Direction::Noise => (j, 1.0),
-                };
-                let m = &meta[i];
-                c.add(
-                    m.logical,
-                    m.phase,
-                    [
-                        sign * o.ld as f64,
-                        res.base[i].ld as f64,
-                        -res.base[n + i].ld as f64,
-                    ],
-                );
-            }
-        }
-        c
-    }
-
     /// The rows of head `h` (cell `ci`) under direction `d`: its NLD per phase and, for
     /// the `first` direction, its specialization.
     fn head_rows(&self, d: Direction, first: bool, h: &HeadCell, ci: usize) -> Vec<LongRow> {
         let (phases, rc) = (self.phases, self.rc);
-        let c = self.nld_clusters(d, ci);
-        let (per, pooled) = per_phase(&c, nld, self.reps, self.seed);
+        let c = nld_clusters(self.metas, self.results, ci, d, self.p);
+        let (per, pooled) = per_phase(&c, nld_of_sums, self.reps, self.seed);
         let at = Some((h.layer as u32, Some((h.head as u32, h.kind))));
         let mut rows = rc.phase_rows(d.metric(), at, phases, &per, pooled);
         if first {

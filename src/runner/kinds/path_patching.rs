@@ -23,7 +23,8 @@ use std::collections::BTreeMap;
 use burn::tensor::{Bool, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::{Clusters, Est, accuracy_clusters, normalized_logit_diff, per_phase};
+use crate::analysis::effects::nld_of_sums;
+use crate::analysis::{Est, accuracy_clusters, per_phase};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
 use crate::model::LanguageModel;
@@ -31,12 +32,12 @@ use crate::output::{HeadKind, HeatmapSpec, LongRow, heatmap};
 
 use super::super::exec::GroupResult;
 use super::super::experiment::{Experiment, Selection};
+use super::super::heads::{Direction, nld_clusters};
 use super::super::patching::{Outcome, Positions, Prompts, Target, base_run, readout};
 use super::super::progress::Progress;
 use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{Figures, push, sym_range};
 use super::super::rows::baseline_rows;
-use super::patch_heads::Direction;
 use super::{Ctx, Kind, KindOutput, base_obs, empty_list};
 
 /// The receiver's input a path runs through.
@@ -511,11 +512,6 @@ pub fn path_group(
     Ok((base.outcomes.clone(), results))
 }
 
-fn nld(s: &[f64; 3], n: u64) -> f64 {
-    let k = n as f64;
-    normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
-}
-
 /// The senders and the path cells of a run: per direction, sender, later receiver layer,
 /// receiver input and receiver head.
 struct Paths {
@@ -683,26 +679,8 @@ fn cell_rows(
     let (reps, seed) = (ctx.reps(), ctx.seed());
     let mut rows = Vec::new();
     for (ci, cell) in paths.cells.iter().enumerate() {
-        let mut c = Clusters::<3>::new(p);
-        let sign = match cell.direction {
-            Direction::Denoise => -1.0,
-            Direction::Noise => 1.0,
-        };
-        for (meta, res) in metas.iter().zip(results) {
-            let n = meta.len() / 2;
-            for (i, o) in res.cells[ci].iter().enumerate() {
-                c.add(
-                    meta[i].logical,
-                    meta[i].phase,
-                    [
-                        sign * o.ld as f64,
-                        res.base[i].ld as f64,
-                        -res.base[n + i].ld as f64,
-                    ],
-                );
-            }
-        }
-        let (per, pooled) = per_phase(&c, nld, reps, seed);
+        let c = nld_clusters(metas, results, ci, cell.direction, p);
+        let (per, pooled) = per_phase(&c, nld_of_sums, reps, seed);
         let s = paths.senders[cell.sender];
         let metric = path_metric(
             cell.direction,

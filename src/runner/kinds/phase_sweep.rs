@@ -21,22 +21,6 @@ use super::super::report::{Figures, accuracy_figure, baseline_headlines};
 use super::super::rows::baseline_rows;
 use super::{Ctx, Kind, KindOutput};
 
-/// Short protocol name of the `phase_accuracy` table (`prefix`, `in-sequence`).
-pub fn protocol_label(p: Protocol) -> &'static str {
-    match p {
-        Protocol::PrefixPadding => "prefix",
-        Protocol::InSequencePadding => "in-sequence",
-    }
-}
-
-/// Metric suffix of a protocol (`_prefix`, `_in_sequence`).
-pub fn protocol_suffix(p: Protocol) -> &'static str {
-    match p {
-        Protocol::PrefixPadding => "_prefix",
-        Protocol::InSequencePadding => "_in_sequence",
-    }
-}
-
 /// `[sweep]` (phase-sweep).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -120,7 +104,7 @@ fn sweep_groups(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<(Vec<Group>, Vec<Grou
             let ex = ctx.examples(&set, r);
             let (prompts, meta) = clean_prompts(&ex, |_| 0);
             groups.push(Group {
-                key: format!("{}-{}-p{r}", ctx.mref.name, protocol_label(proto)),
+                key: format!("{}-{}-p{r}", ctx.mref.name, proto.label()),
                 prompts,
                 cells: Vec::new(),
             });
@@ -165,7 +149,7 @@ fn phase_accuracy_rows(
                 .fold((0u64, 0u64), |(n, c), (_, _, ok)| {
                     (n + 1, c + u64::from(*ok))
                 });
-            PhaseAccuracyRow::new(model, protocol_label(proto), r, n, correct)
+            PhaseAccuracyRow::new(model, proto.label(), r, n, correct)
         })
         .collect()
 }
@@ -241,7 +225,7 @@ fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
         let acc = accuracy_clusters(p, obs.clone());
         rows.extend(baseline_rows(
             &rc,
-            protocol_suffix(proto),
+            proto.metric_suffix(),
             &acc,
             &phases,
             reps,

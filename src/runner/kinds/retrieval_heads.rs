@@ -14,7 +14,8 @@
 //! `needle_attention` the mass; cluster-bootstrap intervals over logical examples.
 //!
 //! Resume: per chunk, the per-prompt values are a shard of the run's store
-//! ([`PromptShards`]: one list of outcomes per quantity, `ld` holding the value).
+//! (`PromptShards` of runner/exec.rs: one list of outcomes per quantity, `ld` holding
+//! the value).
 
 use serde::{Deserialize, Serialize};
 
@@ -24,17 +25,14 @@ use crate::hooks::{HookPoint, HookSpec, Site};
 use crate::model::{LayerKind, ModelInfo};
 use crate::output::{HeadKind, Headline, LongRow};
 
-use super::super::exec::ExecStats;
 use super::super::experiment::Selection;
 use super::super::patching::{Outcome, Prompts, Target, readout};
-use super::super::progress::Progress;
 use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{
     Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking,
 };
 use super::super::rows::{RowCtx, baseline_rows, specialization_rows};
 use super::super::setup;
-use super::super::store::Store;
 use super::{Ctx, Kind, KindOutput};
 
 /// Metric: fraction of target positions whose top slot is the needle.
@@ -85,18 +83,9 @@ impl Kind for RetrievalHeads {
     }
 }
 
-/// How a model's compressed entries sit on the token axis.
-pub fn entry_align(info: &ModelInfo) -> EntryAlign {
-    if info.arch == crate::model::deepseek_v4::MODEL_TYPE {
-        EntryAlign::End
-    } else {
-        EntryAlign::Start
-    }
-}
-
 /// The key layout of layer `l`'s `hook_pattern` over `t` tokens, given its slot count.
 pub fn layer_layout(info: &ModelInfo, l: usize, t: usize, slots: usize) -> Result<SlotLayout> {
-    let align = entry_align(info);
+    let align = info.entry_align();
     let (entries, window, stride) = match info.layers[l].kind {
         LayerKind::Compressed { window, stride, .. } => {
             let n = match align {
@@ -113,82 +102,6 @@ pub fn layer_layout(info: &ModelInfo, l: usize, t: usize, slots: usize) -> Resul
             "blocks.{l}.attn.hook_pattern has {slots} key slots for {t} tokens; expected {entries} entries + {t} raw tokens (+ sink)"
         ))
     })
-}
-
-/// Per-prompt quantities of a kind that runs its own forwards, persisted chunk by chunk
-/// as shards of the run's store (resume), with a progress bar and the run's counters.
-pub(super) struct PromptShards<'s> {
-    store: &'s Store,
-    stats: ExecStats,
-    progress: Progress,
-}
-
-impl<'s> PromptShards<'s> {
-    /// Shards of `ctx`'s store; progress over `total` prompts labelled `label`.
-    pub(super) fn new(ctx: &Ctx<'s>, label: &str, total: u64) -> Self {
-        PromptShards {
-            store: ctx.store,
-            stats: ExecStats::default(),
-            progress: Progress::new(ctx.opts.progress, label, "prompts", total),
-        }
-    }
-
-    /// Per prompt of `n`, `quantities` values, computed by `compute(rows)` (one `Vec`
-    /// per quantity, one outcome per row) over chunks of `chunk` prompts, each chunk
-    /// persisted as shard `{key}-c{i}` and loaded instead of recomputed on resume.
-    pub(super) fn run(
-        &mut self,
-        key: &str,
-        n: usize,
-        quantities: usize,
-        chunk: usize,
-        mut compute: impl FnMut(&[usize]) -> Result<Vec<Vec<Outcome>>>,
-    ) -> Result<Vec<Vec<Outcome>>> {
-        let mut out: Vec<Vec<Outcome>> = (0..quantities).map(|_| Vec::with_capacity(n)).collect();
-        let idx: Vec<usize> = (0..n).collect();
-        for (i, rows) in idx.chunks(chunk.max(1)).enumerate() {
-            let shard = format!("{key}-c{i:04}");
-            let got = match self.store.load(&shard, &vec![rows.len(); quantities])? {
-                Some(v) => {
-                    self.progress.skip(rows.len() as u64);
-                    self.stats.cells_resumed += rows.len() as u64;
-                    v
-                }
-                None => {
-                    let t0 = std::time::Instant::now();
-                    let v = compute(rows)?;
-                    if v.len() != quantities || v.iter().any(|q| q.len() != rows.len()) {
-                        return Err(Error::Other(format!(
-                            "{shard}: computed {} quantities for {} rows, expected {quantities} x {}",
-                            v.len(),
-                            v.first().map_or(0, Vec::len),
-                            rows.len()
-                        )));
-                    }
-                    self.store.save(&shard, &v)?;
-                    self.progress.inc(rows.len() as u64);
-                    self.stats.cells_computed += rows.len() as u64;
-                    self.stats.forwards += 1;
-                    self.stats.seconds += t0.elapsed().as_secs_f64();
-                    v
-                }
-            };
-            for (o, g) in out.iter_mut().zip(got) {
-                o.extend(g);
-            }
-        }
-        Ok(out)
-    }
-
-    /// Finish the progress bar and add the counters to the run's.
-    pub(super) fn finish(mut self, ctx: &mut Ctx) {
-        self.progress.finish();
-        let s = &self.stats;
-        ctx.stats.cells_computed += s.cells_computed;
-        ctx.stats.cells_resumed += s.cells_resumed;
-        ctx.stats.forwards += s.forwards;
-        ctx.stats.seconds += s.seconds;
-    }
 }
 
 /// Prompts per forward when `layers` capture a `[rows, heads, T, slots]` pattern each:
@@ -386,7 +299,7 @@ fn run(cfg: &RetrievalHeads, ctx: &mut Ctx) -> Result<KindOutput> {
         .iter()
         .map(|&r| ctx.examples(&set, r).len() as u64)
         .sum();
-    let mut shards = PromptShards::new(ctx, &format!("{} retrieval-heads", ctx.mref.name), total);
+    let mut shards = ctx.prompt_shards(&format!("{} retrieval-heads", ctx.mref.name), total);
     let mut per_group: Vec<(Vec<PromptMeta>, Vec<Vec<Outcome>>)> = Vec::new();
     for &r in &phases {
         let ex = ctx.examples(&set, r);
@@ -399,7 +312,7 @@ fn run(cfg: &RetrievalHeads, ctx: &mut Ctx) -> Result<KindOutput> {
         })?;
         per_group.push((meta, res));
     }
-    shards.finish(ctx);
+    ctx.finish_shards(shards);
     let (reps, seed) = (ctx.reps(), ctx.seed());
     let rc = ctx.rows.clone();
     let acc = per_group.iter().flat_map(|(meta, res)| {

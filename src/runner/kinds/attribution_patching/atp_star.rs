@@ -49,17 +49,19 @@ use crate::analysis::{Clusters, Est};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
 use crate::model::attention::MASKED;
+use crate::model::grad::{GradPoint, grad_at_points};
 use crate::model::{ForwardOutput, LanguageModel};
 use crate::output::{HeadKind, LongRow, ScatterSpec, scatter_predicted_vs_observed};
 
-use super::super::exec::{Group, GroupResult};
-use super::super::patching::{Cell, Edit, Fill, Positions, Prompts, Target, readout};
-use super::super::prompts::PromptMeta;
-use super::super::report::{Figures, cell_map, paired_series, push};
-use super::super::rows::RowCtx;
-use super::attribution_patching::{AtpTerms, AttributionPatching, NldRows, agreement_stats};
-use super::patch_heads::Direction;
-use super::{Ctx, HeadCell};
+use super::super::super::exec::{Group, GroupResult};
+use super::super::super::heads::{Direction, nld_clusters};
+use super::super::super::patching::{Cell, Edit, Fill, Positions, Prompts, Target, readout};
+use super::super::super::prompts::PromptMeta;
+use super::super::super::report::{Figures, cell_map, paired_series, push};
+use super::super::super::rows::RowCtx;
+use super::super::{Ctx, HeadCell};
+
+use super::{AtpTerms, AttributionPatching, NldRows, agreement_stats, weighted_ld, weights};
 
 /// The node family of a query/key estimate: `q` (hook_q, query heads) or `k` (key
 /// slots, KV heads).
@@ -252,50 +254,6 @@ fn captured<const D: usize>(out: &ForwardOutput, p: HookPoint) -> Result<Tensor<
         .get::<D>()
 }
 
-/// The loss weights of the clean-orientation logit differences: denoising reads the
-/// corrupted prompts (weight -1), noising the clean ones (+1).
-pub(super) fn weights(n: usize, directions: &[Direction]) -> Vec<f32> {
-    let mut w = vec![0f32; 2 * n];
-    for d in directions {
-        match d {
-            Direction::Denoise => w[n..].iter_mut().for_each(|w| *w = -1.0),
-            Direction::Noise => w[..n].iter_mut().for_each(|w| *w = 1.0),
-        }
-    }
-    w
-}
-
-/// The summed weighted logit differences of `logits: [2n, T, V]` at every prompt's first
-/// target position.
-pub(super) fn weighted_ld(logits: Tensor<3>, prompts: &Prompts, w: Vec<f32>) -> Result<Tensor<1>> {
-    let [n2, t, v] = logits.dims();
-    let device = logits.device();
-    let mut flat = Vec::with_capacity(n2);
-    let mut pairs = Vec::with_capacity(2 * n2);
-    for (i, tg) in prompts.targets.iter().enumerate() {
-        let alt = tg.alt.ok_or_else(|| {
-            Error::Other(format!(
-                "prompt {i} has no competing answer (alt) for the logit difference"
-            ))
-        })?;
-        if tg.answers[0] as usize >= v || alt as usize >= v {
-            return Err(Error::Input(format!(
-                "answer token {} / {alt} is outside the model's vocabulary 0..{v}",
-                tg.answers[0]
-            )));
-        }
-        flat.push((i * t + tg.positions[0]) as i64);
-        pairs.push(tg.answers[0] as i64);
-        pairs.push(alt as i64);
-    }
-    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [n2]), &device);
-    let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [n2, 2]), &device);
-    let g = logits.reshape([n2 * t, v]).select(0, idx).gather(1, pairs);
-    let ld = g.clone().slice([0..n2, 0..1]) - g.slice([0..n2, 1..2]);
-    let w = Tensor::<2>::from_data(TensorData::new(w, [n2, 1]), &device);
-    Ok((ld * w).sum())
-}
-
 /// One layer's activations for the query/key terms.
 struct LayerActs {
     /// `[2n, T, n_heads, d_head]`, `[2n, T, kv_heads, d_head]`.
@@ -311,7 +269,7 @@ fn clean_acts(
     model: &dyn LanguageModel,
     prompts: &Prompts,
     layers: &[usize],
-) -> Result<(Vec<super::super::patching::Outcome>, Vec<LayerActs>)> {
+) -> Result<(Vec<super::super::super::patching::Outcome>, Vec<LayerActs>)> {
     let device = model.device();
     let all: Vec<usize> = (0..prompts.n()).collect();
     let mut spec = HookSpec::new();
@@ -352,50 +310,40 @@ fn gradients(
     acts: &[LayerActs],
     directions: &[Direction],
 ) -> Result<Grads> {
-    let ad = model.device().autodiff();
     let n2 = prompts.n();
-    let mut spec = HookSpec::new();
-    let mut leaves = Vec::with_capacity(layers.len());
+    let mut points = Vec::with_capacity(3 * layers.len());
     for (&l, a) in layers.iter().zip(acts) {
         let [_, t, h, dh] = a.q.dims();
         let kv = a.k.dims()[2];
-        let lq = Tensor::<4>::zeros([n2, t, h, dh], &ad).require_grad();
-        let lk = Tensor::<4>::zeros([n2, t, kv, dh], &ad).require_grad();
-        let lp = Tensor::<4>::zeros([n2, h, t, a.slots], &ad).require_grad();
-        for (site, leaf) in [
-            (Site::AttnQ, &lq),
-            (Site::AttnK, &lk),
-            (Site::AttnPattern, &lp),
+        for (site, shape) in [
+            (Site::AttnQ, [n2, t, h, dh]),
+            (Site::AttnK, [n2, t, kv, dh]),
+            (Site::AttnPattern, [n2, h, t, a.slots]),
         ] {
-            spec = spec.intervene_point(
-                HookPoint::block(l, site),
-                Action::Add(Act::new(leaf.clone())),
-                Scope::all(),
-            );
+            points.push(GradPoint {
+                point: HookPoint::block(l, site),
+                shape,
+            });
         }
-        leaves.push([lq, lk, lp]);
     }
     let all: Vec<usize> = (0..n2).collect();
-    let out = model.forward(prompts.tokens_of(&all, &model.device()), &spec)?;
-    let loss = weighted_ld(out.logits, prompts, weights(n2 / 2, directions))?;
-    let grads = loss.backward();
+    let run = grad_at_points(
+        model,
+        prompts.tokens_of(&all, &model.device()),
+        &points,
+        &[],
+        |logits| weighted_ld(logits, prompts, weights(n2 / 2, directions)),
+    )?;
     let mut g = Grads {
         q: Vec::new(),
         k: Vec::new(),
         pattern: Vec::new(),
     };
-    for (&l, [lq, lk, lp]) in layers.iter().zip(&leaves) {
-        let grad = |leaf: &Tensor<4>, site: Site| {
-            leaf.grad(&grads).ok_or_else(|| {
-                Error::hook(
-                    HookPoint::block(l, site).to_string(),
-                    "no gradient reached this point (does the model run it?)",
-                )
-            })
-        };
-        g.q.push(grad(lq, Site::AttnQ)?);
-        g.k.push(grad(lk, Site::AttnK)?);
-        g.pattern.push(host(grad(lp, Site::AttnPattern)?)?);
+    let mut it = run.grads.into_iter();
+    while let (Some(q), Some(k), Some(p)) = (it.next(), it.next(), it.next()) {
+        g.q.push(q);
+        g.k.push(k);
+        g.pattern.push(host(p)?);
     }
     Ok(g)
 }
@@ -796,7 +744,7 @@ impl Estimates<'_> {
                 }
                 if let Some(res) = exact {
                     let ci = di * inp.heads.len() + hi;
-                    let c = exact_clusters(inp.metas, res, ci, *d, self.p);
+                    let c = nld_clusters(inp.metas, res, ci, *d, self.p);
                     ex.insert((di, hi), nr.push(&c, &exact_qk_metric(site, *d), at, rows));
                 }
             }
@@ -843,36 +791,6 @@ impl Estimates<'_> {
         }
         c
     }
-}
-
-/// The exact patched LD of cell `ci`, clustered like [`Estimates::clusters`].
-pub(super) fn exact_clusters(
-    metas: &[Vec<PromptMeta>],
-    res: &[GroupResult],
-    ci: usize,
-    d: Direction,
-    p: usize,
-) -> Clusters<3> {
-    let sign = match d {
-        Direction::Denoise => -1.0,
-        Direction::Noise => 1.0,
-    };
-    let mut c = Clusters::<3>::new(p);
-    for (meta, g) in metas.iter().zip(res) {
-        let n = meta.len() / 2;
-        for (i, o) in g.cells[ci].iter().enumerate() {
-            c.add(
-                meta[i].logical,
-                meta[i].phase,
-                [
-                    sign * o.ld as f64,
-                    g.base[i].ld as f64,
-                    -g.base[n + i].ld as f64,
-                ],
-            );
-        }
-    }
-    c
 }
 
 /// Spearman, top-k recall and mean absolute error of each estimate against the exact

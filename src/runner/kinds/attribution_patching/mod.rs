@@ -25,31 +25,33 @@
 
 use std::collections::BTreeMap;
 
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::{
-    Clusters, Est, accuracy_clusters, normalized_logit_diff, per_phase, spearman, topk_recall,
-};
+use crate::analysis::effects::nld_of_sums;
+use crate::analysis::{Clusters, Est, accuracy_clusters, per_phase, spearman, topk_recall};
 use crate::error::{Error, Result};
-use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
-use crate::model::LanguageModel;
 use crate::output::{
     HeadKind, Headline, HeatmapSpec, LongRow, ScatterSpec, heatmap, scatter_predicted_vs_observed,
 };
 
 use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
-use super::super::patching::{Cell, Outcome, Positions, Prompts, Target, readout};
+use super::super::heads::{Direction, head_patch_cells, nld_clusters};
+use super::super::patching::{Cell, Outcome, Positions, Prompts};
 use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{
     ExperimentData, Figures, cell_map, head_axes, layer_head_heatmap, paired_series, sym_range,
 };
 use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
-use super::atp_star::{exact_clusters, weighted_ld, weights};
-use super::patch_heads::{Direction, head_patch_cells};
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells};
+
+mod atp;
+pub mod atp_star;
+
+pub use atp::atp_terms;
+use atp::group_terms;
 
 /// `[atp]` (attribution-patching).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -81,7 +83,7 @@ pub struct AttributionPatching {
     pub top_k: usize,
     /// Also estimate the query and key nodes of every head (hook_q per query head,
     /// key slots per KV head) with AtP and with AtP* (the exact attention-pattern
-    /// change; [`super::atp_star`]), checked against exact patching of hook_q / hook_k.
+    /// change; [`atp_star`]), checked against exact patching of hook_q / hook_k.
     /// Default false.
     pub qk_fix: bool,
 }
@@ -201,173 +203,48 @@ impl AtpTerms {
     }
 }
 
-/// One forward over the clean and corrupted prompts with a gradient leaf at
-/// `hook_z` of every layer of `layers`, one backward of the summed logit differences
-/// (clean orientation), and the first-order patching terms of every head and position.
-/// Prompts `0..n` must be clean and `n..2n` their partners, each with an `alt` answer.
-pub fn atp_terms(
-    model: &dyn LanguageModel,
-    prompts: &Prompts,
-    layers: &[usize],
-    directions: &[Direction],
-) -> Result<AtpTerms> {
-    let n2 = prompts.n();
-    if n2 == 0 || !n2.is_multiple_of(2) {
-        return Err(Error::Other(format!(
-            "attribution patching needs clean/corrupted pairs, got {n2} prompts"
-        )));
-    }
-    let n = n2 / 2;
-    let len = prompts.len;
-    let info = model.info();
-    let device = model.device();
-    let ad = device.clone().autodiff();
-    let mut spec = HookSpec::new();
-    let mut leaves = Vec::with_capacity(layers.len());
-    let mut heads = Vec::with_capacity(layers.len());
-    for &l in layers {
-        let h = info.layers[l].n_heads;
-        let leaf = Tensor::<4>::zeros([n2, len, h, info.d_head], &ad).require_grad();
-        let p = HookPoint::block(l, Site::AttnZ);
-        spec = spec
-            .intervene_point(p, Action::Add(Act::new(leaf.clone())), Scope::all())
-            .capture_point(p);
-        leaves.push(leaf);
-        heads.push(h);
-    }
-    let all: Vec<usize> = (0..n2).collect();
-    let out = model.forward(prompts.tokens_of(&all, &device), &spec)?;
-    let targets: Vec<&Target> = prompts.targets.iter().collect();
-    let base = readout(out.logits.clone().inner(), &targets)?;
-
-    // The LD of every prompt at its first target position, weighted by direction.
-    let grads = weighted_ld(out.logits, prompts, weights(n, directions))?.backward();
-
-    let mut terms = vec![Vec::with_capacity(layers.len()); directions.len()];
-    for (&l, leaf) in layers.iter().zip(&leaves) {
-        let p = HookPoint::block(l, Site::AttnZ);
-        let grad = leaf.grad(&grads).ok_or_else(|| {
-            Error::hook(
-                p.to_string(),
-                "no gradient reached this point (does the model run it?)",
-            )
-        })?;
-        let z = out
-            .cache
-            .get(&p)
-            .ok_or_else(|| Error::hook(p.to_string(), "not captured"))?
-            .get::<4>()?
-            .inner();
-        for (di, t) in z_terms(z, grad, directions)?.into_iter().enumerate() {
-            terms[di].push(t);
-        }
-    }
-    Ok(AtpTerms {
-        base,
-        n,
-        len,
-        terms,
-        heads,
-    })
-}
-
-/// One layer's first-order terms per direction, from its `hook_z` and the gradient
-/// there (both `[2n, len, heads, d_head]`): `[n, len, heads]` row-major each.
-fn z_terms(z: Tensor<4>, grad: Tensor<4>, directions: &[Direction]) -> Result<Vec<Vec<f32>>> {
-    let [n2, len, h, dh] = z.dims();
-    let n = n2 / 2;
-    let (zc, zx) = (
-        z.clone().slice([0..n, 0..len, 0..h, 0..dh]),
-        z.slice([n..n2, 0..len, 0..h, 0..dh]),
-    );
-    let mut out = Vec::with_capacity(directions.len());
+/// The loss weights of the clean-orientation logit differences: denoising reads the
+/// corrupted prompts (weight -1), noising the clean ones (+1).
+pub(super) fn weights(n: usize, directions: &[Direction]) -> Vec<f32> {
+    let mut w = vec![0f32; 2 * n];
     for d in directions {
-        let (delta, gr) = match d {
-            Direction::Denoise => (
-                zc.clone() - zx.clone(),
-                grad.clone().slice([n..n2, 0..len, 0..h, 0..dh]),
-            ),
-            Direction::Noise => (
-                zx.clone() - zc.clone(),
-                grad.clone().slice([0..n, 0..len, 0..h, 0..dh]),
-            ),
-        };
-        let term = (delta * gr).sum_dim(3).reshape([n * len * h]);
-        out.push(term.try_into_vec_as::<f32>()?);
-    }
-    Ok(out)
-}
-
-/// The store key of a group's AtP terms.
-fn terms_key(r: u32) -> String {
-    format!("p{r}-atp")
-}
-
-/// AtP terms of a group, from the store or computed (and stored): one outcome vector
-/// per (direction, layer, query head, position) with the per-prompt term in `ld`,
-/// then the base outcomes.
-fn group_terms(
-    ctx: &Ctx,
-    r: u32,
-    prompts: &Prompts,
-    layers: &[usize],
-    dirs: &[Direction],
-) -> Result<AtpTerms> {
-    let n = prompts.n() / 2;
-    let len = prompts.len;
-    let heads: Vec<usize> = layers.iter().map(|&l| ctx.info.layers[l].n_heads).collect();
-    let per_dir: usize = heads.iter().map(|h| h * len).sum();
-    let mut expected = vec![n; dirs.len() * per_dir];
-    expected.push(2 * n);
-    if let Some(mut stored) = ctx.store.load(&terms_key(r), &expected)? {
-        let base = stored.pop().expect("the base vector was expected");
-        let mut it = stored.into_iter();
-        let mut terms = Vec::new();
-        for _ in dirs {
-            let mut per_layer = Vec::new();
-            for &h in &heads {
-                let mut t = vec![0f32; n * len * h];
-                for q in 0..h {
-                    for p in 0..len {
-                        let v = it.next().expect("sizes checked by the store");
-                        for (i, o) in v.iter().enumerate() {
-                            t[(i * len + p) * h + q] = o.ld;
-                        }
-                    }
-                }
-                per_layer.push(t);
-            }
-            terms.push(per_layer);
-        }
-        return Ok(AtpTerms {
-            base,
-            n,
-            len,
-            terms,
-            heads,
-        });
-    }
-    let got = atp_terms(ctx.model, prompts, layers, dirs)?;
-    let mut save = Vec::with_capacity(expected.len());
-    for per_layer in &got.terms {
-        for (t, &h) in per_layer.iter().zip(&heads) {
-            for q in 0..h {
-                for p in 0..len {
-                    save.push(
-                        (0..n)
-                            .map(|i| Outcome {
-                                correct: false,
-                                ld: t[(i * len + p) * h + q],
-                            })
-                            .collect(),
-                    );
-                }
-            }
+        match d {
+            Direction::Denoise => w[n..].iter_mut().for_each(|w| *w = -1.0),
+            Direction::Noise => w[..n].iter_mut().for_each(|w| *w = 1.0),
         }
     }
-    save.push(got.base.clone());
-    ctx.store.save(&terms_key(r), &save)?;
-    Ok(got)
+    w
+}
+
+/// The summed weighted logit differences of `logits: [2n, T, V]` at every prompt's first
+/// target position.
+pub(super) fn weighted_ld(logits: Tensor<3>, prompts: &Prompts, w: Vec<f32>) -> Result<Tensor<1>> {
+    let [n2, t, v] = logits.dims();
+    let device = logits.device();
+    let mut flat = Vec::with_capacity(n2);
+    let mut pairs = Vec::with_capacity(2 * n2);
+    for (i, tg) in prompts.targets.iter().enumerate() {
+        let alt = tg.alt.ok_or_else(|| {
+            Error::Other(format!(
+                "prompt {i} has no competing answer (alt) for the logit difference"
+            ))
+        })?;
+        if tg.answers[0] as usize >= v || alt as usize >= v {
+            return Err(Error::Input(format!(
+                "answer token {} / {alt} is outside the model's vocabulary 0..{v}",
+                tg.answers[0]
+            )));
+        }
+        flat.push((i * t + tg.positions[0]) as i64);
+        pairs.push(tg.answers[0] as i64);
+        pairs.push(alt as i64);
+    }
+    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [n2]), &device);
+    let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [n2, 2]), &device);
+    let g = logits.reshape([n2 * t, v]).select(0, idx).gather(1, pairs);
+    let ld = g.clone().slice([0..n2, 0..1]) - g.slice([0..n2, 1..2]);
+    let w = Tensor::<2>::from_data(TensorData::new(w, [n2, 1]), &device);
+    Ok((ld * w).sum())
 }
 
 /// (direction, head cell, offset or None) -> per-phase values and the pooled value.
@@ -375,11 +252,6 @@ type CellVals = BTreeMap<(usize, usize, Option<usize>), (Vec<f64>, f64)>;
 
 /// Where a row sits, as [`RowCtx::phase_rows`] takes it: layer and (head, kind).
 pub(super) type At = Option<(u32, Option<(u32, HeadKind)>)>;
-
-pub(super) fn nld(s: &[f64; 3], n: u64) -> f64 {
-    let k = n as f64;
-    normalized_logit_diff(s[0] / k, s[1] / k, s[2] / k).unwrap_or(f64::NAN)
-}
 
 /// The per-phase and pooled NLD rows of a run's clustered logit differences.
 pub(super) struct NldRows {
@@ -409,7 +281,7 @@ impl NldRows {
         at: At,
         rows: &mut Vec<LongRow>,
     ) -> (Vec<f64>, f64) {
-        let (per, pooled) = per_phase(c, nld, self.reps, self.seed);
+        let (per, pooled) = per_phase(c, nld_of_sums, self.reps, self.seed);
         rows.extend(self.rc.phase_rows(metric, at, &self.phases, &per, pooled));
         (per.iter().map(|e| e.value).collect(), pooled.value)
     }
@@ -630,7 +502,7 @@ impl CellRows<'_> {
                             Some(self.offsets[ps - 1])
                         };
                         let ci = (ps * self.cfg.directions.len() + di) * self.heads.len() + hi;
-                        let c = exact_clusters(&self.groups.metas, res, ci, *d, self.p);
+                        let c = nld_clusters(&self.groups.metas, res, ci, *d, self.p);
                         let metric = match off {
                             None => d.metric().to_string(),
                             Some(o) => format!("{}{}", d.metric(), offset_suffix(o)),
@@ -820,7 +692,7 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
     }
     if cfg.qk_fix {
         let phases_run = ctx.task.phases.clone();
-        let inp = super::atp_star::QkInput {
+        let inp = atp_star::QkInput {
             cfg,
             layers: &layers,
             heads: &heads,
@@ -828,7 +700,7 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
             prompts: &groups.prompts,
             phases_run: &phases_run,
         };
-        super::atp_star::rows(ctx, &inp, &mut rows)?;
+        atp_star::rows(ctx, &inp, &mut rows)?;
     }
     cells.speed_rows(exact.as_ref().map(|(_, secs)| *secs), &mut rows);
     ctx.stats.forwards += groups.prompts.len() as u64;
@@ -886,7 +758,7 @@ fn draw(cfg: &AttributionPatching, f: &mut Figures) -> Result<()> {
             direction_section(cfg, f, *dirn)?;
         }
     }
-    super::atp_star::draw(cfg, f)
+    atp_star::draw(cfg, f)
 }
 
 /// One direction's subsection: estimate and exact heatmaps, their scatter, the agreement

@@ -1,4 +1,4 @@
-//! The checks of the backend equivalence matrix (see [`super::matrix`] for what each
+//! The checks of the backend equivalence matrix (see the matrix module for what each
 //! one asserts). Each check measures a list of (what, error, tolerance); the cell is
 //! `ok` when every error is within its tolerance, else `WRONG` naming the worst one
 //! (the largest error / tolerance). flex references are computed once per matrix.
@@ -11,8 +11,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::DeviceSpec;
-use super::matrix::{Check, Status};
+use super::{Check, Status};
+use crate::device::{DeviceSpec, probe, quietly};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
 use crate::model::safetensors_io::SafetensorsReader;
@@ -62,9 +62,9 @@ impl References {
     }
 
     fn flex() -> Result<Device> {
-        super::probe(&DeviceSpec::Cpu).map_err(|s| Error::Device {
+        probe(&DeviceSpec::Cpu).map_err(|s| Error::Device {
             device: "cpu".into(),
-            message: format!("the flex reference is needed: {}", s.short()),
+            message: format!("the flex reference is needed: {}", Status::from(s).short()),
         })
     }
 
@@ -123,7 +123,7 @@ pub(super) fn run(
     device: &Device,
     refs: &mut References,
 ) -> Status {
-    let got = super::quietly(|| match check {
+    let got = quietly(|| match check {
         Check::V4Parity => v4_parity(&refs.root, device),
         Check::KvcContract => kvc_contract(device, refs),
         Check::PatchingTable => patching_table(spec, refs),

@@ -11,118 +11,13 @@
 //! | `training` | 20 optimiser steps of a small kvc recipe from the same initial weights and batches: the loss curve equal to flex's | 1e-3 absolute per step |
 //! | `checkpoint` | 10 steps, save, resume to 20: the curve equals the uninterrupted run's, and the saved model gives the same logits on the device and on flex | 1e-5 on the curve, 1e-4 relative on the logits |
 
-use std::fmt;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Instant;
 
-use serde::Serialize;
-
-use super::DeviceSpec;
 use super::checks::{self, References};
+use super::{Cell, Check, Status};
+use crate::device::{DeviceSpec, probe};
 use crate::error::{Error, Result};
-
-/// One check of the matrix.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Check {
-    V4Parity,
-    KvcContract,
-    PatchingTable,
-    Training,
-    Checkpoint,
-}
-
-impl Check {
-    /// Every check, in the order of the matrix.
-    pub const ALL: [Check; 5] = [
-        Check::V4Parity,
-        Check::KvcContract,
-        Check::PatchingTable,
-        Check::Training,
-        Check::Checkpoint,
-    ];
-
-    /// The name on the command line and in the printed matrix.
-    pub fn name(self) -> &'static str {
-        match self {
-            Check::V4Parity => "v4-parity",
-            Check::KvcContract => "kvc-contract",
-            Check::PatchingTable => "patching-table",
-            Check::Training => "training",
-            Check::Checkpoint => "checkpoint",
-        }
-    }
-}
-
-impl fmt::Display for Check {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Check {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        Check::ALL
-            .into_iter()
-            .find(|c| c.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Check::ALL.iter().map(|c| c.name()).collect();
-                Error::Input(format!("unknown check `{s}`; checks: {}", names.join(", ")))
-            })
-    }
-}
-
-/// How a cell of the matrix came out.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "status")]
-pub enum Status {
-    /// Within tolerance: the worst error and its tolerance.
-    Ok { max_err: f64, tol: f64 },
-    /// Outside tolerance: the worst error, its tolerance and where it was seen.
-    Wrong {
-        max_err: f64,
-        tol: f64,
-        detail: String,
-    },
-    /// The check could not run (the message says why).
-    Error { message: String },
-    /// This binary was built without the device's backend feature.
-    NotBuilt { feature: String },
-    /// Built, but the device does not work on this machine (no GPU, no Vulkan driver).
-    Unavailable { message: String },
-}
-
-impl Status {
-    /// Whether the cell is a failure of a device that this machine has: `WRONG` or
-    /// `error` (not `not built` / `unavailable`).
-    pub fn is_failure(&self) -> bool {
-        matches!(self, Status::Wrong { .. } | Status::Error { .. })
-    }
-
-    /// Short text for the printed matrix.
-    pub fn short(&self) -> String {
-        match self {
-            Status::Ok { max_err, .. } => format!("ok {max_err:.1e}"),
-            Status::Wrong { max_err, tol, .. } => format!("WRONG {max_err:.1e} > {tol:.0e}"),
-            Status::Error { .. } => "error".into(),
-            Status::NotBuilt { .. } => "not built".into(),
-            Status::Unavailable { .. } => "unavailable".into(),
-        }
-    }
-}
-
-/// One cell: a check on a device.
-#[derive(Debug, Clone, Serialize)]
-pub struct Cell {
-    pub device: String,
-    pub check: Check,
-    #[serde(flatten)]
-    pub status: Status,
-    pub seconds: f64,
-}
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -158,7 +53,7 @@ pub fn run_matrix(opts: &MatrixOptions) -> Result<Vec<Cell>> {
     let mut refs = References::new(&opts.root, &opts.scratch);
     let mut cells = Vec::new();
     for spec in &opts.devices {
-        let gate = super::probe(spec);
+        let gate = probe(spec).map_err(Status::from);
         for &check in &opts.checks {
             let t0 = Instant::now();
             let status = match &gate {

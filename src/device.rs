@@ -1,7 +1,8 @@
 //! `--device` text -> burn [`Device`].
 //!
 //! Backends are cargo features; the device is chosen at run time. Asking for a device
-//! whose feature was not compiled in is an error that says how to build it.
+//! whose feature was not compiled in is an error that says how to build it. A leaf: the
+//! backend equivalence matrix that exercises every device lives in src/backends/.
 
 use std::fmt;
 use std::str::FromStr;
@@ -9,11 +10,6 @@ use std::str::FromStr;
 use burn::tensor::Device;
 
 use crate::error::{Error, Result};
-
-mod checks;
-pub mod matrix;
-
-pub use matrix::{Cell, Check, MatrixOptions, Status, default_devices, render, run_matrix};
 
 /// A device specification as given on the command line.
 ///
@@ -127,17 +123,37 @@ impl DeviceSpec {
     }
 }
 
+/// Why a device cannot be used here (what [`probe`] found).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unusable {
+    /// This binary was built without the device's backend feature.
+    NotBuilt { feature: String },
+    /// Built, but the device does not work on this machine (no GPU, no Vulkan driver).
+    Unavailable { message: String },
+}
+
+impl fmt::Display for Unusable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unusable::NotBuilt { feature } => {
+                write!(f, "built without the `{feature}` feature")
+            }
+            Unusable::Unavailable { message } => write!(f, "unavailable: {message}"),
+        }
+    }
+}
+
 /// The device, after checking that it works on this machine: a small computation runs on
 /// it and its result reads back correctly. Backends panic when their hardware or driver is
 /// missing (no CUDA GPU, no Vulkan adapter): the panic is caught and becomes
-/// [`Status::Unavailable`] with its message (the panic hook is silenced meanwhile).
-pub fn probe(spec: &DeviceSpec) -> std::result::Result<Device, Status> {
+/// [`Unusable::Unavailable`] with its message (the panic hook is silenced meanwhile).
+pub fn probe(spec: &DeviceSpec) -> std::result::Result<Device, Unusable> {
     if !spec.is_built() {
-        return Err(Status::NotBuilt {
+        return Err(Unusable::NotBuilt {
             feature: spec.feature().to_string(),
         });
     }
-    let device = spec.device().map_err(|e| Status::Unavailable {
+    let device = spec.device().map_err(|e| Unusable::Unavailable {
         message: e.to_string(),
     })?;
     let tried = quietly(|| {
@@ -146,10 +162,10 @@ pub fn probe(spec: &DeviceSpec) -> std::result::Result<Device, Status> {
     });
     match tried {
         Ok(v) if (v - 17.25).abs() < 1e-4 => Ok(device),
-        Ok(v) => Err(Status::Unavailable {
+        Ok(v) => Err(Unusable::Unavailable {
             message: format!("a test computation read back {v} instead of 17.25"),
         }),
-        Err(msg) => Err(Status::Unavailable {
+        Err(msg) => Err(Unusable::Unavailable {
             message: msg.lines().next().unwrap_or_default().to_string(),
         }),
     }
