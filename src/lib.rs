@@ -15,5 +15,6 @@ pub mod runner;
 pub mod tasks;
 pub mod toml_file;
 pub mod train;
+pub mod view;
 
 pub use error::{Error, Result};
