@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian machine for phaselens: `just` (from PyPI's
 # rust-just wheel), cargo-nextest, fonts for figures, Slurm + munge (grid tests), PyTorch
-# 2.9.0 (LibTorch for the tch backend) and Mesa's software Vulkan (wgpu). Rust itself
+# 2.9.0 (LibTorch for the tch backend), Mesa's software Vulkan (wgpu) and headless
+# Chromium (the viewer's browser tests). Rust itself
 # comes from rustup.
 set -euo pipefail
 # Figures (plotters + font-kit) need fontconfig at build time (pkg-config, headers) and
@@ -10,6 +11,8 @@ need_apt=()
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 pkg-config --exists fontconfig 2>/dev/null || need_apt+=(libfontconfig1-dev)
 fc-list 2>/dev/null | grep -qi dejavu || need_apt+=(fonts-dejavu-core fontconfig)
+# Headless Chromium loads the `phaselens view` sites in tests/view_browser.rs.
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi

@@ -16,6 +16,7 @@ pub mod runner;
 pub mod tasks;
 pub mod toml_file;
 pub mod train;
+pub mod view;
 
 pub use error::{Error, Result};
 

@@ -13,6 +13,7 @@ Examples:
   phaselens train experiments/organisms/kvc-w8s8.toml
   phaselens run experiments/v4pro.toml             # what `just patch-heads exp/v4pro.toml` runs
   phaselens figures                                # redraw every figure from the tables
+  phaselens view v4pro                             # the static explorer: reports/v4pro/view/
   phaselens backends                               # check every backend against flex")]
 struct Cli {
     #[command(subcommand)]
@@ -43,6 +44,8 @@ enum Command {
     Grid(Box<cli::grid::GridArgs>),
     /// Check every backend against flex on this machine (device x check matrix).
     Backends(cli::backends::BackendsArgs),
+    /// Write the static explorer of an experiment or grid (open index.html from disk).
+    View(cli::view::ViewArgs),
 }
 
 fn main() {
@@ -58,6 +61,7 @@ fn main() {
         Command::Figures(a) => cli::figures::run(a),
         Command::Grid(a) => cli::grid::run(*a),
         Command::Backends(a) => cli::backends::run(a),
+        Command::View(a) => cli::view::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", error_chain(&e));

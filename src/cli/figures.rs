@@ -33,6 +33,10 @@ pub fn run(a: FiguresArgs) -> Result<()> {
             a.data_dir.display()
         );
     }
+    // The static explorers that exist (`phaselens view` creates them) follow the tables.
+    for site in phaselens::view::redraw_sites(&a.data_dir, &a.reports_dir, a.experiment.as_deref())? {
+        eprintln!("view: {}", site.dir.join("index.html").display());
+    }
     for (name, files) in done {
         eprintln!(
             "{name}: {} files, report {}",

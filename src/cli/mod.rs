@@ -9,3 +9,4 @@ pub mod hooks;
 pub mod inspect;
 pub mod run;
 pub mod train;
+pub mod view;

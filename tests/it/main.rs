@@ -30,3 +30,4 @@ mod runner_long_context;
 mod runner_patch;
 mod selection_hooks;
 mod train_resume;
+mod view_browser;
