@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 
 pub use merge::{MergeSummary, merge};
 pub use spec::{Design, EvalConfig, Grid, SlurmConfig};
-pub use task::{DesignRecord, GridOptions, finished, run_design, write_recipes};
+pub use task::{DesignRecord, GridOptions, check_sweeps, finished, run_design, write_recipes};
 
 /// Run designs one after another on this machine (all of them, or those named in
 /// `only`), then merge. Finished designs are skipped, interrupted ones resume. With
@@ -46,6 +46,10 @@ pub fn run_local(
     for n in only {
         grid.design(n)?;
     }
+    // Every sweep's settings and the device are checked before any recipe or folder
+    // is written.
+    task::check_sweeps(grid)?;
+    opts.device.device()?;
     write_recipes(grid)?;
     let todo: Vec<&Design> = grid
         .designs

@@ -17,6 +17,7 @@
 pub mod atomic;
 pub mod figure;
 pub mod frame;
+pub mod leftovers;
 pub mod lock;
 pub mod report;
 pub mod schema;
