@@ -288,31 +288,35 @@ fn grid_folders_with_spaces_and_quotes_reach_the_job_intact() {
 #[test]
 fn slurm_resources_and_sweep_settings_that_make_no_sense_are_refused_before_anything_is_written() {
     let s = Stand::new();
-    let cases: Vec<(&str, &[&str], &str)> = vec![
-        ("[slurm]\ncpus_per_task = 0\n", &[], "cpus_per_task"),
-        (
+    type Case = (&'static str, &'static [&'static str], &'static str);
+    let c = |body: &'static str, extra: &'static [&'static str], want: &'static str| -> Case {
+        (body, extra, want)
+    };
+    let cases: Vec<Case> = vec![
+        c("[slurm]\ncpus_per_task = 0\n", &[], "cpus_per_task"),
+        c(
             "[slurm]\nmem = \"lots\"\n",
             &[],
             "`lots` is not a memory size",
         ),
-        ("[slurm]\nmem = \"0G\"\n", &[], "memory size"),
-        ("[slurm]\nmax_parallel = 0\n", &[], "max_parallel"),
-        ("[slurm]\ntime = \"soon\"\n", &[], "time limit"),
-        ("[slurm]\ntime = \"1:2:3:4\"\n", &[], "time limit"),
-        ("[slurm]\npartition = \"a b\"\n", &[], "partition"),
-        (
+        c("[slurm]\nmem = \"0G\"\n", &[], "memory size"),
+        c("[slurm]\nmax_parallel = 0\n", &[], "max_parallel"),
+        c("[slurm]\ntime = \"soon\"\n", &[], "time limit"),
+        c("[slurm]\ntime = \"1:2:3:4\"\n", &[], "time limit"),
+        c("[slurm]\npartition = \"a b\"\n", &[], "partition"),
+        c(
             "[slurm]\nsbatch_args = [\"account=lab\"]\n",
             &[],
             "sbatch option",
         ),
-        (
+        c(
             "[slurm]\nsbatch_args = [\"--comment=a b\"]\n",
             &[],
             "sbatch option",
         ),
-        ("", &["--mem", "4 G"], "memory size"),
-        ("", &["--max-parallel", "0"], "max_parallel"),
-        ("", &["--time", "never"], "time limit"),
+        c("", &["--mem", "4 G"], "memory size"),
+        c("", &["--max-parallel", "0"], "max_parallel"),
+        c("", &["--time", "never"], "time limit"),
     ];
     let mut bad = Vec::new();
     for (body, extra, want) in &cases {
@@ -358,7 +362,7 @@ fn slurm_resources_and_sweep_settings_that_make_no_sense_are_refused_before_anyt
         let (dir, _) = grid_dir(&format!("{DESIGNS}{e}\n{line}\n"));
         for cmd in [
             &["grid", "list", "grid.toml"][..],
-            &["grid", "grid.toml", "--slurm", "--dry-run"],
+            &["grid", "grid.toml", "--slurm", "--dry-run"][..],
         ] {
             let o = phaselens(dir.path(), cmd, &s.env());
             let out = text(&o);

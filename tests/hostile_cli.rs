@@ -582,8 +582,16 @@ fn absent_devices_are_named_errors_on_every_command_never_panics() {
             "o.safetensors",
         ],
         vec!["run", "p.toml"],
-        vec!["train", &recipe, "--max-steps", "1"],
-        vec!["bench", "train", &recipe, "--steps", "1", "--warmup", "0"],
+        vec!["train", recipe.as_str(), "--max-steps", "1"],
+        vec![
+            "bench",
+            "train",
+            recipe.as_str(),
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ],
         vec!["inspect", "--model", "tiny"],
         vec!["grid", "g.toml", "--data-dir", "gd", "--reports-dir", "gr"],
     ];
@@ -649,7 +657,7 @@ fn a_file_of_another_kind_is_named_as_such() {
     std::fs::write(d.join("arr/config.json"), "[1, 2]").unwrap();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
-            vec!["run", &recipe],
+            vec!["run", recipe.as_str()],
             "this is an organism recipe (it has [organism]), expected an experiment file",
         ),
         (
@@ -694,14 +702,22 @@ fn max_steps_zero_is_refused_and_no_debug_text_reaches_users() {
     let d = dir.path();
     let recipe = organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
     let recipe = recipe.file_name().unwrap().to_string_lossy().into_owned();
-    let o = phaselens(&["train", &recipe, "--max-steps", "0"], d);
+    let o = phaselens(&["train", recipe.as_str(), "--max-steps", "0"], d);
     let e = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{e}");
     assert!(e.contains("--max-steps") && !e.contains("NaN"), "{e}");
     assert!(!d.join("runs").exists());
     // bench train names its device as given on the command line.
     let o = phaselens(
-        &["bench", "train", &recipe, "--steps", "1", "--warmup", "0"],
+        &[
+            "bench",
+            "train",
+            recipe.as_str(),
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ],
         d,
     );
     let out = String::from_utf8_lossy(&o.stdout);
@@ -728,7 +744,7 @@ fn sigterm_and_sigint_release_the_run_lock() {
             .unwrap();
         let lock = d.join("runs/tiny/.lock");
         let t0 = std::time::Instant::now();
-        while !lock.exists() {
+        while std::fs::read_to_string(&lock).map_or(true, |t| t.is_empty()) {
             assert!(t0.elapsed() < Duration::from_secs(60), "no lock after 60 s");
             std::thread::sleep(Duration::from_millis(20));
         }

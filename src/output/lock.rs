@@ -93,9 +93,13 @@ impl RunLock {
         for _ in 0..8 {
             match OpenOptions::new().write(true).create_new(true).open(path) {
                 Ok(mut f) => {
-                    f.write_all(token.as_bytes()).map_err(io_err)?;
-                    f.sync_all().map_err(io_err)?;
+                    // Registered before the token is written: a lock file with content
+                    // is always one a signal removes.
                     on_signal::hold(path);
+                    if let Err(e) = f.write_all(token.as_bytes()).and_then(|()| f.sync_all()) {
+                        on_signal::release(path);
+                        return Err(io_err(e));
+                    }
                     return Ok(RunLock {
                         path: path.to_path_buf(),
                         token,
