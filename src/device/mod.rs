@@ -211,8 +211,32 @@ fn compute_check(device: &Device) -> std::result::Result<(), String> {
     match tried {
         Ok(v) if (v - 17.25).abs() < 1e-4 => Ok(()),
         Ok(v) => Err(format!("a test computation read back {v} instead of 17.25")),
-        Err(msg) => Err(msg.lines().next().unwrap_or_default().to_string()),
+        Err(msg) => Err(tidy_panic(&msg)),
     }
+}
+
+/// The reason in a backend's panic message, without Rust's `unwrap` wrapper, the error
+/// type's Debug dress (`Torch("...")`) or a C++ stack trace: `Found no NVIDIA driver
+/// on your system. ...`.
+fn tidy_panic(msg: &str) -> String {
+    let mut m = msg.lines().next().unwrap_or_default();
+    if let Some(rest) = m.strip_prefix("called `Result::unwrap()` on an `Err` value: ") {
+        m = rest;
+    }
+    // `Torch("reason\nException raised ...")`: the quoted reason.
+    if let Some(i) = m.find("(\"")
+        && m[..i]
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        m = m[i + 2..].trim_end_matches("\")").trim_end_matches('"');
+    }
+    let m = m.split("\\n").next().unwrap_or(m).trim();
+    let mut out: String = m.chars().take(300).collect();
+    if m.chars().count() > 300 {
+        out.push_str("...");
+    }
+    out
 }
 
 /// Run `f`, turning a panic (backends panic on missing hardware, drivers or unsupported
@@ -299,6 +323,13 @@ mod tests {
         for s in ["cpu", "wgpu", "wgpu:1", "tch-cpu", "tch-cuda:2", "cuda:0"] {
             assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
         }
+    }
+
+    #[test]
+    fn backend_panics_are_reduced_to_their_reason() {
+        let torch = "called `Result::unwrap()` on an `Err` value: Torch(\"Found no NVIDIA driver on your system.\\nException raised from x\\nframe #0\")";
+        assert_eq!(tidy_panic(torch), "Found no NVIDIA driver on your system.");
+        assert_eq!(tidy_panic("No adapter found\nmore"), "No adapter found");
     }
 
     #[test]
