@@ -89,8 +89,63 @@ fn not_built(spec: &DeviceSpec, feature: &str) -> Error {
 }
 
 impl DeviceSpec {
-    /// The burn device for this spec, or an error naming the missing cargo feature.
+    /// The burn device for this spec, after checking once per process that it works on
+    /// this machine (see [`probe`]): an error naming the missing cargo feature, or a
+    /// device that is built but absent (no driver, no adapter, no GPU of that index) and
+    /// what it needs, instead of a backend panic in the middle of a run.
     pub fn device(&self) -> Result<Device> {
+        let device = self.build()?;
+        if *self != DeviceSpec::Cpu {
+            self.check_works(&device)?;
+        }
+        Ok(device)
+    }
+
+    /// Run the probe computation on `device` once per process and spec.
+    fn check_works(&self, device: &Device) -> Result<()> {
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        static SEEN: OnceLock<Mutex<HashMap<String, std::result::Result<(), String>>>> =
+            OnceLock::new();
+        let seen = SEEN.get_or_init(Default::default);
+        let key = self.to_string();
+        let known = seen.lock().ok().and_then(|m| m.get(&key).cloned());
+        let got = match known {
+            Some(r) => r,
+            None => {
+                let r = compute_check(device);
+                if let Ok(mut m) = seen.lock() {
+                    m.insert(key, r.clone());
+                }
+                r
+            }
+        };
+        got.map_err(|why| Error::Device {
+            device: self.to_string(),
+            message: format!(
+                "built in, but not usable on this machine: {why}; {} \
+                 (`phaselens backends` lists the devices that work here)",
+                self.needs()
+            ),
+        })
+    }
+
+    /// What this device needs from the machine, for messages.
+    fn needs(&self) -> &'static str {
+        match self {
+            DeviceSpec::Cpu | DeviceSpec::TchCpu => "it needs a loadable CPU backend",
+            DeviceSpec::Wgpu(_) => {
+                "wgpu needs a GPU adapter (a Vulkan, Metal or DX12 driver) of that index"
+            }
+            DeviceSpec::TchCuda(_) => {
+                "tch-cuda needs an NVIDIA driver, a GPU of that index and a CUDA build of LibTorch"
+            }
+            DeviceSpec::Cuda(_) => "cuda needs an NVIDIA driver (libcuda) and a GPU of that index",
+        }
+    }
+
+    /// The burn device for this spec without the probe.
+    fn build(&self) -> Result<Device> {
         match self {
             DeviceSpec::Cpu => cpu_device(self),
             DeviceSpec::Wgpu(n) => wgpu_device(self, *n),
@@ -153,22 +208,51 @@ pub fn probe(spec: &DeviceSpec) -> std::result::Result<Device, Unusable> {
             feature: spec.feature().to_string(),
         });
     }
-    let device = spec.device().map_err(|e| Unusable::Unavailable {
+    let device = spec.build().map_err(|e| Unusable::Unavailable {
         message: e.to_string(),
     })?;
+    match compute_check(&device) {
+        Ok(()) => Ok(device),
+        Err(message) => Err(Unusable::Unavailable { message }),
+    }
+}
+
+/// A small computation on `device` that must read back 17.25; the backend's panic
+/// (first line) or the wrong value otherwise.
+fn compute_check(device: &Device) -> std::result::Result<(), String> {
     let tried = quietly(|| {
-        let t = burn::tensor::Tensor::<1>::from_floats([1.0, 2.0, 3.5], &device);
+        let t = burn::tensor::Tensor::<1>::from_floats([1.0, 2.0, 3.5], device);
         t.clone().mul(t).sum().into_scalar::<f32>()
     });
     match tried {
-        Ok(v) if (v - 17.25).abs() < 1e-4 => Ok(device),
-        Ok(v) => Err(Unusable::Unavailable {
-            message: format!("a test computation read back {v} instead of 17.25"),
-        }),
-        Err(msg) => Err(Unusable::Unavailable {
-            message: msg.lines().next().unwrap_or_default().to_string(),
-        }),
+        Ok(v) if (v - 17.25).abs() < 1e-4 => Ok(()),
+        Ok(v) => Err(format!("a test computation read back {v} instead of 17.25")),
+        Err(msg) => Err(tidy_panic(&msg)),
     }
+}
+
+/// The reason in a backend's panic message, without Rust's `unwrap` wrapper, the error
+/// type's Debug dress (`Torch("...")`) or a C++ stack trace: `Found no NVIDIA driver
+/// on your system. ...`.
+fn tidy_panic(msg: &str) -> String {
+    let mut m = msg.lines().next().unwrap_or_default();
+    if let Some(rest) = m.strip_prefix("called `Result::unwrap()` on an `Err` value: ") {
+        m = rest;
+    }
+    // `Torch("reason\nException raised ...")`: the quoted reason.
+    if let Some(i) = m.find("(\"")
+        && m[..i]
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        m = m[i + 2..].trim_end_matches("\")").trim_end_matches('"');
+    }
+    let m = m.split("\\n").next().unwrap_or(m).trim();
+    let mut out: String = m.chars().take(300).collect();
+    if m.chars().count() > 300 {
+        out.push_str("...");
+    }
+    out
 }
 
 /// Run `f`, turning a panic (backends panic on missing hardware, drivers or unsupported
@@ -255,6 +339,13 @@ mod tests {
         for s in ["cpu", "wgpu", "wgpu:1", "tch-cpu", "tch-cuda:2", "cuda:0"] {
             assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
         }
+    }
+
+    #[test]
+    fn backend_panics_are_reduced_to_their_reason() {
+        let torch = "called `Result::unwrap()` on an `Err` value: Torch(\"Found no NVIDIA driver on your system.\\nException raised from x\\nframe #0\")";
+        assert_eq!(tidy_panic(torch), "Found no NVIDIA driver on your system.");
+        assert_eq!(tidy_panic("No adapter found\nmore"), "No adapter found");
     }
 
     #[test]

@@ -54,6 +54,73 @@ pub fn parse_toml<T: DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
     })
 }
 
+/// The three TOML files phaselens reads, told apart by their top-level section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    /// `[experiment]`: `phaselens run`.
+    Experiment,
+    /// `[organism]`: an organism recipe, `phaselens train`.
+    Recipe,
+    /// `[grid]`: `phaselens grid`.
+    Grid,
+}
+
+impl FileKind {
+    fn section(self) -> &'static str {
+        match self {
+            FileKind::Experiment => "experiment",
+            FileKind::Recipe => "organism",
+            FileKind::Grid => "grid",
+        }
+    }
+
+    fn words(self) -> &'static str {
+        match self {
+            FileKind::Experiment => "an experiment file",
+            FileKind::Recipe => "an organism recipe",
+            FileKind::Grid => "a grid file",
+        }
+    }
+
+    fn command(self) -> &'static str {
+        match self {
+            FileKind::Experiment => "phaselens run",
+            FileKind::Recipe => "phaselens train",
+            FileKind::Grid => "phaselens grid",
+        }
+    }
+}
+
+/// When `text` lacks `expected`'s section but has another kind's, the error saying
+/// what the file is and what was expected ("this is an experiment file, expected an
+/// organism recipe"), instead of a message about a missing field. `Ok` otherwise
+/// (syntax errors and the rest are left to the typed parse).
+pub fn expect_kind(path: &Path, text: &str, expected: FileKind) -> Result<()> {
+    let Ok(table) = text.parse::<toml::Table>() else {
+        return Ok(());
+    };
+    if table.contains_key(expected.section()) {
+        return Ok(());
+    }
+    let found = [FileKind::Experiment, FileKind::Recipe, FileKind::Grid]
+        .into_iter()
+        .find(|k| table.contains_key(k.section()));
+    match found {
+        Some(found) => Err(Error::Config {
+            path: path.to_path_buf(),
+            message: format!(
+                "this is {} (it has [{}]), expected {}; give it to `{} {}`",
+                found.words(),
+                found.section(),
+                expected.words(),
+                found.command(),
+                path.display()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Read and parse a TOML file.
 pub fn load_toml<T: DeserializeOwned>(path: &Path) -> Result<T> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;

@@ -51,8 +51,9 @@ pub fn spearman(estimate: &[f64], reference: &[f64]) -> Result<Option<f64>> {
 
 /// Top-k recall: the fraction of the `k` components with the largest `|reference|`
 /// that are also among the `k` with the largest `|estimate|` (ties broken by index,
-/// lower first). `k` is clipped to the number of components. Errors on length
-/// mismatch, empty or non-finite input, or `k == 0`.
+/// lower first). Errors on length mismatch, empty or non-finite input, `k == 0`, and
+/// on `k` not below the number of components: then both top sets hold every component
+/// and the recall is 1.0 whatever the estimate (vacuous), so none is reported.
 ///
 /// Example: `topk_recall(&[0.9, 0.1, 0.5], &[1.0, 0.0, -0.8], 2)` is `Ok(1.0)`.
 pub fn topk_recall(estimate: &[f64], reference: &[f64], k: usize) -> Result<f64> {
@@ -63,7 +64,15 @@ pub fn topk_recall(estimate: &[f64], reference: &[f64], k: usize) -> Result<f64>
             reason: "must be at least 1".into(),
         });
     }
-    let k = k.min(reference.len());
+    if k >= reference.len() {
+        return Err(AnalysisError::InvalidParameter {
+            name: "k",
+            reason: format!(
+                "top-{k} recall over {} components is 1.0 whatever the estimate (vacuous): k must be below the number of components",
+                reference.len()
+            ),
+        });
+    }
     let top = |v: &[f64]| -> Vec<usize> {
         let mut idx: Vec<usize> = (0..v.len()).collect();
         idx.sort_by(|&a, &b| v[b].abs().total_cmp(&v[a].abs()).then(a.cmp(&b)));
@@ -136,7 +145,9 @@ mod tests {
         assert_eq!(topk_recall(&[0.9, 0.1, 0.5], &[1.0, 0.0, -0.8], 2), Ok(1.0));
         assert_eq!(topk_recall(&[0.9, 0.1, 0.5], &[0.0, 1.0, -0.8], 2), Ok(0.5));
         assert_eq!(topk_recall(&[0.9, 0.1, 0.5], &[0.0, 1.0, -0.8], 1), Ok(0.0));
-        assert_eq!(topk_recall(&[0.9, 0.1], &[1.0, 0.0], 5), Ok(1.0));
+        // k at or above the number of components: vacuous, refused.
+        assert!(topk_recall(&[0.9, 0.1], &[1.0, 0.0], 5).is_err());
+        assert!(topk_recall(&[0.9, 0.1], &[0.0, 1.0], 2).is_err());
         assert!(topk_recall(&[1.0], &[1.0], 0).is_err());
         assert!(topk_recall(&[], &[], 1).is_err());
     }

@@ -173,7 +173,7 @@ fn train(b: TrainBenchArgs) -> Result<()> {
     };
     let ms = |s: f64| s * 1e3;
     println!(
-        "{}: batch {} x {} tokens, {} steps after {} warm-up, device {:?}, {} CPUs",
+        "{}: batch {} x {} tokens, {} steps after {} warm-up, device {}, {} CPUs",
         r.organism, r.batch_size, r.seq_len, r.steps, r.warmup, b.device, r.cpus
     );
     println!(
@@ -335,7 +335,7 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
         phaselens::model::memory::check_forward(&info, b.batch, t, "--tokens / --batch")?;
     }
     println!(
-        "{name}: {} ({} layers, d_model {}), batch {}, {} rep(s) per length (median), device {:?}",
+        "{name}: {} ({} layers, d_model {}), batch {}, {} rep(s) per length (median), device {}",
         info.arch,
         info.layers.len(),
         info.d_model,

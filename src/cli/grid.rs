@@ -158,8 +158,11 @@ pub enum GridCommand {
     },
 }
 
+/// Load a grid and check every design's sweep settings (before anything runs).
 fn load(path: &Path) -> Result<Grid> {
-    Grid::load(path).with_context(|| format!("loading grid {}", path.display()))
+    let g = Grid::load(path).with_context(|| format!("loading grid {}", path.display()))?;
+    grid::check_sweeps(&g).with_context(|| format!("loading grid {}", path.display()))?;
+    Ok(g)
 }
 
 pub fn run(a: GridArgs) -> Result<()> {

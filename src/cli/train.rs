@@ -29,8 +29,8 @@ pub struct TrainArgs {
     /// Start from step 0 even if checkpoints exist.
     #[arg(long)]
     pub fresh: bool,
-    /// Stop after this many steps in total.
-    #[arg(long)]
+    /// Stop after this many steps in total (at least 1).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_steps: Option<u64>,
     /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N.
     #[arg(long, default_value = "cpu")]
@@ -58,7 +58,14 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let Some(from) = s.resumed_from {
         eprintln!("resumed from step {from}");
     }
-    let last = s.history.last();
+    let Some(last) = s.history.last() else {
+        eprintln!(
+            "no step to run: the training is at step {} already (--max-steps or [train] steps)",
+            s.final_step
+        );
+        return Ok(());
+    };
+    let last = Some(last);
     eprintln!(
         "step {}: loss {:.4}, batch accuracy {:.3}{}",
         s.final_step,

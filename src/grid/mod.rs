@@ -34,7 +34,7 @@ use crate::error::{Error, Result};
 
 pub use merge::MergeSummary;
 pub use spec::{Design, EvalConfig, Grid, SlurmConfig};
-pub use task::{DesignRecord, GridOptions, finished, run_design, write_recipes};
+pub use task::{DesignRecord, GridOptions, check_sweeps, finished, run_design, write_recipes};
 
 /// Merge the designs' sweeps into the grid tables, then draw the figures, then write
 /// the report (in that order; see [`merge`](mod@merge), [`figures`], [`report`]).
@@ -59,6 +59,10 @@ pub fn run_local(
     for n in only {
         grid.design(n)?;
     }
+    // Every sweep's settings and the device are checked before any recipe or folder
+    // is written.
+    task::check_sweeps(grid)?;
+    opts.device.device()?;
     write_recipes(grid)?;
     let todo: Vec<&Design> = grid
         .designs

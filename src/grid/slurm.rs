@@ -48,6 +48,74 @@ impl Resources {
         }
     }
 
+    /// Every setting must make sense to sbatch before anything is written or submitted:
+    /// at least one CPU, a memory size (`4096`, `4G`, `500M`), a Slurm time limit, at
+    /// least one parallel task, arguments that are options. The message names the
+    /// `[slurm]` key and the command-line flag that set it.
+    pub fn check(&self) -> Result<()> {
+        let bad = |key: &str, flag: &str, m: String| {
+            Error::Other(format!("[slurm] {key} (or --{flag}): {m}"))
+        };
+        if self.cpus_per_task == Some(0) {
+            return Err(bad(
+                "cpus_per_task",
+                "cpus-per-task",
+                "must be at least 1".into(),
+            ));
+        }
+        if let Some(m) = &self.mem
+            && !valid_mem(m)
+        {
+            return Err(bad(
+                "mem",
+                "mem",
+                format!(
+                    "`{m}` is not a memory size: give a whole number with an optional unit K, M, G or T (e.g. \"4G\")"
+                ),
+            ));
+        }
+        if let Some(t) = &self.time
+            && !valid_time(t)
+        {
+            return Err(bad(
+                "time",
+                "time",
+                format!(
+                    "`{t}` is not a Slurm time limit: give minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
+                ),
+            ));
+        }
+        if self.max_parallel == Some(0) {
+            return Err(bad(
+                "max_parallel",
+                "max-parallel",
+                "must be at least 1 (leave it out for no limit)".into(),
+            ));
+        }
+        if let Some(p) = &self.partition
+            && (p.is_empty() || p.chars().any(|c| c.is_whitespace() || c.is_control()))
+        {
+            return Err(bad(
+                "partition",
+                "partition",
+                format!("`{p}` is not a partition name"),
+            ));
+        }
+        for a in &self.sbatch_args {
+            if !a.starts_with('-') || a.chars().any(|c| c.is_control() || c.is_whitespace()) {
+                return Err(bad(
+                    "sbatch_args",
+                    "sbatch-arg",
+                    format!(
+                        "`{}` is not one sbatch option (e.g. \"--account=lab\")",
+                        a.escape_debug()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn directives(&self) -> Vec<String> {
         let mut v = Vec::new();
         if let Some(p) = &self.partition {
@@ -68,13 +136,45 @@ impl Resources {
     }
 }
 
+/// `4096`, `4G`, `500m`: digits and at most one unit letter.
+fn valid_mem(m: &str) -> bool {
+    let digits = m.trim_end_matches(|c: char| "KMGTkmgt".contains(c));
+    m.len() - digits.len() <= 1
+        && !digits.is_empty()
+        && digits.chars().all(|c| c.is_ascii_digit())
+        && digits.parse::<u64>().is_ok_and(|n| n > 0)
+}
+
+/// Slurm's time formats: `M`, `M:S`, `H:M:S`, `D-H`, `D-H:M`, `D-H:M:S`, `UNLIMITED`.
+fn valid_time(t: &str) -> bool {
+    if t.eq_ignore_ascii_case("unlimited") || t.eq_ignore_ascii_case("infinite") {
+        return true;
+    }
+    let num = |x: &str| !x.is_empty() && x.len() <= 9 && x.chars().all(|c| c.is_ascii_digit());
+    let (days, rest) = match t.split_once('-') {
+        Some((d, r)) => (Some(d), r),
+        None => (None, t),
+    };
+    let parts: Vec<&str> = rest.split(':').collect();
+    let ok = parts.iter().all(|p| num(p));
+    match days {
+        Some(d) => num(d) && ok && (1..=3).contains(&parts.len()),
+        None => {
+            ok && (1..=3).contains(&parts.len())
+                && parts.iter().any(|p| p.bytes().any(|b| b != b'0'))
+        }
+    }
+}
+
 /// One `phaselens grid --slurm` submission.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Submission {
     /// The array job.
     pub array_job: String,
-    /// The merge job (depends on the array job).
-    pub merge_job: String,
+    /// The merge job (depends on the array job); `None` while it is not (yet) accepted:
+    /// the array job is recorded before the merge job is submitted.
+    #[serde(default)]
+    pub merge_job: Option<String>,
     /// Array indices (= design indices) submitted.
     pub indices: Vec<usize>,
     /// Their design names.
@@ -88,14 +188,17 @@ pub struct Submission {
 
 impl fmt::Display for Submission {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
+        write!(
             f,
-            "submitted array job {} ({} task(s): {}) and merge job {} (after the array)",
+            "submitted array job {} ({} task(s): {})",
             self.array_job,
             self.indices.len(),
             self.designs.join(", "),
-            self.merge_job
         )?;
+        match &self.merge_job {
+            Some(m) => writeln!(f, " and merge job {m} (after the array)")?,
+            None => writeln!(f, " (no merge job)")?,
+        }
         writeln!(f, "logs: {}", self.logs.display())
     }
 }
@@ -165,59 +268,105 @@ fn quote(p: &Path) -> String {
     format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
 }
 
+/// A path that goes into a job script or an sbatch argument: any character bash's
+/// single quotes carry (spaces, quotes), but no control character (a newline would end
+/// the script's line); Slurm's `--output` also reads `%` and `\\` as patterns.
+fn slurm_path(p: &Path, what: &str, pattern: bool) -> Result<PathBuf> {
+    let abs = absolute(p)?;
+    let text = abs.to_string_lossy();
+    let odd = text
+        .chars()
+        .find(|&c| c.is_control() || (pattern && (c == '%' || c == '\\')));
+    if let Some(c) = odd {
+        return Err(Error::Other(format!(
+            "{what} {:?} holds {:?}, which a Slurm job cannot take{}: move or rename it",
+            abs.display().to_string(),
+            c,
+            if pattern {
+                " (sbatch reads `%` and `\\` in log paths as patterns)"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(abs)
+}
+
+/// `text` as one bash word (single-quoted unless plain).
+fn shell_word(text: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,%@+".contains(c);
+    if !text.is_empty() && text.chars().all(plain) {
+        text.to_string()
+    } else {
+        format!("'{}'", text.replace('\'', r"'\''"))
+    }
+}
+
+/// One job: its script and the sbatch options that carry paths (job name, log file,
+/// working directory), given as separate arguments so no path is ever parsed from an
+/// `#SBATCH` line.
+struct JobScript {
+    text: String,
+    options: Vec<String>,
+}
+
 /// The two job scripts (array task, merge).
-fn scripts(grid: &Grid, opts: &GridOptions, res: &Resources) -> Result<(String, String)> {
+fn scripts(grid: &Grid, opts: &GridOptions, res: &Resources) -> Result<(JobScript, JobScript)> {
     let bin = std::env::current_exe().map_err(|e| Error::io("<this phaselens executable>", e))?;
+    let bin = slurm_path(&bin, "the phaselens executable", false)?;
     let cwd = std::env::current_dir().map_err(|e| Error::io("<current directory>", e))?;
-    let state = absolute(&state_dir(grid))?;
+    let cwd = slurm_path(&cwd, "the current directory", false)?;
+    let logs = slurm_path(&state_dir(grid).join("logs"), "the grid's log folder", true)?;
     let common = format!(
         "--plain --device {} --data-dir {} --reports-dir {}",
         opts.device,
-        quote(&absolute(&opts.data_root)?),
-        quote(&absolute(&opts.reports_root)?)
+        quote(&slurm_path(&opts.data_root, "--data-dir", false)?),
+        quote(&slurm_path(&opts.reports_root, "--reports-dir", false)?)
     );
-    let gridp = quote(&absolute(&grid.path)?);
-    let head = |what: &str, name: &str, out: &str, directives: &[String]| {
+    let gridp = quote(&slurm_path(&grid.path, "the grid file", false)?);
+    let job = |what: &str, name: String, out: &str, directives: &[String], cmd: String| {
+        let options = vec![
+            format!("--job-name={name}"),
+            format!("--output={}", logs.join(out).display()),
+            format!("--chdir={}", cwd.display()),
+        ];
         let mut s = format!(
-            "#!/bin/bash\n# Generated by `phaselens grid --slurm` for grid `{}` ({}): {what}.\n",
+            "#!/bin/bash\n# Generated by `phaselens grid --slurm` for grid `{}`: {what}.\n\
+             # Submitted with: sbatch {} ...\n",
             grid.name,
-            grid.path.display()
+            options
+                .iter()
+                .map(|o| shell_word(o))
+                .collect::<Vec<_>>()
+                .join(" ")
         );
-        s.push_str(&format!("#SBATCH --job-name={name}\n"));
-        s.push_str(&format!(
-            "#SBATCH --output={}/logs/{out}\n",
-            state.display()
-        ));
-        s.push_str(&format!("#SBATCH --chdir={}\n", cwd.display()));
         for d in directives {
             s.push_str(&format!("#SBATCH {d}\n"));
         }
         s.push_str("set -euo pipefail\n");
-        s
+        s.push_str(&cmd);
+        JobScript { text: s, options }
     };
-    let mut array = head(
+    let array = job(
         "one array task per design",
-        &format!("phaselens-grid-{}", grid.name),
+        format!("phaselens-grid-{}", grid.name),
         "%A_%a.out",
         &res.directives(),
+        format!(
+            "exec {} grid task {gridp} --index \"$SLURM_ARRAY_TASK_ID\" {common}\n",
+            quote(&bin)
+        ),
     );
-    array.push_str(&format!(
-        "exec {} grid task {gridp} --index \"$SLURM_ARRAY_TASK_ID\" {common}\n",
-        quote(&bin)
-    ));
-    let mut merge = head(
+    let merge = job(
         "merge every finished design",
-        &format!("phaselens-grid-{}-merge", grid.name),
+        format!("phaselens-grid-{}-merge", grid.name),
         "merge-%j.out",
         &res.directives()
             .into_iter()
             .filter(|d| !d.starts_with("--cpus-per-task"))
             .collect::<Vec<_>>(),
+        format!("exec {} grid merge {gridp} {common}\n", quote(&bin)),
     );
-    merge.push_str(&format!(
-        "exec {} grid merge {gridp} {common}\n",
-        quote(&bin)
-    ));
     Ok((array, merge))
 }
 
@@ -253,6 +402,12 @@ fn job_id(out: &str) -> Result<String> {
 
 /// Submit the unfinished designs (all selected ones, or with `resume` those that are
 /// neither finished nor queued/running) as one array job, plus a merge job after it.
+///
+/// Every setting is checked before anything is written. The array job's id is recorded
+/// in `jobs.json` as soon as sbatch accepts it, before the merge job is submitted: a
+/// refused merge job leaves a recorded array (which `status` and `--resume` see), and a
+/// later `--resume` submits the missing merge job. With `resume`, a controller that
+/// does not answer is an error: nothing is resubmitted while the queue is unknown.
 pub fn submit(
     grid: &Grid,
     opts: &GridOptions,
@@ -261,52 +416,63 @@ pub fn submit(
     resume: bool,
     dry_run: bool,
 ) -> Result<Submitted> {
+    res.check()?;
+    super::task::check_sweeps(grid)?;
+    for n in only {
+        grid.design(n)?;
+    }
+    let (array, merge) = scripts(grid, opts, res)?;
     let (todo, waiting) = to_submit(grid, opts, only, resume)?;
     if todo.is_empty() {
+        if resume
+            && !dry_run
+            && let Some(sub) = merge_missing(grid, &merge)?
+        {
+            return Ok(Submitted::Jobs(sub));
+        }
         return Ok(Submitted::Nothing { queued: waiting });
     }
     let state = state_dir(grid);
-    std::fs::create_dir_all(state.join("logs")).map_err(|e| Error::io(&state, e))?;
-    let (array, merge) = scripts(grid, opts, res)?;
-    let array_path = state.join("array.sbatch");
-    let merge_path = state.join("merge.sbatch");
-    write_bytes_atomic(&array_path, array.as_bytes()).map_err(|e| Error::io(&array_path, e))?;
-    write_bytes_atomic(&merge_path, merge.as_bytes()).map_err(|e| Error::io(&merge_path, e))?;
     let indices: Vec<usize> = todo.iter().map(|d| d.index).collect();
     let mut spec = indices
         .iter()
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    if let Some(m) = res.max_parallel.filter(|&m| m > 0) {
+    if let Some(m) = res.max_parallel {
         spec.push_str(&format!("%{m}"));
     }
+    let array_path = state.join("array.sbatch");
+    let merge_path = state.join("merge.sbatch");
+    // A grid folder made by this call holds only generated recipes and scripts: it
+    // goes again if nothing is submitted.
+    let mut new = crate::output::leftovers::NewDirs::note(&[]).remove_all_unless_kept(&grid.dir);
+    let array_args = sbatch_args(&array.options, &format!("--array={spec}"), &array_path);
+    let merge_args = sbatch_args(
+        &merge.options,
+        "--dependency=afterany:<array job>",
+        &merge_path,
+    );
+    write_recipes(grid)?;
+    std::fs::create_dir_all(state.join("logs")).map_err(|e| Error::io(&state, e))?;
+    write_bytes_atomic(&array_path, array.text.as_bytes())
+        .map_err(|e| Error::io(&array_path, e))?;
+    write_bytes_atomic(&merge_path, merge.text.as_bytes())
+        .map_err(|e| Error::io(&merge_path, e))?;
     if dry_run {
+        new.keep();
+        let line = |a: &[String]| {
+            let words: Vec<String> = a.iter().map(|w| shell_word(w)).collect();
+            format!("sbatch {}", words.join(" "))
+        };
         return Ok(Submitted::DryRun {
-            commands: vec![
-                format!("sbatch --parsable --array={spec} {}", array_path.display()),
-                format!(
-                    "sbatch --parsable --dependency=afterany:<array job> {}",
-                    merge_path.display()
-                ),
-            ],
+            commands: vec![line(&array_args), line(&merge_args)],
         });
     }
-    let array_job = job_id(&run_tool(
-        Command::new("sbatch")
-            .arg("--parsable")
-            .arg(format!("--array={spec}"))
-            .arg(&array_path),
-    )?)?;
-    let merge_job = job_id(&run_tool(
-        Command::new("sbatch")
-            .arg("--parsable")
-            .arg(format!("--dependency=afterany:{array_job}"))
-            .arg(&merge_path),
-    )?)?;
-    let sub = Submission {
+    let array_job = job_id(&run_tool(Command::new("sbatch").args(&array_args))?)?;
+    let mut sub = Submission {
         array_job,
-        merge_job,
+        merge_job: None,
         indices,
         designs: todo.iter().map(|d| d.name.clone()).collect(),
         submitted_unix: std::time::SystemTime::now()
@@ -315,8 +481,60 @@ pub fn submit(
         script: array_path,
         logs: absolute(&state.join("logs"))?,
     };
+    new.keep();
     record_submission(grid, &sub)?;
+    sub.merge_job = Some(submit_merge(grid, &sub, &merge)?);
     Ok(Submitted::Jobs(sub))
+}
+
+/// `sbatch --parsable EXTRA OPTIONS SCRIPT`.
+fn sbatch_args(options: &[String], extra: &str, script: &Path) -> Vec<String> {
+    let mut a = vec!["--parsable".to_string(), extra.to_string()];
+    a.extend(options.iter().cloned());
+    a.push(script.display().to_string());
+    a
+}
+
+/// Submit the merge job after `sub`'s array job and record its id; a refusal says
+/// that the array job is recorded and how to get the merge.
+fn submit_merge(grid: &Grid, sub: &Submission, merge: &JobScript) -> Result<String> {
+    let path = state_dir(grid).join("merge.sbatch");
+    let args = sbatch_args(
+        &merge.options,
+        &format!("--dependency=afterany:{}", sub.array_job),
+        &path,
+    );
+    let id = run_tool(Command::new("sbatch").args(&args))
+        .and_then(|out| job_id(&out))
+        .map_err(|e| {
+            Error::Other(format!(
+                "array job {} ({}) was accepted and is recorded in {}, but its merge job was not: {e}; \
+                 `phaselens grid {} --slurm --resume` submits the missing merge job (or run `phaselens grid merge` when the array is done)",
+                sub.array_job,
+                sub.designs.join(", "),
+                jobs_path(grid).display(),
+                grid.path.display()
+            ))
+        })?;
+    let mut all = submissions(grid)?;
+    if let Some(s) = all.iter_mut().find(|s| s.array_job == sub.array_job) {
+        s.merge_job = Some(id.clone());
+    }
+    write_submissions(grid, &all)?;
+    Ok(id)
+}
+
+/// With nothing left to submit, the latest submission whose merge job was refused
+/// gets one now (after its array job).
+fn merge_missing(grid: &Grid, merge: &JobScript) -> Result<Option<Submission>> {
+    let Some(mut sub) = submissions(grid)?.into_iter().next_back() else {
+        return Ok(None);
+    };
+    if sub.merge_job.is_some() {
+        return Ok(None);
+    }
+    sub.merge_job = Some(submit_merge(grid, &sub, merge)?);
+    Ok(Some(sub))
 }
 
 /// The designs [`submit`] runs (after checking `only` and writing every recipe), and
@@ -327,10 +545,6 @@ fn to_submit<'g>(
     only: &[String],
     resume: bool,
 ) -> Result<(Vec<&'g Design>, Vec<String>)> {
-    for n in only {
-        grid.design(n)?;
-    }
-    write_recipes(grid)?;
     let queued = if resume {
         queued_designs(grid)?
     } else {
@@ -357,10 +571,15 @@ fn to_submit<'g>(
 fn record_submission(grid: &Grid, sub: &Submission) -> Result<()> {
     let mut all = submissions(grid)?;
     all.push(sub.clone());
+    write_submissions(grid, &all)
+}
+
+/// Replace the grid's submission record (atomic).
+fn write_submissions(grid: &Grid, all: &[Submission]) -> Result<()> {
     let p = jobs_path(grid);
     write_bytes_atomic(
         &p,
-        serde_json::to_string_pretty(&all)
+        serde_json::to_string_pretty(all)
             .expect("serialises")
             .as_bytes(),
     )
@@ -379,18 +598,24 @@ pub struct JobState {
     pub source: &'static str,
 }
 
-/// Pending and running jobs among `ids` (`squeue -r`, one line per array task).
-fn squeue(ids: &[String]) -> Vec<JobState> {
+/// Pending and running jobs among `ids` (`squeue -r`, one line per array task), or
+/// why the queue is unknown (squeue missing, the controller not answering).
+fn squeue(ids: &[String]) -> std::result::Result<Vec<JobState>, String> {
     if ids.is_empty() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let out = Command::new("squeue")
         .args(["-h", "-r", "-o", "%i|%T|%M", "-j"])
         .arg(ids.join(","))
-        .output();
-    let Ok(out) = out else { return Vec::new() };
-    // squeue exits non-zero when every id has left the queue.
-    parse_rows(&String::from_utf8_lossy(&out.stdout), "squeue")
+        .output()
+        .map_err(|e| format!("running squeue: {e}"))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // squeue exits non-zero with "Invalid job id" when every id has left the queue;
+    // any other failure (no controller, a timeout) leaves the queue unknown.
+    if !out.status.success() && !stderr.to_lowercase().contains("invalid job id") {
+        return Err(format!("squeue failed ({}): {}", out.status, stderr.trim()));
+    }
+    Ok(parse_rows(&String::from_utf8_lossy(&out.stdout), "squeue"))
 }
 
 /// Recent jobs among `ids` as slurmctld still holds them (`scontrol -o show job`, for
@@ -481,7 +706,14 @@ fn queued_designs(grid: &Grid) -> Result<std::collections::BTreeSet<usize>> {
     let subs = submissions(grid)?;
     let ids: Vec<String> = subs.iter().map(|s| s.array_job.clone()).collect();
     let mut out = std::collections::BTreeSet::new();
-    for j in squeue(&ids) {
+    let queue = squeue(&ids).map_err(|e| {
+        Error::Other(format!(
+            "cannot tell which designs are queued or running ({e}); nothing was submitted, \
+             so no design runs twice: retry `--resume` when Slurm answers (`phaselens grid status {}`)",
+            grid.path.display()
+        ))
+    })?;
+    for j in queue {
         for s in &subs {
             if let Some(i) = task_index(&j.id, &s.array_job) {
                 out.insert(i);
@@ -608,7 +840,7 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
         .iter()
         .filter_map(|d| task_id(d.index))
         .collect();
-    wanted.extend(subs.iter().map(|s| s.merge_job.clone()));
+    wanted.extend(subs.iter().filter_map(|s| s.merge_job.clone()));
     let (known, acct_error) = Known::query(&subs, &wanted);
     let mut rows = Vec::new();
     let mut failed = Vec::new();
@@ -618,6 +850,7 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
             None => "not submitted".to_string(),
             Some(id) => match known.state_of(&id) {
                 Some(st) => format!("{id} {st}"),
+                None if known.queue_error.is_some() => format!("{id} (unknown)"),
                 None => {
                     no_record += 1;
                     format!("{id} (no record)")
@@ -632,18 +865,28 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
     }
     let merge = subs
         .iter()
-        .map(|s| {
-            (
-                s.merge_job.clone(),
-                known.state_of(&s.merge_job).unwrap_or_else(|| {
+        .map(|s| match &s.merge_job {
+            None => (
+                format!("after {}", s.array_job),
+                "not submitted (sbatch refused it; `--slurm --resume` submits it)".into(),
+            ),
+            Some(m) => (
+                m.clone(),
+                known.state_of(m).unwrap_or_else(|| {
                     no_record += 1;
                     "(no record)".into()
                 }),
-            )
+            ),
         })
         .collect();
     let acct_error = acct_error.filter(|_| !subs.is_empty());
-    let notes = status_notes(grid, acct_error, no_record, &failed);
+    let mut notes = Vec::new();
+    if let Some(e) = &known.queue_error {
+        notes.push(format!(
+            "the queue is unknown ({e}): pending and running jobs cannot be told apart from lost ones; `--slurm --resume` refuses to submit until squeue answers"
+        ));
+    }
+    notes.extend(status_notes(grid, acct_error, no_record, &failed));
     Ok(StatusReport { rows, merge, notes })
 }
 
@@ -651,6 +894,8 @@ pub fn status(grid: &Grid, opts: &GridOptions) -> Result<StatusReport> {
 /// `scontrol`'s for the ids neither knows.
 struct Known {
     queue: Vec<JobState>,
+    /// Why `squeue` gave no answer, if it failed.
+    queue_error: Option<String>,
     acct: Vec<JobState>,
     recent: Vec<JobState>,
 }
@@ -661,13 +906,16 @@ impl Known {
     fn query(subs: &[Submission], wanted: &[String]) -> (Known, Option<String>) {
         let mut jobs: Vec<String> = Vec::new();
         for s in subs {
-            for j in [&s.array_job, &s.merge_job] {
+            for j in std::iter::once(&s.array_job).chain(&s.merge_job) {
                 if !jobs.contains(j) {
                     jobs.push(j.clone());
                 }
             }
         }
-        let queue = squeue(&jobs);
+        let (queue, queue_error) = match squeue(&jobs) {
+            Ok(q) => (q, None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
         let (acct, acct_error) = sacct(&jobs);
         let unresolved = |id: &String| row_of(&queue, id).is_none() && row_of(&acct, id).is_none();
         let mut fallback: Vec<String> = Vec::new();
@@ -681,6 +929,7 @@ impl Known {
         (
             Known {
                 queue,
+                queue_error,
                 acct,
                 recent,
             },

@@ -212,6 +212,7 @@ impl Grid {
 
     /// [`Grid::load`] from text (`path` names the file in errors).
     pub fn parse(path: &Path, text: &str) -> Result<Grid> {
+        crate::toml_file::expect_kind(path, text, crate::toml_file::FileKind::Grid)?;
         let raw: RawGrid = parse_toml(path, text)?;
         let src = Source { path, text };
         let folder = path.parent().unwrap_or(Path::new(".")).to_path_buf();
@@ -653,6 +654,18 @@ fn check_eval(e: &EvalConfig) -> std::result::Result<(), String> {
     }
     if e.slots.iter().flatten().any(|&k| k == 0) || e.bindings.contains(&0) {
         return Err("slots and bindings must be at least 1".into());
+    }
+    use crate::runner::experiment::{MAX_BOOTSTRAP_REPS, MAX_N_LOGICAL};
+    if e.n_logical.max(e.detail_n_logical) > MAX_N_LOGICAL {
+        return Err(format!(
+            "n_logical and detail_n_logical: at most {MAX_N_LOGICAL} logical examples per phase group"
+        ));
+    }
+    if e.bootstrap_reps == 0 || e.bootstrap_reps > MAX_BOOTSTRAP_REPS {
+        return Err(format!(
+            "bootstrap_reps: give 1 to {MAX_BOOTSTRAP_REPS} replicates (got {})",
+            e.bootstrap_reps
+        ));
     }
     Ok(())
 }

@@ -195,6 +195,30 @@ pub fn experiment_text(grid: &Grid, d: &Design, file: &OrganismFile, s: &EvalSpe
     )
 }
 
+/// Parse every sweep experiment of every design as `phaselens run` would (its
+/// experiment-wide numbers and the phase-sweep settings), so an invalid `[eval]`
+/// setting stops the grid before any design trains instead of after each one has.
+pub fn check_sweeps(grid: &Grid) -> Result<()> {
+    for d in &grid.designs {
+        let file = d.organism(&grid.dir)?;
+        for s in eval_specs(grid, &file) {
+            let path = d
+                .dir(&grid.dir)
+                .join("eval")
+                .join(format!("{}.toml", s.name));
+            let text = experiment_text(grid, d, &file, &s);
+            crate::runner::Experiment::parse(&path, text).map_err(|e| Error::Config {
+                path: grid.path.clone(),
+                message: format!(
+                    "[eval] makes an invalid sweep `{}` for design `{}`: {e}",
+                    s.name, d.name
+                ),
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// `<data>/<design>/design.json`: written when a design is trained and swept.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DesignRecord {

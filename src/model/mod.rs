@@ -51,6 +51,25 @@ pub enum LayerKind {
     },
 }
 
+/// Words for messages: `full attention`, `sliding window 128`,
+/// `compressed (window 8, stride 8, local tail 4)`.
+impl std::fmt::Display for LayerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LayerKind::Full => write!(f, "full attention"),
+            LayerKind::Sliding { window } => write!(f, "sliding window {window}"),
+            LayerKind::Compressed {
+                window,
+                stride,
+                local_tail,
+            } => write!(
+                f,
+                "compressed (window {window}, stride {stride}, local tail {local_tail})"
+            ),
+        }
+    }
+}
+
 impl LayerKind {
     /// The compression stride, if the layer compresses.
     pub fn stride(&self) -> Option<usize> {
@@ -242,6 +261,21 @@ pub fn read_config_json(dir: &Path) -> Result<(std::path::PathBuf, String, serde
         path: path.clone(),
         message: format!("not valid JSON: {e}"),
     })?;
+    if !json.is_object() {
+        let found = match &json {
+            serde_json::Value::Array(_) => "an array",
+            serde_json::Value::String(_) => "a string",
+            serde_json::Value::Number(_) => "a number",
+            serde_json::Value::Bool(_) => "a boolean",
+            _ => "null",
+        };
+        return Err(Error::Config {
+            path,
+            message: format!(
+                "a model's config.json must be a JSON object of settings (`{{\"model_type\": ...}}`), this one is {found}"
+            ),
+        });
+    }
     Ok((path, text, json))
 }
 

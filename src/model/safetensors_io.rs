@@ -135,10 +135,13 @@ fn check_layout(
                 path,
                 name,
                 format!(
-                    "{} unclaimed bytes before it (its data_offsets start at {}, the data before it ends at {})",
-                    start - end,
+                    "no tensor in the header claims data bytes {}..{} ({} unclaimed bytes before \
+                     this tensor): a tensor is missing from the header, or this tensor's \
+                     data_offsets (starting at {}) are wrong",
+                    end - data_start,
                     start - data_start,
-                    end - data_start
+                    start - end,
+                    start - data_start
                 ),
             ));
         }

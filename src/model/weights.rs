@@ -238,7 +238,7 @@ impl CheckpointSource {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         let reader = if single.exists() {
-            SafetensorsReader::open(&single)?
+            SafetensorsReader::open(&inside_model_dir(dir, "model.safetensors", &single)?)?
         } else if index.exists() {
             SafetensorsReader::open_many(&shard_paths(&index)?)?
         } else {
@@ -357,11 +357,73 @@ pub fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
             message: "no `weight_map` object".into(),
         })?;
     let dir = index.parent().unwrap_or(Path::new("."));
-    let files: BTreeSet<String> = map
-        .values()
-        .filter_map(|v| v.as_str().map(|s| s.to_string()))
-        .collect();
-    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+    let mut files: BTreeSet<String> = BTreeSet::new();
+    for (tensor, v) in map {
+        let f = v.as_str().ok_or_else(|| Error::Config {
+            path: index.to_path_buf(),
+            message: format!("weight_map entry `{tensor}`: the shard name is not a string"),
+        })?;
+        files.insert(f.to_string());
+    }
+    let mut out = Vec::new();
+    for f in files {
+        let entry = format!("weight_map shard `{f}`");
+        if !is_plain_relative(Path::new(&f)) {
+            return Err(Error::Config {
+                path: index.to_path_buf(),
+                message: format!(
+                    "{entry} leaves the model directory (absolute, `..` or empty); \
+                     shards must be files inside {}",
+                    dir.display()
+                ),
+            });
+        }
+        out.push(inside_model_dir(dir, &entry, &dir.join(&f))?);
+    }
+    Ok(out)
+}
+
+/// Set to `1` to follow a checkpoint file's symbolic link out of the model directory.
+pub const ALLOW_OUTSIDE_LINKS: &str = "PHASELENS_ALLOW_OUTSIDE_LINKS";
+
+/// A relative path of normal components only (no root, no `..`, no `.`-only path).
+fn is_plain_relative(p: &Path) -> bool {
+    use std::path::Component;
+    p.components().next().is_some()
+        && p.components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+        && p.components().any(|c| matches!(c, Component::Normal(_)))
+}
+
+/// `path` (named `entry` in messages) if it resolves inside `dir`. A symbolic link out
+/// of the directory is refused unless it is a Hugging Face cache snapshot pointing into
+/// its own repository's `blobs/`, or [`ALLOW_OUTSIDE_LINKS`] is set. A path that does
+/// not exist is returned as is (opening it reports the missing file).
+pub fn inside_model_dir(dir: &Path, entry: &str, path: &Path) -> Result<PathBuf> {
+    let (Ok(root), Ok(real)) = (dir.canonicalize(), path.canonicalize()) else {
+        return Ok(path.to_path_buf());
+    };
+    if real.starts_with(&root) || std::env::var(ALLOW_OUTSIDE_LINKS).is_ok_and(|v| v == "1") {
+        return Ok(path.to_path_buf());
+    }
+    // models--org--name/snapshots/<rev>/file -> models--org--name/blobs/<hash>
+    let hub_blobs = root
+        .parent()
+        .filter(|s| s.file_name().is_some_and(|n| n == "snapshots"))
+        .and_then(Path::parent)
+        .map(|repo| repo.join("blobs"));
+    if hub_blobs.is_some_and(|b| real.starts_with(b)) {
+        return Ok(path.to_path_buf());
+    }
+    Err(Error::Config {
+        path: path.to_path_buf(),
+        message: format!(
+            "{entry} resolves to {}, outside the model directory {}; refusing to read it \
+             (set {ALLOW_OUTSIDE_LINKS}=1 to follow links out of the model directory)",
+            real.display(),
+            root.display()
+        ),
+    })
 }
 
 /// Collects every float parameter by its id.

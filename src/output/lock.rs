@@ -93,8 +93,13 @@ impl RunLock {
         for _ in 0..8 {
             match OpenOptions::new().write(true).create_new(true).open(path) {
                 Ok(mut f) => {
-                    f.write_all(token.as_bytes()).map_err(io_err)?;
-                    f.sync_all().map_err(io_err)?;
+                    // Registered before the token is written: a lock file with content
+                    // is always one a signal removes.
+                    on_signal::hold(path);
+                    if let Err(e) = f.write_all(token.as_bytes()).and_then(|()| f.sync_all()) {
+                        on_signal::release(path);
+                        return Err(io_err(e));
+                    }
                     return Ok(RunLock {
                         path: path.to_path_buf(),
                         token,
@@ -159,11 +164,118 @@ impl RunLock {
 
 impl Drop for RunLock {
     fn drop(&mut self) {
+        on_signal::release(&self.path);
         // Remove only our own lock (never one another process took over).
         if fs::read_to_string(&self.path).is_ok_and(|t| t == self.token) {
             let _ = fs::remove_file(&self.path);
         }
     }
+}
+
+/// Ctrl-C (SIGINT) and SIGTERM end the process without running `Drop`: a handler,
+/// installed with the first lock, removes the locks this process holds and exits with
+/// 128 + the signal number, as the default action's status reads to a shell. The
+/// handler only calls `unlink` and `_exit` (async-signal-safe) on paths prepared
+/// beforehand (slots of leaked C strings). Elsewhere than Unix the next run takes a
+/// dead process's lock over, as after `kill -9`.
+mod on_signal {
+    #[cfg(unix)]
+    mod imp {
+        use std::ffi::{CString, c_char, c_int};
+        use std::os::unix::ffi::OsStrExt;
+        use std::path::Path;
+        use std::sync::Once;
+        use std::sync::atomic::{AtomicPtr, Ordering};
+
+        const SLOTS: usize = 32;
+        static HELD: [AtomicPtr<c_char>; SLOTS] =
+            [const { AtomicPtr::new(std::ptr::null_mut()) }; SLOTS];
+        static INSTALL: Once = Once::new();
+        const SIGINT: c_int = 2;
+        const SIGTERM: c_int = 15;
+
+        unsafe extern "C" {
+            fn signal(signum: c_int, handler: extern "C" fn(c_int)) -> usize;
+            fn unlink(path: *const c_char) -> c_int;
+            fn _exit(status: c_int) -> !;
+        }
+
+        extern "C" fn handler(sig: c_int) {
+            for slot in &HELD {
+                let p = slot.load(Ordering::SeqCst);
+                if !p.is_null() {
+                    // SAFETY: `p` is a leaked, NUL-terminated C string (never freed).
+                    unsafe { unlink(p) };
+                }
+            }
+            // SAFETY: _exit is async-signal-safe and ends the process.
+            unsafe { _exit(128 + sig) }
+        }
+
+        pub fn hold(path: &Path) {
+            INSTALL.call_once(|| {
+                // SAFETY: installing a handler that only calls async-signal-safe
+                // functions.
+                unsafe {
+                    signal(SIGINT, handler);
+                    signal(SIGTERM, handler);
+                }
+            });
+            let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
+                return;
+            };
+            let raw = c.into_raw();
+            for slot in &HELD {
+                if slot
+                    .compare_exchange(
+                        std::ptr::null_mut(),
+                        raw,
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    )
+                    .is_ok()
+                {
+                    return;
+                }
+            }
+            // More than SLOTS locks at once: this one is left to the stale-lock rule.
+            // SAFETY: `raw` came from `into_raw` above and was stored nowhere.
+            drop(unsafe { CString::from_raw(raw) });
+        }
+
+        pub fn release(path: &Path) {
+            let bytes = path.as_os_str().as_bytes();
+            for slot in &HELD {
+                let p = slot.load(Ordering::SeqCst);
+                if p.is_null() {
+                    continue;
+                }
+                // SAFETY: non-null slots hold leaked, NUL-terminated C strings.
+                let held = unsafe { std::ffi::CStr::from_ptr(p) };
+                if held.to_bytes() == bytes
+                    && slot
+                        .compare_exchange(
+                            p,
+                            std::ptr::null_mut(),
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        )
+                        .is_ok()
+                {
+                    // Leaked on purpose: a handler running now may still read it.
+                    return;
+                }
+            }
+        }
+    }
+
+    #[cfg(unix)]
+    pub use imp::{hold, release};
+
+    #[cfg(not(unix))]
+    pub fn hold(_: &std::path::Path) {}
+    #[cfg(not(unix))]
+    pub fn release(_: &std::path::Path) {}
 }
 
 #[cfg(test)]

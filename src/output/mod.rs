@@ -18,6 +18,7 @@
 pub mod atomic;
 pub mod figure;
 pub mod frame;
+pub mod leftovers;
 pub mod lock;
 pub mod name;
 pub mod report;

@@ -280,6 +280,20 @@ fn phase_prompts(task: &TaskSetup, phase: u32) -> Result<(Prompts, usize)> {
     Ok((prompts, n))
 }
 
+/// `--n-logical N` in place of the experiment's, within the runner's bounds (it sizes
+/// the prompts generated before anything runs).
+fn override_n_logical(task: &mut TaskSetup, n: usize) -> Result<()> {
+    use super::experiment::MAX_N_LOGICAL;
+    if n == 0 || n > MAX_N_LOGICAL {
+        return Err(Error::Input(format!(
+            "--n-logical {n}: give 1 to {MAX_N_LOGICAL} logical examples per phase group"
+        )));
+    }
+    task.n_logical = n;
+    task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(task.period, n);
+    Ok(())
+}
+
 /// Benchmark hook_z patching of every query and KV head of every layer (both
 /// directions) on phase group `phase` of the experiment's model and prompts, at
 /// `positions` (default: the experiment's `[patch] positions`).
@@ -299,14 +313,7 @@ pub fn bench_experiment(
         max_rows,
     } = load_bench_model(&exp, device)?;
     if let Some(n) = n_logical {
-        if n == 0 || n > super::experiment::MAX_N_LOGICAL {
-            return Err(Error::Input(format!(
-                "--n-logical {n}: must be in 1..={}",
-                super::experiment::MAX_N_LOGICAL
-            )));
-        }
-        task.n_logical = n;
-        task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(task.period, n);
+        override_n_logical(&mut task, n)?;
     }
     let (prompts, n) = phase_prompts(&task, phase)?;
     // The experiment's `[patch] positions` when it is a patch-heads file.
@@ -502,10 +509,15 @@ pub fn bench_atp(
     let exp = Experiment::load(path)?;
     let mut b = load_bench_model(&exp, device)?;
     if let Some(n) = n_logical {
-        b.task.n_logical = n;
-        b.task.n_generated = crate::tasks::KvEvalConfig::round_n_logical(b.task.period, n);
+        override_n_logical(&mut b.task, n)?;
     }
     let (prompts, n) = phase_prompts(&b.task, phase)?;
+    if band > prompts.len {
+        return Err(Error::Input(format!(
+            "--band {band}: the prompts hold {} tokens (offsets past the first token patch nothing)",
+            prompts.len
+        )));
+    }
     let (model, info) = (b.model.as_ref(), &b.info);
     let layers: Vec<usize> = (0..info.n_layers()).collect();
     let dirs = [Direction::Denoise, Direction::Noise];

@@ -336,6 +336,7 @@ impl Experiment {
 
     /// Parse `text` as the contents of `path`.
     pub fn parse(path: &Path, text: String) -> Result<Self> {
+        crate::toml_file::expect_kind(path, &text, crate::toml_file::FileKind::Experiment)?;
         let raw: RawFile = crate::toml_file::parse_toml(path, &text)?;
         let name = raw.experiment.kind.clone();
         let mut own = None;

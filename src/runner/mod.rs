@@ -229,6 +229,9 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let device = device_spec.device()?;
     let data_dir = opts.data_root.join(&name);
     let report_dir = opts.reports_root.join(&name);
+    // Declared before the lock, so the lock file goes first and a refused run's
+    // folders, still empty, go after it.
+    let _new = crate::output::leftovers::NewDirs::note(&[data_dir.as_path(), report_dir.as_path()]);
     let _lock = lock_and_clean(&name, &data_dir, &report_dir)?;
     let store = open_store(&exp, &models, &data_dir, opts.fresh)?;
     let mut tables: Vec<(String, Vec<LongRow>)> = Vec::new();

@@ -377,8 +377,9 @@ fn check_fits(
     m: &ModelRef,
     info: &ModelInfo,
     task: &TaskSetup,
-    prompt_len: usize,
+    size: ForwardSize,
 ) -> Result<()> {
+    let ForwardSize { prompt_len, rows } = size;
     if task.space.vocab_size() > info.vocab_size {
         return Err(exp.err(
             "task",
@@ -404,19 +405,25 @@ fn check_fits(
             ),
         ));
     }
-    // The base run of a group is one forward over all its prompts (clean and
-    // corrupted); chunks are at most max_rows rows.
-    let rows = (2 * task.n_logical).max(exp.max_rows(&crate::device::DeviceSpec::Cpu));
     crate::model::memory::check_forward(
         info,
         rows,
         prompt_len,
         &format!(
-            "[task] n_logical = {} / prompt length {prompt_len} / [experiment] max_rows in {}",
+            "[task] n_logical = {} / prompt length {prompt_len} / [experiment] max_rows (rows per forward) in {}",
             task.n_logical,
             exp.path.display()
         ),
     )
+}
+
+/// The largest forward a kind runs: prompts of `prompt_len` tokens, `rows` of them
+/// in one forward (what the executor batches, not the whole group unless it runs the
+/// group as one forward).
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardSize {
+    pub prompt_len: usize,
+    pub rows: usize,
 }
 
 /// Check the experiment against the model before any compute. Returns warnings;
@@ -426,8 +433,9 @@ pub fn check(
     m: &ModelRef,
     info: &ModelInfo,
     task: &TaskSetup,
-    prompt_len: usize,
+    size: ForwardSize,
 ) -> Result<Vec<String>> {
+    let prompt_len = size.prompt_len;
     let mut warn = Vec::new();
     warn.extend(check_period(exp, m, info, task.period.len())?);
     if exp.kind().matched_groups()
@@ -443,7 +451,7 @@ pub fn check(
             task.n_generated
         ));
     }
-    check_fits(exp, m, info, task, prompt_len)?;
+    check_fits(exp, m, info, task, size)?;
     for (l, spec) in info.layers.iter().enumerate() {
         if let LayerKind::Compressed { window, .. } = spec.kind
             && prompt_len < window
@@ -492,7 +500,7 @@ pub fn layers(
                     section,
                     "layers",
                     format!(
-                        "layer {l} is not compressed ({:?}); it has no compressor gates",
+                        "layer {l} is not compressed ({}); it has no compressor gates",
                         info.layers[*l].kind
                     ),
                 ));

@@ -49,8 +49,40 @@ impl LengthRange {
                 format!("min = {} is larger than max = {}", self.min, self.max),
             ));
         }
+        if self.max > super::MAX_HAYSTACK_LEN {
+            return Err(TaskError::config(
+                "lengths",
+                format!(
+                    "max = {} filler tokens is more than the longest prompt any task makes ({})",
+                    self.max,
+                    super::MAX_HAYSTACK_LEN
+                ),
+            ));
+        }
         Ok(())
     }
+
+    /// How many lengths the range holds.
+    fn count(&self) -> u128 {
+        (self.max - self.min) as u128 + 1
+    }
+}
+
+/// The most tokens (or filler bytes) one probe may generate in all: every prompt of
+/// every instance at every length is held at once.
+pub const MAX_PROBE_TOKENS: u128 = 1 << 28;
+
+/// An error naming `field` when a probe's `total` tokens exceed [`MAX_PROBE_TOKENS`].
+fn check_probe_total(field: &str, total: u128, what: &str) -> TaskResult<()> {
+    if total > MAX_PROBE_TOKENS {
+        return Err(TaskError::config(
+            field,
+            format!(
+                "{what} make {total} tokens in all, more than the {MAX_PROBE_TOKENS} a probe may hold"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The paper's range: L = 24..=39.
@@ -193,7 +225,18 @@ fn check_binding_config(space: &TokenSpace, cfg: &BindingProbeConfig) -> TaskRes
     if cfg.value_len == 0 {
         return Err(TaskError::config("value_len", "must be at least 1"));
     }
-    let n_bind = cfg.n_other_bindings + 2;
+    let n_bind = cfg.n_other_bindings as u128 + 2;
+    let per_prompt = n_bind
+        .saturating_mul(cfg.key_len as u128 + cfg.value_len as u128 + 3)
+        .saturating_add(cfg.lengths.max as u128 + 8);
+    check_probe_total(
+        "n_instances",
+        (cfg.n_instances as u128)
+            .saturating_mul(cfg.lengths.count())
+            .saturating_mul(per_prompt),
+        "n_instances ([task] n_logical of filler-probe) x lengths x (filler + bindings)",
+    )?;
+    let n_bind = n_bind as usize;
     if n_bind as u128 > space.key_space(cfg.key_len) {
         return Err(TaskError::config(
             "n_other_bindings",
@@ -373,6 +416,14 @@ pub fn text_filler_probe(
     cfg: &TextProbeConfig,
 ) -> TaskResult<Vec<FillerProbeItem>> {
     cfg.lengths.validate()?;
+    check_probe_total(
+        "filler_unit",
+        cfg.lengths
+            .count()
+            .saturating_mul(cfg.lengths.max as u128)
+            .saturating_mul(cfg.filler_unit.len().max(1) as u128),
+        "lengths x filler_unit bytes",
+    )?;
     const HOLE: &str = "{filler}";
     let Some((prefix, suffix)) = cfg.template.split_once(HOLE) else {
         return Err(TaskError::config(

@@ -221,12 +221,20 @@ fn train_model<M: Module + LanguageModel>(
     save: Save<M>,
 ) -> Result<TrainSummary> {
     let tc = &file.train;
+    if opts.max_steps == Some(0) {
+        return Err(Error::Input(
+            "--max-steps 0 would train nothing: give at least 1 (or leave it out for [train] steps)"
+                .into(),
+        ));
+    }
     let sampler = training_sampler(path, file)?;
     step::tune_allocator();
+    let run_dir = file.run_dir(path);
+    let _new = crate::output::leftovers::NewDirs::note(&[run_dir.as_path()]);
     let t = Training {
         path,
         file,
-        run: file.run_dir(path),
+        run: run_dir.clone(),
         hash: config_hash(file),
         build,
         open,

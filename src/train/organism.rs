@@ -234,6 +234,7 @@ impl OrganismFile {
     pub fn parse(path: &Path, text: &str) -> Result<Self> {
         // A malformed file is a syntax error at its line and column, not a missing key.
         parse_toml::<toml::Table>(path, text)?;
+        crate::toml_file::expect_kind(path, text, crate::toml_file::FileKind::Recipe)?;
         let bad = |m: String| Error::Config {
             path: path.to_path_buf(),
             message: m,

@@ -151,7 +151,14 @@ fn slurm_grid_runs_end_to_end_and_a_killed_task_resumes() {
          [[design]]\nname = \"long\"\nset = {{ steps = 1500, \"train.checkpoint_every\" = 20 }}\n\
          [slurm]\ncpus_per_task = 1\n{EVAL}"
     ));
-    let d = dir.path();
+    // The grid lives in a folder whose path has a space and a quote: job scripts,
+    // log paths and the working directory must all survive it.
+    let spaced = dir.path().join("grid folder's copy");
+    std::fs::create_dir(&spaced).unwrap();
+    for f in ["base.toml", "grid.toml"] {
+        std::fs::rename(dir.path().join(f), spaced.join(f)).unwrap();
+    }
+    let d = spaced.as_path();
     let env = cluster.env();
     let o = phaselens(
         d,

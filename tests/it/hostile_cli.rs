@@ -547,3 +547,213 @@ fn kill_9_at_any_point_of_train_never_changes_the_result_or_loses_a_checkpoint()
     );
     assert!(!d.join("run/.lock").exists());
 }
+
+// ---------------------------------------------------------------- issue 24: new surfaces
+
+/// Every command that chooses a device, on devices that are built but (here) absent,
+/// or not built: a clear error naming the device and what it needs, exit 1, never a
+/// panic. Where a device does work (a CI runner with a GPU), the command may succeed.
+#[test]
+fn absent_devices_are_named_errors_on_every_command_never_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let recipe = organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let recipe = recipe.file_name().unwrap().to_string_lossy().into_owned();
+    std::fs::write(d.join("ids.json"), "[[1, 16, 64, 17, 65, 3, 16]]").unwrap();
+    experiment(
+        d,
+        "p.toml",
+        "[experiment]\nkind = \"patch-heads\"\n[model]\norganism = \"tiny\"\n[task]\nn_logical = 8\n",
+    );
+    std::fs::write(
+        d.join("g.toml"),
+        format!("[grid]\nbase = \"{recipe}\"\n[axes]\nseed = [1]\n[eval]\nn_logical = 32\ndetail_n_logical = 32\nbootstrap_reps = 10\n"),
+    )
+    .unwrap();
+    let commands: Vec<Vec<&str>> = vec![
+        vec![
+            "forward",
+            "--model",
+            "tiny",
+            "--input",
+            "ids.json",
+            "--out",
+            "o.safetensors",
+        ],
+        vec!["run", "p.toml"],
+        vec!["train", recipe.as_str(), "--max-steps", "1"],
+        vec![
+            "bench",
+            "train",
+            recipe.as_str(),
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        vec!["inspect", "--model", "tiny"],
+        vec!["grid", "g.toml", "--data-dir", "gd", "--reports-dir", "gr"],
+    ];
+    let mut bad = Vec::new();
+    let mut named = 0;
+    for device in ["tch-cuda:0", "tch-cuda:7", "wgpu:7", "cuda:0"] {
+        for c in &commands {
+            let mut args = c.clone();
+            args.extend(["--device", device]);
+            let o = phaselens(&args, d);
+            let e = stderr(&o);
+            let ok = o.status.success();
+            let clear = o.status.code() == Some(1)
+                && e.contains(&format!("device `{device}`"))
+                && (e.contains("not usable on this machine") || e.contains("built without"))
+                && !e.contains("panicked");
+            if clear {
+                named += 1;
+            }
+            if !(ok || clear) {
+                bad.push(format!("{args:?}: exit {:?}: {e}", o.status.code()));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{} failed:\n{}", bad.len(), bad.join("\n"));
+    // cuda is not in the default test build, and no machine has 8 GPUs for tch-cuda:7.
+    assert!(
+        named >= commands.len(),
+        "too few devices were refused ({named})"
+    );
+    // A refused device leaves no folder or generated recipe behind.
+    for left in [
+        "notebooks-data",
+        "reports",
+        "gd",
+        "g",
+        "grid",
+        "runs",
+        "o.safetensors",
+    ] {
+        assert!(!d.join(left).exists(), "{left} left behind");
+    }
+}
+
+/// Files given to the wrong command say what they are and what was expected.
+#[test]
+fn a_file_of_another_kind_is_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let recipe = organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let recipe = recipe.file_name().unwrap().to_string_lossy().into_owned();
+    experiment(
+        d,
+        "p.toml",
+        "[experiment]\nkind = \"patch-heads\"\n[model]\norganism = \"tiny\"\n",
+    );
+    std::fs::write(
+        d.join("g.toml"),
+        "[grid]\nbase = \"p.toml\"\n[axes]\nseed = [1, 2]\n",
+    )
+    .unwrap();
+    std::fs::create_dir(d.join("arr")).unwrap();
+    std::fs::write(d.join("arr/config.json"), "[1, 2]").unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["run", recipe.as_str()],
+            "this is an organism recipe (it has [organism]), expected an experiment file",
+        ),
+        (
+            vec!["train", "p.toml"],
+            "this is an experiment file (it has [experiment]), expected an organism recipe",
+        ),
+        (
+            vec!["bench", "train", "p.toml"],
+            "this is an experiment file",
+        ),
+        (vec!["train", "g.toml"], "this is a grid file"),
+        (vec!["run", "g.toml"], "this is a grid file"),
+        (
+            vec!["grid", "list", "p.toml"],
+            "this is an experiment file (it has [experiment]), expected a grid file",
+        ),
+        (
+            vec!["grid", "list", "g.toml"],
+            "this is an experiment file (it has [experiment]), expected an organism recipe",
+        ),
+        (
+            vec!["inspect", "--model", "arr"],
+            "must be a JSON object of settings",
+        ),
+    ];
+    let mut bad = Vec::new();
+    for (args, want) in &cases {
+        let o = phaselens(args, d);
+        let e = stderr(&o);
+        if o.status.code() != Some(1) || !e.contains(want) || e.contains("panicked") {
+            bad.push(format!("{args:?}: exit {:?}: {e}", o.status.code()));
+        }
+    }
+    assert!(bad.is_empty(), "{} failed:\n{}", bad.len(), bad.join("\n"));
+}
+
+/// `train --max-steps 0` is refused by the parser and leaves no run folder; Rust
+/// debug text (`TchCuda(0)`) never reaches the user.
+#[test]
+fn max_steps_zero_is_refused_and_no_debug_text_reaches_users() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let recipe = organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let recipe = recipe.file_name().unwrap().to_string_lossy().into_owned();
+    let o = phaselens(&["train", recipe.as_str(), "--max-steps", "0"], d);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(e.contains("--max-steps") && !e.contains("NaN"), "{e}");
+    assert!(!d.join("runs").exists());
+    // bench train names its device as given on the command line.
+    let o = phaselens(
+        &[
+            "bench",
+            "train",
+            recipe.as_str(),
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        d,
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.contains("device cpu,") && !out.contains("Cpu"), "{out}");
+}
+
+/// Ctrl-C / SIGTERM during a training release its `.lock` (exit 128 + signal).
+#[test]
+fn sigterm_and_sigint_release_the_run_lock() {
+    for (sig, code) in [("TERM", 143), ("INT", 130)] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let recipe = organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+        let mut text = std::fs::read_to_string(&recipe).unwrap();
+        text.push_str("\n[train]\nsteps = 1000000\nbatch_size = 2\ncheckpoint_every = 100000\n");
+        std::fs::write(&recipe, text).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_phaselens"))
+            .args(["train", recipe.to_str().unwrap()])
+            .current_dir(d)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let lock = d.join("runs/tiny/.lock");
+        let t0 = std::time::Instant::now();
+        while std::fs::read_to_string(&lock).map_or(true, |t| t.is_empty()) {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no lock after 60 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let k = Command::new("kill")
+            .args([&format!("-{sig}"), &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(k.success());
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(code), "SIG{sig}");
+        assert!(!lock.exists(), "SIG{sig} left {}", lock.display());
+    }
+}

@@ -14,7 +14,7 @@ use crate::common;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
-use crate::common::runner::{experiment, opts, organism, tiny};
+use crate::common::runner::{experiment, opts, organism, tiny, write_recipe};
 use phaselens::model::KvcConfig;
 use phaselens::model::deepseek_v4::DeepseekV4Config;
 use phaselens::model::safetensors_io::SafetensorsReader;
@@ -1135,4 +1135,263 @@ fn the_prompt_format_doc_toml_hint_is_the_default_token_space() {
     }
     let t: T = toml::from_str(block).unwrap();
     assert_eq!(t.task.vocab, phaselens::tasks::TokenSpaceConfig::default());
+}
+
+// ---------------------------------------------------------------- paths out of the model folder
+
+/// A model folder whose shard index names `shard`; `secret.safetensors` lies one level
+/// above the folder (what a `..` path or an outward symlink would reach).
+fn indexed_model(root: &Path, shard: &str) -> PathBuf {
+    use serde_json::json;
+    let dir = root.join("model");
+    std::fs::create_dir_all(&dir).unwrap();
+    let t = json!({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}});
+    st_file(root, "secret.safetensors", &t, 4);
+    st_file(&dir, "inside.safetensors", &t, 4);
+    let index = json!({"weight_map": {"w": shard}});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn shard_paths_and_links_leaving_the_model_folder_are_refused_naming_the_entry() {
+    use phaselens::model::weights::CheckpointSource;
+    let d = tempfile::tempdir().unwrap();
+    let secret = d.path().join("secret.safetensors");
+    let c = |l: &str, shard: String, want: &'static str| (l.to_string(), shard, want);
+    let cases = vec![
+        c(
+            "dot-dot",
+            "../secret.safetensors".into(),
+            "`../secret.safetensors`",
+        ),
+        c(
+            "deep dot-dot",
+            "a/../../secret.safetensors".into(),
+            "leaves the model directory",
+        ),
+        c(
+            "many dot-dots",
+            "../../../../../../etc/passwd".into(),
+            "leaves the model directory",
+        ),
+        c(
+            "absolute",
+            secret.display().to_string(),
+            "leaves the model directory",
+        ),
+        c("empty", String::new(), "leaves the model directory"),
+        c("dot", ".".into(), "leaves the model directory"),
+        c(
+            "link out",
+            "link.safetensors".into(),
+            "`link.safetensors` resolves to",
+        ),
+        c(
+            "dir link out",
+            "sub/secret.safetensors".into(),
+            "outside the model directory",
+        ),
+    ];
+    expect_errors("shard paths", cases, |shard| {
+        let root = tempfile::tempdir_in(d.path()).unwrap();
+        let dir = indexed_model(root.path(), shard);
+        let out = root.path().join("secret.safetensors");
+        std::os::unix::fs::symlink(&out, dir.join("link.safetensors")).unwrap();
+        std::os::unix::fs::symlink(root.path(), dir.join("sub")).unwrap();
+        CheckpointSource::open_dir(&dir)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    // The single-file layout: model.safetensors itself a link out of the folder.
+    let root = tempfile::tempdir().unwrap();
+    let dir = indexed_model(root.path(), "inside.safetensors");
+    std::os::unix::fs::symlink(
+        root.path().join("secret.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let e = CheckpointSource::open_dir(&dir)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.contains("model.safetensors") && e.contains("outside the model directory"),
+        "{e}"
+    );
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    // Paths and links that stay inside are fine, and so is a Hugging Face cache snapshot
+    // whose files link into its own repository's blobs/.
+    let root = tempfile::tempdir().unwrap();
+    let dir = indexed_model(root.path(), "./inside.safetensors");
+    CheckpointSource::open_dir(&dir).expect("a ./ path inside the folder");
+    std::os::unix::fs::symlink(
+        dir.join("inside.safetensors"),
+        dir.join("alias.safetensors"),
+    )
+    .unwrap();
+    let index = serde_json::json!({"weight_map": {"w": "alias.safetensors"}});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    CheckpointSource::open_dir(&dir).expect("a link inside the folder");
+    let repo = root.path().join("models--org--name");
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    std::fs::create_dir_all(repo.join("snapshots/abc")).unwrap();
+    std::fs::copy(dir.join("inside.safetensors"), repo.join("blobs/1234")).unwrap();
+    std::os::unix::fs::symlink(
+        "../../blobs/1234",
+        repo.join("snapshots/abc/model.safetensors"),
+    )
+    .unwrap();
+    CheckpointSource::open_dir(&repo.join("snapshots/abc")).expect("a hub cache snapshot");
+}
+
+// ---------------------------------------------------------------- issue 24: new kinds, benches, grids
+
+/// Numbers that size allocations in the new kinds and benches are refused before
+/// compute, naming the setting; none aborts on allocation.
+#[test]
+fn sizes_of_the_new_kinds_and_benches_are_checked_before_compute() {
+    let d = tempfile::tempdir().unwrap();
+    organism(d.path(), "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let atp = |extra: &str| {
+        format!(
+            "[experiment]\nkind = \"attribution-patching\"\nbootstrap_reps = 10\n[model]\norganism = \"tiny\"\n[task]\nn_logical = 8\n[atp]\n{extra}"
+        )
+    };
+    let filler = |task: &str, extra: &str| {
+        format!(
+            "[experiment]\nkind = \"filler-probe\"\nbootstrap_reps = 10\n[model]\norganism = \"tiny\"\n[task]\n{task}\n[filler]\n{extra}"
+        )
+    };
+    let c = |l: &str, text: String, want: &'static str| (l.to_string(), text, want);
+    let cases = vec![
+        c(
+            "atp band 10^15",
+            atp("position_band = 1000000000000000\n"),
+            "position_band",
+        ),
+        c(
+            "atp band longer than the prompts",
+            atp("position_band = 4000\nvalidate_positions = true\n"),
+            "position_band",
+        ),
+        c(
+            "filler lengths 10^12",
+            filler(
+                "n_logical = 2",
+                "lengths = { min = 0, max = 1000000000000 }\n",
+            ),
+            "lengths",
+        ),
+        c(
+            "filler lengths x instances",
+            filler("n_logical = 1000", "lengths = { min = 0, max = 4000000 }\n"),
+            "n_logical",
+        ),
+        c(
+            "filler instances 10^6",
+            filler("n_logical = 1000000", ""),
+            "n_logical",
+        ),
+    ];
+    expect_errors("new kind sizes", cases, |text| {
+        let p = experiment(d.path(), "k.toml", text);
+        run_experiment(&p, &opts(d.path()))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    // Benches: the same checks on their command-line numbers.
+    let p = experiment(d.path(), "b.toml", &atp(""));
+    use phaselens::device::DeviceSpec;
+    use phaselens::runner::bench::bench_atp;
+    let cases = vec![
+        (
+            "band 10^12".to_string(),
+            (None, 1_000_000_000_000usize),
+            "--band",
+        ),
+        ("band 0".to_string(), (None, 0), "--band"),
+        (
+            "n_logical 10^9".to_string(),
+            (Some(1_000_000_000usize), 4),
+            "--n-logical",
+        ),
+        ("n_logical 0".to_string(), (Some(0), 4), "--n-logical"),
+    ];
+    expect_errors("bench atp", cases, |(n, band)| {
+        bench_atp(&p, 0, *n, *band, &DeviceSpec::Cpu)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+}
+
+/// A top-k recall whose k is not below the number of candidates is 1.0 for any
+/// estimate: it is refused (NaN in the tables), not reported as perfect agreement.
+#[test]
+fn vacuous_top_k_recall_is_refused() {
+    use phaselens::analysis::topk_recall;
+    let est = [0.3, -0.1, 0.2, 0.0];
+    let wrong = [0.0, 0.1, -0.2, 0.9];
+    assert!(topk_recall(&est, &wrong, 1).unwrap() < 1.0);
+    for k in [4, 5, usize::MAX] {
+        let e = topk_recall(&est, &wrong, k).unwrap_err().to_string();
+        assert!(e.contains("vacuous"), "{e}");
+    }
+}
+
+/// Grid files: every design's sweeps are checked at load (not after training), and a
+/// seeded fuzz of grid TOMLs gives `Ok` or a named error, never a panic.
+#[test]
+fn grid_files_are_checked_whole_and_fuzzing_them_never_panics() {
+    use phaselens::grid::{Grid, check_sweeps};
+    let d = tempfile::tempdir().unwrap();
+    let base = write_recipe(d.path(), "base", &tiny(1, 2, 1, 4, 4));
+    let _ = base;
+    let grid = "[grid]\nbase = \"base.toml\"\n[axes]\nseed = [1, 2]\nW = [4, 8]\n\
+                [[design]]\nname = \"x\"\nset = { kv_heads = 1 }\n\
+                [eval]\nn_logical = 32\ndetail_n_logical = 32\nslots = [1, 2]\nbindings = [4, 8]\nbootstrap_reps = 20\n\
+                [slurm]\ncpus_per_task = 2\nmem = \"4G\"\nmax_parallel = 3\n";
+    let load = |text: &str| -> Result<(), String> {
+        let p = d.path().join("g.toml");
+        let g = Grid::parse(&p, text).map_err(|e| e.to_string())?;
+        check_sweeps(&g).map_err(|e| e.to_string())
+    };
+    load(grid).expect("the base grid is valid");
+    let c = |l: &str, text: String, want: &'static str| (l.to_string(), text, want);
+    let cases = vec![
+        c(
+            "bootstrap 0",
+            grid.replace("bootstrap_reps = 20", "bootstrap_reps = 0"),
+            "bootstrap_reps",
+        ),
+        c(
+            "bootstrap 10^11",
+            grid.replace("bootstrap_reps = 20", "bootstrap_reps = 100000000000"),
+            "bootstrap_reps",
+        ),
+        c(
+            "n_logical 10^9",
+            grid.replace("n_logical = 32\nd", "n_logical = 1000000000\nd"),
+            "n_logical",
+        ),
+        c(
+            "detail 10^9",
+            grid.replace("detail_n_logical = 32", "detail_n_logical = 1000000000"),
+            "n_logical",
+        ),
+        c(
+            "slot beyond bindings",
+            grid.replace("slots = [1, 2]", "slots = [1, 99]"),
+            "slot 99",
+        ),
+        c(
+            "an experiment as grid",
+            "[experiment]\nkind = \"patch-heads\"\n".into(),
+            "expected a grid file",
+        ),
+    ];
+    expect_errors("grid files", cases, |t| load(t.as_str()));
+    fuzz("grid TOML", grid.as_bytes(), 400, |bytes| {
+        let _ = load(String::from_utf8_lossy(bytes).as_ref());
+    });
 }

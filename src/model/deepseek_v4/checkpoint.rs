@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use super::super::safetensors_io::{SafetensorsReader, StDtype};
-use super::super::weights::{Init, WeightSource, shard_paths};
+use super::super::weights::{Init, WeightSource, inside_model_dir, shard_paths};
 use crate::error::{Error, Result};
 
 /// Per-layer names: (DeepSeek release suffix after `layers.N.`, transformers module
@@ -238,7 +238,8 @@ impl V4Checkpoint {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         let (reader, origin) = if single.exists() {
-            (SafetensorsReader::open(&single)?, single)
+            let file = inside_model_dir(dir, "model.safetensors", &single)?;
+            (SafetensorsReader::open(&file)?, single)
         } else if index.exists() {
             (SafetensorsReader::open_many(&shard_paths(&index)?)?, index)
         } else {

@@ -390,7 +390,7 @@ fn mean(s: &[f64; 1], n: u64) -> f64 {
 fn run(cfg: &FillerProbe, ctx: &mut Ctx) -> Result<KindOutput> {
     let all = items(cfg, ctx)?;
     let max_len = all.iter().map(|i| i.tokens.len()).max().unwrap_or(0);
-    ctx.preflight(max_len)?;
+    ctx.preflight_plain(max_len)?;
     let mut lengths: Vec<usize> = all.iter().map(|i| i.filler_len).collect();
     lengths.sort_unstable();
     lengths.dedup();

@@ -282,6 +282,18 @@ fn shift_rows(
 fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
     let layers = setup::layers(ctx.exp, "cycling", &cfg.layers, &ctx.info, true)?;
     let p = ctx.p();
+    // A shift predicts phase r + delta from phase r: the profile needs every phase,
+    // checked before anything runs or is written.
+    if ctx.task.phases.len() < p {
+        return Err(ctx.exp.err(
+            "task",
+            "phases",
+            format!(
+                "gate-cycling compares the accuracy profile over all P = {p} phases (a shift by delta predicts phase r + delta from phase r); {} selected: leave `phases` at \"all\"",
+                ctx.task.phases.len()
+            ),
+        ));
+    }
     check_offsets(cfg, ctx, &layers);
     let edits = shift_edits(cfg, ctx, &layers)?;
     let (groups, metas) = shift_groups(ctx, &edits)?;

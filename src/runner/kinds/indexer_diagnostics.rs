@@ -150,7 +150,7 @@ fn csa_layers(cfg: &IndexerDiagnostics, ctx: &Ctx) -> Result<Vec<(usize, usize, 
                     "indexer",
                     "layers",
                     format!(
-                        "layer {l} is not a CSA layer ({:?}): it has no indexer",
+                        "layer {l} is not a CSA layer ({}): it has no indexer",
                         ctx.info.layers[l].kind
                     ),
                 ));

@@ -197,7 +197,10 @@ fn run(cfg: &LongContext, ctx: &mut Ctx) -> Result<KindOutput> {
     let max_rows = ctx.max_rows;
     let mut obs = Vec::new();
     for (li, &length) in cfg.lengths.iter().enumerate() {
-        ctx.preflight(length)?;
+        // One forward holds tokens_per_forward / length rows (at least one prompt):
+        // that, not the group, is what the memory check sizes.
+        ctx.max_rows = (cfg.tokens_per_forward / length).clamp(1, max_rows.max(1));
+        ctx.preflight_plain(length)?;
         let mut groups = Vec::new();
         let mut cells: Vec<(Protocol, Vec<HaystackExample>)> = Vec::new();
         for &proto in &cfg.protocols {
@@ -218,7 +221,6 @@ fn run(cfg: &LongContext, ctx: &mut Ctx) -> Result<KindOutput> {
                 cells.push((proto, cell));
             }
         }
-        ctx.max_rows = (cfg.tokens_per_forward / length).clamp(1, max_rows.max(1));
         let results = ctx.execute(
             &format!("{} long-context {length} tokens", ctx.mref.name),
             &groups,

@@ -212,8 +212,22 @@ impl<'a> Ctx<'a> {
 
     /// Check the experiment against the model for prompts of `prompt_len` tokens;
     /// warnings are printed and kept for the report.
+    /// The memory check assumes a patching group's largest forward: its base run over
+    /// every prompt (clean and corrupted), or a chunk of `max_rows` rows.
     pub fn preflight(&mut self, prompt_len: usize) -> Result<()> {
-        let warn = setup::check(self.exp, self.mref, &self.info, &self.task, prompt_len)?;
+        let rows = (2 * self.task.n_logical).max(self.max_rows);
+        self.preflight_rows(prompt_len, rows)
+    }
+
+    /// [`Ctx::preflight`] for kinds that only evaluate prompts (no cells): the executor
+    /// runs them `max_rows` at a time, so one forward holds at most that many rows.
+    pub fn preflight_plain(&mut self, prompt_len: usize) -> Result<()> {
+        self.preflight_rows(prompt_len, self.max_rows.max(1))
+    }
+
+    fn preflight_rows(&mut self, prompt_len: usize, rows: usize) -> Result<()> {
+        let size = setup::ForwardSize { prompt_len, rows };
+        let warn = setup::check(self.exp, self.mref, &self.info, &self.task, size)?;
         for w in warn {
             eprintln!("warning: {w}");
             self.notes.push(w);

@@ -99,7 +99,7 @@ fn sweep_groups(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<(Vec<Group>, Vec<Grou
     let mut metas = Vec::new();
     for &proto in &cfg.protocols {
         let set = ctx.task.eval_set(proto)?;
-        ctx.preflight(set.prompt_len)?;
+        ctx.preflight_plain(set.prompt_len)?;
         for &r in &ctx.task.phases {
             let ex = ctx.examples(&set, r);
             let (prompts, meta) = clean_prompts(&ex, |_| 0);

@@ -140,6 +140,17 @@ impl Kind for AttributionPatching {
         if self.top_k == 0 {
             return Err(exp.err("atp", "top_k", "must be at least 1"));
         }
+        if self.position_band > crate::tasks::MAX_HAYSTACK_LEN {
+            return Err(exp.err(
+                "atp",
+                "position_band",
+                format!(
+                    "{} offsets is more than the longest prompt any task makes ({} tokens)",
+                    self.position_band,
+                    crate::tasks::MAX_HAYSTACK_LEN
+                ),
+            ));
+        }
         if self.validate_positions && self.position_band == 0 {
             return Err(exp.err(
                 "atp",
@@ -667,6 +678,20 @@ fn run(cfg: &AttributionPatching, ctx: &mut Ctx) -> Result<KindOutput> {
         &cfg.kv_heads,
     )?;
     let groups = atp_groups(ctx, &layers, &cfg.directions)?;
+    // The band sizes the per-offset estimates and exact cells: an offset past the first
+    // token patches nothing, so a band longer than the prompts is refused before them.
+    if let Some(len) = groups.prompts.iter().map(|p| p.len).max()
+        && cfg.position_band > len
+    {
+        return Err(ctx.exp.err(
+            "atp",
+            "position_band",
+            format!(
+                "{} offsets, but the prompts hold {len} tokens (offsets past the first token patch nothing)",
+                cfg.position_band
+            ),
+        ));
+    }
     // Exact patching of the same cells (and, optionally, of every offset of the band).
     let exact = if cfg.validate {
         Some(exact_patching(cfg, ctx, &heads, &groups.prompts)?)
