@@ -43,6 +43,8 @@ enum Command {
     Grid(Box<cli::grid::GridArgs>),
     /// Check every backend against flex on this machine (device x check matrix).
     Backends(cli::backends::BackendsArgs),
+    /// Plan a DeepSeek-V4 model's memory over devices (weights, KV, working sets, placement).
+    Plan(cli::plan::PlanArgs),
 }
 
 fn main() {
@@ -57,6 +59,7 @@ fn main() {
         Command::Figures(a) => cli::figures::run(a),
         Command::Grid(a) => cli::grid::run(*a),
         Command::Backends(a) => cli::backends::run(a),
+        Command::Plan(a) => cli::plan::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", error_chain(&e));

@@ -7,5 +7,6 @@ pub mod forward;
 pub mod grid;
 pub mod hooks;
 pub mod inspect;
+pub mod plan;
 pub mod run;
 pub mod train;
