@@ -46,6 +46,8 @@ enum Command {
     Backends(cli::backends::BackendsArgs),
     /// Write the static explorer of an experiment or grid (open index.html from disk).
     View(cli::view::ViewArgs),
+    /// Plan a DeepSeek-V4 model's memory over devices (weights, KV, working sets, placement).
+    Plan(cli::plan::PlanArgs),
 }
 
 fn main() {
@@ -62,6 +64,7 @@ fn main() {
         Command::Grid(a) => cli::grid::run(*a),
         Command::Backends(a) => cli::backends::run(a),
         Command::View(a) => cli::view::run(a),
+        Command::Plan(a) => cli::plan::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", error_chain(&e));

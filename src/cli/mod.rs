@@ -7,6 +7,7 @@ pub mod forward;
 pub mod grid;
 pub mod hooks;
 pub mod inspect;
+pub mod plan;
 pub mod run;
 pub mod train;
 pub mod view;

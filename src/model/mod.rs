@@ -10,6 +10,7 @@ pub mod kv_state;
 pub mod kvc;
 pub mod layers;
 pub mod memory;
+pub mod plan;
 pub mod safetensors_io;
 pub mod topk;
 pub mod weights;

@@ -23,6 +23,14 @@
 //! `[ceil(rows / B0), ceil(cols / B1)]`. Everything is dequantised to f32 as it is read,
 //! one tensor at a time. An F8 weight without a scale is an error.
 //!
+//! FP4 (`expert_dtype = "fp4"`, the routed experts of V4 releases): an I8 / U8 weight
+//! `[rows, cols / 2]` with a sibling scale `[rows, cols / 32]` holds two e2m1 codes per
+//! byte (even column in the low nibble); `W[r, c] = e2m1(code) * scale[r, c / 32]`.
+//! The layout and the value table are transformers' (`FP8Experts` with
+//! `expert_dtype="fp4"`, `Fp8Dequantize`). Scales may be F8_E8M0, U8 exponents, or
+//! F32 / BF16 / F16; any other scale dtype, or a scale of the wrong shape, is an error
+//! naming the scale tensor and its weight.
+//!
 //! Errors name the file and the tensor: unknown tensors (never asked for), missing ones,
 //! wrong shapes, wrong scale grids, unsupported dtypes.
 
@@ -344,66 +352,164 @@ impl V4Checkpoint {
         )
     }
 
-    /// Read the float tensor `key`, check its shape, dequantise block-scaled FP8.
+    /// Read the float tensor `key`, check its shape, dequantise block-scaled FP8 and
+    /// packed FP4 (see [`V4Checkpoint::read_fp4`]).
     fn read_float(&self, key: &str, want: &[usize]) -> Result<Vec<f32>> {
         let path = self.reader.path_of(key);
-        let (found, mut v) = self.reader.read_f32(key)?;
-        if found != want {
-            return Err(Error::tensor(
-                path,
-                key,
-                format!("expected shape {want:?}, found {found:?}"),
-            ));
-        }
         let dtype = self.reader.entry(key).map(|e| e.dtype);
-        match self.scales.get(key) {
-            Some(sk) => {
-                let spath = self.reader.path_of(sk);
-                let [rows, cols] = match found[..] {
-                    [r, c] => [r, c],
-                    _ => {
-                        return Err(Error::tensor(
-                            path,
-                            key,
-                            format!(
-                                "block-scaled weights must be 2-D, found shape {found:?} with scale `{sk}`"
-                            ),
-                        ));
-                    }
-                };
-                let [b0, b1] = self.block;
-                let grid = [rows.div_ceil(b0), cols.div_ceil(b1)];
-                let (sshape, s) = self.reader.read_f32(sk)?;
-                if sshape != grid {
-                    return Err(Error::tensor(
-                        spath,
-                        sk.as_str(),
-                        format!(
-                            "scale grid {sshape:?} does not fit weight `{key}` {found:?} with blocks {:?} (expected {grid:?})",
-                            self.block
-                        ),
-                    ));
-                }
-                for r in 0..rows {
-                    let srow = &s[(r / b0) * grid[1]..(r / b0 + 1) * grid[1]];
-                    for (c, x) in v[r * cols..(r + 1) * cols].iter_mut().enumerate() {
-                        *x *= srow[c / b1];
-                    }
-                }
-                self.mark(sk);
-            }
-            None if dtype == Some(StDtype::F8E4M3) => {
+        let v = match (self.scales.get(key), dtype) {
+            (Some(sk), Some(StDtype::I8 | StDtype::U8)) => self.read_fp4(key, sk, want)?,
+            (Some(sk), _) => self.read_fp8(key, sk, want)?,
+            (None, Some(StDtype::F8E4M3)) => {
                 return Err(Error::tensor(
                     path,
                     key,
                     "F8_E4M3 weight without a `.scale` / `.weight_scale_inv` tensor (block scales are required)",
                 ));
             }
-            None => {}
-        }
+            (None, Some(StDtype::I8 | StDtype::U8)) if want.len() == 2 => {
+                return Err(Error::tensor(
+                    path,
+                    key,
+                    "8-bit integer weight without a `.scale` tensor: a packed FP4 weight (two e2m1 values per byte) needs its ue8m0 scales, one per row and 32 columns",
+                ));
+            }
+            (None, _) => {
+                let (found, v) = self.reader.read_f32(key)?;
+                check_shape(&path, key, want, &found)?;
+                v
+            }
+        };
         // After dequantisation: a NaN scale or an FP8 NaN byte is as bad as a NaN weight.
         crate::model::safetensors_io::check_finite(&path, key, &v)?;
         self.mark(key);
+        Ok(v)
+    }
+
+    /// Block scales of weight `key` as f32 multipliers: F8_E8M0 (ue8m0), U8 (ue8m0
+    /// exponent bytes, as transformers reads them), or F32 / BF16 / F16 values. Any other
+    /// dtype is an error naming the scale tensor.
+    fn read_scale(&self, key: &str, sk: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let dtype = self.reader.entry(sk).map(|e| e.dtype);
+        match dtype {
+            Some(StDtype::F8E8M0 | StDtype::F32 | StDtype::BF16 | StDtype::F16) => {
+                self.reader.read_f32(sk)
+            }
+            Some(StDtype::U8) => {
+                let (shape, b) = self.reader.read_i64(sk)?;
+                let v = b
+                    .iter()
+                    .map(|&e| crate::model::safetensors_io::f8_e8m0_to_f32(e as u8))
+                    .collect();
+                Ok((shape, v))
+            }
+            _ => {
+                let name = self
+                    .reader
+                    .entry(sk)
+                    .map(|e| e.dtype_name.clone())
+                    .unwrap_or_default();
+                Err(Error::tensor(
+                    self.reader.path_of(sk),
+                    sk,
+                    format!(
+                        "block scales of `{key}` have dtype {name}; expected F8_E8M0 (ue8m0), U8 (ue8m0 exponents) or F32 / BF16 / F16"
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// FP8 (or any float) weight with block scales: `W[r, c] = weight[r, c] * scale[r / B0, c / B1]`.
+    fn read_fp8(&self, key: &str, sk: &str, want: &[usize]) -> Result<Vec<f32>> {
+        let path = self.reader.path_of(key);
+        let (found, mut v) = self.reader.read_f32(key)?;
+        check_shape(&path, key, want, &found)?;
+        let [rows, cols] = match found[..] {
+            [r, c] => [r, c],
+            _ => {
+                return Err(Error::tensor(
+                    path,
+                    key,
+                    format!(
+                        "block-scaled weights must be 2-D, found shape {found:?} with scale `{sk}`"
+                    ),
+                ));
+            }
+        };
+        let [b0, b1] = self.block;
+        let grid = [rows.div_ceil(b0), cols.div_ceil(b1)];
+        let (sshape, s) = self.read_scale(key, sk)?;
+        if sshape != grid {
+            return Err(Error::tensor(
+                self.reader.path_of(sk),
+                sk,
+                format!(
+                    "scale grid {sshape:?} does not fit weight `{key}` {found:?} with blocks {:?} (expected {grid:?})",
+                    self.block
+                ),
+            ));
+        }
+        for r in 0..rows {
+            let srow = &s[(r / b0) * grid[1]..(r / b0 + 1) * grid[1]];
+            for (c, x) in v[r * cols..(r + 1) * cols].iter_mut().enumerate() {
+                *x *= srow[c / b1];
+            }
+        }
+        self.mark(sk);
+        Ok(v)
+    }
+
+    /// Packed FP4 (`expert_dtype = "fp4"`, transformers' `FP8Experts` / `Fp8Dequantize`
+    /// layout): I8 / U8 `[rows, cols / 2]`, two e2m1 codes per byte (even column in the
+    /// low nibble), scales `[rows, cols / 32]`:
+    /// `W[r, c] = e2m1(code[r, c]) * scale[r, c / 32]`.
+    fn read_fp4(&self, key: &str, sk: &str, want: &[usize]) -> Result<Vec<f32>> {
+        let path = self.reader.path_of(key);
+        let (found, bytes) = self.reader.read_i64(key)?;
+        let [rows, cols] = match want[..] {
+            [r, c] => [r, c],
+            _ => {
+                return Err(Error::tensor(
+                    path,
+                    key,
+                    format!(
+                        "packed FP4 weight where the model needs a {}-D tensor {want:?}",
+                        want.len()
+                    ),
+                ));
+            }
+        };
+        if !cols.is_multiple_of(FP4_GROUP) || found != [rows, cols / 2] {
+            return Err(Error::tensor(
+                path,
+                key,
+                format!(
+                    "packed FP4 weight (two e2m1 values per byte): the model needs [{rows}, {cols}], so the file must hold [{rows}, {}] with {cols} a multiple of {FP4_GROUP}; found {found:?}",
+                    cols / 2
+                ),
+            ));
+        }
+        let grid = [rows, cols / FP4_GROUP];
+        let (sshape, s) = self.read_scale(key, sk)?;
+        if sshape != grid {
+            return Err(Error::tensor(
+                self.reader.path_of(sk),
+                sk,
+                format!(
+                    "FP4 scale shape {sshape:?} does not fit weight `{key}` (packed {found:?}, {rows} x {cols} values): expected {grid:?}, one scale per row and {FP4_GROUP} columns"
+                ),
+            ));
+        }
+        let mut v = Vec::with_capacity(rows * cols);
+        for (i, &b) in bytes.iter().enumerate() {
+            let (r, c) = (i / (cols / 2), 2 * (i % (cols / 2)));
+            let srow = &s[r * grid[1]..(r + 1) * grid[1]];
+            let b = b as u8;
+            v.push(E2M1[(b & 0x0f) as usize] * srow[c / FP4_GROUP]);
+            v.push(E2M1[(b >> 4) as usize] * srow[(c + 1) / FP4_GROUP]);
+        }
+        self.mark(sk);
         Ok(v)
     }
 
@@ -471,6 +577,25 @@ impl V4Checkpoint {
             ),
         ))
     }
+}
+
+/// Columns per FP4 scale (transformers' `sf_gran_k = 32`).
+pub const FP4_GROUP: usize = 32;
+
+/// The e2m1 value of each 4-bit code (bit 3 is the sign).
+pub const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+fn check_shape(path: &Path, key: &str, want: &[usize], found: &[usize]) -> Result<()> {
+    if found != want {
+        return Err(Error::tensor(
+            path,
+            key,
+            format!("expected shape {want:?}, found {found:?}"),
+        ));
+    }
+    Ok(())
 }
 
 impl WeightSource for V4Checkpoint {
