@@ -13,7 +13,8 @@ Examples:
   phaselens train experiments/organisms/kvc-w8s8.toml
   phaselens run experiments/v4pro.toml             # what `just patch-heads exp/v4pro.toml` runs
   phaselens figures                                # redraw every figure from the tables
-  phaselens backends                               # check every backend against flex")]
+  phaselens backends                               # check every backend against flex
+  phaselens audit experiments/organisms/kvc-w8s8 --max-gap 5pp   # certify phase sensitivity")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -43,6 +44,8 @@ enum Command {
     Grid(Box<cli::grid::GridArgs>),
     /// Check every backend against flex on this machine (device x check matrix).
     Backends(cli::backends::BackendsArgs),
+    /// Certify a checkpoint's phase sensitivity (audit.json, report; exit 3 on a failed gate).
+    Audit(Box<cli::audit::AuditArgs>),
 }
 
 fn main() {
@@ -57,6 +60,11 @@ fn main() {
         Command::Figures(a) => cli::figures::run(a),
         Command::Grid(a) => cli::grid::run(*a),
         Command::Backends(a) => cli::backends::run(a),
+        Command::Audit(a) => cli::audit::run(*a).map(|code| {
+            if code != 0 {
+                std::process::exit(code)
+            }
+        }),
     };
     if let Err(e) = result {
         eprintln!("error: {}", error_chain(&e));
