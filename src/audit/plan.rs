@@ -242,6 +242,12 @@ pub fn experiment_text(
     let mut t = cfg.task.clone().unwrap_or_default();
     t.insert("period".into(), V::Integer(part.period as i64));
     t.insert("n_logical".into(), V::Integer(n_logical as i64));
+    if target.organism.is_none() && !t.contains_key("vocab") {
+        // The documented default for a model that is not an organism.
+        let mut v = toml::Table::new();
+        v.insert("kind".into(), V::String("synthetic".into()));
+        t.insert("vocab".into(), V::Table(v));
+    }
     if !t.contains_key("seed") {
         t.insert("seed".into(), V::Integer(cfg.audit.seed as i64));
     }
