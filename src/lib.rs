@@ -5,6 +5,7 @@
 //! tables -> figures/report.
 
 pub mod analysis;
+pub mod audit;
 pub mod backends;
 pub mod device;
 pub mod error;

@@ -14,7 +14,8 @@ Examples:
   phaselens run experiments/v4pro.toml             # what `just patch-heads exp/v4pro.toml` runs
   phaselens figures                                # redraw every figure from the tables
   phaselens view v4pro                             # the static explorer: reports/v4pro/view/
-  phaselens backends                               # check every backend against flex")]
+  phaselens backends                               # check every backend against flex
+  phaselens audit experiments/organisms/kvc-w8s8 --max-gap 5pp   # certify phase sensitivity")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -48,6 +49,8 @@ enum Command {
     View(cli::view::ViewArgs),
     /// Plan a DeepSeek-V4 model's memory over devices (weights, KV, working sets, placement).
     Plan(cli::plan::PlanArgs),
+    /// Certify a checkpoint's phase sensitivity (audit.json, report; exit 3 on a failed gate).
+    Audit(Box<cli::audit::AuditArgs>),
 }
 
 fn main() {
@@ -65,6 +68,11 @@ fn main() {
         Command::Backends(a) => cli::backends::run(a),
         Command::View(a) => cli::view::run(a),
         Command::Plan(a) => cli::plan::run(a),
+        Command::Audit(a) => cli::audit::run(*a).map(|code| {
+            if code != 0 {
+                std::process::exit(code)
+            }
+        }),
     };
     if let Err(e) = result {
         eprintln!("error: {}", error_chain(&e));

@@ -1,5 +1,6 @@
 //! Command-line subcommands. Each file parses its arguments and calls the library.
 
+pub mod audit;
 pub mod backends;
 pub mod bench;
 pub mod figures;

@@ -8,6 +8,7 @@ mod common;
 mod grid_common;
 
 mod attention_blocks;
+mod audit;
 mod backends;
 mod bench_train;
 mod checkpoint;

@@ -1,0 +1,293 @@
+//! `phaselens audit MODEL`: certify a checkpoint's phase sensitivity.
+//!
+//! ```text
+//! MODEL --load + geometry--> periods (strides, their lcm) --task setup + checks-->
+//!   plan (budget -> logical examples) --runner (eval sets, batched routine, shards,
+//!   progress; the filler-probe kind)--> outcomes --analysis (bootstrap, gap, Wilson)
+//!   + permutation test--> certificate (audit.json) + gates --> report + figures
+//! ```
+//!
+//! | file | role |
+//! |---|---|
+//! | [`config`] | gates, budget and knobs (TOML + flags) |
+//! | [`plan`] | geometry, audited periods, the runner experiments, budget sizing |
+//! | [`measure`] | one period: retrieval by phase (both protocols), shift invariance, filler probe |
+//! | [`stats`] | permutation test of flatness, shift flips, sample size for a CI width |
+//! | [`certificate`] | `audit.json` (schema in docs/audit.md), gates, verdict |
+//! | [`report`] | report.md / report.html and figures |
+//!
+//! Exit codes (the CLI): [`EXIT_PASS`], [`EXIT_ERROR`], clap's 2 for usage errors,
+//! [`EXIT_GATE_FAILED`].
+
+pub mod certificate;
+pub mod config;
+pub mod measure;
+pub mod plan;
+pub mod report;
+pub mod stats;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::device::DeviceSpec;
+use crate::error::{Error, Result};
+use crate::model::load_model;
+use crate::runner::ProgressMode;
+use crate::train::OrganismFile;
+
+pub use certificate::{Certificate, Verdict};
+pub use config::{AuditConfig, Budget, GateOn, Gates, Settings};
+
+/// Every gate passed (or none was set).
+pub const EXIT_PASS: i32 = 0;
+/// The audit could not run (bad input, a model that does not load, ...).
+pub const EXIT_ERROR: i32 = 1;
+/// The audit ran and a gate failed.
+pub const EXIT_GATE_FAILED: i32 = 3;
+
+/// The audited model: its directory and, for an organism, its recipe.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub name: String,
+    pub dir: PathBuf,
+    pub organism: Option<PathBuf>,
+}
+
+/// The organism recipe beside a model directory (`organisms/kvc-w8s8.toml` for
+/// `organisms/kvc-w8s8/`) when it names that directory.
+fn sibling_recipe(dir: &Path) -> Option<PathBuf> {
+    let name = dir.file_name()?;
+    let recipe = dir.with_file_name(format!("{}.toml", name.to_string_lossy()));
+    let file = OrganismFile::load(&recipe).ok()?;
+    let same = std::fs::canonicalize(file.model_dir(&recipe)).ok()?
+        == std::fs::canonicalize(dir).ok()?;
+    same.then_some(recipe)
+}
+
+/// A folder name usable as a table's model name (letters, digits, `-`, `_`, `.`;
+/// no leading `.`, no `..`).
+fn plain_name(s: &str) -> String {
+    let mut n: String = s
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '-' })
+        .collect();
+    while n.contains("..") {
+        n = n.replace("..", ".");
+    }
+    let n = n.trim_start_matches('.').chars().take(100).collect::<String>();
+    if n.is_empty() { "model".into() } else { n }
+}
+
+/// `MODEL`: a model directory (config.json + safetensors) or an organism recipe.
+pub fn resolve_target(model: &Path) -> Result<Target> {
+    let is_toml = model.extension().is_some_and(|e| e == "toml");
+    if is_toml {
+        let file = OrganismFile::load(model)?;
+        let dir = file.model_dir(model);
+        if !dir.join("config.json").exists() {
+            return Err(Error::Input(format!(
+                "organism `{}` is not trained yet ({} has no config.json): run `phaselens train {}`",
+                file.organism.name,
+                dir.display(),
+                model.display()
+            )));
+        }
+        return Ok(Target {
+            name: file.organism.name.clone(),
+            dir,
+            organism: Some(model.to_path_buf()),
+        });
+    }
+    if !model.exists() {
+        return Err(Error::Input(format!(
+            "{}: no such model folder or organism recipe",
+            model.display()
+        )));
+    }
+    if !model.join("config.json").exists() {
+        return Err(Error::Input(format!(
+            "{} is not a model folder: it has no config.json (a model folder holds config.json and model.safetensors)",
+            model.display()
+        )));
+    }
+    let name = std::fs::canonicalize(model)
+        .ok()
+        .and_then(|p| p.file_name().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into());
+    Ok(Target {
+        name: plain_name(&name),
+        organism: sibling_recipe(model),
+        dir: model.to_path_buf(),
+    })
+}
+
+/// One audit.
+#[derive(Debug, Clone)]
+pub struct AuditRequest {
+    /// A model directory or an organism recipe.
+    pub model: PathBuf,
+    /// Output folder (created; an earlier audit of the same request there resumes).
+    pub out: PathBuf,
+    pub config: AuditConfig,
+    pub device: DeviceSpec,
+    pub progress: ProgressMode,
+    /// Recompute (ignore finished shards).
+    pub fresh: bool,
+}
+
+/// What the audit wrote and concluded.
+#[derive(Debug, Clone)]
+pub struct AuditOutcome {
+    pub certificate: Certificate,
+    /// `OUT/audit.json`.
+    pub json: PathBuf,
+    /// `OUT/report.md` (and `.html`).
+    pub report: PathBuf,
+    pub exit_code: i32,
+}
+
+/// The resumable plan: kept in `OUT/plan.json`, reused when the same request runs
+/// again into the same folder (so a time budget's sizing cannot change the settings
+/// of an interrupted audit's shards).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct SavedPlan {
+    request: serde_json::Value,
+    parts: Vec<plan::Part>,
+    sizing: plan::Sizing,
+}
+
+/// The request fields that determine the measurements (gates do not).
+fn request_key(req: &AuditRequest, target: &Target) -> serde_json::Value {
+    let dir = std::fs::canonicalize(&target.dir).unwrap_or_else(|_| target.dir.clone());
+    serde_json::json!({
+        "model": dir,
+        "budget": req.config.budget,
+        "audit": req.config.audit,
+        "task": req.config.task,
+        "device": req.device.to_string(),
+    })
+}
+
+fn load_saved(out: &Path, key: &serde_json::Value, fresh: bool) -> Result<Option<SavedPlan>> {
+    let path = out.join("plan.json");
+    if fresh || !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let saved: SavedPlan = serde_json::from_str(&text).map_err(|e| Error::Config {
+        path: path.clone(),
+        message: format!("not an audit plan: {e}"),
+    })?;
+    if &saved.request != key {
+        return Err(Error::Input(format!(
+            "{} holds an audit with other settings or of another model; use another --out, or --fresh to replace it",
+            out.display()
+        )));
+    }
+    Ok(Some(saved))
+}
+
+/// Run the audit described by `req`: plan (every check before compute), measure,
+/// write the certificate, report and figures, evaluate the gates.
+pub fn run_audit(req: &AuditRequest) -> Result<AuditOutcome> {
+    let t0 = Instant::now();
+    req.config.validate().map_err(Error::Input)?;
+    let target = resolve_target(&req.model)?;
+    let device = req.device.device()?;
+    let model = load_model(&target.dir, &device).map_err(|e| {
+        Error::Input(format!(
+            "the model folder {} does not load: {e}",
+            target.dir.display()
+        ))
+    })?;
+    let info = model.info();
+    std::fs::create_dir_all(&req.out).map_err(|e| Error::io(&req.out, e))?;
+    let _lock = crate::output::lock::RunLock::acquire(&req.out.join(".lock"), "audit")?;
+    crate::output::clean_stale_temps(&req.out, 2).map_err(|e| Error::io(&req.out, e))?;
+    let env = measure::Env {
+        target: &target,
+        model: model.as_ref(),
+        info: &info,
+        cfg: &req.config,
+        out: &req.out,
+        device: device.clone(),
+        device_spec: req.device.clone(),
+        progress: req.progress,
+        fresh: req.fresh,
+    };
+    let geometry = plan::Geometry::of(&info);
+    let key = request_key(req, &target);
+    let (parts, sizing, skipped) = make_plan(&env, &geometry, &key)?;
+    let mut results = Vec::new();
+    for part in &parts {
+        results.push(measure::measure(&env, part)?);
+    }
+    let cert = Certificate::new(certificate::Inputs {
+        target: &target,
+        info: &info,
+        geometry,
+        skipped,
+        sizing,
+        cfg: &req.config,
+        parts: results,
+        seconds: t0.elapsed().as_secs_f64(),
+    });
+    let json = req.out.join("audit.json");
+    cert.write(&json)?;
+    let report = report::write(&cert, &req.out)?;
+    let exit_code = match cert.verdict {
+        Verdict::Fail => EXIT_GATE_FAILED,
+        _ => EXIT_PASS,
+    };
+    Ok(AuditOutcome {
+        certificate: cert,
+        json,
+        report,
+        exit_code,
+    })
+}
+
+/// The parts, their sizes and the strides left out: from `OUT/plan.json` when the
+/// same request ran there before, else planned, checked and saved.
+fn make_plan(
+    env: &measure::Env,
+    geometry: &plan::Geometry,
+    key: &serde_json::Value,
+) -> Result<(Vec<plan::Part>, plan::Sizing, Vec<plan::Skipped>)> {
+    // A probe of the task setup: the prompt format and token space, checked.
+    let probe = plan::Part {
+        name: "probe".into(),
+        period: 1,
+        phased: false,
+        why: "prompt format".into(),
+        protocols: vec![crate::tasks::Protocol::PrefixPadding],
+        filler: false,
+        n_logical: 2,
+    };
+    let exp = env.experiment(&probe, "phase-sweep", 2)?;
+    let (_, task) = measure::resolve(env, &exp)?;
+    let prompt_len = task.prompt.unpadded_len(&task.space);
+    let (mut parts, skipped) = plan::parts(geometry, env.cfg, prompt_len);
+    if let Some(saved) = load_saved(env.out, key, env.fresh)? {
+        return Ok((saved.parts, saved.sizing, skipped));
+    }
+    // Every part's prompts against the model (vocabulary, positions, memory).
+    for part in &parts {
+        let exp = env.experiment(part, "phase-sweep", 2)?;
+        let (mref, task) = measure::resolve(env, &exp)?;
+        let len = prompt_len + 2 * part.period;
+        crate::runner::setup::check(&exp, &mref, env.info, &task, len)?;
+    }
+    let spp = plan::calibrate(env.model, task.space.pad(), prompt_len + 8, 32)?;
+    let sizing = plan::size(&mut parts, env.cfg, spp, prompt_len)?;
+    let saved = SavedPlan {
+        request: key.clone(),
+        parts: parts.clone(),
+        sizing: sizing.clone(),
+    };
+    let path = env.out.join("plan.json");
+    let text = serde_json::to_string_pretty(&saved)
+        .map_err(|e| Error::Other(format!("audit plan: {e}")))?;
+    crate::output::write_bytes_atomic(&path, text.as_bytes()).map_err(|e| Error::io(&path, e))?;
+    Ok((parts, sizing, skipped))
+}
