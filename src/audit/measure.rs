@@ -14,7 +14,6 @@ use crate::output::LongRow;
 use crate::runner::exec::{ExecStats, Group, GroupResult};
 use crate::runner::experiment::Experiment;
 use crate::runner::kinds::Ctx;
-use crate::runner::kinds::phase_sweep::protocol_suffix;
 use crate::runner::prompts::{PromptMeta, clean_prompts};
 use crate::runner::rows::RowCtx;
 use crate::runner::setup::{self, ModelRef, TaskSetup};
@@ -396,7 +395,7 @@ pub fn filler(env: &Env, part: &Part) -> Result<(FillerResult, ExecStats)> {
 
 /// The long rows of `metric` (per phase and pooled) as per-length results.
 fn length_result(rows: &[LongRow], length: usize, proto: Protocol, p: usize) -> LengthResult {
-    let sfx = format!("{}_len{length}", protocol_suffix(proto));
+    let sfx = format!("{}_len{length}", proto.metric_suffix());
     let find = |m: &str, ph: Option<u32>| {
         rows.iter()
             .find(|r| r.metric == format!("{m}{sfx}") && r.phase == ph)

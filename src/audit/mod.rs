@@ -276,7 +276,12 @@ fn make_plan(
         let exp = env.experiment(part, "phase-sweep", 2)?;
         let (mref, task) = measure::resolve(env, &exp)?;
         let len = prompt_len + 2 * part.period;
-        crate::runner::setup::check(&exp, &mref, env.info, &task, len)?;
+        // A phase sweep runs its prompts `max_rows` at a time.
+        let size = crate::runner::setup::ForwardSize {
+            prompt_len: len,
+            rows: exp.max_rows(&crate::device::DeviceSpec::Cpu).max(1),
+        };
+        crate::runner::setup::check(&exp, &mref, env.info, &task, size)?;
     }
     let spp = plan::calibrate(env.model, task.space.pad(), prompt_len + 8, 32)?;
     let sizing = plan::size(&mut parts, env.cfg, spp, prompt_len)?;

@@ -84,7 +84,7 @@ fn estimate_is_within_20_percent_of_the_measured_peak() {
 fn config_missing_a_key_is_named() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("cfg.json");
-    let text = include_str!("../src/model/deepseek_v4/published/v4-flash.json");
+    let text = include_str!("../../src/model/deepseek_v4/published/v4-flash.json");
     let mut v: serde_json::Value = serde_json::from_str(text).unwrap();
     v.as_object_mut().unwrap().remove("moe_intermediate_size");
     std::fs::write(&p, v.to_string()).unwrap();
