@@ -19,11 +19,26 @@ build:
 fmt:
     cargo fmt
 
+# Check formatting (no build; part of `just test`).
+fmt-check:
+    cargo fmt --check
+
+# Formatting + clippy with warnings as errors. clippy checks every dependency again in
+# check mode (a second compile of burn, polars, wgpu, ...), so CI runs `fmt-check` only.
+lint: fmt-check
+    cargo clippy --features {{features}} --all-targets -- -D warnings
+
 # One build with every backend; the backend matrix runs on flex, tch-cpu and wgpu.
-# Run the whole test suite (what CI runs).
-test:
+# Run the whole test suite (what CI runs): formatting, doc tests, the one test binary.
+test: fmt-check
     cargo test --doc --features {{features}}
     cargo nextest run --no-fail-fast --features {{features}}
+    just examples
+
+# Run the library examples (examples/: built by the test build above).
+examples:
+    cargo run --quiet --features {{features}} --example phase_sweep
+    cargo run --quiet --features {{features}} --example cache_and_patch
 
 # List hook points.
 hooks: build

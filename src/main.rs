@@ -95,7 +95,9 @@ fn ensure_runtime_dir() {
     if usable {
         return;
     }
-    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
+    let uid = std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(0);
     let dir = std::env::temp_dir().join(format!("phaselens-runtime-{uid}"));
     let made = std::fs::DirBuilder::new().mode(0o700).create(&dir);
     if made.is_ok() || dir.is_dir() {

@@ -8,10 +8,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::model::ModelInfo;
 
+use super::Target;
 use super::config::{AuditConfig, GateOn};
 use super::measure::{PartResult, ProtocolResult};
 use super::plan::{Geometry, Sizing, Skipped};
-use super::Target;
 
 /// Schema name in `audit.json`.
 pub const SCHEMA: &str = "phaselens.audit";

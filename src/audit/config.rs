@@ -115,8 +115,12 @@ fn num_or_text<'de, D: Deserializer<'de>>(
     }
     match Option::<V>::deserialize(d)? {
         None => Ok(None),
-        Some(V::N(x)) => f(&x.to_string()).map(Some).map_err(serde::de::Error::custom),
-        Some(V::I(x)) => f(&x.to_string()).map(Some).map_err(serde::de::Error::custom),
+        Some(V::N(x)) => f(&x.to_string())
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+        Some(V::I(x)) => f(&x.to_string())
+            .map(Some)
+            .map_err(serde::de::Error::custom),
         Some(V::S(s)) => f(&s).map(Some).map_err(serde::de::Error::custom),
     }
 }
@@ -268,7 +272,11 @@ impl AuditConfig {
         if !a.lengths.is_empty() && a.long_logical == 0 {
             return Err("[audit] long_logical must be at least 1".into());
         }
-        if let Some(&l) = a.lengths.iter().find(|&&l| l < 16 || l > crate::tasks::MAX_HAYSTACK_LEN) {
+        if let Some(&l) = a
+            .lengths
+            .iter()
+            .find(|&&l| l < 16 || l > crate::tasks::MAX_HAYSTACK_LEN)
+        {
             return Err(format!(
                 "[audit] lengths: {l} is outside 16..={}",
                 crate::tasks::MAX_HAYSTACK_LEN
@@ -326,8 +334,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("max_gapp") && e.contains("line 2"), "{e}");
-        let c: AuditConfig =
-            crate::toml_file::parse_toml(p, "[task]\nperiod = 4\n").unwrap();
+        let c: AuditConfig = crate::toml_file::parse_toml(p, "[task]\nperiod = 4\n").unwrap();
         assert!(c.validate().unwrap_err().contains("[task] period"));
     }
 }

@@ -293,7 +293,11 @@ fn protocol_result(
                 .iter()
                 .filter(|o| o.1 as usize == r)
                 .fold((0u64, 0u64), |(n, c), o| (n + 1, c + u64::from(o.2)));
-            let (lo, hi) = if n > 0 { wilson(c, n, Z95) } else { (f64::NAN, f64::NAN) };
+            let (lo, hi) = if n > 0 {
+                wilson(c, n, Z95)
+            } else {
+                (f64::NAN, f64::NAN)
+            };
             PhaseStat {
                 phase: r as u32,
                 n,
@@ -341,12 +345,20 @@ pub fn retrieval(
     }
     let prefix = observations(&metas, &results, Protocol::PrefixPadding);
     let (flipping, n) = shift_flips(&rows_by_logical(&prefix, p));
-    let (lo, hi) = if n > 0 { wilson(flipping, n, Z95) } else { (f64::NAN, f64::NAN) };
+    let (lo, hi) = if n > 0 {
+        wilson(flipping, n, Z95)
+    } else {
+        (f64::NAN, f64::NAN)
+    };
     let shift = ShiftResult {
         shifts: p,
         n_logical: n,
         flipping,
-        flip_rate: if n > 0 { flipping as f64 / n as f64 } else { f64::NAN },
+        flip_rate: if n > 0 {
+            flipping as f64 / n as f64
+        } else {
+            f64::NAN
+        },
         ci95: [lo, hi],
     };
     Ok((out, shift, stats, notes))
@@ -358,7 +370,10 @@ pub fn filler(env: &Env, part: &Part) -> Result<(FillerResult, ExecStats)> {
     let what = format!("{}-filler", part.name);
     let (out, stats, _) = with_ctx(env, &exp, &what, |ctx| exp.kind().run(ctx))?;
     let rows: Vec<LongRow> = out.tables.into_iter().flat_map(|(_, r)| r).collect();
-    let get = |metric: &str, r: u32| rows.iter().find(|x| x.metric == metric && x.phase == Some(r));
+    let get = |metric: &str, r: u32| {
+        rows.iter()
+            .find(|x| x.metric == metric && x.phase == Some(r))
+    };
     let by_residue: Vec<ResidueStat> = (0..part.period as u32)
         .filter_map(|r| {
             let d = get("prob_diff", r)?;
@@ -370,11 +385,16 @@ pub fn filler(env: &Env, part: &Part) -> Result<(FillerResult, ExecStats)> {
             })
         })
         .collect();
-    let vals: Vec<f64> = by_residue.iter().map(|r| r.prob_diff).filter(|v| v.is_finite()).collect();
+    let vals: Vec<f64> = by_residue
+        .iter()
+        .map(|r| r.prob_diff)
+        .filter(|v| v.is_finite())
+        .collect();
     let swing = if vals.is_empty() {
         f64::NAN
     } else {
-        vals.iter().cloned().fold(f64::MIN, f64::max) - vals.iter().cloned().fold(f64::MAX, f64::min)
+        vals.iter().cloned().fold(f64::MIN, f64::max)
+            - vals.iter().cloned().fold(f64::MAX, f64::min)
     };
     let (lo, hi) = part.filler_lengths();
     Ok((

@@ -59,8 +59,8 @@ fn sibling_recipe(dir: &Path) -> Option<PathBuf> {
     let name = dir.file_name()?;
     let recipe = dir.with_file_name(format!("{}.toml", name.to_string_lossy()));
     let file = OrganismFile::load(&recipe).ok()?;
-    let same = std::fs::canonicalize(file.model_dir(&recipe)).ok()?
-        == std::fs::canonicalize(dir).ok()?;
+    let same =
+        std::fs::canonicalize(file.model_dir(&recipe)).ok()? == std::fs::canonicalize(dir).ok()?;
     same.then_some(recipe)
 }
 
@@ -69,12 +69,22 @@ fn sibling_recipe(dir: &Path) -> Option<PathBuf> {
 fn plain_name(s: &str) -> String {
     let mut n: String = s
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '-' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
         .collect();
     while n.contains("..") {
         n = n.replace("..", ".");
     }
-    let n = n.trim_start_matches('.').chars().take(100).collect::<String>();
+    let n = n
+        .trim_start_matches('.')
+        .chars()
+        .take(100)
+        .collect::<String>();
     if n.is_empty() { "model".into() } else { n }
 }
 

@@ -123,7 +123,11 @@ impl Part {
 
     /// Prompts of the filler probe.
     pub fn filler_prompts(&self, instances: usize) -> usize {
-        if self.filler { 2 * self.period * instances } else { 0 }
+        if self.filler {
+            2 * self.period * instances
+        } else {
+            0
+        }
     }
 
     /// Cost of the long-context test in retrieval-prompt equivalents (a prompt of
@@ -174,7 +178,10 @@ pub fn parts(geo: &Geometry, cfg: &AuditConfig, prompt_len: usize) -> (Vec<Part>
         return (vec![part(p, false, why)], Vec::new());
     }
     if let Some(p) = a.period {
-        return (vec![part(p as usize, true, "[audit] period".into())], Vec::new());
+        return (
+            vec![part(p as usize, true, "[audit] period".into())],
+            Vec::new(),
+        );
     }
     let mut kept = Vec::new();
     let mut skipped = Vec::new();
@@ -207,7 +214,11 @@ pub fn parts(geo: &Geometry, cfg: &AuditConfig, prompt_len: usize) -> (Vec<Part>
     if kept.len() > 1 {
         let l = kept.iter().fold(1, |acc, &s| acc / gcd(acc, s) * s);
         if !kept.contains(&l) && l <= a.max_period {
-            out.push(part(l, true, format!("least common multiple of strides {kept:?}")));
+            out.push(part(
+                l,
+                true,
+                format!("least common multiple of strides {kept:?}"),
+            ));
         }
     }
     (out, skipped)
@@ -271,7 +282,11 @@ pub fn experiment_text(
         let mut l = toml::Table::new();
         let ints = |v: &[usize]| V::Array(v.iter().map(|&x| V::Integer(x as i64)).collect());
         l.insert("lengths".into(), ints(&cfg.audit.lengths));
-        let protos = part.protocols.iter().map(|p| V::String(p.name().into())).collect();
+        let protos = part
+            .protocols
+            .iter()
+            .map(|p| V::String(p.name().into()))
+            .collect();
         l.insert("protocols".into(), V::Array(protos));
         root.insert("long_context".into(), V::Table(l));
     }
@@ -348,8 +363,9 @@ pub fn size(
              ({prompts} prompts, about {:.0} s at {:.2} ms per prompt measured here), but the budget \
              (prompts = {}, time = {}) buys {n}. Raise --budget (e.g. --budget prompts={prompts},time={:.0}s) \
              or accept a wider interval (--ci-width)",
-            a.ci_width
-                .map_or("a CI".to_string(), |w| format!("a {w} pp wide phase-difference CI")),
+            a.ci_width.map_or("a CI".to_string(), |w| format!(
+                "a {w} pp wide phase-difference CI"
+            )),
             prompts as f64 * sec_per_prompt,
             sec_per_prompt * 1e3,
             cfg.budget.prompts,
@@ -415,7 +431,10 @@ mod tests {
         assert_eq!(s[0].stride, 128);
         // Two testable strides: each, and their lcm when it is new.
         let (p, _) = parts(&geo(&[(8, 4), (6, 6)]), &cfg, 90);
-        assert_eq!(p.iter().map(|p| p.period).collect::<Vec<_>>(), vec![4, 6, 12]);
+        assert_eq!(
+            p.iter().map(|p| p.period).collect::<Vec<_>>(),
+            vec![4, 6, 12]
+        );
         let (p, _) = parts(&geo(&[(8, 4), (16, 16)]), &cfg, 90);
         assert_eq!(p.iter().map(|p| p.period).collect::<Vec<_>>(), vec![4, 16]);
     }
@@ -438,6 +457,9 @@ mod tests {
         assert_eq!(p[0].n_logical % 128, 0);
         cfg.budget.prompts = 500;
         let e = size(&mut p, &cfg, 1e-3, 90).unwrap_err().to_string();
-        assert!(e.contains("budget is too small") && e.contains("86 logical"), "{e}");
+        assert!(
+            e.contains("budget is too small") && e.contains("86 logical"),
+            "{e}"
+        );
     }
 }

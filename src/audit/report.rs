@@ -39,7 +39,11 @@ fn accuracy_figure(part: &PartResult, dir: &Path) -> Result<crate::output::Figur
         dir.join(format!("accuracy_{}", part.name)),
         &LinePlotSpec {
             series,
-            title: format!("{}: top-1 accuracy by {}", part.name, what.split(' ').next().unwrap_or("phase")),
+            title: format!(
+                "{}: top-1 accuracy by {}",
+                part.name,
+                what.split(' ').next().unwrap_or("phase")
+            ),
             x_label: what,
             y_label: "accuracy (95% Wilson CI)".into(),
             y_range: Some((0.0, 1.0)),
@@ -54,7 +58,11 @@ fn filler_figure(part: &PartResult, dir: &Path) -> Result<Option<crate::output::
         return Ok(None);
     };
     let r = &f.by_residue;
-    let band = |i: usize| r.iter().map(|s| s.ci95.map_or(f64::NAN, |c| c[i])).collect();
+    let band = |i: usize| {
+        r.iter()
+            .map(|s| s.ci95.map_or(f64::NAN, |c| c[i]))
+            .collect()
+    };
     let series = vec![BandSeries {
         name: "P(correct) - P(distractor)".into(),
         x: r.iter().map(|s| f64::from(s.residue)).collect(),
@@ -79,13 +87,23 @@ fn filler_figure(part: &PartResult, dir: &Path) -> Result<Option<crate::output::
 fn phase_table(report: &mut Report, part: &PartResult) {
     let what = if part.phased { "phase" } else { "shift" };
     let mut header = vec![what.to_string()];
-    header.extend(part.protocols.iter().map(|p| format!("{} accuracy % [95% CI] (n)", p.protocol)));
+    header.extend(
+        part.protocols
+            .iter()
+            .map(|p| format!("{} accuracy % [95% CI] (n)", p.protocol)),
+    );
     let rows = (0..part.period)
         .map(|r| {
             let mut row = vec![r.to_string()];
             for p in &part.protocols {
                 let s = &p.per_phase[r];
-                row.push(format!("{} [{}, {}] ({})", pct(s.accuracy), pct(s.ci95[0]), pct(s.ci95[1]), s.n));
+                row.push(format!(
+                    "{} [{}, {}] ({})",
+                    pct(s.accuracy),
+                    pct(s.ci95[0]),
+                    pct(s.ci95[1]),
+                    s.n
+                ));
             }
             row
         })
@@ -99,7 +117,9 @@ fn long_table(report: &mut Report, part: &PartResult) {
         return;
     }
     let ci = |c: Option<[f64; 2]>, scale: f64| {
-        c.map_or("n/a".to_string(), |c| format!("[{:.1}, {:.1}]", scale * c[0], scale * c[1]))
+        c.map_or("n/a".to_string(), |c| {
+            format!("[{:.1}, {:.1}]", scale * c[0], scale * c[1])
+        })
     };
     let rows = part
         .long_context
@@ -114,9 +134,15 @@ fn long_table(report: &mut Report, part: &PartResult) {
             ]
         })
         .collect();
-    let header = ["length", "protocol", "mean accuracy % [CI]", "worst phase", "gap pp [CI]"]
-        .map(String::from)
-        .to_vec();
+    let header = [
+        "length",
+        "protocol",
+        "mean accuracy % [CI]",
+        "worst phase",
+        "gap pp [CI]",
+    ]
+    .map(String::from)
+    .to_vec();
     report.table(
         "Long-context haystacks (needle depths 0.1, 0.5, 0.9; 95% cluster-bootstrap CIs, selection-adjusted for the gap)",
         header,
@@ -191,9 +217,17 @@ fn gates_section(report: &mut Report, c: &Certificate) {
                 ]
             })
             .collect();
-        let header = ["gate", "part", "protocol", "statistic", "value", "threshold", "result"]
-            .map(String::from)
-            .to_vec();
+        let header = [
+            "gate",
+            "part",
+            "protocol",
+            "statistic",
+            "value",
+            "threshold",
+            "result",
+        ]
+        .map(String::from)
+        .to_vec();
         report.table("Gates", header, rows);
     }
 }
@@ -202,7 +236,11 @@ fn gates_section(report: &mut Report, c: &Certificate) {
 fn geometry_text(c: &Certificate) -> String {
     let g = &c.geometry;
     let mut s = if g.compressed {
-        format!("Compression strides {:?}; audited periods {:?}.", g.strides, c.parts.iter().map(|p| p.period).collect::<Vec<_>>())
+        format!(
+            "Compression strides {:?}; audited periods {:?}.",
+            g.strides,
+            c.parts.iter().map(|p| p.period).collect::<Vec<_>>()
+        )
     } else {
         "No chunked compression: the model has no phase. The audit ran the shift-invariance test only (the same prompts shifted by 0..P-1 prefix pads); the gates apply to accuracy by shift.".to_string()
     };
@@ -232,7 +270,10 @@ pub fn write(c: &Certificate, out: &Path) -> Result<PathBuf> {
         let f = accuracy_figure(part, &figs)?;
         r.figure_files(format!("{}: accuracy with 95% Wilson bands", part.name), &f);
         if let Some(f) = filler_figure(part, &figs)? {
-            r.figure_files(format!("{}: filler probe, 95% cluster-bootstrap bands", part.name), &f);
+            r.figure_files(
+                format!("{}: filler probe, 95% cluster-bootstrap bands", part.name),
+                &f,
+            );
         }
         for n in &part.notes {
             r.paragraph(format!("Note: {n}"));

@@ -241,8 +241,16 @@ fn v4_parity(root: &Path, device: &Device) -> Result<Vec<Measure>> {
     let mut out = Vec::new();
     for name in names {
         let d = dir.join(&name);
-        let m = deepseek_v4::load(&d, device)?;
+        // A fixture whose reference.json records `near_boundary` (real-width indexer
+        // scores, whose top-k boundary can fall within float rounding) is not expected
+        // to match without the reference's selection; its own test forces it.
+        let meta_path = d.join("reference.json");
+        let meta = std::fs::read_to_string(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
+        if meta.contains("\"near_boundary\"") {
+            continue;
+        }
         let r = SafetensorsReader::open(&d.join("reference.safetensors"))?;
+        let m = deepseek_v4::load(&d, device)?;
         let (shape, ids) = r.read_i64("input_ids")?;
         let t = Tensor::<2, Int>::from_data(TensorData::new(ids, [shape[0], shape[1]]), device);
         let got = host(m.forward(t, &HookSpec::new())?.logits)?;

@@ -34,7 +34,8 @@ pub fn run(a: FiguresArgs) -> Result<()> {
         );
     }
     // The static explorers that exist (`phaselens view` creates them) follow the tables.
-    for site in phaselens::view::redraw_sites(&a.data_dir, &a.reports_dir, a.experiment.as_deref())? {
+    for site in phaselens::view::redraw_sites(&a.data_dir, &a.reports_dir, a.experiment.as_deref())?
+    {
         eprintln!("view: {}", site.dir.join("index.html").display());
     }
     for (name, files) in done {

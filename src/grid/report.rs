@@ -9,8 +9,8 @@ use crate::error::Result;
 use crate::output::{Headline, Report};
 
 use super::merged::{Merged, SummaryRow, bindings_of, detail, final_row, seed_groups, slot_of};
-use crate::analysis::effects::mean_sd;
 use super::spec::Grid;
+use crate::analysis::effects::mean_sd;
 
 fn pct(x: f64) -> String {
     if x.is_finite() {

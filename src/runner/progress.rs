@@ -14,7 +14,7 @@ pub enum ProgressMode {
     Auto,
     /// Plain lines on stderr.
     Plain,
-    /// Nothing (tests).
+    /// Nothing (tests, the backend matrix, library calls); warnings go to the report only.
     Hidden,
 }
 

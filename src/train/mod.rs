@@ -204,8 +204,7 @@ pub fn training_sampler(path: &Path, file: &OrganismFile) -> Result<KvTrainSampl
             ),
         });
     }
-    memory::check_training(file, sampler.seq_len())
-        .context_with(|| path.display().to_string())?;
+    memory::check_training(file, sampler.seq_len()).context_with(|| path.display().to_string())?;
     Ok(sampler)
 }
 

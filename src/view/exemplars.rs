@@ -249,9 +249,10 @@ fn answer_rows(
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let z: f64 = row.iter().map(|&x| f64::from((x - max).exp())).sum();
     let prob = |id: usize| f64::from((row[id] - max).exp()) / z;
-    let answer = *e.answers.first().ok_or_else(|| {
-        Error::Input(format!("logical example {}: no answer token", e.logical_id))
-    })? as usize;
+    let answer =
+        *e.answers.first().ok_or_else(|| {
+            Error::Input(format!("logical example {}: no answer token", e.logical_id))
+        })? as usize;
     if answer >= v {
         return Err(Error::Input(format!(
             "answer token {answer} is outside the model's vocabulary 0..{v}"

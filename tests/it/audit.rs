@@ -2,7 +2,6 @@
 //! checkpoint, resume after an interruption, the errors before compute, and the
 //! documented exit codes through the binary.
 
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -69,7 +68,11 @@ fn shipped_kvc_w8s8_fails_a_5pp_gate_with_exit_code_3_and_a_full_certificate() {
         &["--max-gap", "5pp", "--budget", "prompts=2700,time=none"],
     );
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
-    assert!(stderr(&o).contains("gate failed: max_gap"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("gate failed: max_gap"),
+        "{}",
+        stderr(&o)
+    );
     let c = certificate(&out);
     assert_eq!(c["schema"], "phaselens.audit");
     assert_eq!(c["schema_version"], 1);
@@ -82,7 +85,13 @@ fn shipped_kvc_w8s8_fails_a_5pp_gate_with_exit_code_3_and_a_full_certificate() {
     let prefix = &part["protocols"][0];
     assert_eq!(prefix["protocol"], "prefix_padding");
     assert_eq!(prefix["per_phase"].as_array().unwrap().len(), 8);
-    assert!(prefix["per_phase"].as_array().unwrap().iter().all(|p| p["n"] == 128));
+    assert!(
+        prefix["per_phase"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["n"] == 128)
+    );
     // The organism's known weak phase: a binding that straddles a window boundary.
     assert_eq!(prefix["worst_phase"], 7);
     assert!(prefix["gap_pp"].as_f64().unwrap() > 5.0);
@@ -90,7 +99,13 @@ fn shipped_kvc_w8s8_fails_a_5pp_gate_with_exit_code_3_and_a_full_certificate() {
     assert!(prefix["flatness"]["p_value"].as_f64().unwrap() < 0.05);
     assert!(part["shift_invariance"]["flip_rate"].as_f64().unwrap() > 0.0);
     assert_eq!(part["filler"]["by_residue"].as_array().unwrap().len(), 8);
-    for f in ["report.md", "report.html", "figures/accuracy_period-8.png", "figures/filler_period-8.png", "plan.json"] {
+    for f in [
+        "report.md",
+        "report.html",
+        "figures/accuracy_period-8.png",
+        "figures/filler_period-8.png",
+        "plan.json",
+    ] {
         assert!(out.join(f).exists(), "{f}");
     }
 }
@@ -176,7 +191,9 @@ fn an_interrupted_audit_resumes_from_its_shards_and_gives_the_same_certificate()
     assert!(resumed.certificate.forwards < first.certificate.forwards);
     assert_eq!(parts(&resumed.certificate), parts(&first.certificate));
     // Another request into the same folder is refused.
-    let e = run_audit(&request(&recipe, &out, small(1000))).unwrap_err().to_string();
+    let e = run_audit(&request(&recipe, &out, small(1000)))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("other settings"), "{e}");
 }
 
@@ -199,7 +216,11 @@ fn errors_come_before_compute_with_exit_code_1_and_say_what_to_change() {
     let d = dir.path();
     // A vocabulary too small for the synthetic token space (ids up to 128).
     let out = d.join("vocab");
-    let o = audit_cli(&repo().join("tests/fixtures/deepseek_v4/ties_default"), &out, &[]);
+    let o = audit_cli(
+        &repo().join("tests/fixtures/deepseek_v4/ties_default"),
+        &out,
+        &[],
+    );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("vocabulary of 64"), "{}", stderr(&o));
     assert!(!out.join("shards").exists() && !out.join("audit.json").exists());
@@ -220,10 +241,17 @@ fn errors_come_before_compute_with_exit_code_1_and_say_what_to_change() {
     assert!(stderr(&o).contains("no config.json"), "{}", stderr(&o));
     // A budget too small for the requested CI width.
     let w8s8 = repo().join("experiments/organisms/kvc-w8s8");
-    let o = audit_cli(&w8s8, &d.join("o3"), &["--budget", "prompts=800", "--ci-width", "20pp"]);
+    let o = audit_cli(
+        &w8s8,
+        &d.join("o3"),
+        &["--budget", "prompts=800", "--ci-width", "20pp"],
+    );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let e = stderr(&o);
-    assert!(e.contains("budget is too small") && e.contains("193 logical"), "{e}");
+    assert!(
+        e.contains("budget is too small") && e.contains("193 logical"),
+        "{e}"
+    );
     assert!(!d.join("o3/shards").exists());
     // Bad command lines are clap's exit code 2.
     let o = audit_cli(&w8s8, &d.join("o4"), &["--max-gap", "banana"]);
@@ -252,7 +280,11 @@ fn without_gates_the_audit_measures_and_exits_0_and_a_toml_sets_the_gates() {
     // A gate nothing can pass (worst phase at 101% is refused; 100% with a random
     // model fails): from the TOML, exit code 3.
     let toml = d.join("audit.toml");
-    std::fs::write(&toml, "[gates]\nmin_worst_phase = \"100%\"\n[audit]\nfiller = false\n").unwrap();
+    std::fs::write(
+        &toml,
+        "[gates]\nmin_worst_phase = \"100%\"\n[audit]\nfiller = false\n",
+    )
+    .unwrap();
     let mut args = common.to_vec();
     args.extend(["--config", toml.to_str().unwrap()]);
     let o = audit_cli(&recipe, &d.join("b"), &args);
@@ -264,5 +296,9 @@ fn without_gates_the_audit_measures_and_exits_0_and_a_toml_sets_the_gates() {
     std::fs::write(&toml, "[gates]\nmax_gapp = 5\n").unwrap();
     let o = audit_cli(&recipe, &d.join("c"), &["--config", toml.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("max_gapp") && stderr(&o).contains("audit.toml"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("max_gapp") && stderr(&o).contains("audit.toml"),
+        "{}",
+        stderr(&o)
+    );
 }

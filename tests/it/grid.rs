@@ -1,7 +1,6 @@
 //! `phaselens grid`: grid files, design expansion, the local executor (the same code
 //! path as `phaselens train` + `phase-sweep`), the merge, figures and report.
 
-
 use std::path::Path;
 
 use crate::grid_common::{EVAL, grid_dir, phaselens, text};

@@ -9,7 +9,6 @@
 //! what neither knows) is tested with stand-in tools on PATH, since the test cluster
 //! has no accounting database: that test runs everywhere.
 
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -6,7 +6,6 @@
 //! A seeded random walk over accept / refuse / lose-contact / jobs-ending checks the
 //! invariants after every step. Runs anywhere, no Slurm or root needed.
 
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

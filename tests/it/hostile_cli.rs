@@ -3,7 +3,6 @@
 //! kill the run resumes, no finished shard or checkpoint is ever lost or changed, and
 //! the final tables / weights equal those of an uninterrupted run.
 
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;

@@ -219,9 +219,7 @@ fn kvc_config_sizes_beyond_memory_are_refused_naming_the_keys() {
     let mut c = KvcConfig::tiny();
     c.vocab_size = 1 << 40;
     c.d_model = 1 << 20;
-    let e = c.check_memory()
-        .unwrap_err()
-        .to_string();
+    let e = c.check_memory().unwrap_err().to_string();
     assert!(
         e.contains("vocab_size = 1099511627776") && e.contains("d_model"),
         "{e}"
@@ -349,9 +347,7 @@ fn deepseek_v4_configs_reject_impossible_values() {
         v["moe_intermediate_size"] = (1u64 << 22).into();
     });
     let c = DeepseekV4Config::from_json(&big).unwrap();
-    let e = c.check_memory()
-        .unwrap_err()
-        .to_string();
+    let e = c.check_memory().unwrap_err().to_string();
     assert!(e.contains("hidden_size = 4194304"), "{e}");
 }
 

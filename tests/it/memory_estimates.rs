@@ -3,9 +3,8 @@
 //! prompt per forward and is not refused as if it held the whole group), and the
 //! per-forward estimate is held against the peak resident memory a forward reaches.
 
-
-use burn::tensor::{Int, Tensor, TensorData};
 use crate::common::runner::{experiment, opts, random_model, tiny, two_value_organism};
+use burn::tensor::{Int, Tensor, TensorData};
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::HookSpec;
 use phaselens::model::memory::{forward_bytes, human};

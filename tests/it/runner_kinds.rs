@@ -1,7 +1,6 @@
 //! End-to-end tests of ablate-heads, knockout, gate-profiles, gate-cycling and
 //! phase-sweep on tiny random organisms, and the redraw of figures from tables.
 
-
 use std::collections::BTreeMap;
 
 use crate::common::runner::*;

@@ -1,10 +1,9 @@
 //! attribution-patching: the AtP terms against finite differences of the model, and
 //! the kind end to end (tables, agreement with exact patching, report, resume).
 
-
-use burn::tensor::{Tensor, TensorData};
 use crate::common::runner::*;
 use crate::common::{dev, vals};
+use burn::tensor::{Tensor, TensorData};
 use phaselens::hooks::{Act, Action, HookPoint, HookSpec, Scope, Site};
 use phaselens::model::LanguageModel;
 use phaselens::output::{HeadKind, LONG_COLUMNS, LongRow, Table, read_long_rows, validate_columns};

@@ -1,7 +1,6 @@
 //! path-patching: the batched two-step routine against full forwards with the hooks'
 //! own actions, and the kind end to end (tables, report, redraw, resume).
 
-
 use std::sync::Arc;
 
 use crate::common::dev;

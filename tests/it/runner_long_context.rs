@@ -6,9 +6,9 @@ use crate::common;
 
 use std::collections::BTreeMap;
 
-use burn::tensor::{Int, Tensor, TensorData};
 use crate::common::dev;
 use crate::common::runner::*;
+use burn::tensor::{Int, Tensor, TensorData};
 use phaselens::hooks::HookSpec;
 use phaselens::model::kvc::KvcModel;
 use phaselens::model::load_kvc;

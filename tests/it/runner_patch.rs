@@ -1,7 +1,6 @@
 //! patch-heads end to end, the batched routine against the one-forward-per-cell
 //! loop, exactness, resume, and the checks before compute.
 
-
 use crate::common::runner::*;
 use phaselens::hooks::{Action, HookPoint, Site};
 use phaselens::output::{

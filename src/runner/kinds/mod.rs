@@ -229,7 +229,11 @@ impl<'a> Ctx<'a> {
         let size = setup::ForwardSize { prompt_len, rows };
         let warn = setup::check(self.exp, self.mref, &self.info, &self.task, size)?;
         for w in warn {
-            eprintln!("warning: {w}");
+            // Hidden progress (library calls, the backend matrix): the warning goes to
+            // the report's notes only.
+            if self.opts.progress != super::progress::ProgressMode::Hidden {
+                eprintln!("warning: {w}");
+            }
             self.notes.push(w);
         }
         Ok(())
