@@ -104,67 +104,8 @@ fn fp4_experts_dequantise_exactly() {
 // ---------------------------------------------------------------------------------------
 // Loader errors, on edited copies of the fixture (safetensors rewritten tensor by tensor).
 
-struct Raw {
-    name: String,
-    dtype: String,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-fn read_raw(p: &Path) -> Vec<Raw> {
-    let b = std::fs::read(p).unwrap();
-    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-    let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
-    let data = &b[8 + n..];
-    let mut out: Vec<Raw> = h
-        .as_object()
-        .unwrap()
-        .iter()
-        .filter(|(k, _)| *k != "__metadata__")
-        .map(|(k, v)| {
-            let o = v["data_offsets"].as_array().unwrap();
-            let (a, z) = (
-                o[0].as_u64().unwrap() as usize,
-                o[1].as_u64().unwrap() as usize,
-            );
-            Raw {
-                name: k.clone(),
-                dtype: v["dtype"].as_str().unwrap().to_string(),
-                shape: v["shape"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_u64().unwrap() as usize)
-                    .collect(),
-                bytes: data[a..z].to_vec(),
-            }
-        })
-        .collect();
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    out
-}
-
-fn write_raw(p: &Path, tensors: &[Raw]) {
-    let mut header = serde_json::Map::new();
-    let mut off = 0usize;
-    for t in tensors {
-        header.insert(
-            t.name.clone(),
-            serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [off, off + t.bytes.len()]}),
-        );
-        off += t.bytes.len();
-    }
-    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
-    while !h.len().is_multiple_of(8) {
-        h.push(b' ');
-    }
-    let mut out = (h.len() as u64).to_le_bytes().to_vec();
-    out.extend(h);
-    for t in tensors {
-        out.extend(&t.bytes);
-    }
-    std::fs::write(p, out).unwrap();
-}
+// The raw safetensors editor is shared with the parity tests' loader-error cases.
+use crate::deepseek_v4_parity::{Raw, read_raw, write_raw};
 
 /// A copy of the fixture with model.safetensors edited; returns the load error.
 fn load_error(edit: impl FnOnce(&mut Vec<Raw>)) -> String {

@@ -524,14 +524,15 @@ fn fp8_release_tensors_dequantise_exactly() {
 // ---------------------------------------------------------------------------------------
 // Loader errors, on edited copies of the fixtures.
 
-struct Raw {
-    name: String,
-    dtype: String,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
+/// One tensor of a safetensors file, as stored (also used by deepseek_v4_fp4).
+pub(crate) struct Raw {
+    pub(crate) name: String,
+    pub(crate) dtype: String,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) bytes: Vec<u8>,
 }
 
-fn read_raw(p: &Path) -> Vec<Raw> {
+pub(crate) fn read_raw(p: &Path) -> Vec<Raw> {
     let b = std::fs::read(p).unwrap();
     let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
     let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
@@ -564,7 +565,7 @@ fn read_raw(p: &Path) -> Vec<Raw> {
     out
 }
 
-fn write_raw(p: &Path, tensors: &[Raw]) {
+pub(crate) fn write_raw(p: &Path, tensors: &[Raw]) {
     let mut header = serde_json::Map::new();
     let mut off = 0usize;
     for t in tensors {
