@@ -11,11 +11,11 @@ use crate::analysis::{DEFAULT_LEVEL, Z95, accuracy_clusters, phase_clusters, pha
 use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelInfo};
 use crate::output::LongRow;
-use crate::runner::exec::{ExecStats, Group, GroupResult};
+use crate::runner::exec::{ExecStats, Group};
 use crate::runner::experiment::Experiment;
 use crate::runner::kinds::Ctx;
 use crate::runner::prompts::{PromptMeta, clean_prompts};
-use crate::runner::rows::RowCtx;
+use crate::runner::rows::{RowCtx, protocol_obs};
 use crate::runner::setup::{self, ModelRef, TaskSetup};
 use crate::runner::store::Store;
 use crate::runner::{ProgressMode, RunOptions};
@@ -247,25 +247,6 @@ fn retrieval_groups(
     Ok((groups, metas))
 }
 
-/// `(logical, phase, correct)` of every prompt of `proto`.
-fn observations(
-    metas: &[(Protocol, Vec<PromptMeta>)],
-    results: &[GroupResult],
-    proto: Protocol,
-) -> Vec<(u64, u32, bool)> {
-    metas
-        .iter()
-        .zip(results)
-        .filter(|((p, _), _)| *p == proto)
-        .flat_map(|((_, meta), res)| {
-            meta.iter()
-                .zip(&res.base)
-                .map(|(m, o)| (m.logical, m.phase, o.correct))
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 /// One row per logical example: its outcome at each phase.
 fn rows_by_logical(obs: &[(u64, u32, bool)], p: usize) -> Vec<Row> {
     let mut map: std::collections::BTreeMap<u64, Row> = Default::default();
@@ -340,10 +321,10 @@ pub fn retrieval(
     let p = part.period;
     let mut out = Vec::new();
     for &proto in &part.protocols {
-        let obs = observations(&metas, &results, proto);
+        let obs = protocol_obs(&metas, &results, proto);
         out.push(protocol_result(proto, &obs, p, env.cfg)?);
     }
-    let prefix = observations(&metas, &results, Protocol::PrefixPadding);
+    let prefix = protocol_obs(&metas, &results, Protocol::PrefixPadding);
     let (flipping, n) = shift_flips(&rows_by_logical(&prefix, p));
     let (lo, hi) = if n > 0 {
         wilson(flipping, n, Z95)

@@ -157,3 +157,24 @@ pub fn specialization_rows(
             .at_head(layer, head, kind),
     ]
 }
+
+/// `(logical, phase, correct)` of every clean prompt evaluated under `proto`: `metas[i]`
+/// is the protocol and prompt metas of group `i`, `results[i]` its base run (the phase
+/// sweep and the audit's retrieval both score their groups this way).
+pub fn protocol_obs(
+    metas: &[(crate::tasks::Protocol, Vec<PromptMeta>)],
+    results: &[GroupResult],
+    proto: crate::tasks::Protocol,
+) -> Vec<(u64, u32, bool)> {
+    metas
+        .iter()
+        .zip(results)
+        .filter(|((pr, _), _)| *pr == proto)
+        .flat_map(|((_, meta), res)| {
+            meta.iter()
+                .zip(&res.base)
+                .map(|(m, o)| (m.logical, m.phase, o.correct))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}

@@ -14,11 +14,11 @@ use crate::error::{Error, Result};
 use crate::output::{PhaseAccuracyRow, phase_accuracy_table, write_parquet_copy};
 use crate::tasks::Protocol;
 
-use super::super::exec::{Group, GroupResult};
+use super::super::exec::Group;
 use super::super::experiment::Experiment;
 use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{Figures, accuracy_figure, baseline_headlines};
-use super::super::rows::baseline_rows;
+use super::super::rows::{baseline_rows, protocol_obs};
 use super::{Ctx, Kind, KindOutput};
 
 /// `[sweep]` (phase-sweep).
@@ -112,25 +112,6 @@ fn sweep_groups(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<(Vec<Group>, Vec<Grou
         }
     }
     Ok((groups, metas))
-}
-
-/// `(logical, phase, correct)` of every prompt evaluated under `proto`.
-fn protocol_obs(
-    metas: &[GroupMeta],
-    results: &[GroupResult],
-    proto: Protocol,
-) -> Vec<(u64, u32, bool)> {
-    metas
-        .iter()
-        .zip(results)
-        .filter(|((pr, _), _)| *pr == proto)
-        .flat_map(|((_, meta), res)| {
-            meta.iter()
-                .zip(&res.base)
-                .map(|(m, o)| (m.logical, m.phase, o.correct))
-                .collect::<Vec<_>>()
-        })
-        .collect()
 }
 
 /// The `phase_accuracy` rows of one model and protocol: trials and successes per phase.
