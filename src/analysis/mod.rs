@@ -11,6 +11,7 @@
 //! | [`effects`] | normalised logit difference for patching; relative change (%) for ablations |
 //! | [`gates`] | gate-profile statistics g(r), exp(H(E\[a\])), E\[exp(H(a))\] |
 //! | [`agreement`] | Spearman rank correlation and top-k recall of an estimate against a reference (attribution vs exact patching) |
+//! | [`separable`] | gate cycling's two-factor fit: the part of a phase profile the gates move and the part they do not |
 //! | [`retrieval`] | where attention lands in the `hook_pattern` key layout (needle slots, top hit); indexer ranks |
 //!
 //! Conventions: a *phase* is an index `r` in `0..P`; accuracies are fractions in
@@ -26,6 +27,7 @@ pub mod gates;
 pub mod intervals;
 pub mod profile;
 pub mod retrieval;
+pub mod separable;
 pub mod specialization;
 
 pub use agreement::{average_ranks, spearman, topk_recall};
@@ -43,6 +45,7 @@ pub use profile::{
     pooled_mae, profile_fit, r_squared,
 };
 pub use retrieval::{EntryAlign, SlotLayout, best_rank, top_hit};
+pub use separable::{SeparableFit, ShiftCluster, pooled_profiles, separable_ci, separable_fit};
 pub use specialization::{RankedHead, Specialization, rank_specialized, specialization};
 
 /// Errors of the statistics functions. Each names the offending input.

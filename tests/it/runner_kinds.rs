@@ -244,6 +244,92 @@ fn gate_cycling_end_to_end() {
     );
 }
 
+/// Per-phase values of `metric` at `layer` / `head` (None: whole-model rows).
+fn profile_at(rows: &[LongRow], metric: &str, layer: Option<u32>, head: Option<u32>) -> Vec<f64> {
+    let mut v: Vec<(u32, f64)> = rows
+        .iter()
+        .filter(|r| r.metric == metric && r.layer == layer && r.head == head)
+        .filter_map(|r| Some((r.phase?, r.value)))
+        .collect();
+    v.sort_by_key(|x| x.0);
+    v.into_iter().map(|x| x.1).collect()
+}
+
+#[test]
+fn gate_cycling_per_layer_and_per_head_roll_each_unit_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    two_value_organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 14);
+    let run = |name: &str, cycling: &str| {
+        let exp = experiment(
+            d,
+            &format!("{name}.toml"),
+            &head(
+                "gate-cycling",
+                &format!("\n[cycling]\ndeltas = [1, 2]\n{cycling}"),
+            ),
+        );
+        let s = run_experiment(&exp, &opts(d)).unwrap();
+        (
+            s,
+            rows(&d.join(format!("notebooks-data/{name}/cycling.arrow"))),
+        )
+    };
+    // Each layer alone: 2 layers x 2 shifts x 4 phase groups; layer 1 alone is the
+    // whole-model run restricted to layer 1.
+    let (s, per_layer) = run("lay", "per = \"layer\"\n");
+    assert_eq!(s.stats.cells_computed, 2 * 2 * 4);
+    let (_, only1) = run("one", "layers = [1]\n");
+    for dl in ["+1", "+2"] {
+        let m = format!("cycling_observed_d{dl}");
+        let a = profile_at(&per_layer, &m, Some(1), None);
+        assert_eq!(a.len(), 4, "{m}");
+        assert_eq!(a, profile_at(&only1, &m, None, None), "{m}");
+    }
+    for m in [
+        "cycling_mae",
+        "cycling_r2_both",
+        "cycling_r2_fixed",
+        "cycling_r2_moving",
+    ] {
+        for l in [0, 1] {
+            assert!(
+                per_layer.iter().any(|r| r.metric == m
+                    && r.layer == Some(l)
+                    && r.head.is_none()
+                    && r.phase.is_none()),
+                "{m} at layer {l}"
+            );
+        }
+    }
+    // Each KV head of layer 0 rolled alone: one unit per KV head, rows at that head.
+    let (s, per_head) = run("hd", "per = \"head\"\nlayers = [0]\n");
+    assert_eq!(s.stats.cells_computed, 2 * 2 * 4);
+    let h0 = profile_at(&per_head, "cycling_observed_d+1", Some(0), Some(0));
+    let h1 = profile_at(&per_head, "cycling_observed_d+1", Some(0), Some(1));
+    assert_eq!((h0.len(), h1.len()), (4, 4));
+    assert!(
+        per_head
+            .iter()
+            .filter(|r| r.head.is_some())
+            .all(|r| r.head_kind == Some(HeadKind::Kv))
+    );
+    let report = std::fs::read_to_string(d.join("reports/hd/report.md")).unwrap();
+    assert!(report.contains("layer 0, KV head 1"), "{report}");
+    // The two-factor fit and its factors are written for a whole-model run.
+    let (_, all) = run("all", "");
+    assert_eq!(
+        profile_at(&all, "cycling_fixed_factor", None, None).len(),
+        4
+    );
+    assert_eq!(
+        profile_at(&all, "cycling_moving_factor", None, None).len(),
+        4
+    );
+    let report = std::fs::read_to_string(d.join("reports/all/report.md")).unwrap();
+    assert!(report.contains("Two-factor fit"), "{report}");
+}
+
 #[test]
 fn phase_sweep_over_organisms() {
     let dir = tempfile::tempdir().unwrap();

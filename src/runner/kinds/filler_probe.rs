@@ -117,6 +117,12 @@ impl Kind for FillerProbe {
         128
     }
 
+    /// Its instances are rendered at every filler length by the probe itself, not
+    /// through the task's matched phase groups, so any `n_logical` is exact.
+    fn matched_groups(&self) -> bool {
+        false
+    }
+
     fn check(&self, exp: &Experiment) -> Result<()> {
         let l = match self.probe {
             ProbeKind::Binding => self.lengths,

@@ -23,10 +23,13 @@ use crate::analysis::{
     concatenated_r2, pooled_mae, profile_fit,
 };
 use crate::analysis::{Est, accuracy_clusters, per_phase, phase_clusters};
+use crate::analysis::{ShiftCluster, separable_ci};
 use crate::error::Result;
 use crate::hooks::{Act, Action, HookPoint, Site};
 use crate::model::LayerKind;
-use crate::output::{Headline, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed};
+use crate::output::{
+    HeadKind, Headline, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed,
+};
 
 use super::super::exec::Group;
 use super::super::experiment::{Experiment, GateKind, Selection};
@@ -53,6 +56,19 @@ pub enum Roll {
     Logits,
 }
 
+/// What one set of shifts rolls at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Per {
+    /// The gates of every selected layer together (default; whole-model rows).
+    #[default]
+    All,
+    /// Each selected layer alone (rows at that layer).
+    Layer,
+    /// Each KV head of each selected layer alone (kvc gates; rows at that KV head).
+    Head,
+}
+
 /// `[cycling]` (gate-cycling).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -65,6 +81,9 @@ pub struct GateCycling {
     pub gates: Vec<GateKind>,
     /// Roll the per-offset bias only (default) or each token's whole gate.
     pub roll: Roll,
+    /// Roll all selected layers at once (default), each layer alone, or each KV head
+    /// of each layer alone.
+    pub per: Per,
 }
 
 impl Default for GateCycling {
@@ -74,6 +93,7 @@ impl Default for GateCycling {
             deltas: vec![-3, -2, -1, 1, 2, 3],
             gates: vec![GateKind::Key, GateKind::Value],
             roll: Roll::Bias,
+            per: Per::All,
         }
     }
 }
@@ -149,14 +169,63 @@ fn check_offsets(cfg: &GateCycling, ctx: &mut Ctx, layers: &[usize]) {
     }
 }
 
-/// One edit per shift: roll each token's whole gate, or add the rolled-minus-own bias.
-fn shift_edits(cfg: &GateCycling, ctx: &Ctx, layers: &[usize]) -> Result<Vec<Edit>> {
-    let biases = match cfg.roll {
-        Roll::Bias => gate_biases(ctx, layers, &cfg.gates)?,
-        Roll::Logits => Vec::new(),
-    };
+/// Where a unit's rows go: whole model, a layer, or a KV head of a layer.
+type At = Option<(u32, Option<(u32, HeadKind)>)>;
+
+/// What one set of shifts rolls at once ([`Per`]).
+struct Unit {
+    at: At,
+    layers: Vec<usize>,
+    heads: Option<Vec<usize>>,
+}
+
+/// The units of `per` over the selected `layers`.
+fn units(cfg: &GateCycling, ctx: &Ctx, layers: &[usize]) -> Vec<Unit> {
+    match cfg.per {
+        Per::All => vec![Unit {
+            at: None,
+            layers: layers.to_vec(),
+            heads: None,
+        }],
+        Per::Layer => layers
+            .iter()
+            .map(|&l| Unit {
+                at: Some((l as u32, None)),
+                layers: vec![l],
+                heads: None,
+            })
+            .collect(),
+        Per::Head => layers
+            .iter()
+            .flat_map(|&l| {
+                (0..ctx.info.n_kv_heads).map(move |h| Unit {
+                    at: Some((l as u32, Some((h as u32, HeadKind::Kv)))),
+                    layers: vec![l],
+                    heads: Some(vec![h]),
+                })
+            })
+            .collect(),
+    }
+}
+
+/// A row placed at a unit's layer / head.
+fn place(r: LongRow, at: At) -> LongRow {
+    match at {
+        Some((l, Some((h, k)))) => r.at_head(l, h, k),
+        Some((l, None)) => r.at_layer(l),
+        None => r,
+    }
+}
+
+/// One edit per shift of `unit`: roll each token's whole gate, or add the
+/// rolled-minus-own bias (`biases`: those of every selected layer, read once).
+fn shift_edits(cfg: &GateCycling, unit: &Unit, biases: &[GateBias]) -> Vec<Edit> {
+    let biases: Vec<&GateBias> = biases
+        .iter()
+        .filter(|b| b.point.layer.is_some_and(|l| unit.layers.contains(&l)))
+        .collect();
     let mut points = Vec::new();
-    for &l in layers {
+    for &l in &unit.layers {
         for g in &cfg.gates {
             points.push(HookPoint::block(
                 l,
@@ -167,24 +236,23 @@ fn shift_edits(cfg: &GateCycling, ctx: &Ctx, layers: &[usize]) -> Result<Vec<Edi
             ));
         }
     }
-    Ok(cfg
-        .deltas
+    cfg.deltas
         .iter()
         .map(|&d| match cfg.roll {
             Roll::Logits => Edit::Transform {
                 points: points.clone(),
                 action: Action::Roll { axis: 2, shift: d },
-                heads: None,
+                heads: unit.heads.clone(),
             },
             Roll::Bias => Edit::TransformEach {
                 actions: biases
                     .iter()
                     .map(|b| (b.point, Action::Add(b.delta(d))))
                     .collect(),
-                heads: None,
+                heads: unit.heads.clone(),
             },
         })
-        .collect())
+        .collect()
 }
 
 /// One group per phase: its clean prompts, every shift applied to all of them.
@@ -229,6 +297,7 @@ fn ci_row(rc: &RowCtx, metric: impl Into<String>, ci: &BootstrapCi, n: u64) -> L
 /// prediction); returns its profile cluster per logical example.
 fn shift_rows(
     ctx: &mut Ctx,
+    at: At,
     d: i64,
     obs: Vec<(u64, u32, bool)>,
     base_obs: &[(u64, u32, bool)],
@@ -247,9 +316,9 @@ fn shift_rows(
     );
     let sfx = delta_suffix(d);
     let (po, oo) = per_phase(&observed, |s, n| s[0] / n as f64, reps, seed);
-    rows.extend(rc.phase_rows(&format!("cycling_observed{sfx}"), None, &phases, &po, oo));
+    rows.extend(rc.phase_rows(&format!("cycling_observed{sfx}"), at, &phases, &po, oo));
     let (pp, op) = per_phase(&predicted, |s, n| s[0] / n as f64, reps, seed);
-    rows.extend(rc.phase_rows(&format!("cycling_predicted{sfx}"), None, &phases, &pp, op));
+    rows.extend(rc.phase_rows(&format!("cycling_predicted{sfx}"), at, &phases, &pp, op));
     let obs_pc = phase_clusters(&observed);
     let clusters: Vec<ProfileCluster> = base_pc
         .iter()
@@ -263,20 +332,32 @@ fn shift_rows(
     match profile_fit(&clusters, reps, seed, DEFAULT_LEVEL) {
         Ok(fit) => {
             for (m, ci) in [("cycling_r2", fit.r2), ("cycling_mae", fit.mae)] {
-                rows.push(ci_row(&rc, format!("{m}{sfx}"), &ci, n));
+                rows.push(place(ci_row(&rc, format!("{m}{sfx}"), &ci, n), at));
             }
         }
         Err(e) => {
             // Typically a constant observed profile: R^2 is undefined, MAE is not.
-            let w = format!("delta {d:+}: R^2 undefined ({e}); MAE only");
+            let w = format!(
+                "{}delta {d:+}: R^2 undefined ({e}); MAE only",
+                unit_label(at)
+            );
             eprintln!("warning: {w}");
             ctx.notes.push(w);
             if let Ok(ci) = bootstrap_ci(&clusters, pooled_mae, reps, seed, DEFAULT_LEVEL) {
-                rows.push(ci_row(&rc, format!("cycling_mae{sfx}"), &ci, n));
+                rows.push(place(ci_row(&rc, format!("cycling_mae{sfx}"), &ci, n), at));
             }
         }
     }
     clusters
+}
+
+/// `layer 2, ` / `layer 2 KV head 1, ` / nothing for the whole model.
+fn unit_label(at: At) -> String {
+    match at {
+        Some((l, Some((h, _)))) => format!("layer {l} KV head {h}, "),
+        Some((l, None)) => format!("layer {l}, "),
+        None => String::new(),
+    }
 }
 
 fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
@@ -295,7 +376,22 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
         ));
     }
     check_offsets(cfg, ctx, &layers);
-    let edits = shift_edits(cfg, ctx, &layers)?;
+    if cfg.per == Per::Head && ctx.info.arch == crate::model::deepseek_v4::MODEL_TYPE {
+        return Err(ctx.exp.err(
+            "cycling",
+            "per",
+            "DeepSeek-V4's compressor gates have no KV-head axis (one position_bias per layer); use per = \"layer\" or \"all\"",
+        ));
+    }
+    let biases = match cfg.roll {
+        Roll::Bias => gate_biases(ctx, &layers, &cfg.gates)?,
+        Roll::Logits => Vec::new(),
+    };
+    let units = units(cfg, ctx, &layers);
+    let edits: Vec<Edit> = units
+        .iter()
+        .flat_map(|u| shift_edits(cfg, u, &biases))
+        .collect();
     let (groups, metas) = shift_groups(ctx, &edits)?;
     let results = ctx.execute(&format!("{} gate-cycling", ctx.mref.name), &groups)?;
     let phases = ctx.task.phases.clone();
@@ -309,38 +405,94 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
     let base = accuracy_clusters(p, base_obs_all.clone());
     let mut rows: Vec<LongRow> = baseline_rows(&rc, "", &base, &phases, reps, seed);
     let base_pc = phase_clusters(&base);
-    // Per logical example (in logical order), one profile cluster per delta.
-    let mut per_example: Vec<Vec<ProfileCluster>> = vec![Vec::new(); base_pc.len()];
-    for (di, &d) in cfg.deltas.iter().enumerate() {
-        let obs: Vec<(u64, u32, bool)> = metas
+    let nd = cfg.deltas.len();
+    for (ui, unit) in units.iter().enumerate() {
+        // Per logical example (in logical order), one profile cluster per delta.
+        let mut per_example: Vec<Vec<ProfileCluster>> = vec![Vec::new(); base_pc.len()];
+        for (di, &d) in cfg.deltas.iter().enumerate() {
+            let obs: Vec<(u64, u32, bool)> = metas
+                .iter()
+                .zip(&results)
+                .flat_map(|(meta, res)| {
+                    meta.iter()
+                        .zip(&res.cells[ui * nd + di])
+                        .map(|(m, o)| (m.logical, m.phase, o.correct))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let clusters = shift_rows(ctx, unit.at, d, obs, &base_obs_all, &base_pc, &mut rows);
+            for (e, c) in per_example.iter_mut().zip(&clusters) {
+                e.push(c.clone());
+            }
+        }
+        // Pooled over deltas: the concatenated predicted and observed profiles.
+        let n = per_example.len() as u64;
+        type Stat = fn(&[&Vec<ProfileCluster>]) -> f64;
+        for (m, f) in [
+            ("cycling_r2", concatenated_r2 as Stat),
+            ("cycling_mae", concatenated_mae as Stat),
+        ] {
+            if let Ok(ci) = bootstrap_ci(&per_example, f, reps, seed, DEFAULT_LEVEL) {
+                rows.push(place(ci_row(&rc, m, &ci, n), unit.at));
+            }
+        }
+        let shift_clusters: Vec<ShiftCluster> = base_pc
             .iter()
-            .zip(&results)
-            .flat_map(|(meta, res)| {
-                meta.iter()
-                    .zip(&res.cells[di])
-                    .map(|(m, o)| (m.logical, m.phase, o.correct))
-                    .collect::<Vec<_>>()
+            .zip(&per_example)
+            .map(|(b, e)| ShiftCluster {
+                base: b.clone(),
+                shifted: e.iter().map(|c| c.observed.clone()).collect(),
             })
             .collect();
-        let clusters = shift_rows(ctx, d, obs, &base_obs_all, &base_pc, &mut rows);
-        for (e, c) in per_example.iter_mut().zip(&clusters) {
-            e.push(c.clone());
-        }
-    }
-    // Pooled over deltas: the concatenated predicted and observed profiles.
-    let n = per_example.len() as u64;
-    type Stat = fn(&[&Vec<ProfileCluster>]) -> f64;
-    for (m, f) in [
-        ("cycling_r2", concatenated_r2 as Stat),
-        ("cycling_mae", concatenated_mae as Stat),
-    ] {
-        if let Ok(ci) = bootstrap_ci(&per_example, f, reps, seed, DEFAULT_LEVEL) {
-            rows.push(ci_row(&rc, m, &ci, n));
-        }
+        rows.extend(
+            two_factor_rows(&rc, &cfg.deltas, &shift_clusters, &phases, reps, seed)
+                .into_iter()
+                .map(|r| place(r, unit.at)),
+        );
     }
     Ok(KindOutput {
         tables: vec![("cycling".into(), rows)],
     })
+}
+
+/// The two-factor fit of all profiles ([`crate::analysis::separable`]): R^2 of the
+/// fixed-only, moving-only and product models (`cycling_r2_fixed`, `cycling_r2_moving`,
+/// `cycling_r2_both`), and the product's factors per phase (`cycling_fixed_factor`:
+/// what the roll does not move; `cycling_moving_factor`: what moves with it, at the
+/// unshifted offset), each with a cluster-bootstrap interval. Nothing when the fit is
+/// undefined (e.g. every profile constant).
+fn two_factor_rows(
+    rc: &RowCtx,
+    deltas: &[i64],
+    clusters: &[ShiftCluster],
+    phases: &[u32],
+    reps: usize,
+    seed: u64,
+) -> Vec<LongRow> {
+    let Ok(ci) = separable_ci(deltas, clusters, reps, seed, DEFAULT_LEVEL) else {
+        return Vec::new();
+    };
+    let n = clusters.len() as u64;
+    let p = (ci.len() - 3) / 2;
+    let mut rows = Vec::new();
+    for (i, m) in ["cycling_r2_fixed", "cycling_r2_moving", "cycling_r2_both"]
+        .iter()
+        .enumerate()
+    {
+        if ci[i].estimate.is_finite() {
+            rows.push(ci_row(rc, *m, &ci[i], n));
+        }
+    }
+    for (k, m) in ["cycling_fixed_factor", "cycling_moving_factor"]
+        .iter()
+        .enumerate()
+    {
+        for &r in phases {
+            let c = &ci[3 + k * p + r as usize];
+            rows.push(ci_row(rc, *m, c, n).at_phase(r));
+        }
+    }
+    rows
 }
 
 /// One layer's learned per-offset gate bias and where it lands in the gate logits.
@@ -484,6 +636,8 @@ fn draw(cfg: &GateCycling, f: &mut Figures) -> Result<()> {
     if !series.is_empty() {
         cycling_scatter(f, series)?;
     }
+    two_factor_section(f)?;
+    unit_table(f);
     let series: Vec<(&str, String)> = lines.iter().map(|(a, b)| (a.as_str(), b.clone())).collect();
     if let Some(fig) = accuracy_figure(
         &dir.join("cycling_profiles"),
@@ -527,6 +681,127 @@ fn intro(cfg: &GateCycling, f: &mut Figures) {
             report.headline(Headline::new(label, format!("{:.3}", r.value)).with_detail(fmt_ci(r)));
         }
     }
+}
+
+/// Per layer / KV head (`per = "layer"` / `"head"`): each unit's pure-shift R^2 and
+/// MAE and its two-factor fits, one row per unit.
+fn unit_table(f: &mut Figures) {
+    let (d, m) = (f.data, f.model.clone());
+    let m = m.as_str();
+    let key = |r: &LongRow| (r.layer, r.head);
+    let mut units: Vec<(Option<u32>, Option<u32>)> = d
+        .find(m, "cycling_mae")
+        .filter(|r| r.layer.is_some() && r.phase.is_none())
+        .map(key)
+        .collect();
+    units.sort();
+    units.dedup();
+    if units.is_empty() {
+        return;
+    }
+    let cell = |metric: &str, u: (Option<u32>, Option<u32>)| {
+        d.find(m, metric)
+            .find(|r| key(r) == u && r.phase.is_none())
+            .map_or("n/a".to_string(), |r| {
+                format!("{:.3}{}", r.value, fmt_ci(r))
+            })
+    };
+    let rows = units
+        .iter()
+        .map(|&u| {
+            let unit = match u {
+                (Some(l), Some(h)) => format!("layer {l}, KV head {h}"),
+                (Some(l), None) => format!("layer {l}"),
+                _ => "model".into(),
+            };
+            vec![
+                unit,
+                cell("cycling_r2", u),
+                cell("cycling_mae", u),
+                cell("cycling_r2_fixed", u),
+                cell("cycling_r2_moving", u),
+                cell("cycling_r2_both", u),
+            ]
+        })
+        .collect();
+    f.report.table(
+        "Each unit rolled alone: pure-shift R^2 and MAE, and the two-factor fits (R^2)",
+        [
+            "rolled",
+            "R^2 (shift)",
+            "MAE (shift)",
+            "R^2 fixed",
+            "R^2 moving",
+            "R^2 both",
+        ]
+        .map(String::from)
+        .to_vec(),
+        rows,
+    );
+}
+
+/// What moves with the gates: the fixed / moving / product fits and the product's two
+/// factors per phase (rows of [`two_factor_rows`]); nothing without them.
+fn two_factor_section(f: &mut Figures) -> Result<()> {
+    let (d, m, dir) = (f.data, f.model.clone(), f.dir);
+    let m = m.as_str();
+    let models = [
+        ("cycling_r2_fixed", "fixed: A_d(r) = f(r)", "P"),
+        ("cycling_r2_moving", "moving: A_d(r) = g(r - d)", "P"),
+        ("cycling_r2_both", "both: A_d(r) = f(r) g(r - d)", "2P - 1"),
+    ];
+    let rows: Vec<Vec<String>> = models
+        .iter()
+        .filter_map(|(metric, label, params)| {
+            let r = d.scalar(m, metric)?;
+            Some(vec![
+                label.to_string(),
+                params.to_string(),
+                format!("{:.3}", r.value),
+                fmt_ci(r),
+            ])
+        })
+        .collect();
+    if rows.is_empty() {
+        return Ok(());
+    }
+    f.report.section("What moves with the gates");
+    f.report.paragraph(
+        "Every profile (the clean one, delta = 0, and each shift) fitted at once by least squares \
+         with three models: a profile the roll does not move (fixed), one that moves with it as a \
+         whole (moving, with the moving profile fitted rather than taken from the clean run), and \
+         the product of a fixed and a moving factor (both must pass: e.g. a binding split by a window \
+         boundary fails at its phase whatever the gates weigh, while an offset the gates under-weight \
+         moves with them). R^2 over all (shift, phase) cells, 95% cluster-bootstrap intervals over \
+         logical examples. The product's factors are drawn below (moving factor at the unshifted \
+         offset, max 1).",
+    );
+    f.report.table(
+        "Two-factor fit of the cycling profiles",
+        ["model", "free parameters", "R^2", "R^2 CI"]
+            .map(String::from)
+            .to_vec(),
+        rows,
+    );
+    let series = [
+        ("fixed factor f(r)", "cycling_fixed_factor".to_string()),
+        ("moving factor g(r)", "cycling_moving_factor".to_string()),
+    ];
+    if let Some(fig) = accuracy_figure(
+        &dir.join("cycling_factors"),
+        d,
+        m,
+        &series,
+        &format!("{m}: fixed and moving factors of the accuracy profile"),
+    )? {
+        push(
+            &mut f.files,
+            &mut f.report,
+            "The product model's factors: f does not move with the gates, g does",
+            fig,
+        );
+    }
+    Ok(())
 }
 
 /// Shift `dl`'s predicted vs observed accuracy per phase and its row of the agreement
