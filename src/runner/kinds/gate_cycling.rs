@@ -28,14 +28,15 @@ use crate::error::Result;
 use crate::hooks::{Act, Action, HookPoint, Site};
 use crate::model::LayerKind;
 use crate::output::{
-    HeadKind, Headline, LongRow, ScatterSeries, ScatterSpec, scatter_predicted_vs_observed,
+    HeadKind, Headline, LinePlotSpec, LongRow, ScatterSeries, ScatterSpec, line_with_bands,
+    scatter_predicted_vs_observed,
 };
 
 use super::super::exec::Group;
 use super::super::experiment::{Experiment, GateKind, Selection};
 use super::super::patching::{Cell, Edit};
 use super::super::prompts::{PromptMeta, clean_prompts};
-use super::super::report::{ExperimentData, Figures, accuracy_figure, ci_text, push};
+use super::super::report::{ExperimentData, Figures, accuracy_figure, band_series, ci_text, push};
 use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
 use super::{Ctx, Kind, KindOutput, base_obs};
@@ -702,8 +703,9 @@ fn unit_table(f: &mut Figures) {
     let cell = |metric: &str, u: (Option<u32>, Option<u32>)| {
         d.find(m, metric)
             .find(|r| key(r) == u && r.phase.is_none())
-            .map_or("n/a".to_string(), |r| {
-                format!("{:.3}{}", r.value, fmt_ci(r))
+            .map_or("n/a".to_string(), |r| match (r.ci_lo, r.ci_hi) {
+                (Some(lo), Some(hi)) => format!("{:.3} [{lo:.3}, {hi:.3}]", r.value),
+                _ => format!("{:.3}", r.value),
             })
     };
     let rows = units
@@ -725,7 +727,7 @@ fn unit_table(f: &mut Figures) {
         })
         .collect();
     f.report.table(
-        "Each unit rolled alone: pure-shift R^2 and MAE, and the two-factor fits (R^2)",
+        "Each unit rolled alone: pure-shift R^2 and MAE, and the two-factor fits (R^2), with 95% cluster-bootstrap intervals",
         [
             "rolled",
             "R^2 (shift)",
@@ -783,24 +785,31 @@ fn two_factor_section(f: &mut Figures) -> Result<()> {
             .to_vec(),
         rows,
     );
-    let series = [
-        ("fixed factor f(r)", "cycling_fixed_factor".to_string()),
-        ("moving factor g(r)", "cycling_moving_factor".to_string()),
-    ];
-    if let Some(fig) = accuracy_figure(
-        &dir.join("cycling_factors"),
-        d,
-        m,
-        &series,
-        &format!("{m}: fixed and moving factors of the accuracy profile"),
-    )? {
-        push(
-            &mut f.files,
-            &mut f.report,
-            "The product model's factors: f does not move with the gates, g does",
-            fig,
-        );
+    let series: Vec<_> = [
+        ("cycling_fixed_factor", "fixed factor f(r)"),
+        ("cycling_moving_factor", "moving factor g(r)"),
+    ]
+    .iter()
+    .filter_map(|(metric, name)| band_series(d, m, metric, name))
+    .collect();
+    if series.is_empty() {
+        return Ok(());
     }
+    let spec = LinePlotSpec {
+        series,
+        title: format!("{m}: fixed and moving factors of the accuracy profile"),
+        x_label: "phase r (moving factor: offset before the shift)".into(),
+        y_label: "factor, accuracy = f(r) g(r - delta) (95% CI)".into(),
+        y_range: None,
+        size: None,
+    };
+    let fig = line_with_bands(&dir.join("cycling_factors"), &spec)?;
+    push(
+        &mut f.files,
+        &mut f.report,
+        "The product model's factors: f does not move with the gates, g does",
+        fig,
+    );
     Ok(())
 }
 
