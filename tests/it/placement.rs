@@ -351,3 +351,64 @@ fn a_placement_naming_an_absent_device_says_which() {
     };
     assert!(e.contains("3 layers") && e.contains("has 4"), "{e}");
 }
+
+/// The long rows of `<root>/notebooks-data/e/heads.arrow`.
+fn head_rows(root: &Path) -> Vec<phaselens::output::LongRow> {
+    let t =
+        phaselens::output::Table::read_arrow(&root.join("notebooks-data/e/heads.arrow")).unwrap();
+    phaselens::output::read_long_rows(&t).unwrap()
+}
+
+#[cfg(feature = "tch")]
+#[test]
+fn patch_heads_placed_by_flag_or_by_the_experiment_gives_the_one_device_table() {
+    use crate::common::runner::{experiment, opts};
+    use phaselens::model::placement::DevicesRequest;
+    use phaselens::runner::{RunOptions, run_experiment};
+    let body = "[experiment]\nkind = \"patch-heads\"\nbootstrap_reps = 30\n\n[model]\norganism = \"tiny\"\n{placement}\n[task]\nn_logical = 6\n";
+    let map = "\n[model.placement]\ndevices = [\"tch-cpu\", \"cpu\"]\nlayers = [1, 0, 1, 0]\n";
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, placement: &str, devices: Option<DevicesRequest>| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        organism(&d, "tiny", &tiny(4, 4, 2, 4, 4), 3);
+        let exp = experiment(&d, "e.toml", &body.replace("{placement}", placement));
+        let o = RunOptions {
+            devices,
+            figures: false,
+            ..opts(&d)
+        };
+        run_experiment(&exp, &o).unwrap();
+        head_rows(&d)
+    };
+    let one = run("one", "", None);
+    let flag = run(
+        "flag",
+        "",
+        Some(DevicesRequest::new("cpu,tch-cpu", None).unwrap()),
+    );
+    let toml = run("toml", map, None);
+    // The per-prompt logit differences agree within 1e-5 (same_patching); the table's
+    // normalised metrics divide by (clean - corrupted) and amplify that, so rows are
+    // compared at 1e-3 relative, accuracies exactly.
+    for (what, got) in [("--devices", &flag), ("[model.placement]", &toml)] {
+        assert_eq!(got.len(), one.len(), "{what}");
+        let mut worst = 0f64;
+        for (a, b) in one.iter().zip(got) {
+            assert_eq!(
+                (&a.metric, a.layer, a.head, a.phase),
+                (&b.metric, b.layer, b.head, b.phase)
+            );
+            assert_eq!(a.value.is_nan(), b.value.is_nan(), "{what}: {a:?} vs {b:?}");
+            if a.metric == "accuracy" {
+                assert_eq!(a.value, b.value, "{what}: {a:?} vs {b:?}");
+            }
+            if a.value.is_finite() {
+                let rel = (a.value - b.value).abs() / a.value.abs().max(1.0);
+                worst = worst.max(rel);
+                assert!(rel <= 1e-3, "{what}: {a:?} vs {b:?}");
+            }
+        }
+        eprintln!("{what}: patch-heads table, worst row relative difference {worst:.2e}");
+    }
+}
