@@ -165,6 +165,8 @@ impl Env<'_> {
             reports_root: self.out.join("reports"),
             fresh: self.fresh,
             device: Some(self.device_spec.clone()),
+            devices: None,
+            shard: None,
             progress: self.progress,
             figures: false,
         }

@@ -386,6 +386,8 @@ fn run_patching(root: &Path, scratch: &Path, spec: &DeviceSpec) -> Result<BTreeM
             reports_root: dir.join("reports"),
             fresh: true,
             device: Some(spec.clone()),
+            devices: None,
+            shard: None,
             progress: ProgressMode::Hidden,
             figures: false,
         },

@@ -18,6 +18,9 @@ Examples:
   phaselens run experiments/v4pro.toml            # patch-heads (what `just patch-heads exp/v4pro.toml` runs)
   phaselens run experiments/w8s8-knockout.toml --fresh
   phaselens run experiments/phase-sweep.toml --plain
+  phaselens run experiments/v4pro.toml --devices tch-cuda:0,tch-cuda:1   # layers over two GPUs
+  phaselens run experiments/v4pro.toml --shard 2/8  # part 2 of 8 (any scheduler); then run without --shard
+  phaselens run experiments/v4pro.toml --slurm --shards 8 --time 04:00:00   # array of 8 + merge job
 
 Tables go to notebooks-data/<experiment>/ (Arrow IPC + Parquet; docs/tables.md), figures and
 report.md/report.html to reports/<experiment>/. Finished chunks of cells are kept in
@@ -34,6 +37,31 @@ pub struct RunArgs {
     /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N (default: [model] device, else cpu).
     #[arg(long)]
     pub device: Option<DeviceSpec>,
+    /// Place each model over several devices, layers split by their bytes
+    /// (`cpu,tch-cpu`, `tch-cuda:0,tch-cuda:1`); the first holds the embedding, the
+    /// inputs and the captures. Overrides `[model.placement]`.
+    #[arg(long, value_name = "D1,D2,...")]
+    pub devices: Option<String>,
+    /// With --devices: memory per device (`6GiB` for each, or one size per device);
+    /// layers fill the devices in order, an error names the device that overflows.
+    #[arg(long, value_name = "SIZE[,SIZE...]", requires = "devices")]
+    pub device_memory: Option<String>,
+    /// Compute only part I of N of the run's shards (`--shard 0/4` .. `3/4`, e.g. one
+    /// per array task of any scheduler) and write no tables; parts run at once, each
+    /// loading the model once. A run without --shard then loads every part's shards and
+    /// writes the tables (computing what a failed part left).
+    #[arg(long, value_name = "I/N", value_parser = parse_shard)]
+    pub shard: Option<(usize, usize)>,
+    /// Submit the run to Slurm as an array job of --shards parts
+    /// (`phaselens run EXP --shard $SLURM_ARRAY_TASK_ID/N` each) and a merge job after it.
+    #[arg(long, requires = "shards", conflicts_with = "shard")]
+    pub slurm: bool,
+    /// With --slurm: the number of parts (array tasks).
+    #[arg(long, requires = "slurm")]
+    pub shards: Option<usize>,
+    /// With --slurm: the jobs' resources.
+    #[command(flatten)]
+    pub resources: super::grid::SlurmArgs,
     /// Root of the tables.
     #[arg(long, default_value = "notebooks-data")]
     pub data_dir: PathBuf,
@@ -52,7 +80,67 @@ pub struct RunArgs {
     pub no_memory_check: bool,
 }
 
+/// `i/N` with `i < N`.
+fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
+    let (i, n) = s
+        .split_once('/')
+        .ok_or_else(|| format!("`{s}` is not I/N (e.g. 0/4)"))?;
+    let num = |t: &str| {
+        t.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("`{t}` in `{s}` is not a whole number"))
+    };
+    let (i, n) = (num(i)?, num(n)?);
+    if n == 0 || i >= n {
+        return Err(format!("part {i} of {n}: give 0 <= I < N"));
+    }
+    Ok((i, n))
+}
+
+/// `--slurm --shards N`: write the job scripts and submit them.
+fn submit_slurm(a: &RunArgs, parts: usize) -> Result<()> {
+    use phaselens::grid::run_array::{ShardedRun, submit};
+    let exp = phaselens::runner::Experiment::load(&a.experiment)
+        .with_context(|| format!("reading {}", a.experiment.display()))?;
+    let mut device_args = Vec::new();
+    if let Some(d) = &a.device {
+        device_args.extend(["--device".to_string(), d.to_string()]);
+    }
+    if let Some(d) = &a.devices {
+        device_args.extend(["--devices".to_string(), d.clone()]);
+    }
+    if let Some(m) = &a.device_memory {
+        device_args.extend(["--device-memory".to_string(), m.clone()]);
+    }
+    if a.no_memory_check {
+        device_args.push("--no-memory-check".to_string());
+    }
+    let r = &a.resources;
+    let res = phaselens::grid::slurm::Resources {
+        partition: r.partition.clone(),
+        cpus_per_task: r.cpus_per_task,
+        mem: r.mem.clone(),
+        time: r.time.clone(),
+        max_parallel: r.max_parallel,
+        sbatch_args: r.sbatch_arg.clone(),
+    };
+    let run = ShardedRun {
+        experiment: a.experiment.clone(),
+        name: exp.name(),
+        parts,
+        data_root: a.data_dir.clone(),
+        reports_root: a.reports_dir.clone(),
+        device_args,
+        fresh: a.fresh,
+    };
+    print!("{}", submit(&run, &res, r.dry_run)?);
+    Ok(())
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
+    if let (true, Some(parts)) = (a.slurm, a.shards) {
+        return submit_slurm(&a, parts);
+    }
     if a.no_memory_check {
         phaselens::model::memory::set_override(true);
     }
@@ -61,6 +149,26 @@ pub fn run(a: RunArgs) -> Result<()> {
         reports_root: a.reports_dir,
         fresh: a.fresh,
         device: a.device,
+        devices: a
+            .devices
+            .as_deref()
+            .map(|d| {
+                let sizes = a
+                    .device_memory
+                    .as_deref()
+                    .map(|m| {
+                        m.split(',')
+                            .map(|s| {
+                                phaselens::model::plan::parse_bytes(s).map_err(anyhow::Error::msg)
+                            })
+                            .collect::<Result<Vec<f64>>>()
+                    })
+                    .transpose()
+                    .context("--device-memory")?;
+                Ok::<_, anyhow::Error>(phaselens::model::placement::DevicesRequest::new(d, sizes)?)
+            })
+            .transpose()?,
+        shard: a.shard,
         progress: if a.plain {
             ProgressMode::Plain
         } else {
@@ -81,6 +189,12 @@ pub fn run(a: RunArgs) -> Result<()> {
         st.forwards,
         s.seconds
     );
+    if let Some((i, n)) = a.shard {
+        eprintln!(
+            "part {i}/{n} done: its shards are in {}; run without --shard to merge",
+            s.data_dir.join("shards").display()
+        );
+    }
     for t in &s.tables {
         eprintln!("table:  {} (+ .parquet)", t.display());
     }

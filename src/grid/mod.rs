@@ -16,6 +16,7 @@
 //! | [`keys`] | recipe key paths, aliases (`W`, `S`, `kv_heads`, `seed`, ...), design names |
 //! | [`task`] | one design: recipe, training, sweeps, its `design.json` record |
 //! | [`slurm`] | `sbatch --array` + a dependent merge job, `status` from squeue/sacct, `--resume` |
+//! | [`run_array`] | `phaselens run EXP --slurm --shards N`: one experiment's shards as an array job + merge |
 //! | [`merge`] | every design's sweeps into long tables (polars), resumable |
 //! | [`merged`] | the merged rows and the look-ups the figures and the report share |
 //! | [`figures`] | phase gap per design, accuracy-by-phase small multiples, seed variance, slots, bindings |
@@ -26,6 +27,7 @@ pub mod keys;
 pub mod merge;
 pub mod merged;
 pub mod report;
+pub mod run_array;
 pub mod slurm;
 pub mod spec;
 pub mod task;

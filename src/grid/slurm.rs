@@ -116,7 +116,7 @@ impl Resources {
         Ok(())
     }
 
-    fn directives(&self) -> Vec<String> {
+    pub(crate) fn directives(&self) -> Vec<String> {
         let mut v = Vec::new();
         if let Some(p) = &self.partition {
             v.push(format!("--partition={p}"));
@@ -260,18 +260,18 @@ pub fn submissions(grid: &Grid) -> Result<Vec<Submission>> {
     }
 }
 
-fn absolute(p: &Path) -> Result<PathBuf> {
+pub(crate) fn absolute(p: &Path) -> Result<PathBuf> {
     std::path::absolute(p).map_err(|e| Error::io(p, e))
 }
 
-fn quote(p: &Path) -> String {
+pub(crate) fn quote(p: &Path) -> String {
     format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
 }
 
 /// A path that goes into a job script or an sbatch argument: any character bash's
 /// single quotes carry (spaces, quotes), but no control character (a newline would end
 /// the script's line); Slurm's `--output` also reads `%` and `\\` as patterns.
-fn slurm_path(p: &Path, what: &str, pattern: bool) -> Result<PathBuf> {
+pub(crate) fn slurm_path(p: &Path, what: &str, pattern: bool) -> Result<PathBuf> {
     let abs = absolute(p)?;
     let text = abs.to_string_lossy();
     let odd = text
@@ -293,7 +293,7 @@ fn slurm_path(p: &Path, what: &str, pattern: bool) -> Result<PathBuf> {
 }
 
 /// `text` as one bash word (single-quoted unless plain).
-fn shell_word(text: &str) -> String {
+pub(crate) fn shell_word(text: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,%@+".contains(c);
     if !text.is_empty() && text.chars().all(plain) {
         text.to_string()
@@ -370,7 +370,7 @@ fn scripts(grid: &Grid, opts: &GridOptions, res: &Resources) -> Result<(JobScrip
     Ok((array, merge))
 }
 
-fn run_tool(cmd: &mut Command) -> Result<String> {
+pub(crate) fn run_tool(cmd: &mut Command) -> Result<String> {
     let name = cmd.get_program().to_string_lossy().into_owned();
     let out = cmd.output().map_err(|e| {
         Error::Other(if e.kind() == std::io::ErrorKind::NotFound {
@@ -392,7 +392,7 @@ fn run_tool(cmd: &mut Command) -> Result<String> {
 }
 
 /// `sbatch --parsable` prints `JOBID` or `JOBID;CLUSTER`.
-fn job_id(out: &str) -> Result<String> {
+pub(crate) fn job_id(out: &str) -> Result<String> {
     let id = out.trim().split(';').next().unwrap_or("").to_string();
     if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
         return Err(Error::Other(format!("sbatch printed no job id: {out:?}")));
@@ -488,7 +488,7 @@ pub fn submit(
 }
 
 /// `sbatch --parsable EXTRA OPTIONS SCRIPT`.
-fn sbatch_args(options: &[String], extra: &str, script: &Path) -> Vec<String> {
+pub(crate) fn sbatch_args(options: &[String], extra: &str, script: &Path) -> Vec<String> {
     let mut a = vec!["--parsable".to_string(), extra.to_string()];
     a.extend(options.iter().cloned());
     a.push(script.display().to_string());

@@ -377,6 +377,8 @@ fn sweep_design(
         reports_root: data.join("reports"),
         fresh: opts.fresh,
         device: Some(opts.device.clone()),
+        devices: None,
+        shard: None,
         progress: opts.progress,
         figures: false,
     };

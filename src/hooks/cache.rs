@@ -90,6 +90,17 @@ impl Act {
             .expect("f32 data")
     }
 
+    /// The same activation on `device` (moved only when it lives elsewhere).
+    pub fn to_device(self, device: &burn::tensor::Device) -> Act {
+        if self.flat.device() == *device {
+            return self;
+        }
+        Act {
+            flat: self.flat.to_device(device),
+            shape: self.shape,
+        }
+    }
+
     /// Rows `rows` of the batch (first) axis, in that order.
     pub fn select_batch(&self, rows: &[usize]) -> Result<Act> {
         let b = *self
@@ -161,6 +172,18 @@ impl ActivationCache {
     /// All (point, activation) pairs in forward order.
     pub fn iter(&self) -> impl Iterator<Item = (&HookPoint, &Act)> {
         self.map.iter()
+    }
+
+    /// Every activation on `device`: a model placed over several devices returns its
+    /// captures on its home device.
+    pub fn to_device(self, device: &burn::tensor::Device) -> ActivationCache {
+        ActivationCache {
+            map: self
+                .map
+                .into_iter()
+                .map(|(p, a)| (p, a.to_device(device)))
+                .collect(),
+        }
     }
 
     /// Keep only the given batch rows of every activation.

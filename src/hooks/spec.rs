@@ -254,10 +254,18 @@ fn broadcast_to<const D: usize>(
     point: &HookPoint,
     src: &Act,
     dims: [usize; D],
+    device: &burn::tensor::Device,
 ) -> Result<Tensor<D>> {
     let t = src
         .get::<D>()
         .map_err(|e| e.context(format!("hook `{point}`")))?;
+    // A source captured on another device (a model placed over several devices
+    // returns its captures on the home device) moves to the activation's.
+    let t = if t.device() == *device {
+        t
+    } else {
+        t.to_device(device)
+    };
     let sd = t.dims();
     if sd == dims {
         return Ok(t);
@@ -286,10 +294,11 @@ fn intervene<const D: usize>(
     iv: &Intervention,
 ) -> Result<Tensor<D>> {
     let dims = x.dims();
+    let device = x.device();
     let new = match &iv.action {
         Action::Zero => x.zeros_like(),
-        Action::Mean(a) | Action::Replace(a) => broadcast_to(point, a, dims)?,
-        Action::Patch(cache) => broadcast_to(point, source_at(point, cache)?, dims)?,
+        Action::Mean(a) | Action::Replace(a) => broadcast_to(point, a, dims, &device)?,
+        Action::Patch(cache) => broadcast_to(point, source_at(point, cache)?, dims, &device)?,
         Action::Resample { source, perm } => {
             if perm.len() != dims[0] {
                 return Err(Error::hook(
@@ -302,10 +311,10 @@ fn intervene<const D: usize>(
                 ));
             }
             let picked = source_at(point, source)?.select_batch(perm)?;
-            broadcast_to(point, &picked, dims)?
+            broadcast_to(point, &picked, dims, &device)?
         }
         Action::Scale(s) => x.clone().mul_scalar(*s),
-        Action::Add(a) => x.clone() + broadcast_to(point, a, dims)?,
+        Action::Add(a) => x.clone() + broadcast_to(point, a, dims, &device)?,
         Action::Roll { axis, shift } => {
             if *axis >= D {
                 return Err(Error::hook(

@@ -27,6 +27,7 @@ use std::collections::BTreeMap;
 use burn::tensor::{Device, Int, Tensor};
 
 use super::layers::int_tensor;
+use super::placement::to;
 use crate::error::{Error, Result};
 use crate::hooks::Act;
 
@@ -356,11 +357,12 @@ impl<'a> TokenFlow<'a> {
                 let mut dims = new.dims();
                 dims[0] = self.queries.rows();
                 dims[1] = self.queries.total();
+                let device = new.device();
                 let rows = Tensor::cat(
                     vec![base_rows(state, layer, name, &new)?, flat_rows(new)],
                     0,
                 );
-                Ok(rows.select(0, merge.clone()).reshape(dims))
+                Ok(rows.select(0, to(merge.clone(), &device)).reshape(dims))
             }
         }
     }
@@ -401,7 +403,7 @@ impl<'a> TokenFlow<'a> {
                     ],
                     0,
                 );
-                Ok(rows.select(0, prev.clone()).reshape(dims))
+                Ok(rows.select(0, to(prev.clone(), &device)).reshape(dims))
             }
         }
     }
@@ -431,5 +433,10 @@ fn base_rows<const D: usize>(
         )));
     }
     let per: usize = dims[2..].iter().product();
-    base.reshaped(vec![state.rows * state.len, per])?.get::<2>()
+    // A placed model's layers may run on another device than the suffix forward's input.
+    Ok(to(
+        base.reshaped(vec![state.rows * state.len, per])?
+            .get::<2>()?,
+        &new.device(),
+    ))
 }

@@ -10,6 +10,7 @@ pub mod kv_state;
 pub mod kvc;
 pub mod layers;
 pub mod memory;
+pub mod placement;
 pub mod plan;
 pub mod safetensors_io;
 pub mod topk;
@@ -313,10 +314,77 @@ pub fn save_kvc(model: &KvcModel, dir: &Path) -> Result<()> {
 
 /// Load any supported model directory, dispatching on `config.json`'s `model_type`.
 pub fn load_model(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>> {
+    load_any(dir, device, None)
+}
+
+/// Load a model directory over the devices of `placement` (see [`placement`]): it
+/// loads on the first (home) device, then every layer moves to its own.
+pub fn load_model_placed(
+    dir: &Path,
+    placement: &placement::Placement,
+) -> Result<Box<dyn LanguageModel>> {
+    let p = placement.open()?;
+    load_any(dir, &p.home.clone(), Some(&p))
+}
+
+/// Load a model directory over `devices` with layers split automatically (see
+/// [`placement::Placement::split`]): by equal shares of the resident bytes, or filling
+/// the devices in order when `capacity` (bytes per device) is given. Returns the
+/// placement used.
+pub fn load_model_split(
+    dir: &Path,
+    devices: Vec<crate::device::DeviceSpec>,
+    capacity: Option<&[f64]>,
+) -> Result<(Box<dyn LanguageModel>, placement::Placement)> {
+    let home = devices
+        .first()
+        .ok_or_else(|| Error::field("--devices", "no device named"))?
+        .device()?;
+    let (path, _, json) = read_config_json(dir)?;
+    let split = |(layer_bytes, home_bytes): (Vec<f64>, f64)| {
+        let pl = placement::Placement::split(devices.clone(), &layer_bytes, home_bytes, capacity)?;
+        let opened = pl.open()?;
+        Ok::<_, Error>((pl, opened))
+    };
+    match json["model_type"].as_str() {
+        Some(deepseek_v4::MODEL_TYPE) => {
+            let m = deepseek_v4::load(dir, &home)?;
+            let (pl, p) = split(m.placement_bytes())?;
+            Ok((Box::new(m.place(&p)?), pl))
+        }
+        Some(kvc::MODEL_TYPE) => {
+            let m = load_kvc(dir, &home)?;
+            let (pl, p) = split(m.placement_bytes())?;
+            Ok((Box::new(m.place(&p)?), pl))
+        }
+        _ => Err(Error::Config {
+            path,
+            message: "no supported `model_type` to place".into(),
+        }),
+    }
+}
+
+fn load_any(
+    dir: &Path,
+    device: &Device,
+    placed: Option<&placement::Placed>,
+) -> Result<Box<dyn LanguageModel>> {
     let (path, _, json) = read_config_json(dir)?;
     match json["model_type"].as_str() {
-        Some(kvc::MODEL_TYPE) => Ok(Box::new(load_kvc(dir, device)?)),
-        Some(deepseek_v4::MODEL_TYPE) => Ok(Box::new(deepseek_v4::load(dir, device)?)),
+        Some(kvc::MODEL_TYPE) => {
+            let m = load_kvc(dir, device)?;
+            Ok(Box::new(match placed {
+                Some(p) => m.place(p)?,
+                None => m,
+            }))
+        }
+        Some(deepseek_v4::MODEL_TYPE) => {
+            let m = deepseek_v4::load(dir, device)?;
+            Ok(Box::new(match placed {
+                Some(p) => m.place(p)?,
+                None => m,
+            }))
+        }
         Some(other) => Err(Error::Config {
             path,
             message: format!(

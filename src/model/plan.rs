@@ -27,7 +27,9 @@ use serde::Serialize;
 
 use super::deepseek_v4::config::{AttnType, MlpType};
 use super::deepseek_v4::{DeepseekV4Config, V4Checkpoint};
+use super::placement::{Placement, default_host};
 use super::safetensors_io::StDtype;
+use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
 
 /// How a tensor is stored.
@@ -754,6 +756,41 @@ fn offload_experts(x: &Ctx) -> Result<Vec<DevicePlan>> {
         .collect())
 }
 
+impl Plan {
+    /// This plan as a [`Placement`] over `devices` (plan device `d` is `devices[d]`);
+    /// when experts go to the host, every layer keeps the plan's count on its device
+    /// and the rest on the host.
+    pub fn placement(&self, devices: Vec<DeviceSpec>) -> Result<Placement> {
+        if self.devices.len() != devices.len() {
+            return Err(Error::field(
+                "--devices",
+                format!(
+                    "the plan is for {} devices, {} named",
+                    self.devices.len(),
+                    devices.len()
+                ),
+            ));
+        }
+        let n = self.devices.iter().map(|p| p.end_layer).max().unwrap_or(0);
+        let mut layers = vec![0usize; n];
+        let mut experts = vec![None; n];
+        for p in &self.devices {
+            for (j, l) in (p.first_layer..p.end_layer).enumerate() {
+                layers[l] = p.device;
+                if self.host_experts > 0 {
+                    experts[l] = Some(p.experts_per_layer[j]);
+                }
+            }
+        }
+        Ok(Placement {
+            host: default_host(&devices),
+            devices,
+            layers,
+            experts_on_device: experts,
+        })
+    }
+}
+
 /// Parse `141GiB`, `80GB`, `1.5TiB`, `512MiB` or a plain byte count.
 pub fn parse_bytes(s: &str) -> std::result::Result<f64, String> {
     let t = s.trim();
@@ -900,6 +937,44 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    #[test]
+    fn a_plan_of_v4_flash_on_eight_gpus_becomes_a_placement_with_host_experts() {
+        use crate::device::DeviceSpec;
+        let (c, ex) = published("v4-flash");
+        let w = weights_from_config(&c, ex);
+        let r = PlanRequest {
+            devices: 8,
+            device_memory: 141.0 * 1024f64.powi(3),
+            host_memory: None,
+            tokens: 131072,
+            chunk_rows: 1,
+        };
+        let pl = plan(&c, &w, &r).unwrap();
+        assert!(pl.host_experts > 0);
+        let devs: Vec<DeviceSpec> = (0..8).map(DeviceSpec::TchCuda).collect();
+        let p = pl.placement(devs).unwrap();
+        assert_eq!(p.layers.len(), c.num_hidden_layers);
+        assert!(
+            p.layers.windows(2).all(|w| w[0] <= w[1]),
+            "contiguous ranges"
+        );
+        assert_eq!(p.layers[0], 0);
+        assert_eq!(*p.layers.last().unwrap(), 7);
+        let on_host: usize = p
+            .experts_on_device
+            .iter()
+            .map(|k| c.n_routed_experts - k.expect("every layer's count is set"))
+            .sum();
+        assert_eq!(on_host, pl.host_experts);
+        assert_eq!(
+            p.host,
+            DeviceSpec::TchCpu,
+            "all-LibTorch devices keep experts in LibTorch"
+        );
+        let e = pl.placement(vec![DeviceSpec::Cpu]).unwrap_err().to_string();
+        assert!(e.contains("8 devices, 1 named"), "{e}");
     }
 
     #[test]

@@ -74,9 +74,47 @@ pub fn topk_indices<const D: usize>(scores: Tensor<D>, k: usize) -> Tensor<D, In
     selected_indices(topk_mask(scores, k), k).0
 }
 
+/// The relative gap under which a top-k boundary counts as decided by float rounding:
+/// the k-th and (k+1)-th largest scores differ by at most this times the row's largest
+/// |score| (the rule of the real-width fixture's `near_boundary`, generate.py). At real
+/// width the indexer's scores are sums of thousands of f32 products, and another
+/// backend's or library's order of summation moves them by about this much.
+pub const NEAR_BOUNDARY_REL: f64 = 1e-6;
+
+/// Whether keeping the `k` largest of `scores` (one query's candidates: the closed
+/// entries) is decided within float rounding: `None` when nothing is decided (no more
+/// than `k` candidates), else whether the k-th and (k+1)-th largest differ by at most
+/// [`NEAR_BOUNDARY_REL`] x the largest |score|. Non-finite scores are ignored.
+pub fn near_boundary(scores: &[f32], k: usize) -> Option<bool> {
+    let mut s: Vec<f64> = scores
+        .iter()
+        .filter(|x| x.is_finite())
+        .map(|&x| f64::from(x))
+        .collect();
+    if k == 0 || s.len() <= k {
+        return None;
+    }
+    s.sort_by(|a, b| b.total_cmp(a));
+    let scale = s.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+    Some((s[k - 1] - s[k]) / scale <= NEAR_BOUNDARY_REL)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_boundary_within_rounding_is_near_and_a_clear_one_is_not() {
+        // k = 2 of 4: the 2nd and 3rd largest are 1.0 and 1.0 + 1e-7 (a few f32 ulps).
+        assert_eq!(near_boundary(&[3.0, 1.0, 1.000_000_1, -2.0], 2), Some(true));
+        assert_eq!(near_boundary(&[3.0, 1.0, 0.9, -2.0], 2), Some(false));
+        // Exact ties at the boundary (ReLU sums at 0) are near.
+        assert_eq!(near_boundary(&[0.0, 0.0, 0.0, 5.0], 2), Some(true));
+        // Nothing decided: no more candidates than k.
+        assert_eq!(near_boundary(&[1.0, 2.0], 2), None);
+        assert_eq!(near_boundary(&[1.0, f32::NEG_INFINITY, 2.0], 2), None);
+    }
+
     use burn::tensor::TensorData;
 
     fn dev() -> burn::tensor::Device {

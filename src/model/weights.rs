@@ -219,11 +219,59 @@ impl WeightSource for RandomInit {
     }
 }
 
+/// Which tensors of a checkpoint's files a loader read, so that the others (unknown
+/// to the model: a misspelt name, another architecture's tensor) are reported instead
+/// of silently dropped. The one tracker of every loader (kvc, DeepSeek-V4).
+#[derive(Debug, Default)]
+pub struct UsedTensors {
+    used: Mutex<BTreeSet<String>>,
+}
+
+impl UsedTensors {
+    /// Mark the file tensor `key` as read.
+    pub fn mark(&self, key: &str) {
+        self.used.lock().expect("lock").insert(key.to_string());
+    }
+
+    /// An error listing the tensors of `reader` that were neither read nor `ignored`
+    /// (`model` names the model in the message: "the model", "the DeepSeek-V4 model").
+    pub fn check(
+        &self,
+        reader: &SafetensorsReader,
+        ignored: &dyn Fn(&str) -> bool,
+        model: &str,
+    ) -> Result<()> {
+        let used = self.used.lock().expect("lock");
+        let unknown: Vec<&str> = reader
+            .names()
+            .filter(|n| !used.contains(*n) && !ignored(n))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let shown: Vec<&str> = unknown.iter().take(8).copied().collect();
+        Err(Error::tensor(
+            reader.path_of(unknown[0]),
+            unknown[0],
+            format!(
+                "unknown tensor(s) not used by {model} ({} in all): {}{}",
+                unknown.len(),
+                shown.join(", "),
+                if unknown.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
+            ),
+        ))
+    }
+}
+
 /// A checkpoint on disk: one safetensors file or several shards. Remembers which
 /// tensors were used so that unknown (unused) tensors can be reported.
 pub struct CheckpointSource {
     reader: SafetensorsReader,
-    used: Mutex<BTreeSet<String>>,
+    used: UsedTensors,
     /// Optional map from the names the model asks for to the names in the files.
     rename: Option<Rename>,
 }
@@ -257,7 +305,7 @@ impl CheckpointSource {
     pub fn from_reader(reader: SafetensorsReader) -> Self {
         CheckpointSource {
             reader,
-            used: Mutex::new(BTreeSet::new()),
+            used: UsedTensors::default(),
             rename: None,
         }
     }
@@ -282,34 +330,12 @@ impl CheckpointSource {
 
     /// Mark a file tensor as used (for sources that read tensors directly).
     pub fn mark_used(&self, file_name: &str) {
-        self.used
-            .lock()
-            .expect("lock")
-            .insert(file_name.to_string());
+        self.used.mark(file_name);
     }
 
     /// An error listing tensors in the files that the model never asked for.
     pub fn check_all_used(&self) -> Result<()> {
-        let used = self.used.lock().expect("lock");
-        let unknown: Vec<&str> = self.reader.names().filter(|n| !used.contains(*n)).collect();
-        if unknown.is_empty() {
-            return Ok(());
-        }
-        let shown: Vec<&str> = unknown.iter().take(8).copied().collect();
-        Err(Error::tensor(
-            self.reader.path_of(unknown[0]),
-            unknown[0],
-            format!(
-                "unknown tensor(s) not used by the model ({} in all): {}{}",
-                unknown.len(),
-                shown.join(", "),
-                if unknown.len() > shown.len() {
-                    ", ..."
-                } else {
-                    ""
-                }
-            ),
-        ))
+        self.used.check(&self.reader, &|_| false, "the model")
     }
 
     fn check_shape(&self, fname: &str, want: &[usize], found: &[usize]) -> Result<()> {

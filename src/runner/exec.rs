@@ -107,17 +107,18 @@ impl<'a> Executor<'a> {
         let mut results: Vec<Option<Vec<Vec<Outcome>>>> = Vec::with_capacity(chunks.len());
         for (i, chunk) in chunks.iter().enumerate() {
             let expected: Vec<usize> = chunk.iter().map(|&c| g.cells[c].prompts.len()).collect();
-            let got = self.store.load(&format!("{}-c{i:04}", g.key), &expected)?;
+            let got = self.store.load(&chunk_key(&g.key, i), &expected)?;
             if got.is_some() {
                 self.progress.skip(chunk.len() as u64);
                 self.stats.cells_resumed += chunk.len() as u64;
             }
             results.push(got);
         }
+        // `--shard i/N`: chunks of other parts stay missing (placeholders below).
         let missing: Vec<usize> = (0..chunks.len())
-            .filter(|&i| results[i].is_none())
+            .filter(|&i| results[i].is_none() && self.store.owns(&chunk_key(&g.key, i)))
             .collect();
-        if base.is_none() || !missing.is_empty() {
+        if (base.is_none() && self.store.owns(&base_key)) || !missing.is_empty() {
             let cells_needed: Vec<Cell> = missing
                 .iter()
                 .flat_map(|&i| chunks[i].iter().map(|&c| g.cells[c].clone()))
@@ -143,7 +144,7 @@ impl<'a> Executor<'a> {
             for i in missing {
                 let out = run_chunk(self.model, &g.prompts, &b, &g.cells, &chunks[i])?;
                 self.stats.forwards += 1;
-                self.store.save(&format!("{}-c{i:04}", g.key), &out)?;
+                self.store.save(&chunk_key(&g.key, i), &out)?;
                 self.progress.inc(chunks[i].len() as u64);
                 self.stats.cells_computed += chunks[i].len() as u64;
                 results[i] = Some(out);
@@ -151,6 +152,20 @@ impl<'a> Executor<'a> {
         } else if g.cells.is_empty() {
             self.progress.skip(1);
         }
+        // Another part's chunks and base: placeholders, never saved (a shard run writes
+        // no tables; the merge run loads every part's shards).
+        for (i, r) in results.iter_mut().enumerate() {
+            if r.is_none() {
+                self.progress.skip(chunks[i].len() as u64);
+                *r = Some(
+                    chunks[i]
+                        .iter()
+                        .map(|&c| vec![NOT_HERE; g.cells[c].prompts.len()])
+                        .collect(),
+                );
+            }
+        }
+        let base = base.or_else(|| Some(vec![NOT_HERE; n]));
         let mut cells: Vec<Vec<Outcome>> = vec![Vec::new(); g.cells.len()];
         for (chunk, res) in chunks.iter().zip(results) {
             for (&c, out) in chunk
@@ -167,6 +182,17 @@ impl<'a> Executor<'a> {
         })
     }
 }
+
+/// The shard key of chunk `i` of group `group`.
+fn chunk_key(group: &str, i: usize) -> String {
+    format!("{group}-c{i:04}")
+}
+
+/// The outcome standing for one computed by another part of a `--shard i/N` run.
+const NOT_HERE: Outcome = Outcome {
+    correct: false,
+    ld: f32::NAN,
+};
 
 /// Per-prompt quantities of a kind that runs its own forwards, persisted chunk by chunk
 /// as shards of the run's store (resume), with a progress bar and the run's counters.
@@ -206,6 +232,11 @@ impl<'s> PromptShards<'s> {
                     self.progress.skip(rows.len() as u64);
                     self.stats.cells_resumed += rows.len() as u64;
                     v
+                }
+                // `--shard i/N`: another part computes it.
+                None if !self.store.owns(&shard) => {
+                    self.progress.skip(rows.len() as u64);
+                    vec![vec![NOT_HERE; rows.len()]; quantities]
                 }
                 None => {
                     let t0 = std::time::Instant::now();

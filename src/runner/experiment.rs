@@ -178,6 +178,10 @@ pub struct ModelSection {
     /// Device (`cpu`, `wgpu`, `cuda:0`, ...); `--device` overrides it. Default cpu.
     #[serde(default)]
     pub device: Option<String>,
+    /// `[model.placement]`: the layers (and routed experts) over several devices
+    /// (`model::placement::PlacementConfig`); `--devices` overrides it.
+    #[serde(default)]
+    pub placement: Option<crate::model::placement::PlacementConfig>,
 }
 
 /// `[task]`: the prompts. Every key defaults to the organism's recipe.

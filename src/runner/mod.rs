@@ -57,6 +57,12 @@ pub struct RunOptions {
     pub fresh: bool,
     /// Overrides `[model] device`.
     pub device: Option<DeviceSpec>,
+    /// `--devices` (+ `--device-memory`): every model split over these devices
+    /// (overrides `[model.placement]`; see `model::placement`).
+    pub devices: Option<crate::model::placement::DevicesRequest>,
+    /// `--shard i/N`: compute only part `i` of `N` of the run's shards and write no
+    /// tables; a run without it then loads every part's shards (the merge).
+    pub shard: Option<(usize, usize)>,
     pub progress: ProgressMode,
     /// Draw the figures and the report after the run.
     pub figures: bool,
@@ -69,6 +75,8 @@ impl Default for RunOptions {
             reports_root: PathBuf::from("reports"),
             fresh: false,
             device: None,
+            devices: None,
+            shard: None,
             progress: ProgressMode::Auto,
             figures: true,
         }
@@ -215,6 +223,31 @@ fn open_store(
     Ok(store)
 }
 
+/// The model at `dir` on `device`, or placed over `--devices` / `[model.placement]`.
+fn load_for_run(
+    exp: &Experiment,
+    opts: &RunOptions,
+    dir: &Path,
+    device: &burn::tensor::Device,
+) -> Result<Box<dyn crate::model::LanguageModel>> {
+    use crate::model::placement::Placement;
+    if let Some(req) = &opts.devices {
+        let (m, p) =
+            crate::model::load_model_split(dir, req.devices.clone(), req.memory.as_deref())?;
+        eprintln!("note: placement: {p}");
+        return Ok(m);
+    }
+    match &exp.file.model.placement {
+        Some(c) => {
+            let origin = exp.path.display().to_string();
+            let p = Placement::from_config(c, c.layers.len(), &origin)?;
+            eprintln!("note: placement: {p}");
+            crate::model::load_model_placed(dir, &p)
+        }
+        None => load_model(dir, device),
+    }
+}
+
 /// Run the experiment at `path`.
 pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let t0 = Instant::now();
@@ -232,12 +265,20 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     // Declared before the lock, so the lock file goes first and a refused run's
     // folders, still empty, go after it.
     let _new = crate::output::leftovers::NewDirs::note(&[data_dir.as_path(), report_dir.as_path()]);
-    let _lock = lock_and_clean(&name, &data_dir, &report_dir)?;
-    let store = open_store(&exp, &models, &data_dir, opts.fresh)?;
+    let _lock = match opts.shard {
+        // Parts run at once (on other nodes): each takes its own lock and leaves
+        // temporary files alone (their writers may live on another machine).
+        Some((i, n)) => crate::output::lock::RunLock::acquire(
+            &data_dir.join(format!(".lock-shard-{i}-of-{n}")),
+            &format!("experiment `{name}` part {i}/{n}"),
+        )?,
+        None => lock_and_clean(&name, &data_dir, &report_dir)?,
+    };
+    let store = open_store(&exp, &models, &data_dir, opts.fresh)?.with_part(opts.shard);
     let mut tables: Vec<(String, Vec<LongRow>)> = Vec::new();
     let mut stats = ExecStats::default();
     for mref in &models {
-        let model = load_model(&mref.dir, &device)
+        let model = load_for_run(&exp, opts, &mref.dir, &device)
             .context_with(|| format!("loading model {}", mref.dir.display()))?;
         let info = model.info();
         let task = setup::TaskSetup::resolve(&exp, mref, &info)?;
@@ -257,12 +298,28 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
             notes: task.provenance.clone(),
             task,
             stats: ExecStats::default(),
-            device: device.clone(),
+            // a placed model's home device (where its inputs go)
+            device: model.device(),
             max_rows: exp.max_rows(&device_spec),
         };
         let out = kind.run(&mut ctx)?;
         let tag = (models.len() > 1).then_some(mref.name.as_str());
         merge_model_output(&mut notes, &mut stats, &mut tables, tag, &ctx, out);
+    }
+    if store.partial() {
+        // A part's tables would hold other parts' placeholders: none are written.
+        return Ok(RunSummary {
+            name,
+            kind: kind.name(),
+            models: models.iter().map(|m| m.name.clone()).collect(),
+            data_dir,
+            report_dir,
+            tables: Vec::new(),
+            figures: Vec::new(),
+            notes,
+            stats,
+            seconds: t0.elapsed().as_secs_f64(),
+        });
     }
     let written = tables
         .iter()

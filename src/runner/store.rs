@@ -33,6 +33,8 @@ pub struct Store {
     hash: String,
     /// Ignore stored shards (they are overwritten as chunks are recomputed).
     fresh: bool,
+    /// `--shard i/N`: this process computes only the shards it owns ([`Store::owns`]).
+    part: Option<(usize, usize)>,
 }
 
 /// The shard folders of other settings under `root` (and shards of the layout before
@@ -122,7 +124,35 @@ impl Store {
             dir,
             hash: hash.to_string(),
             fresh,
+            part: None,
         })
+    }
+
+    /// Compute only the shards of part `i` of `n` (`--shard i/N`): the others are
+    /// left to the other parts; a later run without a part loads them all.
+    pub fn with_part(mut self, part: Option<(usize, usize)>) -> Self {
+        self.part = part;
+        self
+    }
+
+    /// Whether this process computes shard `key`: always without a part; with part
+    /// `i/N`, when a hash of the key (FNV-1a, stable across machines and runs) is `i`
+    /// modulo `N`.
+    pub fn owns(&self, key: &str) -> bool {
+        let Some((i, n)) = self.part else {
+            return true;
+        };
+        let mut h: u64 = 0xcbf29ce484222325;
+        for b in key.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        (h % n as u64) as usize == i
+    }
+
+    /// Whether this process computes only some shards (`--shard i/N`).
+    pub fn partial(&self) -> bool {
+        self.part.is_some()
     }
 
     /// The folder of this run's shards.

@@ -19,13 +19,13 @@ use phaselens::output::Table;
 const REPO: &str = env!("CARGO_MANIFEST_DIR");
 
 /// A cluster of this test's own (own state dir and ports), stopped on drop.
-struct Cluster {
+pub(crate) struct Cluster {
     state: tempfile::TempDir,
     conf: String,
 }
 
 impl Cluster {
-    fn start() -> Option<Cluster> {
+    pub(crate) fn start() -> Option<Cluster> {
         let installed = ["slurmctld", "slurmd", "munged", "sbatch"].iter().all(|b| {
             Command::new("sh")
                 .args(["-c", &format!("command -v {b} || test -x /usr/sbin/{b}")])
@@ -65,7 +65,7 @@ impl Cluster {
         Some(Cluster { state, conf })
     }
 
-    fn env(&self) -> [(&str, &str); 1] {
+    pub(crate) fn env(&self) -> [(&str, &str); 1] {
         [("SLURM_CONF", self.conf.as_str())]
     }
 
@@ -80,7 +80,7 @@ impl Cluster {
 
     /// Wait until none of `jobs` is pending or running. The deadline only guards
     /// against a hung cluster; it is not a speed assertion.
-    fn wait(&self, jobs: &[&str]) {
+    pub(crate) fn wait(&self, jobs: &[&str]) {
         let t0 = Instant::now();
         loop {
             let q = self.run("squeue", &["-h", "-o", "%i %T", "-j", &jobs.join(",")]);
@@ -116,7 +116,7 @@ impl Drop for Cluster {
 }
 
 /// `submitted array job A ... and merge job M` -> (A, M).
-fn job_ids(out: &str) -> (String, String) {
+pub(crate) fn job_ids(out: &str) -> (String, String) {
     let after = |key: &str| {
         out.split(key)
             .nth(1)

@@ -279,8 +279,15 @@ fn indexer_diagnostics_end_to_end() {
             assert!(kept.is_nan() || (0.0..=1.0).contains(&kept));
             let rank = get("needle_rank", Some(l), ph);
             assert!(rank.is_nan() || rank >= 0.0);
+            let deciding = get("topk_deciding", Some(l), ph);
+            assert!((0.0..=1.0).contains(&deciding));
+            let near = get("topk_near_boundary", Some(l), ph);
+            assert!(near.is_nan() || (0.0..=1.0).contains(&near));
+            assert_eq!(near.is_nan(), deciding == 0.0, "layer {l} phase {ph:?}");
         }
     }
+    // index_topk = 2: the top-k decides at most queries of these prompts.
+    assert!(get("topk_deciding", Some(2), None) > 0.5);
     // Only the two CSA layers are diagnosed.
     assert!(
         !rows

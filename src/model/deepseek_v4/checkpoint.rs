@@ -36,10 +36,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use super::super::safetensors_io::{SafetensorsReader, StDtype};
-use super::super::weights::{Init, WeightSource, inside_model_dir, shard_paths};
+use super::super::weights::{Init, UsedTensors, WeightSource, inside_model_dir, shard_paths};
 use crate::error::{Error, Result};
 
 /// Per-layer names: (DeepSeek release suffix after `layers.N.`, transformers module
@@ -233,7 +232,7 @@ pub struct V4Checkpoint {
     /// weight file key -> scale file key
     scales: BTreeMap<String, String>,
     ignored: BTreeSet<String>,
-    used: Mutex<BTreeSet<String>>,
+    used: UsedTensors,
     block: [usize; 2],
     /// For messages about tensors absent from every file.
     origin: PathBuf,
@@ -326,7 +325,7 @@ impl V4Checkpoint {
             experts,
             scales,
             ignored,
-            used: Mutex::new(BTreeSet::new()),
+            used: UsedTensors::default(),
             block,
             origin,
         })
@@ -338,7 +337,7 @@ impl V4Checkpoint {
     }
 
     fn mark(&self, key: &str) {
-        self.used.lock().expect("lock").insert(key.to_string());
+        self.used.mark(key);
     }
 
     fn missing(&self, module: &str, what: &str) -> Error {
@@ -552,30 +551,11 @@ impl V4Checkpoint {
 
     /// An error listing the tensors the model never asked for (`mtp.*` excepted).
     pub fn check_all_used(&self) -> Result<()> {
-        let used = self.used.lock().expect("lock");
-        let unknown: Vec<&str> = self
-            .reader
-            .names()
-            .filter(|n| !used.contains(*n) && !self.ignored.contains(*n))
-            .collect();
-        if unknown.is_empty() {
-            return Ok(());
-        }
-        let shown: Vec<&str> = unknown.iter().take(8).copied().collect();
-        Err(Error::tensor(
-            self.reader.path_of(unknown[0]),
-            unknown[0],
-            format!(
-                "unknown tensor(s) not used by the DeepSeek-V4 model ({} in all): {}{}",
-                unknown.len(),
-                shown.join(", "),
-                if unknown.len() > shown.len() {
-                    ", ..."
-                } else {
-                    ""
-                }
-            ),
-        ))
+        self.used.check(
+            &self.reader,
+            &|n| self.ignored.contains(n),
+            "the DeepSeek-V4 model",
+        )
     }
 }
 

@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
 use crate::model::kv_state::{PrefixState, Queries, Suffix, TokenFlow};
 use crate::model::layers::{Embedding, Linear, RmsNorm};
+use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::weights::{Init, Vb};
 use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo};
 
@@ -240,6 +241,46 @@ impl DeepseekV4Model {
         Tables::new(&self.config, &Queries::All { rows: 1, len: t }, device)
     }
 
+    /// Resident bytes of each layer and of what the home device holds besides
+    /// (embedding), for an automatic split (f32 values).
+    pub fn placement_bytes(&self) -> (Vec<f64>, f64) {
+        let layers = self
+            .model
+            .layers
+            .iter()
+            .map(|l| 4.0 * l.num_params() as f64)
+            .collect();
+        (layers, 4.0 * self.model.embed_tokens.num_params() as f64)
+    }
+
+    /// Put the layers (and the routed experts a placement keeps in host memory), the
+    /// head and the embedding on the devices of `p` (see [`crate::model::placement`]).
+    pub fn place(mut self, p: &Placed) -> Result<Self> {
+        p.check_layers(self.model.layers.len())?;
+        let last = p.last();
+        let m = self.model;
+        let layers = m
+            .layers
+            .into_iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                let mut layer = layer.to_device(&p.layers[l]);
+                if let Some(keep) = p.experts_on_device[l] {
+                    layer.mlp = layer.mlp.offload_experts(keep, &p.host)?;
+                }
+                Ok(layer)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.model = Backbone {
+            embed_tokens: m.embed_tokens.to_device(&p.home),
+            layers,
+            norm: m.norm.to_device(&last),
+            hc_head: m.hc_head.to_device(&last),
+        };
+        self.lm_head = self.lm_head.map(|h| h.to_device(&last));
+        Ok(self)
+    }
+
     fn run_layers(
         &self,
         mut x: Tensor<4>,
@@ -248,14 +289,20 @@ impl DeepseekV4Model {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<ForwardOutput> {
-        let tables = Tables::new(&self.config, flow.queries(), &x.device());
+        // A placed model: the streams move to each layer's device, per-forward tables
+        // are built once per device, logits and captures come back home.
+        let home = self.model.embed_tokens.weight.val().device();
+        let mut per_device = PerDevice::new();
         for (l, layer) in self.model.layers.iter().enumerate().skip(start) {
+            let here = layer.input_layernorm.weight.val().device();
+            x = to(x, &here);
+            let tables = per_device.get(&here, |d| Tables::new(&self.config, flow.queries(), d));
             x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
             let hc = layer.attn_hc.forward(l, Sublayer::Attention, &x, hooks)?;
             let a = layer.self_attn.forward(
                 l,
                 layer.input_layernorm.forward(hc.collapsed.clone()),
-                &tables,
+                tables,
                 flow,
                 hooks,
             )?;
@@ -273,6 +320,7 @@ impl DeepseekV4Model {
             x = mhc::expand(x, m, &hc);
             x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
         }
+        let x = to(x, &self.model.norm.weight.val().device());
         let h = self.model.hc_head.forward(x, hooks)?;
         let h = self.model.norm.forward(h);
         let h = hooks.apply(HookPoint::global(Site::FinalNorm), h)?;
@@ -282,14 +330,15 @@ impl DeepseekV4Model {
                 let [b, t, d] = h.dims();
                 let w = self.model.embed_tokens.weight.val();
                 let v = w.dims()[0];
-                h.reshape([b * t, d])
+                to(h, &home)
+                    .reshape([b * t, d])
                     .matmul(w.transpose())
                     .reshape([b, t, v])
             }
         };
         Ok(ForwardOutput {
-            logits,
-            cache: hooks.finish(),
+            logits: to(logits, &home),
+            cache: hooks.finish().to_device(&home),
         })
     }
 }

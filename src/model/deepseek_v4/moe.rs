@@ -8,14 +8,15 @@
 //! multiplied by `routed_scaling_factor`. Expert: `down(silu(min(gate, L)) *
 //! clamp(up, -L, L))` with `L = swiglu_limit`; the shared expert uses the same clamp.
 
-use burn::module::{Module, Param};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation::{sigmoid, silu, softmax, softplus};
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::config::{MlpType, ScoringFunc};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::layers::{Linear, int_tensor, row_chunks};
+use crate::model::placement::to;
 use crate::model::topk::topk_indices;
 use crate::model::weights::{Init, Vb};
 
@@ -52,7 +53,11 @@ pub struct SharedExpert {
 #[derive(Module, Debug)]
 pub struct Moe {
     pub gate: Router,
+    /// Routed experts `0..n` (all of them unless a placement offloads some).
     pub experts: Experts,
+    /// Experts `n..` that a placement keeps in host memory ([`Moe::offload_experts`]);
+    /// they run where they live, on the rows routed to them.
+    pub host_experts: Option<Experts>,
     pub shared_experts: SharedExpert,
     #[module(skip)]
     pub kind: MlpType,
@@ -140,6 +145,7 @@ impl Moe {
                     Init::Normal(1.0 / (i as f64).sqrt()),
                 )?,
             },
+            host_experts: None,
             shared_experts: SharedExpert {
                 gate_proj: lin("gate_proj", h, i)?,
                 up_proj: lin("up_proj", h, i)?,
@@ -151,6 +157,46 @@ impl Moe {
             scaling,
             limit,
         })
+    }
+
+    /// Keep routed experts `0..keep` with the rest of the layer and move the others to
+    /// `host` (a placement's host offload; `keep` >= the number of experts moves none).
+    pub fn offload_experts(mut self, keep: usize, host: &Device) -> Result<Self> {
+        if self.host_experts.is_some() {
+            return Err(Error::Other(
+                "the routed experts of this layer are already offloaded".into(),
+            ));
+        }
+        let gu = self.experts.gate_up_proj.val();
+        let down = self.experts.down_proj.val();
+        let e = gu.dims()[0];
+        if keep >= e {
+            return Ok(self);
+        }
+        let bank = |a: Tensor<3>, b: Tensor<3>, ids: Option<(ParamId, ParamId)>| {
+            let (ia, ib) = ids.unwrap_or_else(|| (ParamId::new(), ParamId::new()));
+            Experts {
+                gate_up_proj: Param::initialized(ia, a),
+                down_proj: Param::initialized(ib, b),
+            }
+        };
+        if keep == 0 {
+            self.experts = self.experts.to_device(host);
+            return Ok(self);
+        }
+        let ids = (self.experts.gate_up_proj.id, self.experts.down_proj.id);
+        let offloaded = bank(
+            to(gu.clone().slice_dim(0, keep..e), host),
+            to(down.clone().slice_dim(0, keep..e), host),
+            None,
+        );
+        self.experts = bank(
+            gu.slice_dim(0, 0..keep),
+            down.slice_dim(0, 0..keep),
+            Some(ids),
+        );
+        self.host_experts = Some(offloaded);
+        Ok(self)
     }
 
     /// `y: [b, t, d]` (after `post_attention_layernorm`), `tokens` the row-major token ids
@@ -257,40 +303,54 @@ impl Moe {
             per_expert[ex].0.push(slot / k);
             per_expert[ex].1.push(slot);
         }
-        let gate_up = self.experts.gate_up_proj.val();
-        let down = self.experts.down_proj.val();
-        let d_ff = down.dims()[2];
         let mut routed = Tensor::<2>::zeros([nt, h], &device);
-        for (ex, (toks, slots)) in per_expert.iter().enumerate() {
-            if toks.is_empty() {
-                continue;
+        // Expert `first + j` is row `j` of its bank; a bank in host memory runs there on
+        // the rows routed to it.
+        let mut first = 0;
+        for bank in std::iter::once(&self.experts).chain(self.host_experts.as_ref()) {
+            let gate_up = bank.gate_up_proj.val();
+            let down = bank.down_proj.val();
+            let [n, _, d_ff] = down.dims();
+            let here = gate_up.device();
+            for j in 0..n {
+                let (toks, slots) = &per_expert[first + j];
+                if toks.is_empty() {
+                    continue;
+                }
+                let ti = int_tensor(toks, &device);
+                let rows = to(flat.clone().select(0, ti.clone()), &here);
+                let w_gu = gate_up
+                    .clone()
+                    .slice_dim(0, j..j + 1)
+                    .reshape([2 * d_ff, h])
+                    .transpose();
+                let w_down = down
+                    .clone()
+                    .slice_dim(0, j..j + 1)
+                    .reshape([h, d_ff])
+                    .transpose();
+                let out = row_chunks(rows, |rows| {
+                    let gu = rows.matmul(w_gu.clone());
+                    let act = clamped_swiglu(
+                        gu.clone().slice_dim(1, 0..d_ff),
+                        gu.slice_dim(1, d_ff..2 * d_ff),
+                        self.limit,
+                    );
+                    act.matmul(w_down.clone())
+                });
+                let wsel = weights
+                    .clone()
+                    .select(0, int_tensor(slots, &device))
+                    .reshape([toks.len(), 1]);
+                routed =
+                    routed.select_assign(0, ti, to(out, &device) * wsel, IndexingUpdateOp::Add);
             }
-            let ti = int_tensor(toks, &device);
-            let rows = flat.clone().select(0, ti.clone());
-            let w_gu = gate_up
-                .clone()
-                .slice_dim(0, ex..ex + 1)
-                .reshape([2 * d_ff, h])
-                .transpose();
-            let w_down = down
-                .clone()
-                .slice_dim(0, ex..ex + 1)
-                .reshape([h, d_ff])
-                .transpose();
-            let out = row_chunks(rows, |rows| {
-                let gu = rows.matmul(w_gu.clone());
-                let act = clamped_swiglu(
-                    gu.clone().slice_dim(1, 0..d_ff),
-                    gu.slice_dim(1, d_ff..2 * d_ff),
-                    self.limit,
-                );
-                act.matmul(w_down.clone())
-            });
-            let wsel = weights
-                .clone()
-                .select(0, int_tensor(slots, &device))
-                .reshape([toks.len(), 1]);
-            routed = routed.select_assign(0, ti, out * wsel, IndexingUpdateOp::Add);
+            first += n;
+        }
+        if first != e {
+            return Err(Error::Other(format!(
+                "the expert banks hold {first} routed experts, the router {e}"
+            )));
         }
         Ok(routed)
     }

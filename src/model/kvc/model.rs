@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
 use crate::model::kv_state::{PrefixState, Suffix, TokenFlow};
 use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu};
+use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::weights::Vb;
 use crate::model::{ForwardOutput, LanguageModel, LayerKind, LayerSpec, ModelInfo};
 
@@ -183,6 +184,38 @@ impl KvcModel {
         Ok([b, t])
     }
 
+    /// Resident bytes of each block and of the embedding (home), for an automatic
+    /// split (f32 values).
+    pub fn placement_bytes(&self) -> (Vec<f64>, f64) {
+        let layers = self
+            .blocks
+            .iter()
+            .map(|b| 4.0 * b.num_params() as f64)
+            .collect();
+        (layers, 4.0 * self.embed.num_params() as f64)
+    }
+
+    /// Put the blocks, the final norm and head, and the embedding on the devices of
+    /// `p` (see [`crate::model::placement`]; kvc blocks have no experts).
+    pub fn place(mut self, p: &Placed) -> Result<Self> {
+        p.check_layers(self.blocks.len())?;
+        let last = p.last();
+        self.blocks = std::mem::take(&mut self.blocks)
+            .into_iter()
+            .zip(&p.layers)
+            .map(|(b, d)| b.to_device(d))
+            .collect();
+        self.embed = self.embed.to_device(&p.home);
+        self.final_norm = self.final_norm.to_device(&last);
+        self.lm_head = self.lm_head.map(|h| h.to_device(&last));
+        Ok(self)
+    }
+
+    /// The home device (embedding): inputs, logits and captures live there.
+    fn home(&self) -> Device {
+        self.embed.weight.val().device()
+    }
+
     fn run_blocks(
         &self,
         x: Tensor<3>,
@@ -191,9 +224,10 @@ impl KvcModel {
         hooks: &mut HookRun,
     ) -> Result<ForwardOutput> {
         let x = self.final_hidden(x, start, flow, hooks)?;
+        let home = self.home();
         Ok(ForwardOutput {
-            logits: self.head(x),
-            cache: hooks.finish(),
+            logits: to(self.head(x), &home),
+            cache: hooks.finish().to_device(&home),
         })
     }
 
@@ -205,13 +239,18 @@ impl KvcModel {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
-        let tables = Tables::new(&self.config, flow.queries(), &x.device());
+        // A placed model: the residual moves to each block's device, tables are built
+        // once per device.
+        let mut per_device = PerDevice::new();
         for (l, block) in self.blocks.iter().enumerate().skip(start) {
+            let here = block.attn_norm.weight.val().device();
+            x = to(x, &here);
+            let tables = per_device.get(&here, |d| Tables::new(&self.config, flow.queries(), d));
             x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
             let h = block.attn_norm.forward(x.clone());
             let a = block
                 .attn
-                .forward(l, h, &tables, &self.config, flow, hooks)?;
+                .forward(l, h, tables, &self.config, flow, hooks)?;
             let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
             x = x + a;
             x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
@@ -220,6 +259,7 @@ impl KvcModel {
             x = x + m;
             x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
         }
+        let x = to(x, &self.final_norm.weight.val().device());
         let x = self.final_norm.forward(x);
         hooks.apply(HookPoint::global(Site::FinalNorm), x)
     }
@@ -234,7 +274,10 @@ impl KvcModel {
                 let rows = dims[..D - 1].iter().product();
                 let w = self.embed.weight.val();
                 dims[D - 1] = w.dims()[0];
-                x.reshape([rows, d]).matmul(w.transpose()).reshape(dims)
+                to(x, &w.device())
+                    .reshape([rows, d])
+                    .matmul(w.transpose())
+                    .reshape(dims)
             }
         }
     }
@@ -251,7 +294,11 @@ impl KvcModel {
         let x = self.embed.forward(tokens);
         let x = self.final_hidden(x, 0, &mut TokenFlow::plain(b, t), &mut hooks)?;
         let d = self.config.d_model;
-        Ok(self.head(x.reshape([b * t, d]).select(0, rows)))
+        let rows = to(rows, &x.device());
+        Ok(to(
+            self.head(x.reshape([b * t, d]).select(0, rows)),
+            &self.home(),
+        ))
     }
 }
 

@@ -9,7 +9,9 @@
 //! lower index among ties; [`crate::analysis::best_rank`]), from `hook_topk` whether
 //! one was kept. A wrong answer is a *selection miss* at a layer when the needle's
 //! entry was closed but not kept there, a *read miss* when it was kept (the heads did
-//! not read it); prompts whose needle entry is not closed yet count as neither.
+//! not read it); prompts whose needle entry is not closed yet count as neither. How
+//! often the top-k decides anything at that query, and how often its boundary lies
+//! within float rounding ([`crate::model::topk::near_boundary`]).
 //!
 //! Causal check: `attn.indexer.hook_selected` (1.0 = kept) gets `Action::Add` of +1
 //! (force in) or -1 (force out) at the needle's entries, at every target position, in
@@ -22,6 +24,7 @@ use crate::analysis::{Clusters, EntryAlign, SlotLayout, accuracy_clusters, best_
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
 use crate::model::LayerKind;
+use crate::model::topk::near_boundary;
 use crate::output::{BandSeries, Headline, LinePlotSpec, LongRow, line_with_bands};
 use crate::tasks::{KvEvalSet, KvExample};
 
@@ -218,13 +221,18 @@ fn capture_spec(layers: &[(usize, usize, usize)]) -> HookSpec {
     spec
 }
 
-/// Layer `l` (window `w`, stride `s`) of the clean run: per row (kept?, rank of the
-/// needle's best entry) and (closed?, closed entries), and the layer's forced shape.
+/// What one layer of the clean run says about each row: (kept?, rank of the needle's
+/// best entry), (closed?, closed entries) and (top-k boundary within rounding?, 1.0 when
+/// the top-k decides anything else 0.0).
+type LayerOutcomes = (Vec<Outcome>, Vec<Outcome>, Vec<Outcome>);
+
+/// Layer `l` (window `w`, stride `s`) of the clean run: its [`LayerOutcomes`] and the
+/// layer's forced shape.
 fn layer_outcomes(
     c: &ChunkRows,
     cache: &ActivationCache,
     (l, w, s): (usize, usize, usize),
-) -> Result<(Vec<Outcome>, Vec<Outcome>, ForcedShape)> {
+) -> Result<(LayerOutcomes, ForcedShape)> {
     let t = c.t;
     let get = |site: Site| {
         let p = HookPoint::block(l, site);
@@ -259,6 +267,7 @@ fn layer_outcomes(
     );
     let mut kept = Vec::with_capacity(c.rows.len());
     let mut closed = Vec::with_capacity(c.rows.len());
+    let mut near = Vec::with_capacity(c.rows.len());
     for (i, &r) in c.rows.iter().enumerate() {
         let q = c.targets[i].positions[0];
         let ne = needle_entries(&layout, c.needles[r][0], q);
@@ -276,8 +285,13 @@ fn layer_outcomes(
             correct: !ne.is_empty(),
             ld: ((q + 1) / s).min(n) as f32,
         });
+        let boundary = near_boundary(&row_s[..((q + 1) / s).min(n)], k);
+        near.push(Outcome {
+            correct: boundary == Some(true),
+            ld: if boundary.is_some() { 1.0 } else { 0.0 },
+        });
     }
-    Ok((kept, closed, (l, layout, sel.shape().to_vec())))
+    Ok(((kept, closed, near), (l, layout, sel.shape().to_vec())))
 }
 
 /// The spec of one forced run: `hook_selected` of every layer gets `f`'s delta at the
@@ -332,9 +346,10 @@ fn chunk_outcomes(
     let mut res = vec![readout(out.logits, &c.targets)?];
     let mut forced_shapes = Vec::new();
     for &layer in layers {
-        let (kept, closed, shape) = layer_outcomes(&c, &out.cache, layer)?;
+        let ((kept, closed, near), shape) = layer_outcomes(&c, &out.cache, layer)?;
         res.push(kept);
         res.push(closed);
+        res.push(near);
         forced_shapes.push(shape);
     }
     for &f in &cfg.force {
@@ -365,7 +380,7 @@ fn evaluate(
         .map(|&r| ctx.examples(set, r).len() as u64)
         .sum();
     let mut shards = ctx.prompt_shards(&format!("{} indexer-diagnostics", ctx.mref.name), total);
-    let nq = 1 + 2 * layers.len() + cfg.force.len();
+    let nq = 1 + PER_LAYER * layers.len() + cfg.force.len();
     let mut groups = Vec::new();
     for &r in &phases {
         let ex = ctx.examples(set, r);
@@ -389,6 +404,9 @@ fn evaluate(
     ctx.finish_shards(shards);
     Ok(groups)
 }
+
+/// Quantities per diagnosed layer in a prompt's outcomes ([`LayerOutcomes`]).
+const PER_LAYER: usize = 3;
 
 /// `(logical, phase, per-quantity outcomes)` of one prompt.
 type PromptObs = (u64, u32, Vec<Outcome>);
@@ -433,9 +451,10 @@ impl Summary<'_> {
             .phase_rows(metric, layer.map(|l| (l, None)), self.phases, &per, pooled)
     }
 
-    /// The needle rows of the `li`-th layer `l`: selected, rank, open, and the two misses.
+    /// The needle rows of the `li`-th layer `l`: selected, rank, open, the two misses,
+    /// and how often the top-k choice is decided at all and within rounding.
     fn layer_rows(&self, li: usize, l: usize) -> Vec<LongRow> {
-        let (kq, cq) = (1 + 2 * li, 2 + 2 * li);
+        let (kq, cq, nq) = (1 + PER_LAYER * li, 2 + PER_LAYER * li, 3 + PER_LAYER * li);
         let l = Some(l as u32);
         let mut rows = self.mean_rows("needle_selected", l, &|o| {
             o[cq].correct.then(|| b(o[kq].correct))
@@ -449,6 +468,10 @@ impl Summary<'_> {
         }));
         rows.extend(self.mean_rows("read_miss", l, &|o| {
             Some(b(!o[0].correct && o[cq].correct && o[kq].correct))
+        }));
+        rows.extend(self.mean_rows("topk_deciding", l, &|o| Some(f64::from(o[nq].ld))));
+        rows.extend(self.mean_rows("topk_near_boundary", l, &|o| {
+            (o[nq].ld > 0.0).then(|| b(o[nq].correct))
         }));
         rows
     }
@@ -522,7 +545,7 @@ fn run(cfg: &IndexerDiagnostics, ctx: &mut Ctx) -> Result<KindOutput> {
         rows.extend(sum.layer_rows(li, l));
     }
     for (fi, &f) in cfg.force.iter().enumerate() {
-        rows.extend(sum.force_rows(f, 1 + 2 * layers.len() + fi));
+        rows.extend(sum.force_rows(f, 1 + PER_LAYER * layers.len() + fi));
     }
     Ok(KindOutput {
         tables: vec![("indexer".into(), rows)],
