@@ -1,6 +1,8 @@
 //! Build script: with the `tch` feature, put LibTorch's `lib/` folder on the run-time
 //! library path of every binary and test (an rpath), so `phaselens --device tch-cpu` and
-//! `cargo nextest` find `libtorch_cpu.so` without `LD_LIBRARY_PATH`.
+//! `cargo nextest` find `libtorch_cpu.so` without `LD_LIBRARY_PATH`, and pass the folder
+//! on to dependents (`links = "phaselens"`: their build scripts see
+//! `DEP_PHASELENS_LIBTORCH_LIB`).
 //!
 //! The folder is the one torch-sys links against: `$LIBTORCH/lib` when `LIBTORCH` is set,
 //! else (with `LIBTORCH_USE_PYTORCH=1`) the `lib/` folder of the `torch` package that the
@@ -20,6 +22,10 @@ fn main() {
     }
     if let Some(dir) = libtorch_lib_dir() {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
+        // For dependents: a crate that depends on phaselens reads it as
+        // DEP_PHASELENS_LIBTORCH_LIB in its own build script (examples/dependent/build.rs);
+        // cargo does not pass this crate's link arguments on.
+        println!("cargo:libtorch_lib={}", dir.display());
     } else {
         println!(
             "cargo:warning=phaselens: the tch feature is on but LibTorch's lib/ folder was not found \

@@ -15,30 +15,71 @@ default:
 build:
     cargo build --bin phaselens --features {{features}}
 
-# Format the code (the experiment kinds are plain `pub mod` lines, so cargo fmt reaches them).
+# Format the code (the experiment kinds are plain `pub mod` lines, so cargo fmt reaches them;
+# examples/dependent is its own crate).
 fmt:
     cargo fmt
+    rustfmt --edition 2024 examples/dependent/build.rs examples/dependent/src/main.rs
 
 # Check formatting (no build; part of `just test`).
 fmt-check:
     cargo fmt --check
+    rustfmt --edition 2024 --check examples/dependent/build.rs examples/dependent/src/main.rs
 
-# Formatting + clippy with warnings as errors. clippy checks every dependency again in
-# check mode (a second compile of burn, polars, wgpu, ...), so CI runs `fmt-check` only.
+# Formatting + clippy with warnings as errors, at no extra compile: every build of
+# phaselens itself runs through clippy-driver (`.cargo/config.toml`), so clippy lints
+# while the test build compiles (the dependencies are compiled by rustc as always and
+# reused). Cargo replays the warnings of up-to-date artifacts, so a warning of our crate
+# (rustc's or clippy's, any target: lib, bin, tests, examples) fails this every time.
 lint: fmt-check
-    cargo clippy --features {{features}} --all-targets -- -D warnings
+    #!/usr/bin/env bash
+    set -euo pipefail
+    log=$(mktemp)
+    trap 'rm -f "$log"' EXIT
+    color=never; [ -t 2 ] && color=always
+    cargo test --no-run --features {{features}} --color "$color" 2>&1 | tee "$log"
+    if sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -q '^warning'; then
+        echo "lint: the warnings above (rustc's or clippy's) fail the lint; fix them" >&2
+        exit 1
+    fi
 
 # One build with every backend; the backend matrix runs on flex, tch-cpu and wgpu.
-# Run the whole test suite (what CI runs): formatting, doc tests, the one test binary.
-test: fmt-check
+# Run the whole test suite (what CI runs): formatting + lints (the test build), doc
+# tests, the one test binary, the examples.
+test: lint
     cargo test --doc --features {{features}}
     cargo nextest run --no-fail-fast --features {{features}}
     just examples
 
-# Run the library examples (examples/: built by the test build above).
+# Run the library examples (examples/: built by the test build above), then the
+# dependent crate.
 examples:
     cargo run --quiet --features {{features}} --example phase_sweep
     cargo run --quiet --features {{features}} --example cache_and_patch
+    just dependent
+
+# Build and run examples/dependent, a crate that depends on phaselens by path, as a new
+# user would: copied to an empty folder (none of our cargo config reaches it) with our
+# Cargo.lock (the same dependency versions), sharing our target folder so that no
+# dependency is compiled again (phaselens itself is: a dependency's artifact differs from
+# a workspace member's). Runs on LibTorch (tch-cpu) when built with it: that checks the rpath.
+dependent:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    root=$PWD
+    target=${CARGO_TARGET_DIR:-target}
+    case $target in /*) ;; *) target=$root/$target ;; esac
+    dir=$(mktemp -d)
+    trap 'rm -rf "$dir"' EXIT
+    cp -r examples/dependent/. Cargo.lock "$dir/"
+    sed -i "s|path = \"../..\"|path = \"$root\"|" "$dir/Cargo.toml"
+    # The same features as ours (PHASELENS_FEATURES), so the dependencies match too.
+    list=$(echo "{{features}}" | sed 's/[ ,][ ,]*/", "/g; s/.*/"&"/')
+    sed -i "s|features = \[\"all-backends\"\]|default-features = false, features = [$list]|" "$dir/Cargo.toml"
+    device=cpu
+    case ",{{features}}," in *,all-backends,*|*,tch,*) device=tch-cpu ;; esac
+    cd "$dir"
+    CARGO_TARGET_DIR=$target cargo run --quiet --offline -- "$root" "$device"
 
 # List hook points.
 hooks: build

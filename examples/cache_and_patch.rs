@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 
 use phaselens::prelude::*;
-use phaselens::runner::prompts::{group_examples, paired_prompts};
+use phaselens::tasks::prompts::{group_examples, paired_prompts};
 use phaselens::tasks::{KvEvalConfig, Protocol, generate_eval_set};
 use phaselens::train::OrganismFile;
 

@@ -27,6 +27,8 @@ if ! command -v just >/dev/null 2>&1; then
 fi
 command -v just >/dev/null 2>&1 || { echo "setup: 'just' is not on PATH after installing rust-just" >&2; exit 1; }
 cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
+# Every build of phaselens runs through clippy-driver (.cargo/config.toml).
+clippy-driver --version >/dev/null 2>&1 || rustup component add clippy
 bash "$(dirname "$0")/setup-slurm.sh"
 bash "$(dirname "$0")/setup-backends.sh"
 echo "setup: ok ($(just --version), $(cargo --version))"

@@ -89,6 +89,7 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// An I/O error on `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
@@ -96,6 +97,7 @@ impl Error {
         }
     }
 
+    /// A problem with tensor `tensor` of the file `path`.
     pub fn tensor(
         path: impl Into<PathBuf>,
         tensor: impl Into<String>,
@@ -108,6 +110,7 @@ impl Error {
         }
     }
 
+    /// A bad config value: `field` is its key.
     pub fn field(field: impl Into<String>, message: impl Into<String>) -> Self {
         Error::ConfigField {
             field: field.into(),
@@ -115,6 +118,7 @@ impl Error {
         }
     }
 
+    /// A problem at hook point `point`.
     pub fn hook(point: impl Into<String>, message: impl Into<String>) -> Self {
         Error::Hook {
             point: point.into(),

@@ -275,7 +275,7 @@ impl AuditConfig {
         if let Some(&l) = a
             .lengths
             .iter()
-            .find(|&&l| l < 16 || l > crate::tasks::MAX_HAYSTACK_LEN)
+            .find(|l| !(16..=crate::tasks::MAX_HAYSTACK_LEN).contains(*l))
         {
             return Err(format!(
                 "[audit] lengths: {l} is outside 16..={}",

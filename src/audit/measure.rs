@@ -14,12 +14,12 @@ use crate::output::LongRow;
 use crate::runner::exec::{ExecStats, Group};
 use crate::runner::experiment::Experiment;
 use crate::runner::kinds::Ctx;
-use crate::runner::prompts::{PromptMeta, clean_prompts};
 use crate::runner::rows::{RowCtx, protocol_obs};
 use crate::runner::setup::{self, ModelRef, TaskSetup};
 use crate::runner::store::Store;
 use crate::runner::{ProgressMode, RunOptions};
 use crate::tasks::Protocol;
+use crate::tasks::prompts::{PromptMeta, clean_prompts};
 
 use super::plan::{Part, experiment_text};
 use super::stats::{Flatness, Row, flatness_test, shift_flips};
@@ -225,11 +225,11 @@ fn with_ctx<T>(
     Ok((out, ctx.stats, ctx.notes))
 }
 
+/// The prompt metas of each protocol's groups.
+type ProtocolMetas = Vec<(Protocol, Vec<PromptMeta>)>;
+
 /// Per protocol, one group per phase (each protocol's set checked against the model).
-fn retrieval_groups(
-    ctx: &mut Ctx,
-    protocols: &[Protocol],
-) -> Result<(Vec<Group>, Vec<(Protocol, Vec<PromptMeta>)>)> {
+fn retrieval_groups(ctx: &mut Ctx, protocols: &[Protocol]) -> Result<(Vec<Group>, ProtocolMetas)> {
     let mut groups = Vec::new();
     let mut metas = Vec::new();
     for &proto in protocols {

@@ -234,7 +234,9 @@ pub fn markdown_table() -> String {
 /// A concrete hook point: a site, inside block `layer` when the site is layered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HookPoint {
+    /// The block (`blocks.{layer}.`); None for the sites outside the blocks.
     pub layer: Option<usize>,
+    /// What the point is (`attn.hook_z`, `hook_resid_pre`, ...).
     pub site: Site,
 }
 

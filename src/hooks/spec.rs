@@ -58,8 +58,11 @@ pub struct Scope {
 /// One batch row of a per-row [`Scope`]: `None` = every head / position of the row.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RowScope {
+    /// The batch row.
     pub row: usize,
+    /// Heads of the row (along the point's head axis: query or KV heads).
     pub heads: Option<Vec<usize>>,
+    /// Positions of the row along the point's position axis.
     pub positions: Option<Vec<usize>>,
 }
 
@@ -109,8 +112,11 @@ impl Scope {
 /// One intervention: a target (name or glob), an action and a scope.
 #[derive(Debug, Clone)]
 pub struct Intervention {
+    /// The hook point(s): a name or a glob (`blocks.*.attn.hook_z`).
     pub target: PointPattern,
+    /// What to do there.
     pub action: Action,
+    /// Where along the batch, head and position axes.
     pub scope: Scope,
 }
 

@@ -19,8 +19,8 @@ use super::patching::{
     Base, Cell, ChunkPath, Edit, Fill, Outcome, Positions, Prompts, base_run, captures_for,
     plan_chunks, plan_suffix, run_cell_naive, run_chunk_with,
 };
-use super::prompts::{group_examples, paired_prompts};
 use super::setup::{self, TaskSetup};
+use crate::tasks::prompts::{group_examples, paired_prompts};
 
 /// Result of one benchmark.
 #[derive(Debug, Clone)]

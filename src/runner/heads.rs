@@ -9,7 +9,7 @@ use crate::output::HeadKind;
 
 use super::exec::GroupResult;
 use super::patching::{Cell, Edit, Fill, Positions};
-use super::prompts::PromptMeta;
+use crate::tasks::prompts::PromptMeta;
 
 /// A head cell: `(layer, head, kind)` and the query heads its edit covers.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,7 +11,6 @@
 //! |---|---|
 //! | [`experiment`] | the experiment TOML (every key documented in docs/experiments.md) |
 //! | [`setup`] | organism / model directory, token space, prompt format, period; checks against the model |
-//! | [`prompts`] | phase-group prompt batches, clean/corrupted pairs |
 //! | [`patching`] | THE batched intervention routine (and its one-forward-per-cell reference) |
 //! | [`exec`], [`store`], [`progress`] | chunks with resume (atomic shard tables), progress with ETA |
 //! | [`rows`] | statistics (from [`crate::analysis`]) -> long-format rows |
@@ -21,17 +20,16 @@
 //! | [`bench`] | batched vs one-forward-per-cell throughput |
 
 pub mod bench;
-pub mod exec;
+pub(crate) mod exec;
 pub mod experiment;
-pub mod heads;
+pub(crate) mod heads;
 pub mod kinds;
 pub mod patching;
 pub mod progress;
-pub mod prompts;
 pub mod report;
-pub mod rows;
+pub(crate) mod rows;
 pub mod setup;
-pub mod store;
+pub(crate) mod store;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -41,6 +39,10 @@ use crate::error::{Result, ResultExt};
 use crate::model::load_model;
 use crate::output::{LongRow, long_table, write_parquet_copy};
 
+/// Moved to [`crate::tasks::prompts`]; this alias keeps code written before the move
+/// compiling (remove it once nothing imports `runner::prompts`).
+#[doc(hidden)]
+pub use crate::tasks::prompts;
 pub use exec::ExecStats;
 pub use experiment::Experiment;
 pub use kinds::{Kind, KindConfig};

@@ -365,21 +365,37 @@ pub(crate) fn sym_range(values: impl Iterator<Item = f64>) -> Option<(f64, f64)>
     (m > 0.0).then_some((-m, m))
 }
 
-/// Layer x head heatmap of `metric` at `phase` (None = pooled rows); `diverging` for
-/// signed effects (centred at 0), sequential otherwise.
-#[allow(clippy::too_many_arguments)]
+/// A layer x head grid of one metric's cells (`(layer, head, phase)` -> value) with its
+/// axes; `head_label` is `H` for query heads, `KV` for KV heads.
+pub(crate) struct HeadGrid<'a> {
+    pub cells: &'a CellMap,
+    pub layers: &'a [u32],
+    pub heads: &'a [u32],
+    pub head_label: &'a str,
+}
+
+/// A heatmap's colour scale: the colour bar's label, its range (None = the data's) and
+/// whether it diverges (signed effects, centred at 0) or is sequential.
+pub(crate) struct ColourScale<'a> {
+    pub label: &'a str,
+    pub range: Option<(f64, f64)>,
+    pub diverging: bool,
+}
+
+/// Layer x head heatmap of the grid's cells at `phase` (None = pooled rows).
 pub(crate) fn layer_head_heatmap(
     out: &Path,
-    cells: &CellMap,
-    layers: &[u32],
-    heads: &[u32],
+    grid: &HeadGrid,
     phase: Option<u32>,
     title: String,
-    colorbar: &str,
-    range: Option<(f64, f64)>,
-    head_label: &str,
-    diverging: bool,
+    scale: &ColourScale,
 ) -> Result<FigureFiles> {
+    let HeadGrid {
+        cells,
+        layers,
+        heads,
+        head_label,
+    } = *grid;
     let matrix = layers
         .iter()
         .map(|&l| {
@@ -400,9 +416,9 @@ pub(crate) fn layer_head_heatmap(
             "query head".into()
         },
         y_label: "layer".into(),
-        colorbar_label: colorbar.to_string(),
-        diverging,
-        range,
+        colorbar_label: scale.label.to_string(),
+        diverging: scale.diverging,
+        range: scale.range,
         annotate: true,
         size: None,
     };
@@ -539,15 +555,19 @@ pub(crate) fn spec_index_heatmap(
     }
     layer_head_heatmap(
         out,
-        &cells,
-        &layers,
-        &heads,
+        &HeadGrid {
+            cells: &cells,
+            layers: &layers,
+            heads: &heads,
+            head_label: label,
+        },
         None,
         title,
-        "specialization S = 1 - (exp(H) - 1)/(P - 1)",
-        Some((0.0, 1.0)),
-        label,
-        false,
+        &ColourScale {
+            label: "specialization S = 1 - (exp(H) - 1)/(P - 1)",
+            range: Some((0.0, 1.0)),
+            diverging: false,
+        },
     )
     .map(Some)
 }

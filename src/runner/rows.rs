@@ -7,7 +7,7 @@ use crate::analysis::{self, Clusters, DEFAULT_LEVEL, Est, per_phase, phase_clust
 use crate::output::{HeadKind, LongRow};
 
 use super::exec::GroupResult;
-use super::prompts::PromptMeta;
+use crate::tasks::prompts::PromptMeta;
 
 /// Clusters of `(correct_edited, correct_clean)` for cell `ci` over all groups (the
 /// ablation and knockout kinds' relative change).

@@ -26,7 +26,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use super::kv::{Pads, render, rng_for, sample_content};
+use super::kv::{Pads, Rendering, render, rng_for, sample_content};
 use super::vocab::TokenSpace;
 use super::{KvExample, KvPromptConfig, Period, Protocol, TaskError, TaskResult};
 
@@ -217,9 +217,11 @@ impl HaystackConfig {
                     &content,
                     &pads,
                     self.period,
-                    logical,
-                    Some(self.protocol),
-                    shift,
+                    Rendering {
+                        logical_id: logical,
+                        protocol: Some(self.protocol),
+                        shift,
+                    },
                 );
                 if !filler.is_empty() {
                     fill_haystack(&mut example, &pads, space.pad(), &filler);

@@ -11,6 +11,8 @@
 //!   draws training batches with random prefix padding.
 //! - Long-context retrieval: [`HaystackConfig`] spreads the bindings through a long
 //!   haystack with the needle at a chosen depth, at every phase.
+//! - Prompt batches for the patching routine ([`prompts`]): a phase group of an
+//!   evaluation set as clean prompts or clean/corrupted pairs.
 //! - Filler-length probe (the paper's code-completion flip):
 //!   [`binding_filler_probe`] (any token space) and [`text_filler_probe`]
 //!   (a text template with a `{filler}` placeholder, HF tokenizers).
@@ -28,6 +30,7 @@ use serde::{Deserialize, Serialize};
 mod filler;
 mod haystack;
 mod kv;
+pub mod prompts;
 mod vocab;
 
 #[cfg(test)]

@@ -447,16 +447,20 @@ impl<M: Module + LanguageModel> Training<'_, M> {
                 std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
             }
         }
+        let meta = CheckpointMeta {
+            step: row.step + 1,
+            loss: row.loss,
+            tokens_seen: row.tokens_seen,
+            config_hash: self.hash.clone(),
+            phaselens_version: env!("CARGO_PKG_VERSION").into(),
+            history: history.to_vec(),
+        };
         save_checkpoint(
             &self.run,
             model,
             self.save,
             optim,
-            row.step + 1,
-            row.loss,
-            row.tokens_seen,
-            &self.hash,
-            history,
+            &meta,
             self.file.train.keep_checkpoints,
         )?;
         write_loss_curve(&self.run, &self.file.organism.name, history, &self.hash)
@@ -558,38 +562,27 @@ pub fn write_loss_curve(dir: &Path, name: &str, history: &[LogRow], hash: &str) 
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Write checkpoint `meta.step` (model, optimizer state, then `meta.json`, whose presence
+/// marks it complete) and drop the oldest checkpoints beyond `keep`.
 fn save_checkpoint<M: Module>(
     run: &Path,
     model: &M,
     save: Save<M>,
     optim: &burn::optim::ModuleOptimizer,
-    step: u64,
-    loss: f64,
-    tokens_seen: u64,
-    hash: &str,
-    history: &[LogRow],
+    meta: &CheckpointMeta,
     keep: usize,
 ) -> Result<()> {
-    let dir = step_dir(run, step);
+    let dir = step_dir(run, meta.step);
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     save(model, &dir)?;
     let bytes = optim
         .into_bytes()
         .map_err(|e| Error::Other(format!("serialising optimizer state: {e}")))?;
     write_atomic(&dir.join("optim.bpk"), &bytes)?;
-    let meta = CheckpointMeta {
-        step,
-        loss,
-        tokens_seen,
-        config_hash: hash.to_string(),
-        phaselens_version: env!("CARGO_PKG_VERSION").into(),
-        history: history.to_vec(),
-    };
     // meta.json last: its presence marks the checkpoint complete.
     write_atomic(
         &dir.join("meta.json"),
-        serde_json::to_string(&meta).expect("meta").as_bytes(),
+        serde_json::to_string(meta).expect("meta").as_bytes(),
     )?;
     // Drop older checkpoints beyond `keep`.
     if let Ok(entries) = std::fs::read_dir(run.join("checkpoints")) {

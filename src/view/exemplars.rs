@@ -18,9 +18,9 @@ use crate::model::{LanguageModel, LayerKind, ModelInfo, load_model};
 use crate::output::{ColumnData, META_SCHEMA, Table};
 use crate::runner::Experiment;
 use crate::runner::kinds::retrieval_heads::layer_layout;
-use crate::runner::prompts::clean_prompts;
 use crate::runner::setup::{TaskSetup, resolve_models};
 use crate::tasks::KvExample;
+use crate::tasks::prompts::clean_prompts;
 
 /// `phaselens.schema` of the exemplar table.
 pub const EXEMPLAR_SCHEMA: &str = "exemplars/v1";

@@ -497,8 +497,8 @@ fn patch_heads_on_a_deepseek_v4_organism() {
         ..Default::default()
     };
     let set = phaselens::tasks::generate_eval_set(&space, &cfg).unwrap();
-    let ex = phaselens::runner::prompts::group_examples(&set, 3, 3);
-    let (prompts, _) = phaselens::runner::prompts::paired_prompts(&ex, &space, 0, 1, 2).unwrap();
+    let ex = phaselens::tasks::prompts::group_examples(&set, 3, 3);
+    let (prompts, _) = phaselens::tasks::prompts::paired_prompts(&ex, &space, 0, 1, 2).unwrap();
     let corrupted: Vec<usize> = (3..6).collect();
     let cells = vec![
         Cell {

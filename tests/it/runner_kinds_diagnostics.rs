@@ -8,9 +8,9 @@ use phaselens::hooks::{HookPoint, HookSpec, Site};
 use phaselens::model::load_model;
 use phaselens::output::{LONG_COLUMNS, LongRow, Table, read_long_rows, validate_columns};
 use phaselens::runner::experiment::Experiment;
-use phaselens::runner::prompts::{clean_prompts, group_examples};
 use phaselens::runner::run_experiment;
 use phaselens::runner::setup::{TaskSetup, resolve_models};
+use phaselens::tasks::prompts::{clean_prompts, group_examples};
 
 fn rows(path: &std::path::Path) -> Vec<LongRow> {
     let t = Table::read_arrow(path).unwrap();

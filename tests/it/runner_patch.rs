@@ -10,8 +10,8 @@ use phaselens::runner::patching::{
     Cell, ChunkPath, Edit, Fill, Positions, base_run, captures_for, plan_chunks, plan_suffix,
     run_cell_naive, run_chunk, run_chunk_with,
 };
-use phaselens::runner::prompts::{group_examples, paired_prompts};
 use phaselens::runner::run_experiment;
+use phaselens::tasks::prompts::{group_examples, paired_prompts};
 use phaselens::tasks::{
     KvEvalConfig, KvPromptConfig, Period, Protocol, TokenSpace, generate_eval_set,
 };

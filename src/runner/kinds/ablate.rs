@@ -12,14 +12,14 @@ use crate::output::{HeadKind, LongRow};
 use super::super::exec::Group;
 use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Positions};
-use super::super::prompts::clean_prompts;
 use super::super::report::{
-    Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, ranked_table, ranking,
-    spec_index_heatmap, sym_range,
+    ColourScale, Figures, HeadGrid, cell_map, head_axes, head_phase_map, layer_head_heatmap,
+    ranked_table, ranking, spec_index_heatmap, sym_range,
 };
 use super::super::rows::{baseline_rows, change_clusters, specialization_rows};
 use super::super::setup;
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells, no_source};
+use crate::tasks::prompts::clean_prompts;
 
 fn both_kinds() -> Vec<HeadKind> {
     vec![HeadKind::Query, HeadKind::Kv]
@@ -232,15 +232,19 @@ fn query_head_figures(f: &mut Figures, meth: Fill, metric: &str) -> Result<()> {
     for p in f.phases.clone() {
         let fig = layer_head_heatmap(
             &dir.join(format!("{metric}_phase{p}")),
-            &cells,
-            &layers,
-            &heads,
+            &HeadGrid {
+                cells: &cells,
+                layers: &layers,
+                heads: &heads,
+                head_label: "H",
+            },
             Some(p),
             format!("{m}: {} ablation, phase {p}", meth.name()),
-            "relative change of accuracy (%)",
-            range,
-            "H",
-            true,
+            &ColourScale {
+                label: "relative change of accuracy (%)",
+                range,
+                diverging: true,
+            },
         )?;
         f.push(
             &format!("{} ablation per layer x query head, phase {p}", meth.name()),

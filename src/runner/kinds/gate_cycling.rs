@@ -35,11 +35,11 @@ use crate::output::{
 use super::super::exec::Group;
 use super::super::experiment::{Experiment, GateKind, Selection};
 use super::super::patching::{Cell, Edit};
-use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{ExperimentData, Figures, accuracy_figure, band_series, ci_text, push};
 use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
 use super::{Ctx, Kind, KindOutput, base_obs};
+use crate::tasks::prompts::{PromptMeta, clean_prompts};
 
 /// Metric suffix of a shift: `_d+1`, `_d-2`.
 pub fn delta_suffix(d: i64) -> String {

@@ -30,11 +30,11 @@ use crate::tasks::KvEvalSet;
 use super::super::experiment::{GateKind, Selection};
 use super::super::patching::base_run_with;
 use super::super::progress::Progress;
-use super::super::prompts::clean_prompts;
 use super::super::report::{ExperimentData, Figures, push};
 use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
 use super::{Ctx, Kind, KindOutput};
+use crate::tasks::prompts::clean_prompts;
 
 const GATES: [(GateKind, Site); 2] = [
     (GateKind::Key, Site::KeyGate),
@@ -63,8 +63,10 @@ pub fn checkpoint_dirs(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
 /// offsets).
 type GateWeights = BTreeMap<(usize, usize, usize), (usize, Vec<f64>)>;
 
+/// One prompt's outcome: (logical example, phase, correct).
+type Obs = (u64, u32, bool);
+
 /// Gate rows of one model, and its `(logical, phase, correct)` outcomes.
-#[allow(clippy::type_complexity)]
 fn profile(
     model: &dyn LanguageModel,
     rc: &RowCtx,
@@ -72,7 +74,7 @@ fn profile(
     set: &KvEvalSet,
     layers: &[usize],
     progress: &mut Progress,
-) -> Result<(Vec<LongRow>, Vec<(u64, u32, bool)>)> {
+) -> Result<(Vec<LongRow>, Vec<Obs>)> {
     // weights[(layer, gate, kv head)] = rows of W offsets.
     let mut weights: GateWeights = Default::default();
     let mut obs = Vec::new();

@@ -30,10 +30,10 @@ use crate::tasks::{KvEvalSet, KvExample};
 
 use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Outcome, Prompts, Target, readout};
-use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{Figures, ci_text, push};
 use super::super::rows::{RowCtx, baseline_rows};
 use super::{Ctx, Kind, KindOutput, empty_list};
+use crate::tasks::prompts::{PromptMeta, clean_prompts};
 
 /// Direction of the forced selection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -360,6 +360,9 @@ fn chunk_outcomes(
     Ok(res)
 }
 
+/// One phase group's prompt metas and, per quantity, the outcome of every prompt.
+type GroupOutcomes = (Vec<PromptMeta>, Vec<Vec<Outcome>>);
+
 /// Per phase group, the prompt metas and the per-quantity outcomes of every prompt
 /// (one shard per group and chunk).
 fn evaluate(
@@ -367,7 +370,7 @@ fn evaluate(
     ctx: &mut Ctx,
     set: &KvEvalSet,
     layers: &[(usize, usize, usize)],
-) -> Result<Vec<(Vec<PromptMeta>, Vec<Vec<Outcome>>)>> {
+) -> Result<Vec<GroupOutcomes>> {
     let assign = if ctx.task.prompt.assign {
         ctx.task.space.assign().len()
     } else {

@@ -21,7 +21,6 @@ use crate::output::{HeadKind, Headline, HeatmapSpec, LongRow, Report, heatmap};
 use super::super::exec::Group;
 use super::super::experiment::{Experiment, Selection};
 use super::super::patching::{Cell, Edit, Fill, Positions};
-use super::super::prompts::clean_prompts;
 use super::super::report::{
     ExperimentData, Figures, cell_map, layer_kv_phase_map, push, ranked_table, ranking,
     spec_index_heatmap,
@@ -29,6 +28,7 @@ use super::super::report::{
 use super::super::rows::{baseline_rows, change_clusters, specialization_rows};
 use super::super::setup;
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, head_cells, no_source};
+use crate::tasks::prompts::clean_prompts;
 
 /// `[knockout]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -25,10 +25,10 @@ use crate::tasks::{HaystackConfig, HaystackExample, HaystackFiller, KvExample, P
 
 use super::super::exec::Group;
 use super::super::experiment::Experiment;
-use super::super::prompts::clean_prompts;
 use super::super::report::Figures;
 use super::super::rows::baseline_rows;
 use super::{Ctx, Kind, KindOutput};
+use crate::tasks::prompts::clean_prompts;
 
 /// Schema id of the per-cell table.
 pub const LONG_CONTEXT_SCHEMA_ID: &str = "long_context/v1";
@@ -282,6 +282,8 @@ pub const LONG_CONTEXT_COLUMNS: &[&str] = &[
 /// with its 95% Wilson interval, and the needle's mean realised depth.
 fn cell_table(model: &str, obs: &[Obs]) -> Table {
     type Key = (&'static str, usize, u64, u32);
+    // A cell's row: its accuracy, length, depth and mean needle depth.
+    type CellRow = (PhaseAccuracyRow, usize, f64, f64);
     let mut cells: BTreeMap<Key, (f64, u64, u64, f64)> = BTreeMap::new();
     for o in obs {
         let key = (o.protocol.label(), o.length, o.depth.to_bits(), o.phase);
@@ -291,7 +293,7 @@ fn cell_table(model: &str, obs: &[Obs]) -> Table {
         c.3 += o.needle_depth;
     }
     // Accuracy and its Wilson interval as in `phase_accuracy/v1`.
-    let rows: Vec<(PhaseAccuracyRow, usize, f64, f64)> = cells
+    let rows: Vec<CellRow> = cells
         .into_iter()
         .map(|((proto, length, _, phase), (depth, n, correct, needle))| {
             let acc = PhaseAccuracyRow::new(model, proto, phase, n, correct);
@@ -301,10 +303,9 @@ fn cell_table(model: &str, obs: &[Obs]) -> Table {
     let utf8 = |f: &dyn Fn(&PhaseAccuracyRow) -> &str| {
         ColumnData::Utf8(rows.iter().map(|r| Some(f(&r.0).to_string())).collect())
     };
-    let uint = |f: &dyn Fn(&(PhaseAccuracyRow, usize, f64, f64)) -> u64| {
-        ColumnData::UInt64(rows.iter().map(|r| Some(f(r))).collect())
-    };
-    let float = |f: &dyn Fn(&(PhaseAccuracyRow, usize, f64, f64)) -> f64| {
+    let uint =
+        |f: &dyn Fn(&CellRow) -> u64| ColumnData::UInt64(rows.iter().map(|r| Some(f(r))).collect());
+    let float = |f: &dyn Fn(&CellRow) -> f64| {
         ColumnData::Float64(rows.iter().map(|r| Some(f(r))).collect())
     };
     let cols = vec![

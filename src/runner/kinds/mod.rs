@@ -29,11 +29,11 @@ use super::experiment::{Experiment, Selection};
 pub use super::heads::HeadCell;
 use super::patching::Fill;
 use super::progress::Progress;
-use super::prompts::{PromptMeta, group_examples};
 use super::report::Figures;
 use super::rows::RowCtx;
 use super::setup::{self, ModelRef, TaskSetup};
 use super::store::Store;
+use crate::tasks::prompts::{PromptMeta, group_examples};
 
 /// An experiment kind, implemented by its settings type (the kind's TOML section).
 pub trait Kind: fmt::Debug + Send + Sync {
@@ -290,7 +290,7 @@ impl<'a> Ctx<'a> {
 }
 
 /// Query and/or KV head cells of `layers`.
-pub fn head_cells(
+pub(crate) fn head_cells(
     ctx: &Ctx,
     section: &str,
     layers: &[usize],
@@ -336,7 +336,7 @@ pub fn head_cells(
 
 /// An error naming `[section] key` when a fill needs a partner prompt (`source`), which
 /// only patch-heads' paired prompts have.
-pub fn no_source(exp: &Experiment, section: &str, key: &str, fills: &[Fill]) -> Result<()> {
+pub(crate) fn no_source(exp: &Experiment, section: &str, key: &str, fills: &[Fill]) -> Result<()> {
     if fills.contains(&Fill::Source) {
         Err(exp.err(
             section,
@@ -349,7 +349,7 @@ pub fn no_source(exp: &Experiment, section: &str, key: &str, fills: &[Fill]) -> 
 }
 
 /// An error naming `[section] key` when a list that must not be empty is.
-pub fn empty_list(exp: &Experiment, section: &str, key: &str, empty: bool) -> Result<()> {
+pub(crate) fn empty_list(exp: &Experiment, section: &str, key: &str, empty: bool) -> Result<()> {
     if empty {
         Err(exp.err(section, key, "the list is empty"))
     } else {
@@ -358,7 +358,7 @@ pub fn empty_list(exp: &Experiment, section: &str, key: &str, empty: bool) -> Re
 }
 
 /// `(logical, phase, correct)` of the base outcomes of clean prompts.
-pub fn base_obs<'m>(
+pub(crate) fn base_obs<'m>(
     meta: &'m [PromptMeta],
     res: &'m GroupResult,
 ) -> impl Iterator<Item = (u64, u32, bool)> + 'm {

@@ -28,14 +28,14 @@ use super::super::experiment::{Experiment, Selection};
 pub use super::super::heads::Direction;
 use super::super::heads::{head_patch_cells, nld_clusters};
 use super::super::patching::{Cell, Positions};
-use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{
-    CellMap, Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, layer_kv_phase_map,
-    ranked_table, ranking, spec_index_heatmap, sym_range,
+    CellMap, ColourScale, Figures, HeadGrid, cell_map, head_axes, head_phase_map,
+    layer_head_heatmap, layer_kv_phase_map, ranked_table, ranking, spec_index_heatmap, sym_range,
 };
 use super::super::rows::{RowCtx, baseline_rows, specialization_rows};
 use super::super::setup;
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells};
+use crate::tasks::prompts::{PromptMeta, paired_prompts};
 
 fn both_kinds() -> Vec<HeadKind> {
     vec![HeadKind::Query, HeadKind::Kv]
@@ -357,15 +357,19 @@ fn query_head_heatmaps(
     for p in f.phases.clone() {
         let fig = layer_head_heatmap(
             &f.dir.join(format!("{metric}_phase{p}")),
-            cells,
-            layers,
-            heads,
+            &HeadGrid {
+                cells,
+                layers,
+                heads,
+                head_label: "H",
+            },
             Some(p),
             format!("{m}: {metric}, source phase {p}"),
-            "normalised logit difference",
-            range,
-            "H",
-            true,
+            &ColourScale {
+                label: "normalised logit difference",
+                range,
+                diverging: true,
+            },
         )?;
         if embed {
             f.push(
@@ -380,15 +384,19 @@ fn query_head_heatmaps(
     }
     let fig = layer_head_heatmap(
         &f.dir.join(format!("{metric}_all_phases")),
-        cells,
-        layers,
-        heads,
+        &HeadGrid {
+            cells,
+            layers,
+            heads,
+            head_label: "H",
+        },
         None,
         format!("{m}: {metric}, all phases pooled"),
-        "normalised logit difference",
-        range,
-        "H",
-        true,
+        &ColourScale {
+            label: "normalised logit difference",
+            range,
+            diverging: true,
+        },
     )?;
     f.push(&format!("{metric} per layer x query head, all phases"), fig);
     Ok(())

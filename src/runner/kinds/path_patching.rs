@@ -35,10 +35,10 @@ use super::super::experiment::{Experiment, Selection};
 use super::super::heads::{Direction, nld_clusters};
 use super::super::patching::{Outcome, Positions, Prompts, Target, base_run, readout};
 use super::super::progress::Progress;
-use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{Figures, push, sym_range};
 use super::super::rows::baseline_rows;
 use super::{Ctx, Kind, KindOutput, base_obs, empty_list};
+use crate::tasks::prompts::{PromptMeta, paired_prompts};
 
 /// The receiver's input a path runs through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -484,7 +484,6 @@ impl PathRun<'_> {
 /// Evaluate path cells on one prompt batch (clean `0..n`, corrupted partners `n..2n`).
 /// Returns the base outcomes (every prompt) and, per cell, one outcome per receiving
 /// prompt (the corrupted prompts for denoising, the clean ones for noising).
-#[allow(clippy::too_many_arguments)]
 pub fn path_group(
     model: &dyn LanguageModel,
     prompts: &Prompts,

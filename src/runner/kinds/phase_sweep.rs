@@ -16,10 +16,10 @@ use crate::tasks::Protocol;
 
 use super::super::exec::Group;
 use super::super::experiment::Experiment;
-use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{Figures, accuracy_figure, baseline_headlines};
 use super::super::rows::{baseline_rows, protocol_obs};
 use super::{Ctx, Kind, KindOutput};
+use crate::tasks::prompts::{PromptMeta, clean_prompts};
 
 /// `[sweep]` (phase-sweep).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -27,13 +27,14 @@ use crate::output::{HeadKind, Headline, LongRow};
 
 use super::super::experiment::Selection;
 use super::super::patching::{Outcome, Prompts, Target, readout};
-use super::super::prompts::{PromptMeta, clean_prompts};
 use super::super::report::{
-    Figures, cell_map, head_axes, head_phase_map, layer_head_heatmap, push, ranked_table, ranking,
+    ColourScale, Figures, HeadGrid, cell_map, head_axes, head_phase_map, layer_head_heatmap, push,
+    ranked_table, ranking,
 };
 use super::super::rows::{RowCtx, baseline_rows, specialization_rows};
 use super::super::setup;
 use super::{Ctx, Kind, KindOutput};
+use crate::tasks::prompts::{PromptMeta, clean_prompts};
 
 /// Metric: fraction of target positions whose top slot is the needle.
 pub const RETRIEVAL_SCORE: &str = "retrieval_score";
@@ -390,15 +391,19 @@ fn draw(f: &mut Figures) -> Result<()> {
             let cells = cell_map(d, m, metric, HeadKind::Query);
             let fig = layer_head_heatmap(
                 &dir.join(format!("{metric}_all_phases")),
-                &cells,
-                &layers,
-                &heads,
+                &HeadGrid {
+                    cells: &cells,
+                    layers: &layers,
+                    heads: &heads,
+                    head_label: "H",
+                },
                 None,
                 format!("{m}: {label}, all phases"),
-                label,
-                Some((0.0, 1.0)),
-                "H",
-                false,
+                &ColourScale {
+                    label,
+                    range: Some((0.0, 1.0)),
+                    diverging: false,
+                },
             )?;
             push(
                 files,

@@ -51,6 +51,8 @@ mod fill;
 mod naive;
 mod suffix;
 
+/// The prompt batch the routine runs on (built in [`crate::tasks::prompts`]).
+pub use crate::tasks::prompts::{Prompts, Target};
 use fill::{RowEdit, act_at, check_edit_positions, edits_scope, fill_value_act, group_mean};
 pub use naive::run_cell_naive;
 pub use suffix::{ChunkPath, plan_suffix};
@@ -233,103 +235,6 @@ pub struct Cell {
     pub edit: Edit,
     /// The prompts (indices into [`Prompts`]) that receive the edit.
     pub prompts: Vec<usize>,
-}
-
-/// Where a prompt is scored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Target {
-    /// Positions whose logits predict `answers` (teacher forcing).
-    pub positions: Vec<usize>,
-    /// The answer token at each position.
-    pub answers: Vec<u32>,
-    /// The competing answer of the logit difference at `positions[0]` (the
-    /// corrupted prompt's answer for a clean prompt and vice versa).
-    pub alt: Option<u32>,
-}
-
-/// A batch of equal-length prompts and what the routine needs to know about them.
-#[derive(Debug, Clone)]
-pub struct Prompts {
-    /// Tokens per prompt (prompts are cut after their last target position).
-    pub len: usize,
-    /// Row-major `[n, len]`.
-    pub tokens: Vec<u32>,
-    pub targets: Vec<Target>,
-    /// Partner prompt of each prompt, for [`Fill::Source`].
-    pub source: Vec<Option<usize>>,
-    /// Group of each prompt, for [`Fill::Mean`] and [`Fill::Resample`].
-    pub group: Vec<usize>,
-}
-
-impl Prompts {
-    /// Number of prompts.
-    pub fn n(&self) -> usize {
-        self.targets.len()
-    }
-
-    /// `[rows.len(), len]` token ids of the given prompts.
-    pub fn tokens_of(&self, rows: &[usize], device: &burn::tensor::Device) -> Tensor<2, Int> {
-        let mut ids = Vec::with_capacity(rows.len() * self.len);
-        for &r in rows {
-            ids.extend(
-                self.tokens[r * self.len..(r + 1) * self.len]
-                    .iter()
-                    .map(|&t| t as i64),
-            );
-        }
-        Tensor::from_data(TensorData::new(ids, [rows.len(), self.len]), device)
-    }
-
-    /// For every prompt, the next prompt of its group (cyclic; itself when alone).
-    pub fn resample_partner(&self) -> Vec<usize> {
-        let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for (p, g) in self.group.iter().enumerate() {
-            members.entry(*g).or_default().push(p);
-        }
-        let mut out = vec![0; self.n()];
-        for m in members.values() {
-            for (i, &p) in m.iter().enumerate() {
-                out[p] = m[(i + 1) % m.len()];
-            }
-        }
-        out
-    }
-
-    fn partner(&self, p: usize) -> Result<usize> {
-        self.source[p].ok_or_else(|| {
-            Error::Other(format!(
-                "prompt {p} has no source partner (Fill::Source needs paired prompts)"
-            ))
-        })
-    }
-
-    fn check(&self) -> Result<()> {
-        let n = self.n();
-        if n == 0 || self.len == 0 || self.tokens.len() != n * self.len {
-            return Err(Error::Input(format!(
-                "prompt batch: {} tokens for {n} prompts of length {}",
-                self.tokens.len(),
-                self.len
-            )));
-        }
-        if self.source.len() != n || self.group.len() != n {
-            return Err(Error::Input(
-                "prompt batch: source/group length mismatch".into(),
-            ));
-        }
-        for (i, t) in self.targets.iter().enumerate() {
-            if t.positions.is_empty()
-                || t.positions.len() != t.answers.len()
-                || t.positions.iter().any(|&p| p >= self.len)
-            {
-                return Err(Error::Input(format!(
-                    "prompt {i}: bad target positions {:?} for length {}",
-                    t.positions, self.len
-                )));
-            }
-        }
-        Ok(())
-    }
 }
 
 /// What a forward pass says about one prompt.

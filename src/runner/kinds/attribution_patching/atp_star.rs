@@ -36,7 +36,7 @@
 //! value path (`hook_z`) keeps plain AtP.
 //!
 //! Cost per phase group: one plain forward (clean logits, queries and keys), one forward
-//! + backward on the autodiff device (`dL/dA`, `dL/dq`, `dL/dk`), and per layer one
+//! and backward on the autodiff device (`dL/dA`, `dL/dq`, `dL/dk`), and per layer one
 //! forward of twice the prompts (patched queries | patched keys). Capturing
 //! `hook_pattern` / `hook_attn_scores` runs those layers' attention as one dense block
 //! (`[T, entries + T + sink]` per head): fine at organism lengths, quadratic in T.
@@ -56,10 +56,10 @@ use crate::output::{HeadKind, LongRow, ScatterSpec, scatter_predicted_vs_observe
 use super::super::super::exec::{Group, GroupResult};
 use super::super::super::heads::{Direction, nld_clusters};
 use super::super::super::patching::{Cell, Edit, Fill, Positions, Prompts, Target, readout};
-use super::super::super::prompts::PromptMeta;
 use super::super::super::report::{Figures, cell_map, paired_series, push};
 use super::super::super::rows::RowCtx;
 use super::super::{Ctx, HeadCell};
+use crate::tasks::prompts::PromptMeta;
 
 use super::{AtpTerms, AttributionPatching, NldRows, agreement_stats, weighted_ld, weights};
 

@@ -39,13 +39,14 @@ use super::super::exec::{Group, GroupResult};
 use super::super::experiment::{Experiment, Selection};
 use super::super::heads::{Direction, head_patch_cells, nld_clusters};
 use super::super::patching::{Cell, Outcome, Positions, Prompts};
-use super::super::prompts::{PromptMeta, paired_prompts};
 use super::super::report::{
-    ExperimentData, Figures, cell_map, head_axes, layer_head_heatmap, paired_series, sym_range,
+    ColourScale, ExperimentData, Figures, HeadGrid, cell_map, head_axes, layer_head_heatmap,
+    paired_series, sym_range,
 };
 use super::super::rows::{RowCtx, baseline_rows};
 use super::super::setup;
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells};
+use crate::tasks::prompts::{PromptMeta, paired_prompts};
 
 mod atp;
 pub mod atp_star;
@@ -590,7 +591,7 @@ impl CellRows<'_> {
                         rows.extend(agreement_stats(
                             &self.nld.rc,
                             self.cfg.top_k,
-                            &metric,
+                            metric,
                             ph,
                             &e,
                             &x,
@@ -819,15 +820,19 @@ fn query_heatmaps(
     let range = sym_range(est.values().chain(ex.values()).copied());
     let fig = layer_head_heatmap(
         &dir.join(format!("{am}_all_phases")),
-        &est,
-        layers,
-        heads,
+        &HeadGrid {
+            cells: &est,
+            layers,
+            heads,
+            head_label: "H",
+        },
         None,
         format!("{m}: AtP estimate of {xm}, all phases"),
-        "normalised logit difference (AtP)",
-        range,
-        "H",
-        true,
+        &ColourScale {
+            label: "normalised logit difference (AtP)",
+            range,
+            diverging: true,
+        },
     )?;
     f.push(
         &format!("AtP estimate of {xm} per layer x query head, all phases"),
@@ -836,15 +841,19 @@ fn query_heatmaps(
     if !ex.is_empty() {
         let fig = layer_head_heatmap(
             &dir.join(format!("{xm}_all_phases")),
-            &ex,
-            layers,
-            heads,
+            &HeadGrid {
+                cells: &ex,
+                layers,
+                heads,
+                head_label: "H",
+            },
             None,
             format!("{m}: exact {xm}, all phases"),
-            "normalised logit difference (exact)",
-            range,
-            "H",
-            true,
+            &ColourScale {
+                label: "normalised logit difference (exact)",
+                range,
+                diverging: true,
+            },
         )?;
         f.push(
             &format!("Exact {xm} per layer x query head, all phases"),

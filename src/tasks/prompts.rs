@@ -1,5 +1,6 @@
-//! Prompt batches for the routine: one phase group of an evaluation set, clean only
-//! or as clean/corrupted pairs.
+//! Prompt batches for the patching routine ([`Prompts`]: tokens, where each prompt is
+//! scored, partners and groups): one phase group of an evaluation set, clean only or as
+//! clean/corrupted pairs.
 //!
 //! A corrupted prompt is its clean prompt with the value of the scored (target)
 //! binding replaced, in the haystack and in the query's teacher-forced answer, by
@@ -12,13 +13,112 @@
 //! Prompts are cut after their last target position: a causal model's outputs up to
 //! there do not depend on later tokens, and the layers run on fewer positions.
 
+use std::collections::BTreeMap;
+
+use burn::tensor::{Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::tasks::{KvEvalSet, KvExample, TokenSpace};
 
-use super::patching::{Prompts, Target};
+/// Where a prompt is scored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// Positions whose logits predict `answers` (teacher forcing).
+    pub positions: Vec<usize>,
+    /// The answer token at each position.
+    pub answers: Vec<u32>,
+    /// The competing answer of the logit difference at `positions[0]` (the
+    /// corrupted prompt's answer for a clean prompt and vice versa).
+    pub alt: Option<u32>,
+}
+
+/// A batch of equal-length prompts and what the patching routine (`runner::patching`)
+/// needs to know about them.
+#[derive(Debug, Clone)]
+pub struct Prompts {
+    /// Tokens per prompt (prompts are cut after their last target position).
+    pub len: usize,
+    /// Row-major `[n, len]`.
+    pub tokens: Vec<u32>,
+    pub targets: Vec<Target>,
+    /// Partner prompt of each prompt, for the patching fill `Fill::Source`.
+    pub source: Vec<Option<usize>>,
+    /// Group of each prompt, for the fills `Fill::Mean` and `Fill::Resample`.
+    pub group: Vec<usize>,
+}
+
+impl Prompts {
+    /// Number of prompts.
+    pub fn n(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// `[rows.len(), len]` token ids of the given prompts.
+    pub fn tokens_of(&self, rows: &[usize], device: &burn::tensor::Device) -> Tensor<2, Int> {
+        let mut ids = Vec::with_capacity(rows.len() * self.len);
+        for &r in rows {
+            ids.extend(
+                self.tokens[r * self.len..(r + 1) * self.len]
+                    .iter()
+                    .map(|&t| t as i64),
+            );
+        }
+        Tensor::from_data(TensorData::new(ids, [rows.len(), self.len]), device)
+    }
+
+    /// For every prompt, the next prompt of its group (cyclic; itself when alone).
+    pub fn resample_partner(&self) -> Vec<usize> {
+        let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (p, g) in self.group.iter().enumerate() {
+            members.entry(*g).or_default().push(p);
+        }
+        let mut out = vec![0; self.n()];
+        for m in members.values() {
+            for (i, &p) in m.iter().enumerate() {
+                out[p] = m[(i + 1) % m.len()];
+            }
+        }
+        out
+    }
+
+    pub(crate) fn partner(&self, p: usize) -> Result<usize> {
+        self.source[p].ok_or_else(|| {
+            Error::Other(format!(
+                "prompt {p} has no source partner (Fill::Source needs paired prompts)"
+            ))
+        })
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        let n = self.n();
+        if n == 0 || self.len == 0 || self.tokens.len() != n * self.len {
+            return Err(Error::Input(format!(
+                "prompt batch: {} tokens for {n} prompts of length {}",
+                self.tokens.len(),
+                self.len
+            )));
+        }
+        if self.source.len() != n || self.group.len() != n {
+            return Err(Error::Input(
+                "prompt batch: source/group length mismatch".into(),
+            ));
+        }
+        for (i, t) in self.targets.iter().enumerate() {
+            if t.positions.is_empty()
+                || t.positions.len() != t.answers.len()
+                || t.positions.iter().any(|&p| p >= self.len)
+            {
+                return Err(Error::Input(format!(
+                    "prompt {i}: bad target positions {:?} for length {}",
+                    t.positions, self.len
+                )));
+            }
+        }
+        Ok(())
+    }
+}
 
 /// Per prompt of a batch: which logical example, which phase, clean or corrupted.
 #[derive(Debug, Clone, PartialEq, Eq)]
