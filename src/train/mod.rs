@@ -299,13 +299,29 @@ impl<M: Module + LanguageModel> Training<'_, M> {
             latest_checkpoint(&self.run)?
         };
         let Some((dir, meta)) = latest else {
-            return Ok(Start {
-                model: (self.build)(&Vb::new(
+            let model = match self.file.init_dir(self.path) {
+                // `[train] init`: a trained model's weights, fresh optimizer, step 0.
+                Some(init) => {
+                    let src = (self.open)(&init).context_with(|| {
+                        format!("{}: [train] init = {}", self.path.display(), init.display())
+                    })?;
+                    (self.build)(&Vb::new(src.as_ref(), ad)).context_with(|| {
+                        format!(
+                            "{}: [train] init = {}: its weights do not fit [model]",
+                            self.path.display(),
+                            init.display()
+                        )
+                    })?
+                }
+                None => (self.build)(&Vb::new(
                     &RandomInit {
                         seed: self.file.train.seed,
                     },
                     ad,
                 ))?,
+            };
+            return Ok(Start {
+                model,
                 optim,
                 step: 0,
                 history: Vec::new(),

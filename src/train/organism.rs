@@ -74,6 +74,14 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Checkpoints kept on disk.
     pub keep_checkpoints: usize,
+    /// A trained model directory (`config.json` + `model.safetensors`, relative to the
+    /// recipe's folder) whose weights start the run instead of a random init, with a
+    /// fresh optimizer at step 0: fine-tuning and length curricula. Its architecture
+    /// must be the recipe's `[model]` (a missing or misshapen tensor is an error).
+    /// Default: none (random init). Not serialised when unset, so recipes without it
+    /// keep their config hash.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -90,6 +98,7 @@ impl Default for TrainConfig {
             seed: 0,
             checkpoint_every: 250,
             keep_checkpoints: 2,
+            init: None,
         }
     }
 }
@@ -305,6 +314,11 @@ impl OrganismFile {
                 .clone()
                 .unwrap_or_else(|| self.organism.name.clone().into()),
         )
+    }
+
+    /// The model directory `[train] init` names (relative to the recipe's folder).
+    pub fn init_dir(&self, path: &Path) -> Option<PathBuf> {
+        self.train.init.as_ref().map(|p| Self::base(path).join(p))
     }
 
     /// The checkpoint directory.

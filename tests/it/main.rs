@@ -37,5 +37,6 @@ mod runner_kinds_path;
 mod runner_long_context;
 mod runner_patch;
 mod selection_hooks;
+mod train_init;
 mod train_resume;
 mod view_browser;

@@ -26,6 +26,11 @@ pub struct KvTrainConfig {
     /// between two, or before the query section), so that the alignment and
     /// in-sequence pads of evaluation prompts are in distribution. Default 0.
     pub inner_pad_max: usize,
+    /// The fewest extra pads: the count is uniform in `inner_pad_min..=inner_pad_max`
+    /// (long-context training: every prompt's haystack near its full length). Default
+    /// 0 (not serialised then, so recipes without it keep their config hash).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub inner_pad_min: usize,
     /// Seed. Default 0.
     pub seed: u64,
     /// Start with fewer bindings and grow to `prompt.n_bindings` (default: none).
@@ -53,6 +58,7 @@ impl Default for KvTrainConfig {
             prompt: KvPromptConfig::default(),
             period: Period::new(8).expect("nonzero"),
             inner_pad_max: 0,
+            inner_pad_min: 0,
             seed: 0,
             curriculum: None,
         }
@@ -142,6 +148,15 @@ impl KvTrainSampler {
                 ),
             ));
         }
+        if cfg.inner_pad_min > cfg.inner_pad_max {
+            return Err(TaskError::config(
+                "inner_pad_min",
+                format!(
+                    "{} is more than inner_pad_max = {}",
+                    cfg.inner_pad_min, cfg.inner_pad_max
+                ),
+            ));
+        }
         let seq_len = cfg.prompt.unpadded_len(space) + cfg.period.len() - 1 + cfg.inner_pad_max;
         cfg.prompt.check_len(seq_len)?;
         Ok(KvTrainSampler {
@@ -187,7 +202,7 @@ impl KvTrainSampler {
         let examples = (0..batch_size)
             .map(|b| {
                 let lead = rng.random_range(0..p);
-                let inner = rng.random_range(0..=self.cfg.inner_pad_max);
+                let inner = rng.random_range(self.cfg.inner_pad_min..=self.cfg.inner_pad_max);
                 let mut gaps = vec![0; nb + 1];
                 for _ in 0..inner {
                     gaps[rng.random_range(0..=nb)] += 1;
@@ -220,4 +235,8 @@ impl KvTrainSampler {
             examples,
         }
     }
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
