@@ -252,15 +252,15 @@ impl Placement {
             .iter()
             .map(|s| {
                 s.parse::<DeviceSpec>()
-                    .map_err(|e| Error::field(&key("devices"), e.to_string()))
+                    .map_err(|e| Error::field(key("devices"), e.to_string()))
             })
             .collect::<Result<Vec<_>>>()?;
         if devices.is_empty() {
-            return Err(Error::field(&key("devices"), "no device named"));
+            return Err(Error::field(key("devices"), "no device named"));
         }
         if c.layers.len() != n_layers {
             return Err(Error::field(
-                &key("layers"),
+                key("layers"),
                 format!(
                     "{} entries for a model of {n_layers} layers (one device index per layer)",
                     c.layers.len()
@@ -274,7 +274,7 @@ impl Placement {
             .find(|(_, d)| **d >= devices.len())
         {
             return Err(Error::field(
-                &key("layers"),
+                key("layers"),
                 format!(
                     "layer {l} names device {d}, but only {} devices are listed (0..{})",
                     devices.len(),
@@ -287,7 +287,7 @@ impl Placement {
             Some(v) if v.len() == n_layers => v.iter().map(|&k| Some(k)).collect(),
             Some(v) => {
                 return Err(Error::field(
-                    &key("experts_on_device"),
+                    key("experts_on_device"),
                     format!("{} entries for a model of {n_layers} layers", v.len()),
                 ));
             }
@@ -295,7 +295,7 @@ impl Placement {
         let host = match &c.host {
             Some(h) => h
                 .parse::<DeviceSpec>()
-                .map_err(|e| Error::field(&key("host"), e.to_string()))?,
+                .map_err(|e| Error::field(key("host"), e.to_string()))?,
             None => default_host(&devices),
         };
         Ok(Placement {

@@ -803,7 +803,7 @@ fn two_factor_section(f: &mut Figures) -> Result<()> {
         y_range: None,
         size: None,
     };
-    let fig = line_with_bands(&dir.join("cycling_factors"), &spec)?;
+    let fig = line_with_bands(dir.join("cycling_factors"), &spec)?;
     push(
         &mut f.files,
         &mut f.report,
