@@ -36,6 +36,9 @@ pub enum BenchWhat {
     /// Cells/s of attribution patching (AtP: one forward + one backward for every head x
     /// position) vs the runner's exact patching of every head x position cell.
     Atp(AtpBench),
+    /// Edges/s of edge attribution (EAP, EAP-IG: every edge at once) vs exact path
+    /// patching (one cell per edge) on one phase group.
+    Edges(EdgesBench),
     /// Steps/s, tokens/s and peak RSS of the optimiser steps `phaselens train` runs on a
     /// recipe (same model, sampler and optimiser; no checkpoints), split by phase.
     Train(TrainBenchArgs),
@@ -105,6 +108,33 @@ pub struct AtpBench {
     pub device: DeviceSpec,
 }
 
+/// `phaselens bench edges`.
+#[derive(Args, Debug)]
+#[command(after_help = "\
+Example:
+  phaselens bench edges exp/w8s8-edges.toml --phase 0 --n-logical 8
+
+On one phase group of the experiment's model and prompts (denoising): EAP and EAP-IG score
+every edge of the graph (docs/experiments.md, edge-attribution); exact path patching then
+patches every query head -> later q / k / v edge. Prints edges/s of each, the speed-ups and
+the Spearman correlation of the estimates with the exact effects over the path-patched edges.")]
+pub struct EdgesBench {
+    /// Experiment TOML whose model and prompts to use.
+    #[arg(default_value = "exp/w8s8-edges.toml")]
+    pub experiment: std::path::PathBuf,
+    /// Phase group.
+    #[arg(long, default_value_t = 0)]
+    pub phase: u32,
+    /// Logical examples (prompt pairs); default: the experiment's.
+    #[arg(long)]
+    pub n_logical: Option<usize>,
+    /// EAP-IG interpolation steps.
+    #[arg(long, default_value_t = 5, value_parser = super::run::at_least_one)]
+    pub ig_steps: usize,
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
+}
+
 #[derive(Args, Debug)]
 pub struct ForwardBench {
     #[arg(long, default_value_t = 4, value_parser = super::run::at_least_one)]
@@ -144,6 +174,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 b.phase,
                 b.n_logical,
                 b.band,
+                &b.device,
+            )
+            .map_err(|e| anyhow::anyhow!("benchmarking {}: {e}", b.experiment.display()))?;
+            println!("{r}");
+            Ok(())
+        }
+        BenchWhat::Edges(b) => {
+            let r = phaselens::runner::kinds::edge_attribution::bench::bench_edges(
+                &b.experiment,
+                b.phase,
+                b.n_logical,
+                b.ig_steps,
                 &b.device,
             )
             .map_err(|e| anyhow::anyhow!("benchmarking {}: {e}", b.experiment.display()))?;

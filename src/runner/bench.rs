@@ -234,16 +234,16 @@ fn positions_label(cells: &[Cell]) -> String {
 }
 
 /// The experiment's first model and its task, loaded for a benchmark.
-struct BenchModel {
-    name: String,
-    model: Box<dyn LanguageModel>,
-    info: ModelInfo,
-    task: TaskSetup,
-    max_rows: usize,
+pub(crate) struct BenchModel {
+    pub(crate) name: String,
+    pub(crate) model: Box<dyn LanguageModel>,
+    pub(crate) info: ModelInfo,
+    pub(crate) task: TaskSetup,
+    pub(crate) max_rows: usize,
 }
 
 /// Load the first model of `exp` on `device` and resolve its task.
-fn load_bench_model(exp: &Experiment, device: &DeviceSpec) -> Result<BenchModel> {
+pub(crate) fn load_bench_model(exp: &Experiment, device: &DeviceSpec) -> Result<BenchModel> {
     let (models, _) = setup::resolve_models(exp)?;
     let mref = &models[0];
     let max_rows = exp.max_rows(device);
@@ -261,7 +261,7 @@ fn load_bench_model(exp: &Experiment, device: &DeviceSpec) -> Result<BenchModel>
 }
 
 /// The clean/corrupted prompts of phase group `phase`, and the number of pairs.
-fn phase_prompts(task: &TaskSetup, phase: u32) -> Result<(Prompts, usize)> {
+pub(crate) fn phase_prompts(task: &TaskSetup, phase: u32) -> Result<(Prompts, usize)> {
     if phase as usize >= task.period.len() {
         return Err(Error::Input(format!(
             "phase {phase} is out of range 0..{}",
@@ -282,7 +282,7 @@ fn phase_prompts(task: &TaskSetup, phase: u32) -> Result<(Prompts, usize)> {
 
 /// `--n-logical N` in place of the experiment's, within the runner's bounds (it sizes
 /// the prompts generated before anything runs).
-fn override_n_logical(task: &mut TaskSetup, n: usize) -> Result<()> {
+pub(crate) fn override_n_logical(task: &mut TaskSetup, n: usize) -> Result<()> {
     use super::experiment::MAX_N_LOGICAL;
     if n == 0 || n > MAX_N_LOGICAL {
         return Err(Error::Input(format!(

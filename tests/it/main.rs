@@ -18,6 +18,7 @@ mod deepseek_v4_parity;
 mod deepseek_v4_plan;
 mod deepseek_v4_realwidth;
 mod deepseek_v4_suffix;
+mod edges;
 mod grid;
 mod grid_slurm;
 mod grid_slurm_states;

@@ -370,6 +370,7 @@ pub(crate) fn base_obs<'m>(
 
 pub mod ablate;
 pub mod attribution_patching;
+pub mod edge_attribution;
 pub mod filler_probe;
 pub mod gate_cycling;
 pub mod gate_profiles;
@@ -398,4 +399,5 @@ kinds! {
     retrieval_heads::RetrievalHeads,
     filler_probe::FillerProbe,
     indexer_diagnostics::IndexerDiagnostics,
+    edge_attribution::EdgeAttribution,
 }

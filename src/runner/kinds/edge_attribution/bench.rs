@@ -1,0 +1,186 @@
+//! `phaselens bench edges`: edges per second of EAP and EAP-IG (every edge of the
+//! graph at once) against exact path patching (the path-patching routine, one cell per
+//! edge) of every edge path patching defines (query head -> later q / k / v), in one
+//! run on one phase group of an experiment's model and prompts; and the agreement of the
+//! estimates with the exact effects over those edges.
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::device::DeviceSpec;
+use crate::error::Result;
+use crate::runner::bench::{load_bench_model, override_n_logical, phase_prompts};
+use crate::runner::experiment::Experiment;
+use crate::runner::heads::Direction;
+use crate::runner::patching::Positions;
+use crate::runner::progress::{Progress, ProgressMode};
+
+use super::super::path_patching::path_group;
+use super::eap::{EdgeRun, Method, path_equivalent};
+use super::graph::{Graph, ReceiverNode};
+use super::path_cells;
+
+/// Result of `phaselens bench edges`.
+#[derive(Debug, Clone)]
+pub struct EdgeBenchResult {
+    pub model: String,
+    pub prompts: usize,
+    pub prompt_len: usize,
+    /// Edges of the whole graph (what EAP and EAP-IG score).
+    pub edges: usize,
+    pub eap_seconds: f64,
+    pub ig_steps: usize,
+    pub ig_seconds: f64,
+    /// Edges path patching scored (every query head -> later q / k / v edge).
+    pub exact_edges: usize,
+    pub exact_seconds: f64,
+    /// Spearman of the EAP / EAP-IG summed LD change with the exact one over the
+    /// path-patched edges.
+    pub spearman_eap: f64,
+    pub spearman_ig: f64,
+}
+
+impl EdgeBenchResult {
+    fn rate(n: usize, s: f64) -> f64 {
+        n as f64 / s
+    }
+
+    /// EAP edges/s over exact path-patching edges/s.
+    pub fn eap_ratio(&self) -> f64 {
+        Self::rate(self.edges, self.eap_seconds) / Self::rate(self.exact_edges, self.exact_seconds)
+    }
+
+    /// EAP-IG edges/s over exact path-patching edges/s.
+    pub fn ig_ratio(&self) -> f64 {
+        Self::rate(self.edges, self.ig_seconds) / Self::rate(self.exact_edges, self.exact_seconds)
+    }
+}
+
+impl std::fmt::Display for EdgeBenchResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "model {}: {} clean/corrupted pairs of {} tokens, {} edges in the graph (denoising)",
+            self.model, self.prompts, self.prompt_len, self.edges
+        )?;
+        writeln!(
+            f,
+            "EAP (every edge):                    {:.2} s, {:.1} edges/s",
+            self.eap_seconds,
+            Self::rate(self.edges, self.eap_seconds)
+        )?;
+        writeln!(
+            f,
+            "EAP-IG, {} steps (every edge):        {:.2} s, {:.1} edges/s",
+            self.ig_steps,
+            self.ig_seconds,
+            Self::rate(self.edges, self.ig_seconds)
+        )?;
+        writeln!(
+            f,
+            "exact path patching ({} edges):      {:.2} s, {:.1} edges/s",
+            self.exact_edges,
+            self.exact_seconds,
+            Self::rate(self.exact_edges, self.exact_seconds)
+        )?;
+        writeln!(
+            f,
+            "speed-up in edges/s: EAP {:.1}x, EAP-IG {:.1}x",
+            self.eap_ratio(),
+            self.ig_ratio()
+        )?;
+        write!(
+            f,
+            "Spearman with exact over the path-patched edges: EAP {:.3}, EAP-IG {:.3}",
+            self.spearman_eap, self.spearman_ig
+        )
+    }
+}
+
+/// Time EAP, EAP-IG (`ig_steps`) and exact path patching on phase group `phase`.
+pub fn bench_edges(
+    path: &Path,
+    phase: u32,
+    n_logical: Option<usize>,
+    ig_steps: usize,
+    device: &DeviceSpec,
+) -> Result<EdgeBenchResult> {
+    let exp = Experiment::load(path)?;
+    let mut b = load_bench_model(&exp, device)?;
+    if let Some(n) = n_logical {
+        override_n_logical(&mut b.task, n)?;
+    }
+    let (prompts, n) = phase_prompts(&b.task, phase)?;
+    let model = b.model.as_ref();
+    let graph = Graph::of(&b.info);
+    let d = Direction::Denoise;
+    let run = EdgeRun {
+        model,
+        prompts: &prompts,
+        graph: &graph,
+        direction: d,
+        max_rows: b.max_rows,
+    };
+    let mut hidden = Progress::new(ProgressMode::Hidden, "", "", 0);
+    // Warm-up, then the timed runs.
+    run.scores(Method::Eap, &mut hidden)?;
+    let t = Instant::now();
+    let eap = run.scores(Method::Eap, &mut hidden)?;
+    let eap_seconds = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let ig = run.scores(Method::EapIg { steps: ig_steps }, &mut hidden)?;
+    let ig_seconds = t.elapsed().as_secs_f64();
+    let (senders, cells, cand) = path_cells(&graph, d, usize::MAX, 0);
+    let t = Instant::now();
+    let (base, exact) = path_group(
+        model,
+        &prompts,
+        &senders,
+        &cells,
+        &Positions::All,
+        b.max_rows,
+        &mut hidden,
+    )?;
+    let exact_seconds = t.elapsed().as_secs_f64();
+    let pooled = model.info().arch != crate::model::deepseek_v4::MODEL_TYPE;
+    // Summed clean-orientation LD changes of the corrupted prompts.
+    let x: Vec<f64> = exact
+        .iter()
+        .map(|o| {
+            o.iter()
+                .enumerate()
+                .map(|(i, o)| -(o.ld as f64) + base[n + i].ld as f64)
+                .sum()
+        })
+        .collect();
+    let est = |scores: &[Vec<f32>]| -> Vec<f64> {
+        cand.iter()
+            .map(|(si, r)| {
+                let ReceiverNode::Attn { layer, head, input } = *r else {
+                    return f64::NAN;
+                };
+                path_equivalent(&graph, scores, *si, layer, head, input, pooled)
+                    .map_or(f64::NAN, |v| v.iter().map(|&s| s as f64).sum())
+            })
+            .collect()
+    };
+    let sp = |e: Vec<f64>| {
+        crate::analysis::spearman(&e, &x)
+            .ok()
+            .flatten()
+            .unwrap_or(f64::NAN)
+    };
+    Ok(EdgeBenchResult {
+        model: b.name.clone(),
+        prompts: n,
+        prompt_len: prompts.len,
+        edges: graph.edges.len(),
+        eap_seconds,
+        ig_steps,
+        ig_seconds,
+        exact_edges: cells.len(),
+        exact_seconds,
+        spearman_eap: sp(est(&eap.scores)),
+        spearman_ig: sp(est(&ig.scores)),
+    })
+}

@@ -1,0 +1,449 @@
+//! edge-attribution: EAP of every edge against brute force (each edge's linearised
+//! effect by central finite differences through the hooks' own actions, edge by edge)
+//! on a tiny compressed MQA model; EAP-IG with one step against EAP at the partner;
+//! the kind end to end (tables, agreement with path patching, logit lens, report,
+//! redraw, resume).
+
+use std::sync::Arc;
+
+use crate::common::dev;
+use crate::common::runner::*;
+use burn::tensor::Tensor;
+use phaselens::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
+use phaselens::model::LanguageModel;
+use phaselens::output::{LONG_COLUMNS, LongRow, Table, read_long_rows, validate_columns};
+use phaselens::runner::kinds::edge_attribution::faithful::circuit_ld;
+use phaselens::runner::kinds::edge_attribution::{
+    EdgeRun, Graph, Input, Method, ReceiverNode, SenderNode, edge_metric,
+};
+use phaselens::runner::kinds::patch_heads::Direction;
+use phaselens::runner::patching::{Prompts, Target, readout};
+use phaselens::runner::progress::Progress;
+use phaselens::runner::report::draw_all;
+use phaselens::runner::{ProgressMode, run_experiment};
+
+/// Two clean prompts and their corrupted partners (one token changed early, so the
+/// change reaches the compressed entries of the first window).
+fn pair_prompts(len: usize) -> Prompts {
+    let mut tokens = Vec::new();
+    for i in 0..2u32 {
+        tokens.extend((0..len as u32).map(|p| (p * 7 + i * 13) % 60 + 1));
+    }
+    let clean = tokens.clone();
+    for i in 0..2 {
+        let mut t = clean[i * len..(i + 1) * len].to_vec();
+        t[1 + i] = 100 + i as u32;
+        tokens.extend(t);
+    }
+    let tg = |a: u32, b: u32| Target {
+        positions: vec![len - 1],
+        answers: vec![a],
+        alt: Some(b),
+    };
+    Prompts {
+        len,
+        tokens,
+        targets: vec![tg(64, 65), tg(64, 65), tg(65, 64), tg(65, 64)],
+        source: vec![Some(2), Some(3), Some(0), Some(1)],
+        group: vec![0, 0, 1, 1],
+    }
+}
+
+fn every_point(nl: usize) -> Vec<HookPoint> {
+    let mut v = vec![HookPoint::global(Site::Embed)];
+    for l in 0..nl {
+        for s in [
+            Site::AttnQ,
+            Site::AttnK,
+            Site::AttnV,
+            Site::CompressedK,
+            Site::CompressedV,
+            Site::AttnZ,
+            Site::MlpOut,
+        ] {
+            v.push(HookPoint::block(l, s));
+        }
+    }
+    v
+}
+
+fn forward_cache(model: &dyn LanguageModel, p: &Prompts, rows: &[usize]) -> ActivationCache {
+    let mut spec = HookSpec::new();
+    for pt in every_point(model.info().n_layers()) {
+        spec = spec.capture_point(pt);
+    }
+    model
+        .forward(p.tokens_of(rows, &dev()), &spec)
+        .unwrap()
+        .cache
+}
+
+fn act(c: &ActivationCache, p: &HookPoint) -> Act {
+    c.get(p).unwrap().clone()
+}
+
+/// `base + eps * delta` (rank 3 or 4).
+fn shifted(base: &Act, delta: &Act, eps: f32) -> Act {
+    match base.shape().len() {
+        3 => Act::new(base.get::<3>().unwrap() + delta.get::<3>().unwrap().mul_scalar(eps)),
+        _ => Act::new(base.get::<4>().unwrap() + delta.get::<4>().unwrap().mul_scalar(eps)),
+    }
+}
+
+fn minus(a: &Act, b: &Act) -> Act {
+    match a.shape().len() {
+        3 => Act::new(a.get::<3>().unwrap() - b.get::<3>().unwrap()),
+        _ => Act::new(a.get::<4>().unwrap() - b.get::<4>().unwrap()),
+    }
+}
+
+/// The clean-orientation LD of the receiving (corrupted) rows.
+fn metric(model: &dyn LanguageModel, p: &Prompts, rows: &[usize], spec: &HookSpec) -> Vec<f32> {
+    let logits: Tensor<3> = model
+        .forward(p.tokens_of(rows, &dev()), spec)
+        .unwrap()
+        .logits;
+    let targets: Vec<&Target> = rows.iter().map(|&r| &p.targets[r]).collect();
+    readout(logits, &targets)
+        .unwrap()
+        .iter()
+        .map(|o| -o.ld)
+        .collect()
+}
+
+/// The linearised effect of one edge, by brute force: (1) every sender output held at
+/// the receiving run's value except sender u, moved by +-eps x its clean-minus-corrupted
+/// change (an MLP receiver's own output left live), the receiver's activation read;
+/// (2) the receiving run with only the receiver's slice replaced by that value (raw
+/// k / v: the compressed entries held, so only the raw path counts), the metric read;
+/// central difference over eps.
+fn brute(
+    model: &dyn LanguageModel,
+    p: &Prompts,
+    base: &Arc<ActivationCache>,
+    delta: &ActivationCache,
+    s: SenderNode,
+    r: ReceiverNode,
+    eps: f32,
+) -> Vec<f32> {
+    let nl = model.info().n_layers();
+    let rows = vec![2usize, 3];
+    let at = |eps: f32| -> Vec<f32> {
+        let mut spec = HookSpec::new();
+        for l in 0..nl {
+            let z = HookPoint::block(l, Site::AttnZ);
+            spec = spec.intervene_point(z, Action::Replace(act(base, &z)), Scope::all());
+            let m = HookPoint::block(l, Site::MlpOut);
+            if r != (ReceiverNode::Mlp { layer: l }) {
+                spec = spec.intervene_point(m, Action::Replace(act(base, &m)), Scope::all());
+            }
+        }
+        let sp = s.point();
+        let moved = shifted(&act(base, &sp), &act(delta, &sp), eps);
+        let scope = match s.head() {
+            Some(h) => Scope::heads([h]),
+            None => Scope::all(),
+        };
+        spec = spec.intervene_point(sp, Action::Replace(moved), scope);
+        let Some(rp) = r.point() else {
+            return metric(model, p, &rows, &spec);
+        };
+        spec = spec.capture_point(rp);
+        let cache = model
+            .forward(p.tokens_of(&rows, &dev()), &spec)
+            .unwrap()
+            .cache;
+        let new = act(&cache, &rp);
+        let scope = match r.head() {
+            Some(h) => Scope::heads([h]),
+            None => Scope::all(),
+        };
+        let mut spec2 = HookSpec::new();
+        if let ReceiverNode::Attn {
+            layer,
+            input: Input::K | Input::V,
+            ..
+        } = r
+        {
+            for site in [Site::CompressedK, Site::CompressedV] {
+                let c = HookPoint::block(layer, site);
+                spec2 = spec2.intervene_point(c, Action::Replace(act(base, &c)), Scope::all());
+            }
+        }
+        spec2 = spec2.intervene_point(rp, Action::Replace(new), scope);
+        metric(model, p, &rows, &spec2)
+    };
+    let (a, b) = (at(eps), at(-eps));
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y) / (2.0 * eps))
+        .collect()
+}
+
+#[test]
+fn eap_matches_brute_force_on_every_edge() {
+    // 2 layers, 4 query heads reading ONE KV head (MQA), compressed entries (window 4,
+    // stride 4) and a raw tail.
+    let cfg = tiny(2, 4, 1, 4, 4);
+    let model = random_model(&cfg, 5);
+    let prompts = pair_prompts(14);
+    let graph = Graph::of(&model.info());
+    // The graph: embed + 8 heads + 2 MLPs; per layer 4 q + k, v, ck, cv + MLP, logits.
+    assert_eq!(graph.senders.len(), 11);
+    assert_eq!(graph.receivers.len(), 19);
+    let mut progress = Progress::new(ProgressMode::Hidden, "t", "passes", 0);
+    let run = EdgeRun {
+        model: &model,
+        prompts: &prompts,
+        graph: &graph,
+        direction: Direction::Denoise,
+        // Replicas split over several forwards (3 receivers x 2 prompts each).
+        max_rows: 6,
+    };
+    let eap = run.scores(Method::Eap, &mut progress).unwrap();
+    assert_eq!(eap.scores.len(), graph.edges.len());
+    let base = Arc::new(forward_cache(&model, &prompts, &[2, 3]));
+    let clean = forward_cache(&model, &prompts, &[0, 1]);
+    let mut delta = ActivationCache::new();
+    for pt in every_point(2) {
+        delta.insert(pt, minus(&act(&clean, &pt), &act(&base, &pt)));
+    }
+    let mut brute_all = Vec::new();
+    for e in &graph.edges {
+        let b = brute(
+            &model,
+            &prompts,
+            &base,
+            &delta,
+            graph.senders[e.sender],
+            graph.receivers[e.receiver],
+            1e-2,
+        );
+        brute_all.push(b);
+    }
+    let scale = brute_all.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    assert!(
+        scale > 1e-3,
+        "every edge's effect is ~0: the test would be vacuous"
+    );
+    let mut worst = (0f32, String::new());
+    for (ei, e) in graph.edges.iter().enumerate() {
+        for (a, b) in eap.scores[ei].iter().zip(&brute_all[ei]) {
+            let err = (a - b).abs() / (1e-3 * scale + 0.02 * b.abs());
+            if std::env::var("EDGES_DEBUG").is_ok() && err > 1.0 {
+                eprintln!("{}: EAP {a} vs brute force {b}", graph.edge_label(*e));
+            }
+            if err > worst.0 {
+                worst = (
+                    err,
+                    format!("{}: EAP {a} vs brute force {b}", graph.edge_label(*e)),
+                );
+            }
+        }
+    }
+    if std::env::var("EDGES_DEBUG").is_ok() {
+        eprintln!(
+            "worst {:.3} of the tolerance: {} (scale {scale})",
+            worst.0, worst.1
+        );
+    }
+    assert!(worst.0 <= 1.0, "worst edge: {} (scale {scale})", worst.1);
+    // Every kind of edge carries an effect somewhere (not vacuous per kind), and the
+    // query heads that read the one KV head differ (the q edges are per head).
+    for input in [Input::Q, Input::K, Input::V, Input::Ck, Input::Cv] {
+        let m = graph
+            .edges
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| {
+                matches!(graph.receivers[e.receiver], ReceiverNode::Attn { input: i, .. } if i == input)
+            })
+            .flat_map(|(ei, _)| brute_all[ei].iter().map(|x| x.abs()))
+            .fold(0f32, f32::max);
+        assert!(m > 1e-4 * scale.max(1.0), "{input:?} edges all ~0");
+    }
+}
+
+#[test]
+fn eap_ig_one_step_is_the_gradient_at_the_partner_and_more_steps_differ() {
+    let cfg = tiny(2, 4, 1, 4, 4);
+    let model = random_model(&cfg, 7);
+    let prompts = pair_prompts(14);
+    let graph = Graph::of(&model.info());
+    let mut progress = Progress::new(ProgressMode::Hidden, "t", "passes", 0);
+    let run = |direction| EdgeRun {
+        model: &model,
+        prompts: &prompts,
+        graph: &graph,
+        direction,
+        max_rows: 64,
+    };
+    let denoise = run(Direction::Denoise);
+    // One step: alpha = 1, the corrupted tokens with the clean embeddings, i.e. the
+    // clean run (kvc reads tokens only through the embeddings). The clean-orientation
+    // LD is the same metric in both directions, and the deltas are opposite: noising
+    // EAP (gradient at the clean run) = -(denoising EAP-IG with one step).
+    let ig1 = denoise
+        .scores(Method::EapIg { steps: 1 }, &mut progress)
+        .unwrap();
+    let noise = run(Direction::Noise)
+        .scores(Method::Eap, &mut progress)
+        .unwrap();
+    let scale = noise
+        .scores
+        .iter()
+        .flatten()
+        .fold(0f32, |m, x| m.max(x.abs()));
+    assert!(scale > 1e-4);
+    for (ei, e) in graph.edges.iter().enumerate() {
+        for (a, b) in ig1.scores[ei].iter().zip(&noise.scores[ei]) {
+            assert!(
+                (a + b).abs() <= 1e-3 * scale + 1e-3 * b.abs(),
+                "{}: EAP-IG(1) denoise {a} vs EAP noise {b}",
+                graph.edge_label(*e)
+            );
+        }
+    }
+    let eap = denoise.scores(Method::Eap, &mut progress).unwrap();
+    let ig = denoise
+        .scores(Method::EapIg { steps: 4 }, &mut progress)
+        .unwrap();
+    let diff = eap
+        .scores
+        .iter()
+        .flatten()
+        .zip(ig.scores.iter().flatten())
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff > 1e-5, "EAP-IG equals EAP");
+    assert!(ig.scores.iter().flatten().all(|x| x.is_finite()));
+}
+
+#[test]
+fn circuit_of_every_edge_is_the_clean_run_and_of_none_the_corrupted_run() {
+    let cfg = tiny(2, 4, 1, 4, 4);
+    let model = random_model(&cfg, 11);
+    let prompts = pair_prompts(14);
+    let graph = Graph::of(&model.info());
+    let e = graph.edges.len();
+    let ld = |keep: &[bool]| circuit_ld(&model, &prompts, &graph, keep, 8).unwrap();
+    let all: Vec<usize> = (0..4).collect();
+    let targets: Vec<&Target> = prompts.targets.iter().collect();
+    let logits = model
+        .forward(prompts.tokens_of(&all, &dev()), &HookSpec::new())
+        .unwrap()
+        .logits;
+    let base = readout(logits, &targets).unwrap();
+    let full = ld(&vec![true; e]);
+    let none = ld(&vec![false; e]);
+    for i in 0..2 {
+        // Clean orientation: the clean prompt's LD; the corrupted prompt's, negated.
+        assert!(
+            (full[i] - base[i].ld).abs() < 1e-3,
+            "{} vs clean {}",
+            full[i],
+            base[i].ld
+        );
+        assert!(
+            (none[i] + base[2 + i].ld).abs() < 1e-3,
+            "{} vs corrupted {}",
+            none[i],
+            -base[2 + i].ld
+        );
+    }
+    assert!(
+        (base[0].ld + base[2].ld).abs() > 1e-3,
+        "clean and corrupted agree: vacuous"
+    );
+    // Half the edges: somewhere between (not either end), and every edge into the
+    // logits alone (the direct paths) differs from the full circuit.
+    let half: Vec<bool> = (0..e).map(|i| i % 2 == 0).collect();
+    let h = ld(&half);
+    assert!(h.iter().zip(&full).any(|(a, b)| (a - b).abs() > 1e-4));
+    assert!(h.iter().zip(&none).any(|(a, b)| (a - b).abs() > 1e-4));
+}
+
+fn rows(path: &std::path::Path) -> Vec<LongRow> {
+    let t = Table::read_arrow(path).unwrap();
+    validate_columns(&t, LONG_COLUMNS).unwrap();
+    assert!(path.with_extension("parquet").exists());
+    read_long_rows(&t).unwrap()
+}
+
+#[test]
+fn edge_attribution_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    two_value_organism(d, "tiny", &tiny(2, 4, 1, 4, 4), 31);
+    let text = "[experiment]\nkind = \"edge-attribution\"\nbootstrap_reps = 20\n\n[model]\norganism = \"tiny\"\n\n[task]\nn_logical = 8\n\n[edges]\nig_steps = 2\nvalidate_edges = 10\ntop_k = 3\n";
+    let exp = experiment(d, "ea.toml", text);
+    let s = run_experiment(&exp, &opts(d)).unwrap();
+    assert!(s.stats.cells_computed > 0);
+    let table = d.join("notebooks-data/ea/edges.arrow");
+    let rows = rows(&table);
+    let m = edge_metric("eap", Direction::Denoise, "L0H1->L1KV0.k");
+    assert_eq!(
+        rows.iter().filter(|r| r.metric == m).count(),
+        4 + 1,
+        "4 phases + pooled"
+    );
+    let m = edge_metric("eapig", Direction::Denoise, "embed->logits");
+    assert!(rows.iter().any(|r| r.metric == m));
+    // Faithfulness: the full graph recovers 1 in every phase.
+    let edges = rows
+        .iter()
+        .find(|r| r.metric == "edges_scored")
+        .unwrap()
+        .value as usize;
+    let full: Vec<&LongRow> = rows
+        .iter()
+        .filter(|r| r.metric == format!("faithfulness_top{edges}"))
+        .collect();
+    assert_eq!(full.len(), 5);
+    assert!(
+        full.iter()
+            .all(|r| !r.value.is_finite() || (r.value - 1.0).abs() < 1e-3),
+        "{full:?}"
+    );
+    assert_eq!(
+        rows.iter()
+            .filter(|r| r.metric == "circuit_size_80")
+            .count(),
+        5
+    );
+    for stat in ["spearman", "recall_top3", "mae"] {
+        let m = format!("{stat}_eap_nld_denoise");
+        assert_eq!(rows.iter().filter(|r| r.metric == m).count(), 5, "{m}");
+    }
+    let exact = rows
+        .iter()
+        .filter(|r| r.metric.starts_with("exact_nld_denoise:") && r.phase.is_none())
+        .count();
+    assert_eq!(exact, 10);
+    // Logit lens: layers 0..=2 (2 = the last block's output) x (4 phases + pooled).
+    let lens: Vec<&LongRow> = rows.iter().filter(|r| r.metric == "lens_prob").collect();
+    assert_eq!(lens.len(), 3 * 5);
+    assert!(lens.iter().all(|r| (0.0..=1.0).contains(&r.value)));
+    let rep = d.join("reports/ea");
+    let md = std::fs::read_to_string(rep.join("report.md")).unwrap();
+    assert!(md.contains("Agreement with exact path patching"), "{md}");
+    assert!(md.contains("Logit lens by phase"), "{md}");
+    assert!(rep.join("edges_eap.png").exists());
+    assert!(rep.join("faithfulness.png").exists());
+    assert!(rep.join("circuit_phase0.png").exists());
+    assert!(rep.join("circuit_overlap.png").exists());
+    assert!(rep.join("logit_lens.png").exists());
+    std::fs::remove_dir_all(&rep).unwrap();
+    draw_all(&d.join("notebooks-data"), &d.join("reports"), Some("ea")).unwrap();
+    assert!(rep.join("report.md").exists());
+    let again = run_experiment(&exp, &opts(d)).unwrap();
+    assert_eq!(again.stats.cells_computed, 0);
+    assert!(again.stats.cells_resumed > 0);
+    // An empty method list: an error naming the key.
+    let bad = experiment(
+        d,
+        "bad.toml",
+        "[experiment]\nkind = \"edge-attribution\"\n[model]\norganism = \"tiny\"\n[edges]\nmethods = []\n",
+    );
+    let err = run_experiment(&bad, &opts(d)).unwrap_err().to_string();
+    assert!(err.contains("methods"), "{err}");
+}
