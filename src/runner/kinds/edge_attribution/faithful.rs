@@ -48,9 +48,7 @@ fn mix(base: &Act, keep: &Act, take: &[Vec<bool>], n: usize) -> Result<Act> {
     let mut mask = Vec::with_capacity(rows * h);
     for tk in take {
         for _ in 0..n {
-            for hd in 0..h {
-                mask.push(tk[hd]);
-            }
+            mask.extend_from_slice(&tk[..h]);
         }
     }
     let m = Tensor::<4, Bool>::from_data(TensorData::new(mask, [rows, 1, h, 1]), &b4.device())

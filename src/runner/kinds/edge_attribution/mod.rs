@@ -49,6 +49,11 @@ use super::path_patching::{PathCell, PathInput, Receiver, Sender, path_group};
 use super::{Ctx, Kind, KindOutput};
 use crate::tasks::prompts::{PromptMeta, paired_prompts};
 
+/// A faithfulness value per phase and pooled.
+type Curve = (Vec<f64>, f64);
+/// A value with its interval `(value, lo, hi)`.
+type Band = (f64, f64, f64);
+
 pub mod bench;
 pub mod eap;
 pub mod faithful;
@@ -529,7 +534,7 @@ fn faith_rows(ctx: &Ctx, groups: &[GroupData], sizes: &[usize]) -> Vec<LongRow> 
         }
         vals.push(nr.push(&c, &faith_metric(k), None, &mut out));
     }
-    let first = |per: &dyn Fn(&(Vec<f64>, f64)) -> f64| {
+    let first = |per: &dyn Fn(&Curve) -> f64| {
         sizes
             .iter()
             .zip(&vals)
@@ -537,7 +542,7 @@ fn faith_rows(ctx: &Ctx, groups: &[GroupData], sizes: &[usize]) -> Vec<LongRow> 
             .map_or(f64::NAN, |(k, _)| *k as f64)
     };
     for &ph in &ctx.task.phases {
-        let v = first(&|x: &(Vec<f64>, f64)| x.0[ph as usize]);
+        let v = first(&|x: &Curve| x.0[ph as usize]);
         out.push(
             ctx.rows
                 .row(
@@ -813,7 +818,7 @@ fn draw(cfg: &EdgeAttribution, f: &mut Figures) -> Result<()> {
 fn circuits(f: &mut Figures, cfg: &EdgeAttribution, method: &str) -> Result<()> {
     let (m, phases, dir, data) = (f.model.clone(), f.phases.clone(), f.dir, f.data);
     // size -> phase -> (value, lo, hi)
-    let mut curves: BTreeMap<usize, BTreeMap<Option<u32>, (f64, f64, f64)>> = BTreeMap::new();
+    let mut curves: BTreeMap<usize, BTreeMap<Option<u32>, Band>> = BTreeMap::new();
     for r in f.data.rows.iter().filter(|r| r.model == m) {
         if let Some(k) = r
             .metric
