@@ -355,7 +355,7 @@ fn a_placement_naming_an_absent_device_says_which() {
 /// The long rows of `<root>/notebooks-data/e/heads.arrow`.
 fn head_rows(root: &Path) -> Vec<phaselens::output::LongRow> {
     let t =
-        phaselens::output::Table::read_arrow(&root.join("notebooks-data/e/heads.arrow")).unwrap();
+        phaselens::output::Table::read_arrow(root.join("notebooks-data/e/heads.arrow")).unwrap();
     phaselens::output::read_long_rows(&t).unwrap()
 }
 
