@@ -24,31 +24,6 @@ use phaselens::runner::{ProgressMode, run_experiment};
 
 /// Two clean prompts and their corrupted partners (one token changed early, so the
 /// change reaches the compressed entries of the first window).
-fn pair_prompts(len: usize) -> Prompts {
-    let mut tokens = Vec::new();
-    for i in 0..2u32 {
-        tokens.extend((0..len as u32).map(|p| (p * 7 + i * 13) % 60 + 1));
-    }
-    let clean = tokens.clone();
-    for i in 0..2 {
-        let mut t = clean[i * len..(i + 1) * len].to_vec();
-        t[1 + i] = 100 + i as u32;
-        tokens.extend(t);
-    }
-    let tg = |a: u32, b: u32| Target {
-        positions: vec![len - 1],
-        answers: vec![a],
-        alt: Some(b),
-    };
-    Prompts {
-        len,
-        tokens,
-        targets: vec![tg(64, 65), tg(64, 65), tg(65, 64), tg(65, 64)],
-        source: vec![Some(2), Some(3), Some(0), Some(1)],
-        group: vec![0, 0, 1, 1],
-    }
-}
-
 fn every_point(nl: usize) -> Vec<HookPoint> {
     let mut v = vec![HookPoint::global(Site::Embed)];
     for l in 0..nl {
@@ -186,7 +161,7 @@ fn eap_matches_brute_force_on_every_edge() {
     // stride 4) and a raw tail.
     let cfg = tiny(2, 4, 1, 4, 4);
     let model = random_model(&cfg, 5);
-    let prompts = pair_prompts(14);
+    let prompts = pair_prompts(14, 1);
     let graph = Graph::of(&model.info());
     // The graph: embed + 8 heads + 2 MLPs; per layer 4 q + k, v, ck, cv + MLP, logits.
     assert_eq!(graph.senders.len(), 11);
@@ -268,7 +243,7 @@ fn eap_matches_brute_force_on_every_edge() {
 fn eap_ig_one_step_is_the_gradient_at_the_partner_and_more_steps_differ() {
     let cfg = tiny(2, 4, 1, 4, 4);
     let model = random_model(&cfg, 7);
-    let prompts = pair_prompts(14);
+    let prompts = pair_prompts(14, 1);
     let graph = Graph::of(&model.info());
     let mut progress = Progress::new(ProgressMode::Hidden, "t", "passes", 0);
     let run = |direction| EdgeRun {
@@ -322,7 +297,7 @@ fn eap_ig_one_step_is_the_gradient_at_the_partner_and_more_steps_differ() {
 fn circuit_of_every_edge_is_the_clean_run_and_of_none_the_corrupted_run() {
     let cfg = tiny(2, 4, 1, 4, 4);
     let model = random_model(&cfg, 11);
-    let prompts = pair_prompts(14);
+    let prompts = pair_prompts(14, 1);
     let graph = Graph::of(&model.info());
     let e = graph.edges.len();
     let ld = |keep: &[bool]| circuit_ld(&model, &prompts, &graph, keep, 8).unwrap();

@@ -21,31 +21,6 @@ fn rows(path: &std::path::Path) -> Vec<LongRow> {
 }
 
 /// Two clean prompts and their corrupted partners (one token changed), answers 64/65.
-fn pair_prompts(len: usize) -> Prompts {
-    let mut tokens = Vec::new();
-    for i in 0..2u32 {
-        tokens.extend((0..len as u32).map(|p| (p * 7 + i * 13) % 60 + 1));
-    }
-    let clean = tokens.clone();
-    for i in 0..2 {
-        let mut t = clean[i * len..(i + 1) * len].to_vec();
-        t[3 + i] = 100 + i as u32;
-        tokens.extend(t);
-    }
-    let tg = |a: u32, b: u32| Target {
-        positions: vec![len - 1],
-        answers: vec![a],
-        alt: Some(b),
-    };
-    Prompts {
-        len,
-        tokens,
-        targets: vec![tg(64, 65), tg(64, 65), tg(65, 64), tg(65, 64)],
-        source: vec![Some(2), Some(3), Some(0), Some(1)],
-        group: vec![0, 0, 1, 1],
-    }
-}
-
 /// d LD / d epsilon at epsilon = 0 of adding epsilon x (z_partner - z) at one head and
 /// position of every receiving prompt, by central differences (clean orientation).
 fn finite_difference(
@@ -103,7 +78,7 @@ fn finite_difference(
 fn atp_terms_are_the_gradient_times_the_activation_difference() {
     let cfg = tiny(2, 4, 2, 4, 4);
     let model = random_model(&cfg, 5);
-    let prompts = pair_prompts(12);
+    let prompts = pair_prompts(12, 3);
     let dirs = [Direction::Denoise, Direction::Noise];
     let terms = atp_terms(&model, &prompts, &[0, 1], &dirs).unwrap();
     assert_eq!(terms.n, 2);
@@ -384,7 +359,7 @@ fn atp_star_terms_are_the_exact_pattern_change_times_the_gradient() {
     // of key slot.
     let cfg = tiny(2, 4, 2, 4, 4);
     let model = random_model(&cfg, 5);
-    let prompts = pair_prompts(12);
+    let prompts = pair_prompts(12, 3);
     let partner: Vec<usize> = prompts.source.iter().map(|s| s.unwrap()).collect();
     let qk = qk_terms(
         &model,

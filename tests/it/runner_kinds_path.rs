@@ -17,31 +17,6 @@ use phaselens::runner::progress::Progress;
 use phaselens::runner::report::draw_all;
 use phaselens::runner::{ProgressMode, run_experiment};
 
-fn pair_prompts(len: usize) -> Prompts {
-    let mut tokens = Vec::new();
-    for i in 0..2u32 {
-        tokens.extend((0..len as u32).map(|p| (p * 7 + i * 13) % 60 + 1));
-    }
-    let clean = tokens.clone();
-    for i in 0..2 {
-        let mut t = clean[i * len..(i + 1) * len].to_vec();
-        t[3 + i] = 100 + i as u32;
-        tokens.extend(t);
-    }
-    let tg = |a: u32, b: u32| Target {
-        positions: vec![len - 1],
-        answers: vec![a],
-        alt: Some(b),
-    };
-    Prompts {
-        len,
-        tokens,
-        targets: vec![tg(64, 65), tg(64, 65), tg(65, 64), tg(65, 64)],
-        source: vec![Some(2), Some(3), Some(0), Some(1)],
-        group: vec![0, 0, 1, 1],
-    }
-}
-
 /// Path patching of one cell with full forwards and the hooks' own actions:
 /// sender forward (sender from the partner, every other z / MLP output frozen),
 /// receiver forward (only the receiver's input slice replaced).
@@ -123,7 +98,7 @@ fn reference(
 fn batched_path_patching_matches_full_forwards() {
     let cfg = tiny(3, 4, 2, 4, 4);
     let model = random_model(&cfg, 9);
-    let prompts = pair_prompts(12);
+    let prompts = pair_prompts(12, 3);
     let senders = vec![Sender { layer: 0, head: 1 }, Sender { layer: 1, head: 3 }];
     let mut cells = Vec::new();
     for d in [Direction::Denoise, Direction::Noise] {

@@ -601,7 +601,7 @@ fn gate_biases(ctx: &Ctx, layers: &[usize], gates: &[GateKind]) -> Result<Vec<Ga
     Ok(out)
 }
 
-/// An interval as ` [lo, hi]` with three decimals.
+/// An interval as `95% CI [lo, hi]` with three decimals (empty without one).
 fn fmt_ci(r: &LongRow) -> String {
     ci_text(r, |v| format!("{v:.3}"))
 }
@@ -703,9 +703,8 @@ fn unit_table(f: &mut Figures) {
     let cell = |metric: &str, u: (Option<u32>, Option<u32>)| {
         d.find(m, metric)
             .find(|r| key(r) == u && r.phase.is_none())
-            .map_or("n/a".to_string(), |r| match (r.ci_lo, r.ci_hi) {
-                (Some(lo), Some(hi)) => format!("{:.3} [{lo:.3}, {hi:.3}]", r.value),
-                _ => format!("{:.3}", r.value),
+            .map_or("n/a".to_string(), |r| {
+                format!("{:.3} {}", r.value, fmt_ci(r)).trim_end().to_string()
             })
     };
     let rows = units

@@ -8,6 +8,7 @@ use burn::tensor::{Tensor, TensorData};
 use phaselens::model::kvc::{KvcConfig, KvcModel};
 use phaselens::model::save_kvc;
 use phaselens::model::weights::{RandomInit, Vb};
+use phaselens::runner::patching::{Prompts, Target};
 use phaselens::runner::{ProgressMode, RunOptions};
 
 use super::dev;
@@ -168,4 +169,32 @@ pub fn two_value_organism(dir: &Path, name: &str, cfg: &KvcConfig, seed: u64) ->
     );
     std::fs::write(&p, text).unwrap();
     p
+}
+
+/// Two clean prompts of `len` tokens and their corrupted partners: prompt i's partner
+/// (index 2 + i) changes one token, at `first_changed + i`. Targets read the last
+/// position with answers 64 / 65 swapped between the pairs (group 0 and group 1).
+pub fn pair_prompts(len: usize, first_changed: usize) -> Prompts {
+    let mut tokens = Vec::new();
+    for i in 0..2u32 {
+        tokens.extend((0..len as u32).map(|p| (p * 7 + i * 13) % 60 + 1));
+    }
+    let clean = tokens.clone();
+    for i in 0..2 {
+        let mut t = clean[i * len..(i + 1) * len].to_vec();
+        t[first_changed + i] = 100 + i as u32;
+        tokens.extend(t);
+    }
+    let tg = |a: u32, b: u32| Target {
+        positions: vec![len - 1],
+        answers: vec![a],
+        alt: Some(b),
+    };
+    Prompts {
+        len,
+        tokens,
+        targets: vec![tg(64, 65), tg(64, 65), tg(65, 64), tg(65, 64)],
+        source: vec![Some(2), Some(3), Some(0), Some(1)],
+        group: vec![0, 0, 1, 1],
+    }
 }
