@@ -3,17 +3,27 @@
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
 # Cargo profile shared by tests and runs (dependencies optimised, one warm target/).
-bin := env_var_or_default("CARGO_TARGET_DIR", "target") + "/debug/phaselens"
-# Backends compiled in: all three (flex, LibTorch, wgpu; the device is chosen at run
-# time). `PHASELENS_FEATURES=flex just ...` builds the pure-Rust CPU backend only.
+target_dir := env_var_or_default("CARGO_TARGET_DIR", "target")
+bin := target_dir + "/debug/phaselens"
+# Backends compiled in. The test recipes build all three (flex, LibTorch, wgpu; the
+# device is chosen at run time, and the backend matrix runs on each).
 features := env_var_or_default("PHASELENS_FEATURES", "all-backends")
+# The run recipes (build, run, patch-heads, train, ...) build the pure-Rust CPU backend
+# (flex) alone on a fresh machine, which halves the first build (no LibTorch bindings, no
+# wgpu); once an all-backends build is in the target folder (after `just test`), they
+# use it, so they never rebuild the dependencies. PHASELENS_FEATURES overrides both.
+run_features := env_var_or_default("PHASELENS_FEATURES", `ls "${CARGO_TARGET_DIR:-target}/debug/.fingerprint" 2>/dev/null | grep -q '^torch-sys-' && echo all-backends || echo flex`)
 
 default:
     @just --list
 
-# Build the CLI.
+# Build the CLI (backends: `run_features` above; `just backends-used` tells which).
 build:
-    cargo build --bin phaselens --features {{features}}
+    cargo build --bin phaselens --features {{run_features}}
+
+# The backends the run recipes build with here (flex alone until an all-backends build exists).
+backends-used:
+    @echo {{run_features}}
 
 # Format the code (the experiment kinds are plain `pub mod` lines, so cargo fmt reaches them;
 # examples/dependent is its own crate).
@@ -117,8 +127,10 @@ figures: build
 bench-patching EXP="exp/v4pro.toml": build
     {{bin}} bench patching {{EXP}}
 
-# The backend equivalence matrix on this machine (device x check; docs/backends.md).
-backends: build
+# The backend equivalence matrix on this machine (device x check; docs/backends.md):
+# always built with every backend (PHASELENS_FEATURES aside).
+backends:
+    cargo build --bin phaselens --features {{features}}
     {{bin}} backends
 
 # Training steps/s of a recipe (flex; add --device tch-cpu on the binary for LibTorch).

@@ -83,7 +83,8 @@ fn not_built(spec: &DeviceSpec, feature: &str) -> Error {
         device: spec.to_string(),
         message: format!(
             "this phaselens binary was built without the `{feature}` feature; \
-             rebuild with `cargo build --release --features {feature}` (see README, \"Backends\")"
+             rebuild with `PHASELENS_FEATURES=all-backends just build` (flex, tch and wgpu) \
+             or `cargo build --features {feature}` (see README, \"Devices and backends\")"
         ),
     }
 }
