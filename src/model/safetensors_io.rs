@@ -98,6 +98,33 @@ pub fn f8_e8m0_to_f32(b: u8) -> f32 {
     }
 }
 
+/// Little-endian `bytes` of a float tensor of `dtype` as f32 values (F64 / F32 / F16 /
+/// BF16 / F8_E4M3 / F8_E8M0); `None` for any other dtype. The one decoder of every
+/// float read, so a weight kept as stored dequantises to the values a load to f32 gives.
+pub fn decode_floats(dtype: StDtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        StDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        StDtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
+            .collect(),
+        StDtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        StDtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        StDtype::F8E4M3 => bytes.iter().map(|&b| f8_e4m3_to_f32(b)).collect(),
+        StDtype::F8E8M0 => bytes.iter().map(|&b| f8_e8m0_to_f32(b)).collect(),
+        _ => return None,
+    })
+}
+
 /// The tensors of one file must tile its data section: sorted by offset, each starts
 /// where the previous one ended, from the first byte after the header to the end of
 /// the file. Overlapping tensors (two names reading the same bytes), gaps and trailing
@@ -397,7 +424,8 @@ impl SafetensorsReader {
             .unwrap_or_default()
     }
 
-    fn raw(&self, name: &str) -> Result<(&TensorEntry, Vec<u8>)> {
+    /// The entry of `name` and its data bytes as stored (little-endian).
+    pub fn raw(&self, name: &str) -> Result<(&TensorEntry, Vec<u8>)> {
         let e = self.tensors.get(name).ok_or_else(|| {
             Error::tensor(self.path_of(name), name, "missing from the checkpoint")
         })?;
@@ -414,36 +442,16 @@ impl SafetensorsReader {
     /// Read a float tensor converted to f32 (F64/F32/F16/BF16/F8 accepted).
     pub fn read_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let (e, buf) = self.raw(name)?;
-        let v: Vec<f32> = match e.dtype {
-            StDtype::F32 => buf
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-            StDtype::F64 => buf
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
-                .collect(),
-            StDtype::F16 => buf
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            StDtype::BF16 => buf
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            StDtype::F8E4M3 => buf.iter().map(|&b| f8_e4m3_to_f32(b)).collect(),
-            StDtype::F8E8M0 => buf.iter().map(|&b| f8_e8m0_to_f32(b)).collect(),
-            other => {
-                return Err(Error::tensor(
-                    &self.files[e.file].path,
-                    name,
-                    format!(
-                        "expected a floating-point tensor, found {} ({other:?})",
-                        e.dtype_name
-                    ),
-                ));
-            }
-        };
+        let v = decode_floats(e.dtype, &buf).ok_or_else(|| {
+            Error::tensor(
+                &self.files[e.file].path,
+                name,
+                format!(
+                    "expected a floating-point tensor, found {} ({:?})",
+                    e.dtype_name, e.dtype
+                ),
+            )
+        })?;
         Ok((e.shape.clone(), v))
     }
 

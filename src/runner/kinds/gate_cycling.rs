@@ -704,7 +704,9 @@ fn unit_table(f: &mut Figures) {
         d.find(m, metric)
             .find(|r| key(r) == u && r.phase.is_none())
             .map_or("n/a".to_string(), |r| {
-                format!("{:.3} {}", r.value, fmt_ci(r)).trim_end().to_string()
+                format!("{:.3} {}", r.value, fmt_ci(r))
+                    .trim_end()
+                    .to_string()
             })
     };
     let rows = units
