@@ -191,19 +191,47 @@ fn check_layout(
 /// An error naming `name` when `values` hold NaN or infinities (weights never do in a
 /// trained model; they make every logit NaN, which would read as a finding).
 pub fn check_finite(path: &Path, name: &str, values: &[f32]) -> Result<()> {
-    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        let bad = values.iter().filter(|v| !v.is_finite()).count();
-        return Err(Error::tensor(
-            path,
-            name,
-            format!(
-                "holds {bad} non-finite value(s) of {} (first: {} at flat index {i}); the checkpoint is corrupt or diverged",
-                values.len(),
-                values[i]
-            ),
-        ));
+    let mut c = FiniteCheck::default();
+    c.feed(values);
+    c.finish(path, name)
+}
+
+/// [`check_finite`] over a tensor's values fed in parts (a tensor dequantised row block
+/// by row block), with the same error.
+#[derive(Debug, Default)]
+pub struct FiniteCheck {
+    seen: usize,
+    bad: usize,
+    /// Flat index and value of the first non-finite value.
+    first: Option<(usize, f32)>,
+}
+
+impl FiniteCheck {
+    /// The next `values` of the tensor.
+    pub fn feed(&mut self, values: &[f32]) {
+        for (i, v) in values.iter().enumerate() {
+            if !v.is_finite() {
+                self.bad += 1;
+                self.first.get_or_insert((self.seen + i, *v));
+            }
+        }
+        self.seen += values.len();
     }
-    Ok(())
+
+    /// An error naming `name` when a fed value was NaN or infinite.
+    pub fn finish(&self, path: &Path, name: &str) -> Result<()> {
+        match self.first {
+            None => Ok(()),
+            Some((i, v)) => Err(Error::tensor(
+                path,
+                name,
+                format!(
+                    "holds {} non-finite value(s) of {} (first: {v} at flat index {i}); the checkpoint is corrupt or diverged",
+                    self.bad, self.seen
+                ),
+            )),
+        }
+    }
 }
 
 /// Open `path` and read its safetensors header: the open file, the header's JSON

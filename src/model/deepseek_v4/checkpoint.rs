@@ -43,7 +43,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use super::super::safetensors_io::{SafetensorsReader, StDtype, decode_floats};
+use super::super::safetensors_io::{FiniteCheck, SafetensorsReader, StDtype, decode_floats};
 use super::super::stored::{Block, Residency, Scales, StoredMatrix, decode_scales};
 pub use super::super::stored::{E2M1, FP4_GROUP};
 use super::super::weights::{Init, UsedTensors, WeightSource, inside_model_dir, shard_paths};
@@ -400,13 +400,18 @@ impl V4Checkpoint {
     }
 
     /// The tensor `key` kept as stored, checked as [`V4Checkpoint::read_float`] checks it
-    /// (dequantised once, then dropped); `None` when it is not a block-scaled, packed
-    /// FP4 or BF16 / F16 matrix.
+    /// (dequantised once, a block of rows at a time, then dropped); `None` when it is not
+    /// a block-scaled, packed FP4 or BF16 / F16 matrix.
     fn read_stored(&self, key: &str, want: &[usize]) -> Result<Option<Block>> {
         let Some(b) = self.block(key, want)? else {
             return Ok(None);
         };
-        crate::model::safetensors_io::check_finite(&self.reader.path_of(key), key, &b.to_f32())?;
+        let mut check = FiniteCheck::default();
+        let step = (CHECK_VALUES / b.cols().max(1)).max(1);
+        for r0 in (0..b.rows()).step_by(step) {
+            check.feed(&b.rows_f32(r0, (r0 + step).min(b.rows())));
+        }
+        check.finish(&self.reader.path_of(key), key)?;
         self.mark(key);
         Ok(Some(b))
     }
@@ -664,6 +669,9 @@ impl V4Checkpoint {
         )
     }
 }
+
+/// Values dequantised at once to check a tensor kept as stored (4 MiB of f32).
+const CHECK_VALUES: usize = 1 << 20;
 
 /// A block the loader built from a tensor whose shape it checked (`None` only if the
 /// file's bytes do not hold it).
