@@ -15,7 +15,10 @@ use crate::model::weights::save_by_builder_names;
 /// `Residency::Stored`) has nothing to save under their names: an error.
 pub fn save(model: &DeepseekV4Model, config_json: &serde_json::Value, dir: &Path) -> Result<()> {
     let resident = model.resident_bytes();
-    if let Some(kept) = resident.keys().find(|k| !matches!(k.as_str(), "f32" | "i64")) {
+    if let Some(kept) = resident
+        .keys()
+        .find(|k| !matches!(k.as_str(), "f32" | "i64"))
+    {
         return Err(Error::Other(format!(
             "the model holds {kept} weights as stored (not parameters): load it with f32 weights (`--weights f32`, `load_with(.., Residency::F32)`) to save it"
         )));
