@@ -166,6 +166,7 @@ impl Env<'_> {
             fresh: self.fresh,
             device: Some(self.device_spec.clone()),
             devices: None,
+            weights: None,
             shard: None,
             progress: self.progress,
             figures: false,

@@ -387,6 +387,7 @@ fn run_patching(root: &Path, scratch: &Path, spec: &DeviceSpec) -> Result<BTreeM
             fresh: true,
             device: Some(spec.clone()),
             devices: None,
+            weights: None,
             shard: None,
             progress: ProgressMode::Hidden,
             figures: false,

@@ -9,7 +9,7 @@ use clap::Args;
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::{HookSpec, PointPattern};
-use phaselens::model::load_model;
+use phaselens::model::load_model_with;
 use phaselens::model::safetensors_io::{OwnedTensor, TensorValues, write_safetensors};
 
 /// Run a model on token ids and save logits plus captured activations.
@@ -43,6 +43,10 @@ pub struct ForwardArgs {
     /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
+    /// BF16 / FP8 / FP4 checkpoint weights: `stored` (resident as in the checkpoint,
+    /// dequantised where used) or `f32` (dequantised on load, 4 bytes per weight).
+    #[arg(long, value_name = "stored|f32", default_value = "stored")]
+    pub weights: phaselens::model::stored::Residency,
     /// Skip the comparison of the memory estimate (weights, the forward's activations)
     /// with the machine's available memory (also PHASELENS_NO_MEMORY_CHECK=1).
     #[arg(long)]
@@ -90,7 +94,7 @@ pub fn run(args: ForwardArgs) -> Result<()> {
         phaselens::model::memory::set_override(true);
     }
     let device = args.device.device()?;
-    let model = load_model(&args.model, &device)
+    let model = load_model_with(&args.model, &device, args.weights)
         .with_context(|| format!("loading model {}", args.model.display()))?;
     let info = model.info();
     let (ids, shape) = read_ids(&args.input, info.vocab_size)?;

@@ -14,7 +14,7 @@ use clap::Args;
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::HookSpec;
-use phaselens::model::{LanguageModel, LayerKind, ModelInfo, load_model};
+use phaselens::model::{LanguageModel, LayerKind, ModelInfo, load_model_with};
 
 use super::forward::read_ids;
 
@@ -42,6 +42,10 @@ pub struct InspectArgs {
     pub json: bool,
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
+    /// BF16 / FP8 / FP4 checkpoint weights: `stored` (resident as in the checkpoint,
+    /// dequantised where used) or `f32` (dequantised on load, 4 bytes per weight).
+    #[arg(long, value_name = "stored|f32", default_value = "stored")]
+    pub weights: phaselens::model::stored::Residency,
 }
 
 /// `(VmRSS, VmHWM)` in bytes, when /proc/self/status has them.
@@ -64,6 +68,8 @@ struct Measured {
     n_params: Option<usize>,
     /// The model's size in f32.
     bytes: Option<u64>,
+    /// Its resident weight bytes by storage (`--weights`).
+    resident: Option<std::collections::BTreeMap<String, usize>>,
     load_s: f64,
     /// `(VmRSS, VmHWM)` before loading.
     before: Option<(u64, u64)>,
@@ -79,7 +85,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
     let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
     let before = rss();
     let t0 = Instant::now();
-    let model = load_model(&args.model, &device)
+    let model = load_model_with(&args.model, &device, args.weights)
         .with_context(|| format!("loading model {}", args.model.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
     let after = rss();
@@ -106,6 +112,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
         kinds: info.layers.iter().map(|l| layer_kind(&l.kind)).collect(),
         n_params,
         bytes: n_params.map(|n| n as u64 * 4),
+        resident: model.resident_bytes(),
         load_s,
         before,
         peak,
@@ -168,6 +175,8 @@ fn to_json(args: &InspectArgs, info: &ModelInfo, m: &Measured) -> serde_json::Va
         "layers": m.kinds,
         "n_params": m.n_params,
         "model_f32_bytes": bytes,
+        "weights": args.weights.to_string(),
+        "resident_bytes": m.resident,
         "load_s": m.load_s,
         "rss_before_bytes": m.before.map(|b| b.0),
         "load_peak_rss_increase_bytes": peak.map(|p| p.0),
@@ -198,6 +207,18 @@ fn print_text(args: &InspectArgs, info: &ModelInfo, m: &Measured) {
     match (m.n_params, m.bytes) {
         (Some(n), Some(b)) => println!("parameters: {n} ({:.1} MiB in f32)", mib(b)),
         _ => println!("parameters: unknown"),
+    }
+    if let Some(r) = &m.resident {
+        let parts: Vec<String> = r
+            .iter()
+            .map(|(k, b)| format!("{k} {:.1} MiB", mib(*b as u64)))
+            .collect();
+        println!(
+            "resident weights ({}): {:.1} MiB ({})",
+            args.weights,
+            mib(r.values().sum::<usize>() as u64),
+            parts.join(", ")
+        );
     }
     print!("load: {:.3} s", m.load_s);
     match (m.peak, m.bytes, m.before) {

@@ -11,11 +11,12 @@ use clap::Args;
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::HookSpec;
-use phaselens::model::load_model;
+use phaselens::model::load_model_with;
 use phaselens::model::memory::human;
 use phaselens::model::plan::{
     self, DevicePlan, ModelWeights, PUBLISHED, Plan, PlanRequest, config_for_plan,
 };
+use phaselens::model::stored::Residency;
 
 /// Plan a DeepSeek-V4 model's memory over devices: weights, KV, working sets, placement.
 #[derive(Args, Debug)]
@@ -27,8 +28,10 @@ Examples:
   phaselens plan --model tests/fixtures/deepseek_v4/fp4_experts --tokens 48 --measure --json
 
 Weights are counted as stored (FP4 experts half a byte per value, FP8 one byte + block
-scales, BF16 two) and as resident in this build (f32: the loader dequantises); the
-placement uses the resident bytes. Routed experts that do not fit on the devices go to
+scales, BF16 two) and as resident once loaded: with --weights stored (the default) FP4 /
+FP8 / BF16 matrices stay as stored and are dequantised where used (the largest such
+matrix counts in the working set), with --weights f32 every float is dequantised on load;
+the placement uses the resident bytes. Routed experts that do not fit on the devices go to
 host memory (checked against --host-memory when given). Published configs: v4-flash,
 v4-pro (release-style config.json values, shipped with phaselens). See docs/models.md.")]
 pub struct PlanArgs {
@@ -65,6 +68,10 @@ pub struct PlanArgs {
     /// Device for --measure.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
+    /// How the weights are held: `stored` (BF16 / FP8 / FP4 resident as in the
+    /// checkpoint) or `f32` (dequantised on load); sizes the plan and --measure's load.
+    #[arg(long, value_name = "stored|f32", default_value = "stored")]
+    pub weights: Residency,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -82,7 +89,7 @@ fn weights(
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
         let (c, _) = config_for_plan(&path.display().to_string(), &text)?;
-        let w = plan::weights_from_checkpoint(dir, &c)?;
+        let w = plan::weights_from_checkpoint(dir, &c, args.weights)?;
         return Ok((c, w));
     }
     let name = args.config.as_deref().expect("clap: --model or --config");
@@ -102,7 +109,10 @@ fn weights(
         }
     };
     let (c, experts) = config_for_plan(&origin, &text)?;
-    Ok((c.clone(), plan::weights_from_config(&c, experts)))
+    Ok((
+        c.clone(),
+        plan::weights_from_config(&c, experts, args.weights),
+    ))
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
@@ -119,6 +129,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         host_memory: args.host_memory,
         tokens: args.tokens,
         chunk_rows,
+        residency: args.weights,
     };
     let p = plan::plan(&c, &w, &req)?;
     let measured = if args.measure {
@@ -173,6 +184,7 @@ fn measure(
         host_memory: None,
         tokens: args.tokens,
         chunk_rows: 1,
+        residency: args.weights,
     };
     let estimate = plan::plan(c, w, &one)?.devices[0].total;
     let dir = args
@@ -190,7 +202,8 @@ fn measure(
         );
     }
     let t0 = std::time::Instant::now();
-    let model = load_model(dir, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let model = load_model_with(dir, &device, args.weights)
+        .with_context(|| format!("loading {}", dir.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
     // deterministic token ids (a fixed LCG over the vocabulary)
     let mut s = 0x2545_f491_4f6c_dd1du64;
@@ -218,10 +231,11 @@ fn measure(
 fn print_plan(p: &Plan) {
     let r = &p.request;
     println!(
-        "weights: {:.3} B values, {} stored, {} resident (f32 in this build); {} tokens per row, patching chunk {} row(s)",
+        "weights: {:.3} B values, {} stored, {} resident ({} weights); {} tokens per row, patching chunk {} row(s)",
         p.weights.values / 1e9,
         human(p.weights.stored),
         human(p.weights.resident),
+        r.residency,
         r.tokens,
         r.chunk_rows
     );

@@ -46,6 +46,11 @@ pub struct RunArgs {
     /// layers fill the devices in order, an error names the device that overflows.
     #[arg(long, value_name = "SIZE[,SIZE...]", requires = "devices")]
     pub device_memory: Option<String>,
+    /// BF16 / FP8 / FP4 checkpoint weights: `stored` (resident as in the checkpoint,
+    /// dequantised where used) or `f32` (dequantised on load, 4 bytes per weight).
+    /// Overrides `[model] weights`; default stored.
+    #[arg(long, value_name = "stored|f32")]
+    pub weights: Option<phaselens::model::stored::Residency>,
     /// Compute only part I of N of the run's shards (`--shard 0/4` .. `3/4`, e.g. one
     /// per array task of any scheduler) and write no tables; parts run at once, each
     /// loading the model once. A run without --shard then loads every part's shards and
@@ -112,6 +117,9 @@ fn submit_slurm(a: &RunArgs, parts: usize) -> Result<()> {
     if let Some(m) = &a.device_memory {
         device_args.extend(["--device-memory".to_string(), m.clone()]);
     }
+    if let Some(w) = &a.weights {
+        device_args.extend(["--weights".to_string(), w.to_string()]);
+    }
     if a.no_memory_check {
         device_args.push("--no-memory-check".to_string());
     }
@@ -168,6 +176,7 @@ pub fn run(a: RunArgs) -> Result<()> {
                 Ok::<_, anyhow::Error>(phaselens::model::placement::DevicesRequest::new(d, sizes)?)
             })
             .transpose()?,
+        weights: a.weights,
         shard: a.shard,
         progress: if a.plain {
             ProgressMode::Plain

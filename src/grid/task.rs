@@ -378,6 +378,7 @@ fn sweep_design(
         fresh: opts.fresh,
         device: Some(opts.device.clone()),
         devices: None,
+        weights: None,
         shard: None,
         progress: opts.progress,
         figures: false,

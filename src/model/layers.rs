@@ -5,13 +5,99 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
+use super::stored::StoredWeight;
 use super::weights::{Init, Vb};
 use crate::error::Result;
+
+/// A weight matrix: a trainable f32 parameter (training, random init, f32 checkpoints)
+/// or a checkpoint's matrix kept as stored ([`StoredWeight`]: BF16 / FP8 / FP4 bytes in
+/// host memory). [`Weight::val`] is the one way to read it.
+#[derive(Module, Debug)]
+pub enum Weight {
+    Dense(Param<Tensor<2>>),
+    Stored(StoredWeight),
+}
+
+impl From<Param<Tensor<2>>> for Weight {
+    fn from(p: Param<Tensor<2>>) -> Self {
+        Weight::Dense(p)
+    }
+}
+
+impl Weight {
+    /// Parameter `name` of shape `shape` from `vb`: as stored when the source keeps it so,
+    /// else a parameter initialised by `init`.
+    pub fn build(vb: &Vb, name: &str, shape: [usize; 2], init: Init) -> Result<Self> {
+        Ok(match vb.stored(name, &shape)? {
+            Some(s) => Weight::Stored(s),
+            None => Weight::Dense(vb.param(name, shape, init)?),
+        })
+    }
+
+    /// The values `[rows, cols]`: the parameter, or the stored matrix dequantised into a
+    /// transient tensor on the weight's device.
+    pub fn val(&self) -> Tensor<2> {
+        match self {
+            Weight::Dense(p) => p.val(),
+            Weight::Stored(s) => s.matrix(0),
+        }
+    }
+
+    /// Rows `ids` of the matrix (`[ids.len(), cols]`; only those rows are dequantised).
+    pub fn rows(&self, ids: Tensor<1, Int>) -> Tensor<2> {
+        match self {
+            Weight::Dense(p) => p.val().select(0, ids),
+            Weight::Stored(s) => {
+                let host: Vec<usize> = ids
+                    .into_data()
+                    .convert::<i64>()
+                    .try_into_vec::<i64>()
+                    .expect("ids converted to i64")
+                    .into_iter()
+                    .map(|i| i as usize)
+                    .collect();
+                s.gather_rows(0, &host)
+            }
+        }
+    }
+
+    /// `[rows, cols]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            Weight::Dense(p) => p.dims(),
+            Weight::Stored(s) => s.dims(),
+        }
+    }
+
+    /// The device the values live on (stored: where they are dequantised to).
+    pub fn device(&self) -> Device {
+        match self {
+            Weight::Dense(p) => p.val().device(),
+            Weight::Stored(s) => s.device(),
+        }
+    }
+
+    /// The stored matrix, when kept as stored.
+    pub fn stored(&self) -> Option<&StoredWeight> {
+        match self {
+            Weight::Dense(_) => None,
+            Weight::Stored(s) => Some(s),
+        }
+    }
+
+    /// The trainable parameter, when dense.
+    pub fn dense(&self) -> Option<&Param<Tensor<2>>> {
+        match self {
+            Weight::Dense(p) => Some(p),
+            Weight::Stored(_) => None,
+        }
+    }
+}
 
 /// `y = x W^T (+ b)` with `W` stored `[out, in]` as in PyTorch/safetensors checkpoints.
 #[derive(Module, Debug)]
 pub struct Linear {
-    pub weight: Param<Tensor<2>>,
+    pub weight: Weight,
     pub bias: Option<Param<Tensor<1>>>,
 }
 
@@ -19,7 +105,7 @@ impl Linear {
     /// Build `[out, in]` (no bias) initialised N(0, std^2).
     pub fn new(vb: &Vb, d_in: usize, d_out: usize, std: f64) -> Result<Self> {
         Ok(Linear {
-            weight: vb.param("weight", [d_out, d_in], Init::Normal(std))?,
+            weight: Weight::build(vb, "weight", [d_out, d_in], Init::Normal(std))?,
             bias: None,
         })
     }
@@ -27,7 +113,7 @@ impl Linear {
     /// Build with a bias.
     pub fn with_bias(vb: &Vb, d_in: usize, d_out: usize, std: f64) -> Result<Self> {
         Ok(Linear {
-            weight: vb.param("weight", [d_out, d_in], Init::Normal(std))?,
+            weight: Weight::build(vb, "weight", [d_out, d_in], Init::Normal(std))?,
             bias: Some(vb.param("bias", [d_out], Init::Zeros)?),
         })
     }
@@ -84,13 +170,13 @@ pub fn rms_normalize<const D: usize>(x: Tensor<D>, eps: f64) -> Tensor<D> {
 /// Token embedding table `[vocab, d_model]`.
 #[derive(Module, Debug)]
 pub struct Embedding {
-    pub weight: Param<Tensor<2>>,
+    pub weight: Weight,
 }
 
 impl Embedding {
     pub fn new(vb: &Vb, vocab: usize, dim: usize, std: f64) -> Result<Self> {
         Ok(Embedding {
-            weight: vb.param("weight", [vocab, dim], Init::Normal(std))?,
+            weight: Weight::build(vb, "weight", [vocab, dim], Init::Normal(std))?,
         })
     }
 
@@ -98,10 +184,7 @@ impl Embedding {
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let [b, t] = ids.dims();
         let d = self.weight.dims()[1];
-        self.weight
-            .val()
-            .select(0, ids.reshape([b * t]))
-            .reshape([b, t, d])
+        self.weight.rows(ids.reshape([b * t])).reshape([b, t, d])
     }
 }
 

@@ -13,6 +13,7 @@ pub mod memory;
 pub mod placement;
 pub mod plan;
 pub mod safetensors_io;
+pub mod stored;
 pub mod topk;
 pub mod weights;
 
@@ -152,6 +153,11 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<ForwardOutput>;
     /// Number of parameters (values held in the compute dtype), when known.
     fn n_params(&self) -> Option<usize> {
+        None
+    }
+    /// The weights' resident bytes by storage (`f32`, `bf16`, `fp8`, `fp4`, `scales`,
+    /// `i64`), when known.
+    fn resident_bytes(&self) -> Option<std::collections::BTreeMap<String, usize>> {
         None
     }
     /// [`forward`](Self::forward), also returning the state that
@@ -312,9 +318,20 @@ pub fn save_kvc(model: &KvcModel, dir: &Path) -> Result<()> {
     safetensors_io::write_atomic(&dir.join("config.json"), format!("{json}\n").as_bytes())
 }
 
-/// Load any supported model directory, dispatching on `config.json`'s `model_type`.
+/// Load any supported model directory, dispatching on `config.json`'s `model_type`
+/// (BF16 / FP8 / FP4 weights kept as stored: [`stored::Residency::Stored`]).
 pub fn load_model(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>> {
-    load_any(dir, device, None)
+    load_any(dir, device, None, stored::Residency::default())
+}
+
+/// [`load_model`] with the weights kept as stored or dequantised to f32 on load
+/// (`--weights stored|f32`; kvc checkpoints are f32 either way).
+pub fn load_model_with(
+    dir: &Path,
+    device: &Device,
+    residency: stored::Residency,
+) -> Result<Box<dyn LanguageModel>> {
+    load_any(dir, device, None, residency)
 }
 
 /// Load a model directory over the devices of `placement` (see [`placement`]): it
@@ -322,19 +339,21 @@ pub fn load_model(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>>
 pub fn load_model_placed(
     dir: &Path,
     placement: &placement::Placement,
+    residency: stored::Residency,
 ) -> Result<Box<dyn LanguageModel>> {
     let p = placement.open()?;
-    load_any(dir, &p.home.clone(), Some(&p))
+    load_any(dir, &p.home.clone(), Some(&p), residency)
 }
 
 /// Load a model directory over `devices` with layers split automatically (see
-/// [`placement::Placement::split`]): by equal shares of the resident bytes, or filling
-/// the devices in order when `capacity` (bytes per device) is given. Returns the
-/// placement used.
+/// [`placement::Placement::split`]): by equal shares of the resident bytes (stored bytes
+/// for weights kept as stored), or filling the devices in order when `capacity` (bytes
+/// per device) is given. Returns the placement used.
 pub fn load_model_split(
     dir: &Path,
     devices: Vec<crate::device::DeviceSpec>,
     capacity: Option<&[f64]>,
+    residency: stored::Residency,
 ) -> Result<(Box<dyn LanguageModel>, placement::Placement)> {
     let home = devices
         .first()
@@ -348,7 +367,7 @@ pub fn load_model_split(
     };
     match json["model_type"].as_str() {
         Some(deepseek_v4::MODEL_TYPE) => {
-            let m = deepseek_v4::load(dir, &home)?;
+            let m = deepseek_v4::load_with(dir, &home, residency)?;
             let (pl, p) = split(m.placement_bytes())?;
             Ok((Box::new(m.place(&p)?), pl))
         }
@@ -368,6 +387,7 @@ fn load_any(
     dir: &Path,
     device: &Device,
     placed: Option<&placement::Placed>,
+    residency: stored::Residency,
 ) -> Result<Box<dyn LanguageModel>> {
     let (path, _, json) = read_config_json(dir)?;
     match json["model_type"].as_str() {
@@ -379,7 +399,7 @@ fn load_any(
             }))
         }
         Some(deepseek_v4::MODEL_TYPE) => {
-            let m = deepseek_v4::load(dir, device)?;
+            let m = deepseek_v4::load_with(dir, device, residency)?;
             Ok(Box::new(match placed {
                 Some(p) => m.place(p)?,
                 None => m,

@@ -6,16 +6,19 @@
 //!
 //! - **weights**, as stored (FP4 routed experts half a byte per value plus one ue8m0
 //!   byte per 32 values, FP8 one byte plus one byte per 128 x 128 block, BF16 two, F32
-//!   four) and as this build holds them resident (every float tensor in f32, integer
-//!   tables in i64: the loader dequantises on load);
+//!   four) and as resident under the request's [`Residency`]: `stored` keeps FP4 / FP8 /
+//!   BF16 matrices as stored (their bytes, scales included), `f32` dequantises every
+//!   float tensor on load; integer tables are i64;
 //! - **KV** at that length: the raw K = V head (`T x head_dim`) and the compressed
 //!   entries (`T / rate x head_dim`, CSA's indexer keys `T / m x index_head_dim`);
 //! - a **forward's working set**: the activations of one layer alive at once, per token
 //!   (mHC streams, query and output heads, compressor and indexer projections, routed and
-//!   shared expert intermediates), plus the logits on the device holding the head;
+//!   shared expert intermediates), plus the logits on the device holding the head, plus
+//!   (stored residency) the largest matrix dequantised for one matmul;
 //! - a **patching chunk**: the same per row, times the rows of a chunk;
-//! - the **load transient**: the loader builds one tensor (a layer's stacked experts) in
-//!   host memory next to its copy in the model.
+//! - the **load transient**: the loader builds one tensor (f32: a layer's stacked
+//!   experts; stored: one file tensor, dequantised once to check it) in host memory next
+//!   to its copy in the model.
 //!
 //! Placement: embedding, layers in order and head are split over the devices by memory
 //! (contiguous layer ranges); when the routed experts do not all fit, every device keeps
@@ -29,6 +32,7 @@ use super::deepseek_v4::config::{AttnType, MlpType};
 use super::deepseek_v4::{DeepseekV4Config, V4Checkpoint};
 use super::placement::{Placement, default_host};
 use super::safetensors_io::StDtype;
+use super::stored::Residency;
 use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
 
@@ -52,13 +56,14 @@ pub struct Bytes {
     pub values: f64,
     /// Bytes as stored in the checkpoint (scales included).
     pub stored: f64,
-    /// Bytes resident in this build (f32 floats, i64 integers, no scales).
+    /// Bytes resident once loaded (stored residency: FP4 / FP8 / BF16 matrices as
+    /// stored; f32: f32 floats, no scales; i64 integers).
     pub resident: f64,
 }
 
 impl Bytes {
-    /// One `rows x cols` tensor stored as `how`.
-    pub fn tensor(rows: usize, cols: usize, how: Stored) -> Self {
+    /// One `rows x cols` tensor stored as `how`, loaded with `residency`.
+    pub fn tensor(rows: usize, cols: usize, how: Stored, residency: Residency) -> Self {
         let (r, c) = (rows as f64, cols as f64);
         let values = r * c;
         let stored = match how {
@@ -67,7 +72,14 @@ impl Bytes {
             Stored::Fp8 => values + (r / 128.0).ceil() * (c / 128.0).ceil(),
             Stored::Fp4 => values / 2.0 + r * (c / 32.0).ceil(),
         };
-        let resident = if how == Stored::Int { 8.0 } else { 4.0 } * values;
+        let kept = residency == Residency::Stored
+            && cols > 1
+            && matches!(how, Stored::Bf16 | Stored::Fp8 | Stored::Fp4);
+        let resident = match how {
+            _ if kept => stored,
+            Stored::Int => 8.0 * values,
+            _ => 4.0 * values,
+        };
         Bytes {
             values,
             stored,
@@ -129,17 +141,22 @@ impl ModelWeights {
 /// the indexer's `wq_b` and the shared expert FP8; routed experts `experts` (FP4 when the
 /// config says `expert_dtype = "fp4"`, else FP8); embedding, head, router, compressor
 /// and indexer-compressor projections, `weights_proj` BF16; the rest F32.
-pub fn weights_from_config(c: &DeepseekV4Config, experts: Stored) -> ModelWeights {
+pub fn weights_from_config(
+    c: &DeepseekV4Config,
+    experts: Stored,
+    residency: Residency,
+) -> ModelWeights {
     let (h, n, v) = (c.hidden_size, c.hc_mult, c.vocab_size);
-    let embed = Bytes::tensor(v, h, Stored::Bf16);
-    let mut head = Bytes::tensor(h, 1, Stored::F32);
-    head.add(Bytes::tensor(n, n * h, Stored::F32));
-    head.add(Bytes::tensor(n + 1, 1, Stored::F32));
+    let t = |r, cc, how| Bytes::tensor(r, cc, how, residency);
+    let embed = t(v, h, Stored::Bf16);
+    let mut head = t(h, 1, Stored::F32);
+    head.add(t(n, n * h, Stored::F32));
+    head.add(t(n + 1, 1, Stored::F32));
     if !c.tie_word_embeddings {
-        head.add(Bytes::tensor(v, h, Stored::Bf16));
+        head.add(t(v, h, Stored::Bf16));
     }
     let layers = (0..c.num_hidden_layers)
-        .map(|l| layer_from_config(c, l, experts))
+        .map(|l| layer_from_config(c, l, experts, residency))
         .collect();
     ModelWeights {
         embed,
@@ -148,7 +165,7 @@ pub fn weights_from_config(c: &DeepseekV4Config, experts: Stored) -> ModelWeight
     }
 }
 
-fn attention_from_config(c: &DeepseekV4Config, t: AttnType) -> Bytes {
+fn attention_from_config(c: &DeepseekV4Config, t: AttnType, residency: Residency) -> Bytes {
     let (h, d, nh, q) = (
         c.hidden_size,
         c.head_dim,
@@ -158,7 +175,7 @@ fn attention_from_config(c: &DeepseekV4Config, t: AttnType) -> Bytes {
     let (og, olr) = (c.o_groups, c.o_lora_rank);
     let (di, hi) = (c.index_head_dim, c.index_n_heads);
     let mut b = Bytes::default();
-    let mut add = |r, cc, how| b.add(Bytes::tensor(r, cc, how));
+    let mut add = |r, cc, how| b.add(Bytes::tensor(r, cc, how, residency));
     add(q, h, Stored::Fp8);
     add(q, 1, Stored::F32);
     add(nh * d, q, Stored::Fp8);
@@ -188,15 +205,20 @@ fn attention_from_config(c: &DeepseekV4Config, t: AttnType) -> Bytes {
     b
 }
 
-fn layer_from_config(c: &DeepseekV4Config, l: usize, experts: Stored) -> LayerWeights {
+fn layer_from_config(
+    c: &DeepseekV4Config,
+    l: usize,
+    experts: Stored,
+    residency: Residency,
+) -> LayerWeights {
     let (h, n, e, i) = (
         c.hidden_size,
         c.hc_mult,
         c.n_routed_experts,
         c.moe_intermediate_size,
     );
-    let mut dense = attention_from_config(c, c.layer_types[l]);
-    let mut add = |r, cc, how| dense.add(Bytes::tensor(r, cc, how));
+    let mut dense = attention_from_config(c, c.layer_types[l], residency);
+    let mut add = |r, cc, how| dense.add(Bytes::tensor(r, cc, how, residency));
     add(2 * h, 1, Stored::F32);
     for _ in 0..2 {
         add((2 + n) * n, n * h, Stored::F32);
@@ -212,10 +234,15 @@ fn layer_from_config(c: &DeepseekV4Config, l: usize, experts: Stored) -> LayerWe
         MlpType::Moe => add(e, 1, Stored::F32),
         MlpType::HashMoe => add(c.vocab_size, c.num_experts_per_tok, Stored::Int),
     }
-    let mut expert = Bytes::tensor(2 * i, h, experts);
-    expert.add(Bytes::tensor(h, i, experts));
+    let mut expert = Bytes::tensor(2 * i, h, experts, residency);
+    expert.add(Bytes::tensor(h, i, experts, residency));
+    // f32: the stacked experts the loader assembles; stored: one matrix dequantised
+    let experts_built = match residency {
+        Residency::F32 => e,
+        Residency::Stored => 1,
+    };
     let largest = [
-        4.0 * (e * 2 * i * h) as f64,
+        4.0 * (experts_built * 2 * i * h) as f64,
         4.0 * (c.num_attention_heads * c.head_dim * c.q_lora_rank) as f64,
     ];
     LayerWeights {
@@ -227,11 +254,13 @@ fn layer_from_config(c: &DeepseekV4Config, l: usize, experts: Stored) -> LayerWe
 }
 
 /// Weights of the checkpoint `dir` as its safetensors headers store them (nothing is
-/// read but the headers). Routed experts stored stacked (`mlp.experts.gate_up_proj`)
-/// are split evenly over `n_routed_experts`; `mtp.*` is skipped.
+/// read but the headers), resident as `residency` loads them. Routed experts stored
+/// stacked (`mlp.experts.gate_up_proj`) are split evenly over `n_routed_experts`;
+/// `mtp.*` is skipped.
 pub fn weights_from_checkpoint(
     dir: &std::path::Path,
     c: &DeepseekV4Config,
+    residency: Residency,
 ) -> Result<ModelWeights> {
     use super::deepseek_v4::checkpoint::{FileKey, canonical_name};
     let ck = V4Checkpoint::open_dir(dir, c.fp8_block)?;
@@ -249,39 +278,65 @@ pub fn weights_from_checkpoint(
             .map(|b| format!("{b}.weight"))
             .filter(|w| r.entry(w).is_some());
         let target = scale_of.clone().unwrap_or_else(|| key.clone());
-        let values = e.shape.iter().product::<usize>() as f64;
-        let packed = matches!(e.dtype, StDtype::I8 | StDtype::U8) && has_scale(r, key);
-        let b = match (&scale_of, e.dtype) {
-            (Some(_), _) => Bytes {
-                values: 0.0,
-                stored: e.len as f64,
-                resident: 0.0,
-            },
-            (None, _) if packed => Bytes {
-                values: 2.0 * values,
-                stored: e.len as f64,
-                resident: 8.0 * values,
-            },
-            (None, d) => Bytes {
-                values,
-                stored: e.len as f64,
-                resident: if d.is_float() { 4.0 } else { 8.0 } * values,
-            },
-        };
+        let b = file_tensor_bytes(e, scale_of.is_some(), has_scale(r, key), residency);
         match canonical_name(&target) {
             FileKey::Ignored => {}
             FileKey::Expert { layer, .. } => add_expert(&mut w, c, layer, b)?,
             FileKey::Module(m) => add_module(&mut w, c, &m, b)?,
         }
     }
+    // f32: the stacked gate_up tensor (w1 and w3 of every expert); stored: one expert's
+    let built = match residency {
+        Residency::F32 => c.n_routed_experts as f64,
+        Residency::Stored => 1.0,
+    };
     for lw in w.layers.iter_mut() {
         lw.n_experts = c.n_routed_experts;
         lw.expert = lw.expert.times(1.0 / c.n_routed_experts.max(1) as f64);
-        // the stacked gate_up tensor: w1 and w3 of every expert
-        let stacked = lw.expert.resident * c.n_routed_experts as f64 * 2.0 / 3.0;
-        lw.largest_resident = lw.largest_resident.max(stacked);
+        let gate_up = 4.0 * lw.expert.values * built * 2.0 / 3.0;
+        lw.largest_resident = lw.largest_resident.max(gate_up);
     }
     Ok(w)
+}
+
+/// Bytes of one file tensor `e` (a block-scale tensor when `is_scale`; `scaled` when
+/// it has one): FP8 / FP4 weights, their scales and BF16 / F16 matrices are resident as
+/// stored under [`Residency::Stored`] (as the loader keeps them); otherwise floats are
+/// f32 (scales dropped), integers i64.
+fn file_tensor_bytes(
+    e: &super::safetensors_io::TensorEntry,
+    is_scale: bool,
+    scaled: bool,
+    residency: Residency,
+) -> Bytes {
+    let values = e.shape.iter().product::<usize>() as f64;
+    let stored = e.len as f64;
+    let packed = matches!(e.dtype, StDtype::I8 | StDtype::U8) && scaled;
+    let kept = residency == Residency::Stored
+        && (is_scale
+            || scaled
+            || (matches!(e.dtype, StDtype::BF16 | StDtype::F16) && e.shape.len() == 2));
+    let values = if is_scale {
+        0.0
+    } else if packed {
+        2.0 * values
+    } else {
+        values
+    };
+    let resident = if kept {
+        stored
+    } else if is_scale {
+        0.0
+    } else if e.dtype.is_float() || packed {
+        4.0 * values
+    } else {
+        8.0 * values
+    };
+    Bytes {
+        values,
+        stored,
+        resident,
+    }
 }
 
 fn has_scale(r: &super::safetensors_io::SafetensorsReader, key: &str) -> bool {
@@ -335,7 +390,7 @@ fn add_module(w: &mut ModelWeights, c: &DeepseekV4Config, m: &str, b: Bytes) -> 
         )
     })?;
     lw.dense.add(b);
-    lw.largest_resident = lw.largest_resident.max(b.resident);
+    lw.largest_resident = lw.largest_resident.max(4.0 * b.values);
     Ok(())
 }
 
@@ -405,6 +460,9 @@ pub struct PlanRequest {
     pub tokens: usize,
     /// Rows of one patching chunk (`[experiment] max_rows`; 1 = one forward).
     pub chunk_rows: usize,
+    /// How the weights are held (the weights' `resident` bytes must be counted so too:
+    /// [`weights_from_config`], [`weights_from_checkpoint`]).
+    pub residency: Residency,
 }
 
 /// One device of a plan (bytes resident in this build unless said otherwise).
@@ -426,7 +484,8 @@ pub struct DevicePlan {
     /// KV of one row at the plan's length: raw and compressed.
     pub kv_raw: f64,
     pub kv_compressed: f64,
-    /// One forward over one row (largest layer + logits where the head is + scratch).
+    /// One forward over one row (largest layer + logits where the head is + scratch +,
+    /// stored residency, the largest matrix dequantised at once).
     pub forward_working_set: f64,
     /// One patching chunk of `chunk_rows` rows (activations and their KV).
     pub chunk_working_set: f64,
@@ -497,8 +556,9 @@ impl Ctx<'_> {
         }
         let (kv_raw, kv_compressed) = self.kv(layers.clone());
         let rows = self.r.chunk_rows.max(1);
-        let forward = self.working_set(layers.clone(), head, 1);
-        let chunk = self.working_set(layers.clone(), head, rows);
+        let dq = self.dequant(lt, head);
+        let forward = self.working_set(layers.clone(), head, 1) + dq;
+        let chunk = self.working_set(layers.clone(), head, rows) + dq;
         let kv_rows = (kv_raw + kv_compressed) * rows as f64;
         DevicePlan {
             device: d,
@@ -529,17 +589,28 @@ struct Running {
     weights: f64,
     kv: f64,
     per_token: f64,
-    transient: f64,
+    /// The largest tensor built at once (load: twice it).
+    largest: f64,
 }
 
 impl Ctx<'_> {
+    /// The largest matrix a forward dequantises at once on a device whose layers'
+    /// largest is `lt` (and the head's, where it is): 0 for f32 residency.
+    fn dequant(&self, lt: f64, head: bool) -> f64 {
+        match self.r.residency {
+            Residency::F32 => 0.0,
+            Residency::Stored if head => lt.max(4.0 * self.w.head.values),
+            Residency::Stored => lt,
+        }
+    }
+
     fn with_layer(&self, mut r: Running, l: usize, experts: usize) -> Running {
         let lw = &self.w.layers[l];
         r.weights += lw.dense.resident + lw.expert.resident * experts as f64;
         let (a, b) = layer_kv(self.c, l, self.r.tokens);
         r.kv += a + b;
         r.per_token = r.per_token.max(layer_activation_per_token(self.c, l));
-        r.transient = r.transient.max(2.0 * lw.largest_resident);
+        r.largest = r.largest.max(lw.largest_resident);
         r
     }
 
@@ -559,9 +630,8 @@ impl Ctx<'_> {
         if head {
             w += self.w.head.resident;
         }
-        w + r
-            .transient
-            .max(r.kv * rows + t * (r.per_token + logits) + block_scratch())
+        let dq = self.dequant(r.largest, head);
+        w + (2.0 * r.largest).max(r.kv * rows + t * (r.per_token + logits) + block_scratch() + dq)
     }
 }
 
@@ -919,7 +989,7 @@ mod tests {
         for (name, billions) in [("v4-flash", 284.0), ("v4-pro", 1600.0)] {
             let (c, ex) = published(name);
             assert_eq!(ex, Stored::Fp4);
-            let w = weights_from_config(&c, ex);
+            let w = weights_from_config(&c, ex, Residency::F32);
             let ints: f64 = (0..c.num_hidden_layers)
                 .filter(|&l| c.mlp_layer_types[l] == MlpType::HashMoe)
                 .map(|_| (c.vocab_size * c.num_experts_per_tok) as f64)
@@ -943,13 +1013,14 @@ mod tests {
     fn a_plan_of_v4_flash_on_eight_gpus_becomes_a_placement_with_host_experts() {
         use crate::device::DeviceSpec;
         let (c, ex) = published("v4-flash");
-        let w = weights_from_config(&c, ex);
+        let w = weights_from_config(&c, ex, Residency::F32);
         let r = PlanRequest {
             devices: 8,
             device_memory: 141.0 * 1024f64.powi(3),
             host_memory: None,
             tokens: 131072,
             chunk_rows: 1,
+            residency: Residency::F32,
         };
         let pl = plan(&c, &w, &r).unwrap();
         assert!(pl.host_experts > 0);
@@ -975,6 +1046,41 @@ mod tests {
         );
         let e = pl.placement(vec![DeviceSpec::Cpu]).unwrap_err().to_string();
         assert!(e.contains("8 devices, 1 named"), "{e}");
+    }
+
+    #[test]
+    fn stored_residency_places_v4_flash_at_its_stored_bytes() {
+        let (c, ex) = published("v4-flash");
+        let req = |residency| PlanRequest {
+            devices: 8,
+            device_memory: 141.0 * 1024f64.powi(3),
+            host_memory: None,
+            tokens: 131072,
+            chunk_rows: 1,
+            residency,
+        };
+        let stored = plan(
+            &c,
+            &weights_from_config(&c, ex, Residency::Stored),
+            &req(Residency::Stored),
+        )
+        .unwrap();
+        let f32 = plan(
+            &c,
+            &weights_from_config(&c, ex, Residency::F32),
+            &req(Residency::F32),
+        )
+        .unwrap();
+        let w = stored.weights;
+        // resident = stored but for the hash tables (i64 for I32)
+        assert!((w.resident / w.stored - 1.0).abs() < 0.01, "{w:?}");
+        assert!(f32.weights.resident > 6.0 * w.resident, "{:?}", f32.weights);
+        assert!(
+            stored.host_experts < f32.host_experts,
+            "stored {} vs f32 {} routed experts on the host",
+            stored.host_experts,
+            f32.host_experts
+        );
     }
 
     #[test]

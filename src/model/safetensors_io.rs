@@ -98,6 +98,33 @@ pub fn f8_e8m0_to_f32(b: u8) -> f32 {
     }
 }
 
+/// Little-endian `bytes` of a float tensor of `dtype` as f32 values (F64 / F32 / F16 /
+/// BF16 / F8_E4M3 / F8_E8M0); `None` for any other dtype. The one decoder of every
+/// float read, so a weight kept as stored dequantises to the values a load to f32 gives.
+pub fn decode_floats(dtype: StDtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        StDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        StDtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
+            .collect(),
+        StDtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        StDtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        StDtype::F8E4M3 => bytes.iter().map(|&b| f8_e4m3_to_f32(b)).collect(),
+        StDtype::F8E8M0 => bytes.iter().map(|&b| f8_e8m0_to_f32(b)).collect(),
+        _ => return None,
+    })
+}
+
 /// The tensors of one file must tile its data section: sorted by offset, each starts
 /// where the previous one ended, from the first byte after the header to the end of
 /// the file. Overlapping tensors (two names reading the same bytes), gaps and trailing
@@ -164,19 +191,47 @@ fn check_layout(
 /// An error naming `name` when `values` hold NaN or infinities (weights never do in a
 /// trained model; they make every logit NaN, which would read as a finding).
 pub fn check_finite(path: &Path, name: &str, values: &[f32]) -> Result<()> {
-    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        let bad = values.iter().filter(|v| !v.is_finite()).count();
-        return Err(Error::tensor(
-            path,
-            name,
-            format!(
-                "holds {bad} non-finite value(s) of {} (first: {} at flat index {i}); the checkpoint is corrupt or diverged",
-                values.len(),
-                values[i]
-            ),
-        ));
+    let mut c = FiniteCheck::default();
+    c.feed(values);
+    c.finish(path, name)
+}
+
+/// [`check_finite`] over a tensor's values fed in parts (a tensor dequantised row block
+/// by row block), with the same error.
+#[derive(Debug, Default)]
+pub struct FiniteCheck {
+    seen: usize,
+    bad: usize,
+    /// Flat index and value of the first non-finite value.
+    first: Option<(usize, f32)>,
+}
+
+impl FiniteCheck {
+    /// The next `values` of the tensor.
+    pub fn feed(&mut self, values: &[f32]) {
+        for (i, v) in values.iter().enumerate() {
+            if !v.is_finite() {
+                self.bad += 1;
+                self.first.get_or_insert((self.seen + i, *v));
+            }
+        }
+        self.seen += values.len();
     }
-    Ok(())
+
+    /// An error naming `name` when a fed value was NaN or infinite.
+    pub fn finish(&self, path: &Path, name: &str) -> Result<()> {
+        match self.first {
+            None => Ok(()),
+            Some((i, v)) => Err(Error::tensor(
+                path,
+                name,
+                format!(
+                    "holds {} non-finite value(s) of {} (first: {v} at flat index {i}); the checkpoint is corrupt or diverged",
+                    self.bad, self.seen
+                ),
+            )),
+        }
+    }
 }
 
 /// Open `path` and read its safetensors header: the open file, the header's JSON
@@ -397,7 +452,8 @@ impl SafetensorsReader {
             .unwrap_or_default()
     }
 
-    fn raw(&self, name: &str) -> Result<(&TensorEntry, Vec<u8>)> {
+    /// The entry of `name` and its data bytes as stored (little-endian).
+    pub fn raw(&self, name: &str) -> Result<(&TensorEntry, Vec<u8>)> {
         let e = self.tensors.get(name).ok_or_else(|| {
             Error::tensor(self.path_of(name), name, "missing from the checkpoint")
         })?;
@@ -414,36 +470,16 @@ impl SafetensorsReader {
     /// Read a float tensor converted to f32 (F64/F32/F16/BF16/F8 accepted).
     pub fn read_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let (e, buf) = self.raw(name)?;
-        let v: Vec<f32> = match e.dtype {
-            StDtype::F32 => buf
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-            StDtype::F64 => buf
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
-                .collect(),
-            StDtype::F16 => buf
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            StDtype::BF16 => buf
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            StDtype::F8E4M3 => buf.iter().map(|&b| f8_e4m3_to_f32(b)).collect(),
-            StDtype::F8E8M0 => buf.iter().map(|&b| f8_e8m0_to_f32(b)).collect(),
-            other => {
-                return Err(Error::tensor(
-                    &self.files[e.file].path,
-                    name,
-                    format!(
-                        "expected a floating-point tensor, found {} ({other:?})",
-                        e.dtype_name
-                    ),
-                ));
-            }
-        };
+        let v = decode_floats(e.dtype, &buf).ok_or_else(|| {
+            Error::tensor(
+                &self.files[e.file].path,
+                name,
+                format!(
+                    "expected a floating-point tensor, found {} ({:?})",
+                    e.dtype_name, e.dtype
+                ),
+            )
+        })?;
         Ok((e.shape.clone(), v))
     }
 

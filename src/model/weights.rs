@@ -16,6 +16,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::safetensors_io::{OwnedTensor, SafetensorsReader, TensorValues, write_safetensors};
+use super::stored::{StoredMatrix, StoredWeight};
 use crate::error::{Error, Result};
 
 /// How a freshly initialised parameter is filled.
@@ -37,6 +38,13 @@ pub trait WeightSource: Send + Sync {
     fn float(&self, name: &str, shape: &[usize], init: Init) -> Result<Vec<f32>>;
     /// Values of an integer buffer (e.g. a routing table).
     fn int(&self, name: &str, shape: &[usize], init: &dyn Fn(usize) -> i64) -> Result<Vec<i64>>;
+    /// Parameter `name` (a matrix `[rows, cols]`, or a stack `[n, rows, cols]` of routed
+    /// experts) kept as the source stores it, one [`StoredMatrix`] per matrix; `None`
+    /// (the default) when the source gives f32 values through [`WeightSource::float`].
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<StoredMatrix>>> {
+        let _ = (name, shape);
+        Ok(None)
+    }
 }
 
 /// A var builder: a source, a name prefix and a device.
@@ -107,6 +115,23 @@ impl<'a> Vb<'a> {
             value,
             mapper,
         ))
+    }
+
+    /// Parameter `name` of shape `shape` held as the source stores it (dequantised where
+    /// used, on this builder's device), when the source keeps it so.
+    pub fn stored(&self, name: &str, shape: &[usize]) -> Result<Option<StoredWeight>> {
+        let full = self.full(name);
+        let Some(m) = self.src.stored(&full, shape)? else {
+            return Ok(None);
+        };
+        StoredWeight::new(m, &self.device)
+            .filter(|w| shape.ends_with(&w.dims()) && shape.iter().product::<usize>() == w.values())
+            .map(Some)
+            .ok_or_else(|| {
+                Error::Other(format!(
+                    "parameter `{full}`: the stored matrices do not make the shape {shape:?}"
+                ))
+            })
     }
 
     /// An integer buffer of shape `shape` (as host values).

@@ -182,6 +182,11 @@ pub struct ModelSection {
     /// (`model::placement::PlacementConfig`); `--devices` overrides it.
     #[serde(default)]
     pub placement: Option<crate::model::placement::PlacementConfig>,
+    /// `weights = "stored" | "f32"`: BF16 / FP8 / FP4 checkpoint weights resident as
+    /// stored (dequantised where used; the default) or dequantised to f32 on load;
+    /// `--weights` overrides it.
+    #[serde(default)]
+    pub weights: Option<crate::model::stored::Residency>,
 }
 
 /// `[task]`: the prompts. Every key defaults to the organism's recipe.

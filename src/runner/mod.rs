@@ -36,7 +36,6 @@ use std::time::Instant;
 
 use crate::device::DeviceSpec;
 use crate::error::{Result, ResultExt};
-use crate::model::load_model;
 use crate::output::{LongRow, long_table, write_parquet_copy};
 
 /// Moved to [`crate::tasks::prompts`]; this alias keeps code written before the move
@@ -62,6 +61,9 @@ pub struct RunOptions {
     /// `--devices` (+ `--device-memory`): every model split over these devices
     /// (overrides `[model.placement]`; see `model::placement`).
     pub devices: Option<crate::model::placement::DevicesRequest>,
+    /// `--weights stored|f32`: how BF16 / FP8 / FP4 checkpoint weights are held
+    /// (overrides `[model] weights`; default stored).
+    pub weights: Option<crate::model::stored::Residency>,
     /// `--shard i/N`: compute only part `i` of `N` of the run's shards and write no
     /// tables; a run without it then loads every part's shards (the merge).
     pub shard: Option<(usize, usize)>,
@@ -78,6 +80,7 @@ impl Default for RunOptions {
             fresh: false,
             device: None,
             devices: None,
+            weights: None,
             shard: None,
             progress: ProgressMode::Auto,
             figures: true,
@@ -233,9 +236,14 @@ fn load_for_run(
     device: &burn::tensor::Device,
 ) -> Result<Box<dyn crate::model::LanguageModel>> {
     use crate::model::placement::Placement;
+    let residency = opts.weights.or(exp.file.model.weights).unwrap_or_default();
     if let Some(req) = &opts.devices {
-        let (m, p) =
-            crate::model::load_model_split(dir, req.devices.clone(), req.memory.as_deref())?;
+        let (m, p) = crate::model::load_model_split(
+            dir,
+            req.devices.clone(),
+            req.memory.as_deref(),
+            residency,
+        )?;
         eprintln!("note: placement: {p}");
         return Ok(m);
     }
@@ -244,9 +252,9 @@ fn load_for_run(
             let origin = exp.path.display().to_string();
             let p = Placement::from_config(c, c.layers.len(), &origin)?;
             eprintln!("note: placement: {p}");
-            crate::model::load_model_placed(dir, &p)
+            crate::model::load_model_placed(dir, &p, residency)
         }
-        None => load_model(dir, device),
+        None => crate::model::load_model_with(dir, device, residency),
     }
 }
 

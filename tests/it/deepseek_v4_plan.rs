@@ -109,6 +109,8 @@ fn a_placement_that_does_not_fit_names_the_device_and_the_bytes_over() {
     let out = phaselens(&[
         "--config",
         "v4-flash",
+        "--weights",
+        "f32",
         "--devices",
         "1",
         "--device-memory",
@@ -126,6 +128,8 @@ fn a_placement_that_does_not_fit_names_the_device_and_the_bytes_over() {
     let out = phaselens(&[
         "--config",
         "v4-flash",
+        "--weights",
+        "f32",
         "--devices",
         "2",
         "--device-memory",
@@ -145,6 +149,8 @@ fn a_placement_that_does_not_fit_names_the_device_and_the_bytes_over() {
     let out = phaselens(&[
         "--config",
         "v4-flash",
+        "--weights",
+        "f32",
         "--devices",
         "8",
         "--device-memory",
@@ -164,6 +170,8 @@ fn v4_flash_over_a_node_puts_experts_on_the_host_when_needed() {
     let out = phaselens(&[
         "--config",
         "v4-flash",
+        "--weights",
+        "f32",
         "--devices",
         "8",
         "--device-memory",

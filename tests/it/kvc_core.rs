@@ -324,7 +324,7 @@ fn pooled_entries_equal_a_naive_loop() {
                                 .map(|o| match gate {
                                     None => 0.0,
                                     Some(lin) => {
-                                        let wt = host(&lin.weight);
+                                        let wt = host(lin.weight.dense().unwrap());
                                         let row = hh * g + gi;
                                         let mut acc: f32 = (0..d)
                                             .map(|j| hnorm[e * s + o][j] * wt[row * d + j])

@@ -38,6 +38,7 @@ mod runner_kinds_path;
 mod runner_long_context;
 mod runner_patch;
 mod selection_hooks;
+mod stored_weights;
 mod train_init;
 mod train_resume;
 mod view_browser;

@@ -11,6 +11,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::{Action, HookPoint, HookSpec, Scope, Site};
 use phaselens::model::placement::{Placement, PlacementConfig};
+use phaselens::model::stored::Residency;
 use phaselens::model::{LanguageModel, Suffix, load_model, load_model_placed, load_model_split};
 use phaselens::runner::patching::{
     Cell, Edit, Fill, Positions, Prompts, Target, base_run, captures_for, plan_chunks, run_chunk,
@@ -284,9 +285,47 @@ fn a_v4_model_over_flex_and_libtorch_with_host_experts_matches_one_device() {
         "cpu: layers [0, 2, 5]; tch-cpu: layers [1, 3, 4] (routed experts, the rest on cpu: \
          layer 0 keeps 4, layer 1 keeps 1, layer 2 keeps 4, layer 3 keeps 0, layer 4 keeps 2, layer 5 keeps 3)"
     );
-    let placed = load_model_placed(&dir, &placement).unwrap();
+    let placed = load_model_placed(&dir, &placement, Residency::Stored).unwrap();
     same_forwards(single.as_ref(), placed.as_ref(), "deepseek-v4 flash");
     same_patching(single.as_ref(), placed.as_ref(), "deepseek-v4 flash");
+}
+
+/// The FP8 + FP4 + BF16 fixture (3 layers, 4 routed experts) over the two devices,
+/// layer 1 keeping one routed expert and layer 2 none (the rest on flex).
+const FP4_MAP: &str = r#"
+devices = ["cpu", "tch-cpu"]
+layers = [0, 1, 1]
+experts_on_device = [4, 1, 0]
+host = "cpu"
+"#;
+
+#[cfg(feature = "tch")]
+#[test]
+fn an_fp8_fp4_model_placed_with_host_experts_is_the_same_stored_or_f32() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v4/fp4_experts");
+    let c: PlacementConfig = toml::from_str(FP4_MAP).unwrap();
+    let placement = Placement::from_config(&c, 3, "FP4_MAP").unwrap();
+    let f32 = load_model_placed(&dir, &placement, Residency::F32).unwrap();
+    let stored = load_model_placed(&dir, &placement, Residency::Stored).unwrap();
+    let bytes = |m: &dyn LanguageModel| m.resident_bytes().unwrap().values().sum::<usize>();
+    let (bf, bs) = (bytes(f32.as_ref()), bytes(stored.as_ref()));
+    eprintln!("fp4_experts placed: resident {bf} bytes f32, {bs} stored");
+    assert!(bs * 3 < bf, "{bs} stored vs {bf} f32");
+    // Exactly equal plain logits, then every forward and the patching table.
+    let t = tokens(256, 3, 40, &Device::flex());
+    let a = vals(f32.forward(t.clone(), &HookSpec::new()).unwrap().logits);
+    let b = vals(stored.forward(t, &HookSpec::new()).unwrap().logits);
+    assert_eq!(a, b, "placed logits, stored vs f32");
+    same_forwards(
+        f32.as_ref(),
+        stored.as_ref(),
+        "fp4_experts placed, stored vs f32",
+    );
+    same_patching(
+        f32.as_ref(),
+        stored.as_ref(),
+        "fp4_experts placed, stored vs f32",
+    );
 }
 
 #[cfg(feature = "tch")]
@@ -295,8 +334,13 @@ fn a_kvc_organism_split_over_flex_and_libtorch_matches_one_device() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = kvc_dir(tmp.path());
     let single = load_model(&dir, &Device::flex()).unwrap();
-    let (placed, placement) =
-        load_model_split(&dir, vec![DeviceSpec::Cpu, DeviceSpec::TchCpu], None).unwrap();
+    let (placed, placement) = load_model_split(
+        &dir,
+        vec![DeviceSpec::Cpu, DeviceSpec::TchCpu],
+        None,
+        Residency::Stored,
+    )
+    .unwrap();
     // Both devices hold layers, in order.
     assert!(
         placement.layers.contains(&0) && placement.layers.contains(&1),
@@ -319,7 +363,12 @@ fn a_split_that_does_not_fit_names_the_device_and_the_bytes_over() {
     let per = layers[0];
     // Room for the embedding and one block on the first device, one on the second.
     let cap = [home + per, per];
-    let e = match load_model_split(&dir, vec![DeviceSpec::Cpu, DeviceSpec::Cpu], Some(&cap)) {
+    let e = match load_model_split(
+        &dir,
+        vec![DeviceSpec::Cpu, DeviceSpec::Cpu],
+        Some(&cap),
+        Residency::Stored,
+    ) {
         Ok(_) => panic!("4 blocks do not fit in 2"),
         Err(e) => e.to_string(),
     };
@@ -338,14 +387,14 @@ fn a_placement_naming_an_absent_device_says_which() {
         experts_on_device: vec![None; 4],
         host: DeviceSpec::Cpu,
     };
-    let e = match load_model_placed(&dir, &p) {
+    let e = match load_model_placed(&dir, &p, Residency::Stored) {
         Ok(_) => panic!("there is no eighth CUDA GPU here"),
         Err(e) => e.to_string(),
     };
     assert!(e.contains("tch-cuda:7") && e.contains("placement"), "{e}");
     // A placement for another number of layers.
     let p = Placement::single(DeviceSpec::Cpu, 3);
-    let e = match load_model_placed(&dir, &p) {
+    let e = match load_model_placed(&dir, &p, Residency::Stored) {
         Ok(_) => panic!("3 layers placed for a 4-block model"),
         Err(e) => e.to_string(),
     };

@@ -496,7 +496,7 @@ fn atp_star_recovers_what_saturated_attention_hides_from_atp() {
     // linear range (final norm, MLP): what remains of AtP*'s error is that step alone.
     let wo = &mut model.blocks[0].attn.w_o;
     let w = wo.weight.val() * 0.01;
-    wo.weight = Param::initialized(wo.weight.id, w);
+    wo.weight = Param::initialized(wo.weight.dense().unwrap().id, w).into();
     let n = 6;
     let len = 12;
     let prompts = last_token_pairs(n, len);

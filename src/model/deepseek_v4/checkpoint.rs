@@ -20,8 +20,14 @@
 //! `NAME.weight_scale_inv` (transformers / V3 style, f32) is block-quantised; its value
 //! is `W[r, c] = weight[r, c] * scale[r / B0, c / B1]` with the block `[B0, B1]` from
 //! `quantization_config.weight_block_size` (default 128 x 128) and a scale grid of
-//! `[ceil(rows / B0), ceil(cols / B1)]`. Everything is dequantised to f32 as it is read,
-//! one tensor at a time. An F8 weight without a scale is an error.
+//! `[ceil(rows / B0), ceil(cols / B1)]`. An F8 weight without a scale is an error.
+//!
+//! Residency ([`Residency`], [`V4Checkpoint::with_residency`]): FP8, FP4 and BF16 / F16
+//! matrices (routed experts one matrix per expert) are handed to the model as their file
+//! bytes ([`WeightSource::stored`], src/model/stored.rs) and dequantised where they are
+//! used; with `f32` (the default of a directly opened checkpoint, what training needs)
+//! everything is dequantised to f32 as it is read, one tensor at a time. Both go through
+//! the same [`Block`] decoding, so both give the same bits.
 //!
 //! FP4 (`expert_dtype = "fp4"`, the routed experts of V4 releases): an I8 / U8 weight
 //! `[rows, cols / 2]` with a sibling scale `[rows, cols / 32]` holds two e2m1 codes per
@@ -37,7 +43,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use super::super::safetensors_io::{SafetensorsReader, StDtype};
+use super::super::safetensors_io::{FiniteCheck, SafetensorsReader, StDtype, decode_floats};
+use super::super::stored::{Block, Residency, Scales, StoredMatrix, decode_scales};
+pub use super::super::stored::{E2M1, FP4_GROUP};
 use super::super::weights::{Init, UsedTensors, WeightSource, inside_model_dir, shard_paths};
 use crate::error::{Error, Result};
 
@@ -236,6 +244,9 @@ pub struct V4Checkpoint {
     block: [usize; 2],
     /// For messages about tensors absent from every file.
     origin: PathBuf,
+    /// Whether [`WeightSource::stored`] keeps weights as stored (default: f32, as
+    /// training needs; the model loader asks for stored).
+    residency: Residency,
 }
 
 impl V4Checkpoint {
@@ -328,12 +339,30 @@ impl V4Checkpoint {
             used: UsedTensors::default(),
             block,
             origin,
+            residency: Residency::F32,
         })
+    }
+
+    /// Keep BF16 / F16 / FP8 / FP4 weights as stored ([`Residency::Stored`]) or read them
+    /// as f32.
+    pub fn with_residency(mut self, residency: Residency) -> Self {
+        self.residency = residency;
+        self
     }
 
     /// The underlying reader.
     pub fn reader(&self) -> &SafetensorsReader {
         &self.reader
+    }
+
+    /// Bytes of the tensors the model reads (`mtp.*` aside), as stored in the files.
+    pub fn file_bytes(&self) -> u64 {
+        self.reader
+            .names()
+            .filter(|n| !self.ignored.contains(*n))
+            .filter_map(|n| self.reader.entry(n))
+            .map(|e| e.len)
+            .sum()
     }
 
     fn mark(&self, key: &str) {
@@ -351,29 +380,14 @@ impl V4Checkpoint {
         )
     }
 
-    /// Read the float tensor `key`, check its shape, dequantise block-scaled FP8 and
-    /// packed FP4 (see [`V4Checkpoint::read_fp4`]).
+    /// Read the float tensor `key` (model shape `want`) as f32: block-scaled FP8, packed
+    /// FP4 and BF16 / F16 matrices through their [`Block`] ([`V4Checkpoint::block`]),
+    /// other floats directly.
     fn read_float(&self, key: &str, want: &[usize]) -> Result<Vec<f32>> {
         let path = self.reader.path_of(key);
-        let dtype = self.reader.entry(key).map(|e| e.dtype);
-        let v = match (self.scales.get(key), dtype) {
-            (Some(sk), Some(StDtype::I8 | StDtype::U8)) => self.read_fp4(key, sk, want)?,
-            (Some(sk), _) => self.read_fp8(key, sk, want)?,
-            (None, Some(StDtype::F8E4M3)) => {
-                return Err(Error::tensor(
-                    path,
-                    key,
-                    "F8_E4M3 weight without a `.scale` / `.weight_scale_inv` tensor (block scales are required)",
-                ));
-            }
-            (None, Some(StDtype::I8 | StDtype::U8)) if want.len() == 2 => {
-                return Err(Error::tensor(
-                    path,
-                    key,
-                    "8-bit integer weight without a `.scale` tensor: a packed FP4 weight (two e2m1 values per byte) needs its ue8m0 scales, one per row and 32 columns",
-                ));
-            }
-            (None, _) => {
+        let v = match self.block(key, want)? {
+            Some(b) => b.to_f32(),
+            None => {
                 let (found, v) = self.reader.read_f32(key)?;
                 check_shape(&path, key, want, &found)?;
                 v
@@ -385,44 +399,106 @@ impl V4Checkpoint {
         Ok(v)
     }
 
-    /// Block scales of weight `key` as f32 multipliers: F8_E8M0 (ue8m0), U8 (ue8m0
-    /// exponent bytes, as transformers reads them), or F32 / BF16 / F16 values. Any other
-    /// dtype is an error naming the scale tensor.
-    fn read_scale(&self, key: &str, sk: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let dtype = self.reader.entry(sk).map(|e| e.dtype);
-        match dtype {
-            Some(StDtype::F8E8M0 | StDtype::F32 | StDtype::BF16 | StDtype::F16) => {
-                self.reader.read_f32(sk)
+    /// The tensor `key` kept as stored, checked as [`V4Checkpoint::read_float`] checks it
+    /// (dequantised once, a block of rows at a time, then dropped); `None` when it is not
+    /// a block-scaled, packed FP4 or BF16 / F16 matrix.
+    fn read_stored(&self, key: &str, want: &[usize]) -> Result<Option<Block>> {
+        let Some(b) = self.block(key, want)? else {
+            return Ok(None);
+        };
+        let mut check = FiniteCheck::default();
+        let step = (CHECK_VALUES / b.cols().max(1)).max(1);
+        for r0 in (0..b.rows()).step_by(step) {
+            check.feed(&b.rows_f32(r0, (r0 + step).min(b.rows())));
+        }
+        check.finish(&self.reader.path_of(key), key)?;
+        self.mark(key);
+        Ok(Some(b))
+    }
+
+    /// Whether `key` is kept as stored: it has block scales, or is a BF16 / F16 matrix.
+    fn storable(&self, key: &str) -> bool {
+        self.scales.contains_key(key)
+            || matches!(
+                self.reader.entry(key).map(|e| (e.dtype, e.shape.len())),
+                Some((StDtype::BF16 | StDtype::F16, 2))
+            )
+    }
+
+    /// The file tensor `key` as a [`Block`] of its bytes when it has block scales (FP8,
+    /// or FP4 when packed in I8 / U8) or is a BF16 / F16 matrix; `None` for other dtypes.
+    /// Shapes, scale grids and scale dtypes are checked here, naming the tensors.
+    fn block(&self, key: &str, want: &[usize]) -> Result<Option<Block>> {
+        let path = self.reader.path_of(key);
+        let dtype = self.reader.entry(key).map(|e| e.dtype);
+        match (self.scales.get(key), dtype) {
+            (Some(sk), Some(StDtype::I8 | StDtype::U8)) => self.fp4_block(key, sk, want).map(Some),
+            (Some(sk), _) => self.fp8_block(key, sk, want).map(Some),
+            (None, Some(StDtype::F8E4M3)) => Err(Error::tensor(
+                path,
+                key,
+                "F8_E4M3 weight without a `.scale` / `.weight_scale_inv` tensor (block scales are required)",
+            )),
+            (None, Some(StDtype::I8 | StDtype::U8)) if want.len() == 2 => Err(Error::tensor(
+                path,
+                key,
+                "8-bit integer weight without a `.scale` tensor: a packed FP4 weight (two e2m1 values per byte) needs its ue8m0 scales, one per row and 32 columns",
+            )),
+            (None, Some(d @ (StDtype::BF16 | StDtype::F16))) if want.len() == 2 => {
+                let (e, bytes) = self.reader.raw(key)?;
+                check_shape(&path, key, want, &e.shape)?;
+                made(Block::new([want[0], want[1]], d, bytes, None), &path, key).map(Some)
             }
-            Some(StDtype::U8) => {
-                let (shape, b) = self.reader.read_i64(sk)?;
-                let v = b
-                    .iter()
-                    .map(|&e| crate::model::safetensors_io::f8_e8m0_to_f32(e as u8))
-                    .collect();
-                Ok((shape, v))
-            }
-            _ => {
-                let name = self
-                    .reader
-                    .entry(sk)
-                    .map(|e| e.dtype_name.clone())
-                    .unwrap_or_default();
-                Err(Error::tensor(
-                    self.reader.path_of(sk),
-                    sk,
-                    format!(
-                        "block scales of `{key}` have dtype {name}; expected F8_E8M0 (ue8m0), U8 (ue8m0 exponents) or F32 / BF16 / F16"
-                    ),
-                ))
-            }
+            (None, _) => Ok(None),
         }
     }
 
+    /// The block scales `sk` of weight `key`, a `grid` of scales of `block` values each:
+    /// F8_E8M0 (ue8m0), U8 (ue8m0 exponents, as transformers reads them) or F32 / BF16 /
+    /// F16. Another dtype, or another grid (`bad_grid` words it), is an error naming `sk`.
+    fn scales_of(
+        &self,
+        key: &str,
+        sk: &str,
+        [grid, block]: [[usize; 2]; 2],
+        bad_grid: impl Fn(&[usize]) -> String,
+    ) -> Result<Scales> {
+        let spath = self.reader.path_of(sk);
+        let (e, bytes) = self.reader.raw(sk)?;
+        if decode_scales(e.dtype, &[]).is_none() {
+            return Err(Error::tensor(
+                spath,
+                sk,
+                format!(
+                    "block scales of `{key}` have dtype {}; expected F8_E8M0 (ue8m0), U8 (ue8m0 exponents) or F32 / BF16 / F16",
+                    e.dtype_name
+                ),
+            ));
+        }
+        if e.shape != grid {
+            return Err(Error::tensor(spath, sk, bad_grid(&e.shape)));
+        }
+        let s = Scales::new(e.dtype, grid, block, bytes)
+            .ok_or_else(|| Error::tensor(&spath, sk, "scale bytes do not hold the scale grid"))?;
+        self.mark(sk);
+        Ok(s)
+    }
+
     /// FP8 (or any float) weight with block scales: `W[r, c] = weight[r, c] * scale[r / B0, c / B1]`.
-    fn read_fp8(&self, key: &str, sk: &str, want: &[usize]) -> Result<Vec<f32>> {
+    fn fp8_block(&self, key: &str, sk: &str, want: &[usize]) -> Result<Block> {
         let path = self.reader.path_of(key);
-        let (found, mut v) = self.reader.read_f32(key)?;
+        let (e, bytes) = self.reader.raw(key)?;
+        let (found, dtype) = (e.shape.clone(), e.dtype);
+        if decode_floats(dtype, &[]).is_none() {
+            return Err(Error::tensor(
+                path,
+                key,
+                format!(
+                    "expected a floating-point tensor, found {} ({dtype:?})",
+                    e.dtype_name
+                ),
+            ));
+        }
         check_shape(&path, key, want, &found)?;
         let [rows, cols] = match found[..] {
             [r, c] => [r, c],
@@ -438,34 +514,27 @@ impl V4Checkpoint {
         };
         let [b0, b1] = self.block;
         let grid = [rows.div_ceil(b0), cols.div_ceil(b1)];
-        let (sshape, s) = self.read_scale(key, sk)?;
-        if sshape != grid {
-            return Err(Error::tensor(
-                self.reader.path_of(sk),
-                sk,
-                format!(
-                    "scale grid {sshape:?} does not fit weight `{key}` {found:?} with blocks {:?} (expected {grid:?})",
-                    self.block
-                ),
-            ));
-        }
-        for r in 0..rows {
-            let srow = &s[(r / b0) * grid[1]..(r / b0 + 1) * grid[1]];
-            for (c, x) in v[r * cols..(r + 1) * cols].iter_mut().enumerate() {
-                *x *= srow[c / b1];
-            }
-        }
-        self.mark(sk);
-        Ok(v)
+        let scales = self.scales_of(key, sk, [grid, self.block], |sshape| {
+            format!(
+                "scale grid {sshape:?} does not fit weight `{key}` {found:?} with blocks {:?} (expected {grid:?})",
+                self.block
+            )
+        })?;
+        made(
+            Block::new([rows, cols], dtype, bytes, Some(scales)),
+            &path,
+            key,
+        )
     }
 
     /// Packed FP4 (`expert_dtype = "fp4"`, transformers' `FP8Experts` / `Fp8Dequantize`
     /// layout): I8 / U8 `[rows, cols / 2]`, two e2m1 codes per byte (even column in the
     /// low nibble), scales `[rows, cols / 32]`:
     /// `W[r, c] = e2m1(code[r, c]) * scale[r, c / 32]`.
-    fn read_fp4(&self, key: &str, sk: &str, want: &[usize]) -> Result<Vec<f32>> {
+    fn fp4_block(&self, key: &str, sk: &str, want: &[usize]) -> Result<Block> {
         let path = self.reader.path_of(key);
-        let (found, bytes) = self.reader.read_i64(key)?;
+        let (e, bytes) = self.reader.raw(key)?;
+        let (found, dtype) = (e.shape.clone(), e.dtype);
         let [rows, cols] = match want[..] {
             [r, c] => [r, c],
             _ => {
@@ -490,63 +559,105 @@ impl V4Checkpoint {
             ));
         }
         let grid = [rows, cols / FP4_GROUP];
-        let (sshape, s) = self.read_scale(key, sk)?;
-        if sshape != grid {
-            return Err(Error::tensor(
-                self.reader.path_of(sk),
-                sk,
-                format!(
-                    "FP4 scale shape {sshape:?} does not fit weight `{key}` (packed {found:?}, {rows} x {cols} values): expected {grid:?}, one scale per row and {FP4_GROUP} columns"
-                ),
-            ));
+        let scales = self.scales_of(key, sk, [grid, [1, FP4_GROUP]], |sshape| {
+            format!(
+                "FP4 scale shape {sshape:?} does not fit weight `{key}` (packed {found:?}, {rows} x {cols} values): expected {grid:?}, one scale per row and {FP4_GROUP} columns"
+            )
+        })?;
+        made(
+            Block::new([rows, cols], dtype, bytes, Some(scales)),
+            &path,
+            key,
+        )
+    }
+
+    /// The file keys of the routed experts of `module` (`model.layers.{layer}.mlp.experts.
+    /// gate_up_proj` `[E, 2I, H]`: w1 then w3 of each expert; `down_proj` `[E, H, I]`:
+    /// w2), per expert, with the rows each holds.
+    fn expert_keys(
+        &self,
+        module: &str,
+        layer: usize,
+        shape: &[usize],
+    ) -> Result<Vec<Vec<(&str, usize)>>> {
+        let gate_up = module.ends_with("gate_up_proj");
+        let (e, rows) = (shape[0], shape[1]);
+        if !self.experts.keys().any(|(l, _)| *l == layer) {
+            return Err(self.missing(module, ""));
         }
-        let mut v = Vec::with_capacity(rows * cols);
-        for (i, &b) in bytes.iter().enumerate() {
-            let (r, c) = (i / (cols / 2), 2 * (i % (cols / 2)));
-            let srow = &s[r * grid[1]..(r + 1) * grid[1]];
-            let b = b as u8;
-            v.push(E2M1[(b & 0x0f) as usize] * srow[c / FP4_GROUP]);
-            v.push(E2M1[(b >> 4) as usize] * srow[(c + 1) / FP4_GROUP]);
-        }
-        self.mark(sk);
-        Ok(v)
+        let parts: &[(usize, usize, &str)] = if gate_up {
+            &[(0, rows / 2, "w1 (gate)"), (2, rows / 2, "w3 (up)")]
+        } else {
+            &[(1, rows, "w2 (down)")]
+        };
+        (0..e)
+            .map(|ex| {
+                parts
+                    .iter()
+                    .map(|&(part, r, what)| {
+                        let key = self
+                            .experts
+                            .get(&(layer, ex))
+                            .and_then(|p| p[part].as_ref())
+                            .ok_or_else(|| {
+                                Error::tensor(
+                                    &self.origin,
+                                    format!(
+                                        "layers.{layer}.ffn.experts.{ex}.w{}.weight",
+                                        [1, 2, 3][part]
+                                    ),
+                                    format!(
+                                        "expert {ex} {what} of layer {layer} is missing from the checkpoint"
+                                    ),
+                                )
+                            })?;
+                        Ok((key.as_str(), r))
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect()
     }
 
     /// Stack per-expert matrices: `part` 0/2 -> gate_up `[E, 2I, H]`, 1 -> down `[E, H, I]`.
     fn stack_experts(&self, module: &str, layer: usize, shape: &[usize]) -> Result<Vec<f32>> {
-        let gate_up = module.ends_with("gate_up_proj");
-        let (e, rows, cols) = (shape[0], shape[1], shape[2]);
-        if !self.experts.keys().any(|(l, _)| *l == layer) {
-            return Err(self.missing(module, ""));
-        }
-        let mut out = Vec::with_capacity(e * rows * cols);
-        for ex in 0..e {
-            let parts: &[(usize, usize, &str)] = if gate_up {
-                &[(0, rows / 2, "w1 (gate)"), (2, rows / 2, "w3 (up)")]
-            } else {
-                &[(1, rows, "w2 (down)")]
-            };
-            for &(part, r, what) in parts {
-                let key = self
-                    .experts
-                    .get(&(layer, ex))
-                    .and_then(|p| p[part].as_ref())
-                    .ok_or_else(|| {
-                        Error::tensor(
-                            &self.origin,
-                            format!(
-                                "layers.{layer}.ffn.experts.{ex}.w{}.weight",
-                                [1, 2, 3][part]
-                            ),
-                            format!(
-                                "expert {ex} {what} of layer {layer} is missing from the checkpoint"
-                            ),
-                        )
-                    })?;
-                out.extend(self.read_float(key, &[r, cols])?);
+        let cols = shape[2];
+        let mut out = Vec::with_capacity(shape.iter().product());
+        for parts in self.expert_keys(module, layer, shape)? {
+            for (key, rows) in parts {
+                out.extend(self.read_float(key, &[rows, cols])?);
             }
         }
         Ok(out)
+    }
+
+    /// The routed experts of `module` kept as stored, one matrix per expert (`[w1; w3]`
+    /// or `w2`); `None` when one of them is not block-scaled / packed / BF16 / F16 (the
+    /// stack is then read as f32).
+    fn stored_experts(
+        &self,
+        module: &str,
+        layer: usize,
+        shape: &[usize],
+    ) -> Result<Option<Vec<StoredMatrix>>> {
+        let cols = shape[2];
+        let keys = self.expert_keys(module, layer, shape)?;
+        if !keys.iter().flatten().all(|(k, _)| self.storable(k)) {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        for parts in keys {
+            let mut blocks = Vec::with_capacity(parts.len());
+            for (key, rows) in parts {
+                match self.read_stored(key, &[rows, cols])? {
+                    Some(b) => blocks.push(b),
+                    None => return Ok(None),
+                }
+            }
+            out.push(StoredMatrix::new(blocks).ok_or_else(|| {
+                Error::tensor(&self.origin, module, "expert matrices of different widths")
+            })?);
+        }
+        Ok(Some(out))
     }
 
     /// An error listing the tensors the model never asked for (`mtp.*` excepted).
@@ -559,13 +670,30 @@ impl V4Checkpoint {
     }
 }
 
-/// Columns per FP4 scale (transformers' `sf_gran_k = 32`).
-pub const FP4_GROUP: usize = 32;
+/// Values dequantised at once to check a tensor kept as stored (4 MiB of f32).
+const CHECK_VALUES: usize = 1 << 20;
 
-/// The e2m1 value of each 4-bit code (bit 3 is the sign).
-pub const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+/// A block the loader built from a tensor whose shape it checked (`None` only if the
+/// file's bytes do not hold it).
+fn made(b: Option<Block>, path: &Path, key: &str) -> Result<Block> {
+    b.ok_or_else(|| Error::tensor(path, key, "its bytes do not hold its shape and dtype"))
+}
+
+/// The layer of a stacked routed-expert tensor name (`model.layers.{l}.mlp.experts.
+/// gate_up_proj` / `down_proj`, 3-D).
+fn expert_layer(name: &str, shape: &[usize]) -> Option<usize> {
+    let stacked = shape.len() == 3
+        && (name.ends_with(".mlp.experts.gate_up_proj")
+            || name.ends_with(".mlp.experts.down_proj"));
+    if !stacked {
+        return None;
+    }
+    name.strip_prefix("model.layers.")?
+        .split_once('.')?
+        .0
+        .parse()
+        .ok()
+}
 
 fn check_shape(path: &Path, key: &str, want: &[usize], found: &[usize]) -> Result<()> {
     if found != want {
@@ -583,17 +711,32 @@ impl WeightSource for V4Checkpoint {
         if let Some(key) = self.names.get(name) {
             return self.read_float(key, shape);
         }
-        if shape.len() == 3
-            && (name.ends_with(".mlp.experts.gate_up_proj")
-                || name.ends_with(".mlp.experts.down_proj"))
-            && let Some(layer) = name
-                .strip_prefix("model.layers.")
-                .and_then(|r| r.split_once('.'))
-                .and_then(|(n, _)| n.parse::<usize>().ok())
-        {
+        if let Some(layer) = expert_layer(name, shape) {
             return self.stack_experts(name, layer, shape);
         }
         Err(self.missing(name, ""))
+    }
+
+    /// With [`Residency::Stored`]: block-scaled FP8, packed FP4 and BF16 / F16 matrices
+    /// and routed-expert stacks as their file bytes (others, and [`Residency::F32`]:
+    /// `None`, read by [`WeightSource::float`]).
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<StoredMatrix>>> {
+        if self.residency == Residency::F32 {
+            return Ok(None);
+        }
+        if let Some(key) = self.names.get(name) {
+            if shape.len() != 2 || !self.storable(key) {
+                return Ok(None);
+            }
+            return Ok(self
+                .read_stored(key, shape)?
+                .and_then(|b| StoredMatrix::new(vec![b]))
+                .map(|m| vec![m]));
+        }
+        match expert_layer(name, shape) {
+            Some(layer) => self.stored_experts(name, layer, shape),
+            None => Ok(None),
+        }
     }
 
     fn int(&self, name: &str, shape: &[usize], _init: &dyn Fn(usize) -> i64) -> Result<Vec<i64>> {

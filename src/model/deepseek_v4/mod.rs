@@ -40,20 +40,40 @@ pub use save::save;
 
 use crate::error::{Error, Result};
 use crate::model::read_config_json;
+use crate::model::stored::Residency;
 use crate::model::weights::Vb;
 
 /// Load a DeepSeek-V4 directory: `config.json` + `model.safetensors` or shards with
-/// `model.safetensors.index.json`, in any of the supported namings, dequantised to f32.
+/// `model.safetensors.index.json`, in any of the supported namings, its BF16 / FP8 / FP4
+/// weights kept as stored ([`Residency::Stored`]).
 pub fn load(dir: &Path, device: &Device) -> Result<DeepseekV4Model> {
+    load_with(dir, device, Residency::Stored)
+}
+
+/// [`load`] with the weights kept as stored or dequantised to f32 on load.
+pub fn load_with(dir: &Path, device: &Device, residency: Residency) -> Result<DeepseekV4Model> {
     let (path, text, _) = read_config_json(dir)?;
     let config = DeepseekV4Config::from_json(&text).map_err(|e| Error::Config {
         path: path.clone(),
         message: e.to_string(),
     })?;
-    config
-        .check_memory()
-        .map_err(|e| e.context(path.display().to_string()))?;
-    let src = V4Checkpoint::open_dir(dir, config.fp8_block)?;
+    use crate::model::memory;
+    let at = |e: Error| e.context(path.display().to_string());
+    // The config's f32 size: refused beyond any machine, and beyond this one when the
+    // weights are to be dequantised on load.
+    if residency == Residency::F32 || 4.0 * config.n_params_f64() > memory::HARD_LIMIT_BYTES {
+        config.check_memory().map_err(at)?;
+    }
+    let src = V4Checkpoint::open_dir(dir, config.fp8_block)?.with_residency(residency);
+    if residency == Residency::Stored {
+        // About the checkpoint's bytes (small 1-D tensors read as f32 aside).
+        memory::check(
+            "the model's weights (as stored)",
+            &format!("the checkpoint in {}", dir.display()),
+            src.file_bytes() as f64,
+        )
+        .map_err(at)?;
+    }
     let model = DeepseekV4Model::new(&config, &Vb::new(&src, device))?;
     src.check_all_used()?;
     Ok(model)

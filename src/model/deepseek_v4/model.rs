@@ -18,6 +18,7 @@ use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
 use crate::model::kv_state::{PrefixState, Queries, Suffix, TokenFlow};
 use crate::model::layers::{Embedding, Linear, RmsNorm};
 use crate::model::placement::{PerDevice, Placed, to};
+use crate::model::stored::StoredWeight;
 use crate::model::weights::{Init, Vb};
 use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo};
 
@@ -30,6 +31,58 @@ pub struct DecoderLayer {
     pub post_attention_layernorm: RmsNorm,
     pub attn_hc: HyperConnection,
     pub ffn_hc: HyperConnection,
+}
+
+impl DecoderLayer {
+    /// The layer's weights kept as stored (attention, compressor and indexer projections,
+    /// router, routed and shared experts).
+    fn stored_weights<'a>(&'a self, out: &mut Vec<&'a StoredWeight>) {
+        let a = &self.self_attn;
+        let mut lin: Vec<&Linear> = vec![
+            &a.q_a_proj,
+            &a.q_b_proj,
+            &a.kv_proj,
+            &a.o_a_proj,
+            &a.o_b_proj,
+        ];
+        if let Some(c) = &a.compressor {
+            lin.extend([&c.pooler.kv_proj, &c.pooler.gate_proj]);
+            if let Some(i) = &c.indexer {
+                lin.extend([
+                    &i.pooler.kv_proj,
+                    &i.pooler.gate_proj,
+                    &i.q_b_proj,
+                    &i.scorer.weights_proj,
+                ]);
+            }
+        }
+        let m = &self.mlp;
+        let s = &m.shared_experts;
+        lin.extend([&s.gate_proj, &s.up_proj, &s.down_proj]);
+        out.extend(lin.into_iter().filter_map(|l| l.weight.stored()));
+        out.extend(m.gate.weight.stored());
+        for e in std::iter::once(&m.experts).chain(m.host_experts.as_ref()) {
+            out.extend(e.gate_up_proj.stored());
+            out.extend(e.down_proj.stored());
+        }
+    }
+}
+
+/// Resident bytes by storage of a module with `params` (f32) parameter values and the
+/// weights `stored` kept as stored (their stored bytes).
+fn resident(
+    stored: Vec<&StoredWeight>,
+    params: usize,
+) -> std::collections::BTreeMap<String, usize> {
+    let mut out = std::collections::BTreeMap::new();
+    for w in stored {
+        w.add_bytes(&mut out);
+    }
+    let dense = 4 * params;
+    if dense > 0 {
+        *out.entry("f32".to_string()).or_default() += dense;
+    }
+    out
 }
 
 /// `model.*`: everything but the LM head.
@@ -117,9 +170,12 @@ impl DeepseekV4Model {
         }
     }
 
-    /// Number of parameters.
+    /// Number of weight values: the parameters (`Module::num_params`) and the values of
+    /// the weights kept as stored.
     pub fn n_params(&self) -> usize {
-        self.num_params()
+        let mut v = Vec::new();
+        self.stored_weights(&mut v);
+        self.num_params() + v.iter().map(|w| w.values()).sum::<usize>()
     }
 
     fn token_ids(&self, tokens: &Tensor<2, Int>) -> Result<Vec<i64>> {
@@ -242,15 +298,52 @@ impl DeepseekV4Model {
     }
 
     /// Resident bytes of each layer and of what the home device holds besides
-    /// (embedding), for an automatic split (f32 values).
+    /// (embedding), for an automatic split: weights kept as stored count their stored
+    /// bytes, the others 4 bytes per value.
     pub fn placement_bytes(&self) -> (Vec<f64>, f64) {
+        let total = |m: Vec<&StoredWeight>, n: usize| resident(m, n).values().sum::<usize>() as f64;
         let layers = self
             .model
             .layers
             .iter()
-            .map(|l| 4.0 * l.num_params() as f64)
+            .map(|l| {
+                let mut v = Vec::new();
+                l.stored_weights(&mut v);
+                total(v, l.num_params())
+            })
             .collect();
-        (layers, 4.0 * self.model.embed_tokens.num_params() as f64)
+        let e = &self.model.embed_tokens;
+        let home = total(e.weight.stored().into_iter().collect(), e.num_params());
+        (layers, home)
+    }
+
+    /// The model's resident weight bytes by storage: `f32` for parameters (and weights
+    /// dequantised on load), `bf16` / `fp8` / `fp4` / `scales` for weights kept as stored,
+    /// `i64` for the hash-routing tables.
+    pub fn resident_bytes(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut v = Vec::new();
+        self.stored_weights(&mut v);
+        let mut out = resident(v, self.num_params());
+        let ints: usize = self
+            .model
+            .layers
+            .iter()
+            .filter_map(|l| l.mlp.gate.tid2eid.as_ref())
+            .map(|t| 8 * t.len())
+            .sum();
+        if ints > 0 {
+            out.insert("i64".into(), ints);
+        }
+        out
+    }
+
+    /// Every weight of the model kept as stored.
+    fn stored_weights<'a>(&'a self, out: &mut Vec<&'a StoredWeight>) {
+        out.extend(self.model.embed_tokens.weight.stored());
+        out.extend(self.lm_head.as_ref().and_then(|h| h.weight.stored()));
+        for l in &self.model.layers {
+            l.stored_weights(out);
+        }
     }
 
     /// Put the layers (and the routed experts a placement keeps in host memory), the
@@ -291,7 +384,7 @@ impl DeepseekV4Model {
     ) -> Result<ForwardOutput> {
         // A placed model: the streams move to each layer's device, per-forward tables
         // are built once per device, logits and captures come back home.
-        let home = self.model.embed_tokens.weight.val().device();
+        let home = self.model.embed_tokens.weight.device();
         let mut per_device = PerDevice::new();
         for (l, layer) in self.model.layers.iter().enumerate().skip(start) {
             let here = layer.input_layernorm.weight.val().device();
@@ -348,10 +441,13 @@ impl crate::model::LanguageModel for DeepseekV4Model {
         DeepseekV4Model::info(self)
     }
     fn n_params(&self) -> Option<usize> {
-        Some(self.num_params())
+        Some(DeepseekV4Model::n_params(self))
+    }
+    fn resident_bytes(&self) -> Option<std::collections::BTreeMap<String, usize>> {
+        Some(DeepseekV4Model::resident_bytes(self))
     }
     fn device(&self) -> Device {
-        self.model.embed_tokens.weight.val().device()
+        self.model.embed_tokens.weight.device()
     }
     fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
         DeepseekV4Model::forward(self, tokens, spec)

@@ -15,8 +15,9 @@ use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 use super::config::{MlpType, ScoringFunc};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
-use crate::model::layers::{Linear, int_tensor, row_chunks};
+use crate::model::layers::{Linear, Weight, int_tensor, row_chunks};
 use crate::model::placement::to;
+use crate::model::stored::StoredWeight;
 use crate::model::topk::topk_indices;
 use crate::model::weights::{Init, Vb};
 
@@ -24,7 +25,7 @@ use crate::model::weights::{Init, Vb};
 #[derive(Module, Debug)]
 pub struct Router {
     /// `[n_experts, d_model]`
-    pub weight: Param<Tensor<2>>,
+    pub weight: Weight,
     /// `e_score_correction_bias` `[n_experts]` (top-k layers).
     pub e_score_correction_bias: Option<Param<Tensor<1>>>,
     /// `tid2eid` `[vocab, top_k]`, row-major (hash layers).
@@ -36,9 +37,93 @@ pub struct Router {
 #[derive(Module, Debug)]
 pub struct Experts {
     /// `[n_experts, 2 * d_ff, d_model]`: rows `0..d_ff` = gate (w1), `d_ff..` = up (w3).
-    pub gate_up_proj: Param<Tensor<3>>,
+    pub gate_up_proj: ExpertBank,
     /// `[n_experts, d_model, d_ff]` (w2).
-    pub down_proj: Param<Tensor<3>>,
+    pub down_proj: ExpertBank,
+}
+
+/// One matrix per routed expert: a trainable stack `[n, rows, cols]`, or the
+/// checkpoint's matrices kept as stored (dequantised one expert at a time, on use).
+#[derive(Module, Debug)]
+pub enum ExpertBank {
+    Dense(Param<Tensor<3>>),
+    Stored(StoredWeight),
+}
+
+impl ExpertBank {
+    /// Parameter `name` `[n, rows, cols]` from `vb`: as stored when the source keeps it
+    /// so, else initialised by `init`.
+    fn build(vb: &Vb, name: &str, shape: [usize; 3], init: Init) -> Result<Self> {
+        Ok(match vb.stored(name, &shape)? {
+            Some(s) => ExpertBank::Stored(s),
+            None => ExpertBank::Dense(vb.param(name, shape, init)?),
+        })
+    }
+
+    /// Number of experts.
+    pub fn len(&self) -> usize {
+        match self {
+            ExpertBank::Dense(p) => p.dims()[0],
+            ExpertBank::Stored(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the experts run.
+    pub fn device(&self) -> Device {
+        match self {
+            ExpertBank::Dense(p) => p.val().device(),
+            ExpertBank::Stored(s) => s.device(),
+        }
+    }
+
+    /// Expert `j`'s matrix `[rows, cols]` on [`ExpertBank::device`] (a stored one
+    /// dequantised into a transient tensor).
+    pub fn expert(&self, j: usize) -> Tensor<2> {
+        match self {
+            ExpertBank::Dense(p) => {
+                let [_, r, c] = p.dims();
+                p.val().slice_dim(0, j..j + 1).reshape([r, c])
+            }
+            ExpertBank::Stored(s) => s.matrix(j),
+        }
+    }
+
+    /// The stored matrices, when kept as stored.
+    pub fn stored(&self) -> Option<&StoredWeight> {
+        match self {
+            ExpertBank::Dense(_) => None,
+            ExpertBank::Stored(s) => Some(s),
+        }
+    }
+
+    /// Experts `0..keep` (the parameter keeps its id) and `keep..` (on `host`), for
+    /// `0 < keep < len`.
+    fn split(self, keep: usize, host: &Device) -> Result<(Self, Self)> {
+        match self {
+            ExpertBank::Dense(p) => {
+                let (id, v) = (p.id, p.val());
+                let e = v.dims()[0];
+                let off = to(v.clone().slice_dim(0, keep..e), host);
+                Ok((
+                    ExpertBank::Dense(Param::initialized(id, v.slice_dim(0, 0..keep))),
+                    ExpertBank::Dense(Param::initialized(ParamId::new(), off)),
+                ))
+            }
+            ExpertBank::Stored(s) => match s.split(keep) {
+                (Some(a), Some(b)) => {
+                    Ok((ExpertBank::Stored(a), ExpertBank::Stored(b.to_device(host))))
+                }
+                _ => Err(Error::Other(format!(
+                    "cannot keep {keep} of {} routed experts on the device",
+                    s.len()
+                ))),
+            },
+        }
+    }
 }
 
 /// The shared expert.
@@ -131,15 +216,21 @@ impl Moe {
         };
         Ok(Moe {
             gate: Router {
-                weight: vg.param("weight", [e, h], Init::Normal(std))?,
+                weight: Weight::build(&vg, "weight", [e, h], Init::Normal(std))?,
                 e_score_correction_bias: (kind == MlpType::Moe)
                     .then(|| vg.param("e_score_correction_bias", [e], Init::Zeros))
                     .transpose()?,
                 tid2eid,
             },
             experts: Experts {
-                gate_up_proj: ve.param("gate_up_proj", [e, 2 * i, h], Init::Normal(std))?,
-                down_proj: ve.param(
+                gate_up_proj: ExpertBank::build(
+                    &ve,
+                    "gate_up_proj",
+                    [e, 2 * i, h],
+                    Init::Normal(std),
+                )?,
+                down_proj: ExpertBank::build(
+                    &ve,
                     "down_proj",
                     [e, h, i],
                     Init::Normal(1.0 / (i as f64).sqrt()),
@@ -167,35 +258,24 @@ impl Moe {
                 "the routed experts of this layer are already offloaded".into(),
             ));
         }
-        let gu = self.experts.gate_up_proj.val();
-        let down = self.experts.down_proj.val();
-        let e = gu.dims()[0];
+        let e = self.experts.gate_up_proj.len();
         if keep >= e {
             return Ok(self);
         }
-        let bank = |a: Tensor<3>, b: Tensor<3>, ids: Option<(ParamId, ParamId)>| {
-            let (ia, ib) = ids.unwrap_or_else(|| (ParamId::new(), ParamId::new()));
-            Experts {
-                gate_up_proj: Param::initialized(ia, a),
-                down_proj: Param::initialized(ib, b),
-            }
-        };
         if keep == 0 {
             self.experts = self.experts.to_device(host);
             return Ok(self);
         }
-        let ids = (self.experts.gate_up_proj.id, self.experts.down_proj.id);
-        let offloaded = bank(
-            to(gu.clone().slice_dim(0, keep..e), host),
-            to(down.clone().slice_dim(0, keep..e), host),
-            None,
-        );
-        self.experts = bank(
-            gu.slice_dim(0, 0..keep),
-            down.slice_dim(0, 0..keep),
-            Some(ids),
-        );
-        self.host_experts = Some(offloaded);
+        let (gu, gu_host) = self.experts.gate_up_proj.split(keep, host)?;
+        let (down, down_host) = self.experts.down_proj.split(keep, host)?;
+        self.experts = Experts {
+            gate_up_proj: gu,
+            down_proj: down,
+        };
+        self.host_experts = Some(Experts {
+            gate_up_proj: gu_host,
+            down_proj: down_host,
+        });
         Ok(self)
     }
 
@@ -291,7 +371,7 @@ impl Moe {
         let [nt, h] = flat.dims();
         let k = self.top_k;
         let device = flat.device();
-        let e = self.gate.weight.val().dims()[0];
+        let e = self.gate.weight.dims()[0];
         let host: Vec<i64> = idx
             .into_data()
             .convert::<i64>()
@@ -308,27 +388,20 @@ impl Moe {
         // the rows routed to it.
         let mut first = 0;
         for bank in std::iter::once(&self.experts).chain(self.host_experts.as_ref()) {
-            let gate_up = bank.gate_up_proj.val();
-            let down = bank.down_proj.val();
-            let [n, _, d_ff] = down.dims();
-            let here = gate_up.device();
+            let n = bank.down_proj.len();
+            let here = bank.down_proj.device();
             for j in 0..n {
                 let (toks, slots) = &per_expert[first + j];
                 if toks.is_empty() {
                     continue;
                 }
+                // Only the experts rows are routed to are read (a stored one is
+                // dequantised here, for this call).
+                let w_gu = bank.gate_up_proj.expert(j).transpose();
+                let w_down = bank.down_proj.expert(j).transpose();
+                let d_ff = w_down.dims()[0];
                 let ti = int_tensor(toks, &device);
                 let rows = to(flat.clone().select(0, ti.clone()), &here);
-                let w_gu = gate_up
-                    .clone()
-                    .slice_dim(0, j..j + 1)
-                    .reshape([2 * d_ff, h])
-                    .transpose();
-                let w_down = down
-                    .clone()
-                    .slice_dim(0, j..j + 1)
-                    .reshape([h, d_ff])
-                    .transpose();
                 let out = row_chunks(rows, |rows| {
                     let gu = rows.matmul(w_gu.clone());
                     let act = clamped_swiglu(

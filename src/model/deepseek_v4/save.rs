@@ -11,8 +11,18 @@ use crate::model::weights::save_by_builder_names;
 
 /// Write `dir/config.json` (the given config.json object) and `dir/model.safetensors`
 /// (every parameter under its module path, plus the `tid2eid` tables of hash layers),
-/// atomically.
+/// atomically. A model whose weights are kept as stored (loaded with
+/// `Residency::Stored`) has nothing to save under their names: an error.
 pub fn save(model: &DeepseekV4Model, config_json: &serde_json::Value, dir: &Path) -> Result<()> {
+    let resident = model.resident_bytes();
+    if let Some(kept) = resident
+        .keys()
+        .find(|k| !matches!(k.as_str(), "f32" | "i64"))
+    {
+        return Err(Error::Other(format!(
+            "the model holds {kept} weights as stored (not parameters): load it with f32 weights (`--weights f32`, `load_with(.., Residency::F32)`) to save it"
+        )));
+    }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let vocab = model.config.vocab_size;
     let mut extra = BTreeMap::new();

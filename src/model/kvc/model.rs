@@ -213,7 +213,7 @@ impl KvcModel {
 
     /// The home device (embedding): inputs, logits and captures live there.
     fn home(&self) -> Device {
-        self.embed.weight.val().device()
+        self.embed.weight.device()
     }
 
     fn run_blocks(
@@ -310,7 +310,7 @@ impl LanguageModel for KvcModel {
         Some(self.num_params())
     }
     fn device(&self) -> Device {
-        self.embed.weight.val().device()
+        self.embed.weight.device()
     }
     fn forward(&self, tokens: Tensor<2, Int>, spec: &HookSpec) -> Result<ForwardOutput> {
         KvcModel::forward(self, tokens, spec)

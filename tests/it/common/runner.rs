@@ -157,9 +157,13 @@ pub fn two_value_organism(dir: &Path, name: &str, cfg: &KvcConfig, seed: u64) ->
             })
             .collect();
         h.weight = Param::initialized(
-            h.weight.id,
+            h.weight
+                .dense()
+                .expect("a random model's weights are dense")
+                .id,
             Tensor::from_data(TensorData::new(w, dims), &dev()),
-        );
+        )
+        .into();
     }
     save_kvc(&m, &dir.join(name)).unwrap();
     let p = write_recipe(dir, name, cfg);

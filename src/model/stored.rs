@@ -1,0 +1,443 @@
+//! Weights resident in the dtype they are stored in (issue 22 §1).
+//!
+//! A checkpoint's BF16 / F16 matrices, its block-scaled FP8 e4m3 matrices (128 x 128
+//! ue8m0 or f32 scales) and its packed FP4 e2m1 routed experts (ue8m0 scales per row and
+//! 32 columns) are kept as their file bytes in host memory ([`Block`], shared through
+//! `Arc`s), and dequantised to f32 only where they are used: a whole matrix, a set of
+//! rows (an embedding lookup) or one routed expert, into a transient tensor on the
+//! device that uses it ([`StoredWeight`]). The decoders are the loader's own
+//! ([`decode_floats`], [`decode_scales`], [`E2M1`]): a stored weight dequantises to the
+//! bits a load to f32 ([`Residency::F32`]) gives.
+//!
+//! A leaf of the model code: it knows safetensors dtypes and burn tensors, nothing of the
+//! architectures.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use burn::module::{
+    Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
+};
+use burn::tensor::{Device, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use super::safetensors_io::{StDtype, decode_floats, f8_e8m0_to_f32};
+
+/// Columns per FP4 scale (transformers' `sf_gran_k = 32`).
+pub const FP4_GROUP: usize = 32;
+
+/// The e2m1 value of each 4-bit code (bit 3 is the sign).
+pub const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// How a checkpoint's BF16 / F16 / FP8 / FP4 weights are held once loaded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Residency {
+    /// As stored (about the checkpoint's bytes), dequantised transiently where used.
+    #[default]
+    Stored,
+    /// Dequantised to f32 on load (4 bytes per weight; what training needs).
+    F32,
+}
+
+impl std::str::FromStr for Residency {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "stored" => Ok(Residency::Stored),
+            "f32" => Ok(Residency::F32),
+            _ => Err(format!(
+                "`{s}`: weights are `stored` (resident as in the checkpoint) or `f32`"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Residency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Residency::Stored => "stored",
+            Residency::F32 => "f32",
+        })
+    }
+}
+
+/// Scale values from their file bytes: F8_E8M0, F32, BF16, F16 as floats, U8 as ue8m0
+/// exponent bytes (as transformers reads them); `None` for any other dtype.
+pub fn decode_scales(dtype: StDtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    match dtype {
+        StDtype::U8 => Some(bytes.iter().map(|&b| f8_e8m0_to_f32(b)).collect()),
+        StDtype::F8E8M0 | StDtype::F32 | StDtype::BF16 | StDtype::F16 => {
+            decode_floats(dtype, bytes)
+        }
+        _ => None,
+    }
+}
+
+/// Scales of a [`Block`]: a grid of multipliers, each for `block` values.
+#[derive(Clone)]
+pub struct Scales {
+    dtype: StDtype,
+    /// `[rows, cols]` of the grid.
+    grid: [usize; 2],
+    /// Values per scale: `[128, 128]` (FP8 blocks), `[1, 32]` (FP4 groups).
+    block: [usize; 2],
+    bytes: Arc<Vec<u8>>,
+}
+
+impl Scales {
+    /// `None` when `dtype` is not a scale dtype ([`decode_scales`]) or the bytes do not
+    /// hold the grid.
+    pub fn new(
+        dtype: StDtype,
+        grid: [usize; 2],
+        block: [usize; 2],
+        bytes: Vec<u8>,
+    ) -> Option<Self> {
+        let ok = decode_scales(dtype, &[]).is_some()
+            && bytes.len() == grid[0] * grid[1] * dtype.size()
+            && block[0] > 0
+            && block[1] > 0;
+        ok.then(|| Scales {
+            dtype,
+            grid,
+            block,
+            bytes: Arc::new(bytes),
+        })
+    }
+
+    /// `v` (rows `r0..r1` of `cols` values) times their scales.
+    fn apply(&self, v: &mut [f32], r0: usize, r1: usize, cols: usize) {
+        if r1 <= r0 {
+            return;
+        }
+        let [b0, b1] = self.block;
+        let (s0, s1) = (r0 / b0, (r1 - 1) / b0 + 1);
+        let w = self.grid[1] * self.dtype.size();
+        let s = decode_scales(self.dtype, &self.bytes[s0 * w..s1 * w]).expect("checked dtype");
+        let gc = self.grid[1];
+        for r in r0..r1 {
+            let g = r / b0 - s0;
+            let srow = &s[g * gc..(g + 1) * gc];
+            for (c, x) in v[(r - r0) * cols..(r - r0 + 1) * cols]
+                .iter_mut()
+                .enumerate()
+            {
+                *x *= srow[c / b1];
+            }
+        }
+    }
+}
+
+/// One checkpoint tensor, a `rows x cols` matrix, as its file bytes: floats of its
+/// dtype (BF16, F16, F8_E4M3, ...) or packed e2m1 codes (I8 / U8: two per byte, the even
+/// column in the low nibble), optionally times block scales.
+#[derive(Clone)]
+pub struct Block {
+    rows: usize,
+    cols: usize,
+    dtype: StDtype,
+    bytes: Arc<Vec<u8>>,
+    scales: Option<Scales>,
+}
+
+impl Block {
+    /// `None` when the bytes do not hold `rows x cols` values of `dtype` (half as many
+    /// bytes for packed FP4, whose columns must be even) or `dtype` is not a float or
+    /// packed dtype. Shapes and scale grids are the caller's to check (with its names).
+    pub fn new(
+        [rows, cols]: [usize; 2],
+        dtype: StDtype,
+        bytes: Vec<u8>,
+        scales: Option<Scales>,
+    ) -> Option<Self> {
+        let packed = matches!(dtype, StDtype::I8 | StDtype::U8);
+        let len = if packed {
+            cols.is_multiple_of(2).then_some(rows * cols / 2)
+        } else {
+            decode_floats(dtype, &[]).map(|_| rows * cols * dtype.size())
+        };
+        (len == Some(bytes.len())).then(|| Block {
+            rows,
+            cols,
+            dtype,
+            bytes: Arc::new(bytes),
+            scales,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn packed(&self) -> bool {
+        matches!(self.dtype, StDtype::I8 | StDtype::U8)
+    }
+
+    /// Rows `r0..r1` dequantised, row-major: `value * scale`, exactly as the loader
+    /// computes them.
+    pub fn rows_f32(&self, r0: usize, r1: usize) -> Vec<f32> {
+        let mut v = if self.packed() {
+            let w = self.cols / 2;
+            let mut v = Vec::with_capacity((r1 - r0) * self.cols);
+            for &b in &self.bytes[r0 * w..r1 * w] {
+                v.push(E2M1[(b & 0x0f) as usize]);
+                v.push(E2M1[(b >> 4) as usize]);
+            }
+            v
+        } else {
+            let w = self.cols * self.dtype.size();
+            decode_floats(self.dtype, &self.bytes[r0 * w..r1 * w]).expect("checked dtype")
+        };
+        if let Some(s) = &self.scales {
+            s.apply(&mut v, r0, r1, self.cols);
+        }
+        v
+    }
+
+    /// Every value, dequantised.
+    pub fn to_f32(&self) -> Vec<f32> {
+        self.rows_f32(0, self.rows)
+    }
+
+    /// The label of the values' storage: `bf16`, `f16`, `fp8`, `fp4`, `f32`, ...
+    pub fn label(&self) -> &'static str {
+        match self.dtype {
+            StDtype::I8 | StDtype::U8 => "fp4",
+            StDtype::F8E4M3 => "fp8",
+            StDtype::BF16 => "bf16",
+            StDtype::F16 => "f16",
+            StDtype::F32 => "f32",
+            StDtype::F64 => "f64",
+            _ => "other",
+        }
+    }
+
+    /// Resident bytes by label (scales under `scales`).
+    fn add_bytes(&self, out: &mut BTreeMap<String, usize>) {
+        *out.entry(self.label().into()).or_default() += self.bytes.len();
+        if let Some(s) = &self.scales {
+            *out.entry("scales".into()).or_default() += s.bytes.len();
+        }
+    }
+}
+
+/// A matrix made of [`Block`]s stacked by rows (one block, or a routed expert's gate and
+/// up projections `[w1; w3]`).
+#[derive(Clone)]
+pub struct StoredMatrix {
+    parts: Vec<Block>,
+}
+
+impl StoredMatrix {
+    /// `None` without parts or when their column counts differ.
+    pub fn new(parts: Vec<Block>) -> Option<Self> {
+        let cols = parts.first()?.cols;
+        parts
+            .iter()
+            .all(|p| p.cols == cols)
+            .then_some(StoredMatrix { parts })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.parts.iter().map(|p| p.rows).sum()
+    }
+
+    pub fn cols(&self) -> usize {
+        self.parts[0].cols
+    }
+
+    /// Rows `r0..r1`, dequantised, row-major.
+    pub fn rows_f32(&self, r0: usize, r1: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(r1.saturating_sub(r0) * self.cols());
+        let mut first = 0;
+        for p in &self.parts {
+            let (a, b) = (r0.max(first), r1.min(first + p.rows));
+            if a < b {
+                out.extend(p.rows_f32(a - first, b - first));
+            }
+            first += p.rows;
+        }
+        out
+    }
+}
+
+/// Weights held as stored: one matrix (a linear map, an embedding) or one per routed
+/// expert, with the device their dequantised values go to. A burn [`Module`] without
+/// parameters: moving a model moves this device; `num_params` (parameters) does not
+/// count its values ([`StoredWeight::values`] does).
+#[derive(Clone)]
+pub struct StoredWeight {
+    matrices: Arc<[StoredMatrix]>,
+    device: Device,
+}
+
+impl StoredWeight {
+    /// `None` without matrices or when their shapes differ.
+    pub fn new(matrices: Vec<StoredMatrix>, device: &Device) -> Option<Self> {
+        let first = matrices.first()?;
+        let dims = [first.rows(), first.cols()];
+        matrices
+            .iter()
+            .all(|m| [m.rows(), m.cols()] == dims)
+            .then(|| StoredWeight {
+                matrices: matrices.into(),
+                device: device.clone(),
+            })
+    }
+
+    /// Number of matrices (routed experts; 1 for a linear map).
+    pub fn len(&self) -> usize {
+        self.matrices.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.matrices.is_empty()
+    }
+
+    /// `[rows, cols]` of each matrix.
+    pub fn dims(&self) -> [usize; 2] {
+        [self.matrices[0].rows(), self.matrices[0].cols()]
+    }
+
+    /// Where the dequantised values go.
+    pub fn device(&self) -> Device {
+        self.device.clone()
+    }
+
+    /// Matrix `i` dequantised into a transient tensor `[rows, cols]` on the device.
+    pub fn matrix(&self, i: usize) -> Tensor<2> {
+        let m = &self.matrices[i];
+        let v = m.rows_f32(0, m.rows());
+        Tensor::from_data(TensorData::new(v, [m.rows(), m.cols()]), &self.device)
+    }
+
+    /// Rows `rows` of matrix `i` (an embedding lookup), dequantised: `[rows.len(), cols]`.
+    pub fn gather_rows(&self, i: usize, rows: &[usize]) -> Tensor<2> {
+        let m = &self.matrices[i];
+        let mut v = Vec::with_capacity(rows.len() * m.cols());
+        for &r in rows {
+            v.extend(m.rows_f32(r, r + 1));
+        }
+        Tensor::from_data(TensorData::new(v, [rows.len(), m.cols()]), &self.device)
+    }
+
+    /// Matrices `0..keep` and `keep..` (both sharing these bytes); `None` for an empty part.
+    pub fn split(&self, keep: usize) -> (Option<Self>, Option<Self>) {
+        let part = |r: std::ops::Range<usize>| {
+            (!r.is_empty()).then(|| StoredWeight {
+                matrices: self.matrices[r].to_vec().into(),
+                device: self.device.clone(),
+            })
+        };
+        let keep = keep.min(self.len());
+        (part(0..keep), part(keep..self.len()))
+    }
+
+    /// Values held (elements of the dequantised matrices).
+    pub fn values(&self) -> usize {
+        self.matrices.iter().map(|m| m.rows() * m.cols()).sum()
+    }
+
+    /// Add the resident bytes by storage label (`bf16`, `fp8`, `fp4`, `scales`, ...).
+    pub fn add_bytes(&self, out: &mut BTreeMap<String, usize>) {
+        for m in self.matrices.iter() {
+            for p in &m.parts {
+                p.add_bytes(out);
+            }
+        }
+    }
+}
+
+impl fmt::Debug for StoredWeight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut bytes = BTreeMap::new();
+        self.add_bytes(&mut bytes);
+        write!(
+            f,
+            "StoredWeight {{ {} x {:?}, bytes {bytes:?}, device {:?} }}",
+            self.len(),
+            self.dims(),
+            self.device
+        )
+    }
+}
+
+impl Module for StoredWeight {
+    fn collect_devices(&self, mut devices: Devices) -> Devices {
+        if !devices.contains(&self.device) {
+            devices.push(self.device.clone());
+        }
+        devices
+    }
+
+    fn fork(self, device: &Device) -> Self {
+        self.to_device(device)
+    }
+
+    fn to_device(mut self, device: &Device) -> Self {
+        self.device = device.clone();
+        self
+    }
+
+    fn train(self) -> Self {
+        self
+    }
+
+    fn valid(&self) -> Self {
+        self.clone()
+    }
+
+    fn materialize(self) -> Self {
+        self
+    }
+
+    fn visit<V: ModuleVisitor>(&self, _visitor: &mut V) {}
+
+    fn map<M: ModuleMapper>(self, _mapper: &mut M) -> Self {
+        self
+    }
+}
+
+impl ModuleDisplayDefault for StoredWeight {
+    fn content(&self, content: Content) -> Option<Content> {
+        content.add_single(&format!("{self:?}")).optional()
+    }
+}
+
+impl ModuleDisplay for StoredWeight {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp4_and_fp8_blocks_dequantise_by_rows() {
+        // FP4: one row of 64 values, codes 0..16 repeated, scales 2^0 and 2^1
+        let bytes: Vec<u8> = (0..32u8)
+            .map(|i| (i % 16) | (((i + 1) % 16) << 4))
+            .collect();
+        let s = Scales::new(StDtype::U8, [1, 2], [1, FP4_GROUP], vec![127, 128]).unwrap();
+        let b = Block::new([1, 64], StDtype::U8, bytes, Some(s)).unwrap();
+        let v = b.to_f32();
+        assert_eq!(v[2], E2M1[1]);
+        assert_eq!(v[33], 2.0 * E2M1[1]);
+        // FP8: 3 x 2 values with 2 x 1 blocks: rows 0-1 scale 1, row 2 scale 4
+        let s = Scales::new(StDtype::F8E8M0, [2, 1], [2, 128], vec![127, 129]).unwrap();
+        let b = Block::new([3, 2], StDtype::F8E4M3, vec![0x38; 6], Some(s)).unwrap();
+        assert_eq!(b.to_f32(), vec![1.0, 1.0, 1.0, 1.0, 4.0, 4.0]);
+        assert_eq!(b.rows_f32(2, 3), vec![4.0, 4.0]);
+        let m = StoredMatrix::new(vec![b.clone(), b]).unwrap();
+        assert_eq!(m.rows_f32(2, 4), vec![4.0, 4.0, 1.0, 1.0]);
+        assert!(Block::new([3, 2], StDtype::I64, vec![0; 48], None).is_none());
+        assert!(Scales::new(StDtype::I8, [1, 1], [1, 1], vec![0]).is_none());
+    }
+}

@@ -1,0 +1,198 @@
+//! Weights resident in the dtype they are stored in (issue 22 §1): the FP8 + FP4 + BF16
+//! fixtures loaded with `--weights stored` (BF16 / FP8 / FP4 bytes kept, dequantised
+//! where used) and with `--weights f32` (dequantised on load) give the same logits and
+//! captures bit for bit; the stored model holds about its checkpoint's bytes, counted
+//! from the model, the f32 one 4 bytes per value; a malformed scale is the same error,
+//! naming the tensor, under both. (Placed over two devices with host experts:
+//! tests/it/placement.rs.)
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use phaselens::hooks::HookSpec;
+use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
+use phaselens::model::safetensors_io::SafetensorsReader;
+use phaselens::model::stored::Residency;
+
+use crate::common::vals;
+use crate::deepseek_v4_parity::{read_raw, write_raw};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/deepseek_v4")
+        .join(name)
+}
+
+fn load(name: &str, residency: Residency) -> DeepseekV4Model {
+    deepseek_v4::load_with(&fixture(name), &Device::flex(), residency).unwrap()
+}
+
+/// The reference input ids of a fixture.
+fn input(name: &str) -> Tensor<2, Int> {
+    let r = SafetensorsReader::open(&fixture(name).join("reference.safetensors")).unwrap();
+    let (s, ids) = r.read_i64("input_ids").unwrap();
+    Tensor::from_data(TensorData::new(ids, [s[0], s[1]]), &Device::flex())
+}
+
+/// Logits and every capture of both residencies agree exactly.
+fn same_bits(name: &str) {
+    let (f, s) = (load(name, Residency::F32), load(name, Residency::Stored));
+    let spec = HookSpec::new().capture("**").unwrap();
+    let a = f.forward(input(name), &spec).unwrap();
+    let b = s.forward(input(name), &spec).unwrap();
+    let (la, lb) = (vals(a.logits), vals(b.logits));
+    let differ = la.iter().zip(&lb).filter(|(x, y)| x != y).count();
+    eprintln!(
+        "{name}: {} logits, {differ} differ between stored and f32 residency",
+        la.len()
+    );
+    assert_eq!(la, lb, "{name}: logits");
+    assert_eq!(a.cache.len(), b.cache.len());
+    assert!(a.cache.len() > 20, "{name}: {} captures", a.cache.len());
+    for (p, act) in a.cache.iter() {
+        assert_eq!(
+            act.to_vec(),
+            b.cache.get(p).unwrap().to_vec(),
+            "{name}: {p}"
+        );
+    }
+}
+
+#[test]
+fn fp4_experts_fixture_is_the_same_stored_or_f32() {
+    same_bits("fp4_experts");
+}
+
+#[test]
+fn sharded_release_fp8_fixture_is_the_same_stored_or_f32() {
+    same_bits("original_fp8");
+}
+
+#[test]
+fn realwidth_fixture_is_the_same_stored_or_f32() {
+    same_bits("realwidth_ci");
+}
+
+/// Bytes of the tensors of `name`'s checkpoint by dtype (as in the files), and the f32
+/// bytes of their values once dequantised (packed FP4: two values a byte; scales none;
+/// integers 8).
+fn checkpoint_bytes(name: &str) -> (BTreeMap<String, usize>, usize) {
+    let dir = fixture(name);
+    let files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let f = p.file_name().unwrap().to_string_lossy();
+            f.starts_with("model") && f.ends_with(".safetensors")
+        })
+        .collect();
+    let (mut by, mut f32) = (BTreeMap::new(), 0);
+    for f in files {
+        for t in read_raw(&f) {
+            let n: usize = t.shape.iter().product();
+            *by.entry(t.dtype.clone()).or_insert(0) += t.bytes.len();
+            f32 += match t.dtype.as_str() {
+                "F8_E8M0" => 0,
+                "I8" => 8 * n,
+                "I32" | "I64" => 8 * n,
+                _ => 4 * n,
+            };
+        }
+    }
+    (by, f32)
+}
+
+#[test]
+fn a_stored_model_holds_its_checkpoint_bytes_and_f32_four_per_value() {
+    for name in ["fp4_experts", "realwidth_ci"] {
+        let (file, f32_want) = checkpoint_bytes(name);
+        let stored = load(name, Residency::Stored).resident_bytes();
+        let f32 = load(name, Residency::F32).resident_bytes();
+        eprintln!("{name}: checkpoint {file:?}");
+        eprintln!("{name}: resident stored {stored:?}");
+        eprintln!("{name}: resident f32 {f32:?}");
+        // Every FP8 / FP4 / BF16 byte and every scale stays as it is in the file.
+        for (label, dtype) in [
+            ("fp4", "I8"),
+            ("fp8", "F8_E4M3"),
+            ("bf16", "BF16"),
+            ("scales", "F8_E8M0"),
+        ] {
+            assert_eq!(stored.get(label), file.get(dtype), "{name}: {label}");
+        }
+        assert_eq!(stored.get("f32"), file.get("F32"), "{name}: f32 tensors");
+        let total = |m: &BTreeMap<String, usize>| m.values().sum::<usize>() as f64;
+        let file_total = total(&file);
+        // Only the hash-routing table differs (I32 in the file, i64 resident).
+        let rel = total(&stored) / file_total - 1.0;
+        assert!((0.0..0.02).contains(&rel), "{name}: stored {rel:+.4}");
+        assert_eq!(total(&f32) as usize, f32_want, "{name}: f32 bytes");
+        let fp4 = *file.get("I8").unwrap() as f64;
+        eprintln!(
+            "{name}: f32 residency {:.2}x the stored bytes (FP4 experts {:.1}x, FP8 {:.1}x, BF16 {:.1}x)",
+            total(&f32) / total(&stored),
+            8.0 * fp4 / fp4,
+            4.0,
+            2.0
+        );
+        assert!(total(&f32) > 3.0 * total(&stored), "{name}");
+    }
+}
+
+/// A copy of `name` with its first file edited; the load errors under both residencies.
+fn load_errors(name: &str, edit: impl Fn(&mut Vec<crate::deepseek_v4_parity::Raw>)) -> [String; 2] {
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    let p = dir.path().join("model.safetensors");
+    let mut t = read_raw(&p);
+    edit(&mut t);
+    write_raw(&p, &t);
+    [Residency::Stored, Residency::F32].map(|r| {
+        match deepseek_v4::load_with(dir.path(), &Device::flex(), r) {
+            Ok(_) => panic!("edited {name} loaded with {r} weights"),
+            Err(e) => e.to_string(),
+        }
+    })
+}
+
+#[test]
+fn a_malformed_scale_is_named_with_stored_weights_as_with_f32() {
+    let find = |t: &mut Vec<crate::deepseek_v4_parity::Raw>, n: &str| -> usize {
+        t.iter().position(|x| x.name == n).unwrap()
+    };
+    // FP8 scale grid of the wrong shape: [2, 1] -> [1, 2]
+    let [s, f] = load_errors("fp4_experts", |t| {
+        let i = find(t, "layers.0.attn.wq_a.scale");
+        let sh = t[i].shape.clone();
+        t[i].shape = sh.into_iter().rev().collect();
+    });
+    assert_eq!(s, f);
+    assert!(
+        s.contains("layers.0.attn.wq_a.scale") && s.contains("layers.0.attn.wq_a.weight"),
+        "{s}"
+    );
+    // A NaN ue8m0 scale of an FP4 expert (0xFF): named as a non-finite weight.
+    let [s, f] = load_errors("fp4_experts", |t| {
+        let i = find(t, "layers.1.ffn.experts.2.w3.scale");
+        t[i].bytes[0] = 0xff;
+    });
+    assert_eq!(s, f);
+    assert!(
+        s.contains("layers.1.ffn.experts.2.w3.weight") && s.contains("non-finite"),
+        "{s}"
+    );
+    // FP4 scale of a wrong dtype
+    let [s, f] = load_errors("fp4_experts", |t| {
+        let i = find(t, "layers.2.ffn.experts.1.w1.scale");
+        t[i].dtype = "I8".into();
+    });
+    assert_eq!(s, f);
+    assert!(
+        s.contains("layers.2.ffn.experts.1.w1.scale") && s.contains("dtype I8"),
+        "{s}"
+    );
+}
