@@ -24,6 +24,7 @@ mod grid_slurm;
 mod grid_slurm_states;
 mod hostile_cli;
 mod hostile_inputs;
+mod house;
 mod kvc_core;
 mod memory_estimates;
 mod model_contract;
