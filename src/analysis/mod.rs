@@ -5,7 +5,7 @@
 //! | Submodule | What it computes |
 //! |---|---|
 //! | [`intervals`] | Wilson score interval for a binomial proportion |
-//! | [`bootstrap`] | cluster bootstrap over logical examples; per-phase accuracy; the phase gap with CIs |
+//! | [`bootstrap`] | cluster bootstrap over logical examples; per-phase accuracy; the phase gap with CIs; the mean over training seeds (two-level) |
 //! | [`profile`] | R^2 and MAE between predicted and observed phase profiles, with bootstrap CIs |
 //! | [`specialization`](mod@specialization) | phase-specialization index of a head and a ranking of the most specialized heads |
 //! | [`effects`] | normalised logit difference for patching; relative change (%) for ablations |
@@ -32,9 +32,9 @@ pub mod specialization;
 
 pub use agreement::{average_ranks, spearman, topk_recall};
 pub use bootstrap::{
-    BootstrapCi, DEFAULT_LEVEL, DEFAULT_REPS, PhaseCluster, PhaseGap, bootstrap_ci,
+    BootstrapCi, DEFAULT_LEVEL, DEFAULT_REPS, PhaseCluster, PhaseGap, RunEstimate, bootstrap_ci,
     bootstrap_ci_vec, bootstrap_replicates, percentile, phase_accuracy, phase_accuracy_ci,
-    phase_gap,
+    phase_gap, runs_mean_ci,
 };
 pub use clusters::{Clusters, Est, Obs, accuracy_clusters, per_phase, phase_clusters};
 pub use effects::{MIN_LOGIT_DIFF_DENOM, normalized_logit_diff, relative_change_pct};

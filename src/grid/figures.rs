@@ -10,6 +10,8 @@
 //! | `seed_variance[_<group>]` | designs that differ only in `seed`: their accuracy-by-phase profiles overlaid |
 //! | `accuracy_by_slot` | mean accuracy of the final query when it is the k-th query, per design |
 //! | `accuracy_by_bindings` | mean accuracy of a single final query against the number of bindings, per design |
+//! | `frontier_<protocol>` | the frontier ([`super::frontier`]): per design pooled over seeds, phase gap against mean accuracy, 95% CIs both ways, coloured by the gate's verdict, the gate as a dashed line |
+//! | `frontier_profiles` | one panel per pooled design: its seeds' accuracy-by-phase profiles overlaid (first protocol, 95% Wilson) |
 
 use std::path::{Path, PathBuf};
 
@@ -393,6 +395,12 @@ pub fn draw(grid: &Grid, m: &Merged, dir: &Path) -> Result<Vec<PathBuf>> {
         out.push(phase_gap(grid, m, &protos, &cats, dir)?);
         out.push(accuracy_by_phase(grid, m, &protos, &cats, dir)?);
     }
+    for p in &protos {
+        out.extend(frontier_figure(grid, m, p, dir)?);
+    }
+    if let Some(p) = protos.first() {
+        out.extend(frontier_profiles(grid, m, p, dir)?);
+    }
     let groups = seed_groups(grid, m);
     let p = protos.first().cloned().unwrap_or_else(|| "prefix".into());
     for (gi, group) in groups.iter().enumerate() {
@@ -491,6 +499,111 @@ fn accuracy_by_phase(
     Ok(render(dir.join("accuracy_by_phase"), &spec)
         .map_err(ferr)?
         .png)
+}
+
+/// `frontier_<p>`: the frontier points of protocol `p`, one colour per verdict;
+/// `None` without points.
+fn frontier_figure(grid: &Grid, m: &Merged, p: &str, dir: &Path) -> Result<Option<PathBuf>> {
+    use super::frontier::Verdict;
+    use crate::output::figure::{ErrorPoint, ErrorScatterSpec, ErrorSeries};
+    let rows: Vec<_> = m.frontier.iter().filter(|r| r.protocol == p).collect();
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let gate = grid.max_gap_pp;
+    let series = [
+        (Verdict::Pass, format!("pass: gap CI <= {gate} pp"), 2),
+        (Verdict::Inconclusive, "inconclusive".to_string(), 1),
+        (Verdict::Fail, format!("fail: gap CI > {gate} pp"), 3),
+    ]
+    .into_iter()
+    .map(|(v, name, color)| ErrorSeries {
+        name,
+        color: Some(color),
+        points: rows
+            .iter()
+            .filter(|r| r.verdict == v)
+            .map(|r| ErrorPoint {
+                label: if r.seeds() > 1 {
+                    format!("{} ({} seeds)", r.design, r.seeds())
+                } else {
+                    r.design.clone()
+                },
+                x: r.gap_pp,
+                x_lo: r.gap_ci.0,
+                x_hi: r.gap_ci.1,
+                y: r.mean_accuracy,
+                y_lo: r.mean_ci.0,
+                y_hi: r.mean_ci.1,
+            })
+            .collect(),
+    })
+    .filter(|s| !s.points.is_empty())
+    .collect();
+    let spec = ErrorScatterSpec {
+        series,
+        title: format!(
+            "{}: phase gap vs mean accuracy ({p} padding, final query; mean over seeds, 95% CI)",
+            grid.name
+        ),
+        x_label: "phase gap (pp, best - worst phase)".into(),
+        y_label: "mean accuracy over phases".into(),
+        x_ref: Some((gate, format!("gate {gate} pp"))),
+        x_range: None,
+        y_range: None,
+        size: None,
+    };
+    let base = dir.join(format!("frontier_{p}"));
+    Ok(Some(
+        crate::output::figure::error_scatter(base, &spec)
+            .map_err(ferr)?
+            .png,
+    ))
+}
+
+/// `frontier_profiles`: one panel per pooled design with a merged seed, its seeds'
+/// accuracy-by-phase profiles (protocol `p`) overlaid; `None` without any.
+fn frontier_profiles(grid: &Grid, m: &Merged, p: &str, dir: &Path) -> Result<Option<PathBuf>> {
+    let panels: Vec<MiniPanel> = m
+        .groups
+        .iter()
+        .filter_map(|g| {
+            let series: Vec<BandSeries> = g
+                .members
+                .iter()
+                .map(|d| profile(&final_phases(m, d, p), d))
+                .filter(|s| !s.x.is_empty())
+                .collect();
+            (!series.is_empty()).then(|| MiniPanel {
+                title: format!(
+                    "{} ({} of {} seeds)",
+                    g.label,
+                    series.len(),
+                    g.members.len()
+                ),
+                series,
+            })
+        })
+        .collect();
+    if panels.is_empty() {
+        return Ok(None);
+    }
+    let spec = SmallMultiplesSpec {
+        cols: 4.min(panels.len()),
+        panels,
+        title: format!(
+            "{}: accuracy by phase per design, seeds overlaid ({p} padding, final query, 95% Wilson)",
+            grid.name
+        ),
+        x_label: "phase (t_K mod P)".into(),
+        y_label: "accuracy".into(),
+        y_range: (0.0, 1.02),
+    };
+    Ok(Some(
+        render(dir.join("frontier_profiles"), &spec)
+            .map_err(ferr)?
+            .png,
+    ))
 }
 
 /// A seed group's name in a figure title: its other keys when they fit on the title

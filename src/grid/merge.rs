@@ -11,6 +11,8 @@
 //!   `summary.json`), worst and best phase, the phase period, training steps and
 //!   final batch accuracy (`phase_period`, `train_steps`, `final_batch_accuracy`, so
 //!   that no table column has the name of a key alias such as `period` or `steps`).
+//! - `grid_frontier.arrow` (+ `.parquet`): the designs pooled over seeds, gap against
+//!   mean accuracy with CIs and the gate's verdict ([`super::frontier`]).
 //!
 //! Resumable: each design's part is cached in `<data>/<design>/part*.arrow` with the
 //! sizes and modification times of its inputs, and rebuilt only when those change.
@@ -521,6 +523,8 @@ pub fn merge_tables(grid: &Grid, opts: &GridOptions) -> Result<(MergeSummary, Me
             summary: Vec::new(),
             designs: Vec::new(),
             progress,
+            groups: super::frontier::design_groups(grid),
+            frontier: Vec::new(),
         };
         return Ok((out, m));
     };
@@ -539,12 +543,19 @@ pub fn merge_tables(grid: &Grid, opts: &GridOptions) -> Result<(MergeSummary, Me
         write_table(t, &path)?;
         out.tables.push(path);
     }
-    let m = Merged {
+    let mut m = Merged {
         phases: phase_rows(&phases)?,
         summary: summary_rows(&summary)?,
         designs: parts.merged,
         progress,
+        groups: super::frontier::design_groups(grid),
+        frontier: Vec::new(),
     };
+    m.frontier =
+        super::frontier::frontier(&m.groups, &m, grid.max_gap_pp, grid.eval.bootstrap_reps);
+    if let Some(path) = super::frontier::write(grid, &m.frontier, &data)? {
+        out.tables.push(path);
+    }
     Ok((out, m))
 }
 

@@ -1,6 +1,7 @@
 //! The merged grid data as the figures and the report read it: a row per design x sweep
 //! x protocol (x phase), and the look-ups both of them make on those rows.
 
+use super::frontier::{DesignGroup, FrontierRow};
 use super::spec::Grid;
 
 /// One row of the merged phase table, as the figures and report read it.
@@ -48,6 +49,10 @@ pub struct Merged {
     /// Every design of the grid, in grid order, with how far it got (`done`,
     /// `trained; sweeps 3/7`, `not trained (step 750/2000)`, `not trained (not started)`).
     pub progress: Vec<(String, String)>,
+    /// Every design of the frontier (the grid's designs pooled over `seed`), in order.
+    pub groups: Vec<DesignGroup>,
+    /// The frontier: one point per group x protocol with a merged seed.
+    pub frontier: Vec<FrontierRow>,
 }
 
 /// The final-query summary row of `design` for `protocol`.

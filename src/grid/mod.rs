@@ -18,11 +18,13 @@
 //! | [`slurm`] | `sbatch --array` + a dependent merge job, `status` from squeue/sacct, `--resume` |
 //! | [`run_array`] | `phaselens run EXP --slurm --shards N`: one experiment's shards as an array job + merge |
 //! | [`merge`] | every design's sweeps into long tables (polars), resumable |
+//! | [`frontier`] | designs pooled over seeds: gap vs mean accuracy, CIs, the gap gate's verdict |
 //! | [`merged`] | the merged rows and the look-ups the figures and the report share |
 //! | [`figures`] | phase gap per design, accuracy-by-phase small multiples, seed variance, slots, bindings |
 //! | [`report`] | the designs side by side with the paper's numbers, what each learned |
 
 pub mod figures;
+pub mod frontier;
 pub mod keys;
 pub mod merge;
 pub mod merged;

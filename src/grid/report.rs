@@ -178,6 +178,7 @@ pub fn write(grid: &Grid, m: &Merged, dir: &Path, figures: &[PathBuf]) -> Result
     }
     headlines(&mut rep, grid, m);
     side_by_side(&mut rep, grid, m);
+    frontier_section(&mut rep, grid, m);
     rep.section("What each design learned");
     for (name, progress) in &m.progress {
         let mut text = if m.designs.contains(name) {
@@ -507,6 +508,167 @@ fn figure_caption(f: &Path) -> String {
         "accuracy_by_slot" => "Accuracy by query slot".to_string(),
         "accuracy_by_bindings" => "Accuracy by number of bindings".to_string(),
         s if s.starts_with("seed_variance") => "Seeds overlaid (accuracy by phase)".to_string(),
+        "frontier_profiles" => {
+            "Accuracy by phase per design, its seeds overlaid (95% Wilson)".to_string()
+        }
+        s if s.starts_with("frontier_") => format!(
+            "Frontier, {} padding: phase gap vs mean accuracy per design (mean over seeds, 95% CI; colour: the gate's verdict)",
+            &s["frontier_".len()..]
+        ),
         s => s.to_string(),
     }
+}
+
+/// `x +- sd (lo-hi)` (no sd for one seed), `-` when `x` is not finite.
+fn with_sd_ci(x: f64, sd: Option<f64>, ci: (f64, f64), digits: usize) -> String {
+    if !x.is_finite() {
+        return "-".into();
+    }
+    let sd = sd.map_or(String::new(), |s| format!(" +- {s:.digits$}"));
+    if ci.0.is_finite() && ci.1.is_finite() {
+        format!("{x:.digits$}{sd} ({:.digits$}-{:.digits$})", ci.0, ci.1)
+    } else {
+        format!("{x:.digits$}{sd}")
+    }
+}
+
+/// The frontier section: every design of the grid pooled over seeds (the merged ones
+/// with their points and the gate's verdict, the others as not trained).
+fn frontier_section(rep: &mut Report, grid: &Grid, m: &Merged) {
+    use super::frontier::Verdict;
+    let gate = grid.max_gap_pp;
+    rep.section("Frontier: phase gap vs mean accuracy per design (seeds pooled)");
+    rep.paragraph(format!(
+        "Each design pools the grid's designs that differ only in `seed`. Its point is the \
+         mean over its merged seeds of each seed's final-query mean accuracy and phase gap \
+         (+- the sd over seeds, from two seeds on). 95% CI: with one seed, that sweep's \
+         cluster-bootstrap CI over logical examples (the gap's selection-adjusted); with \
+         more, a two-level bootstrap (seeds resampled with replacement, each drawn seed's \
+         value drawn from its own sweep CI; with 2-3 seeds it says little about seeds not \
+         trained). Verdict against the {gate} pp gap gate (`[grid] max_gap`), per protocol: \
+         pass when the gap's CI upper bound is at most {gate} pp, fail when its lower bound \
+         is above {gate} pp, else inconclusive; overall: fail if a protocol fails, pass if \
+         all pass; a design answering below 3x chance under every protocol is flagged as \
+         not having learned the lookup (its small gap is no mitigation). Worst phase: of \
+         the seed-mean profile. Table: grid_frontier.arrow (docs/tables.md)."
+    ));
+    let protos = ["prefix", "in-sequence"];
+    let header: Vec<String> = [
+        "design",
+        "seeds",
+        "state",
+        "prefix: mean acc (CI)",
+        "prefix: gap pp (CI)",
+        "prefix: worst phase (acc)",
+        "in-seq: mean acc (CI)",
+        "in-seq: gap pp (CI)",
+        "verdict (prefix / in-seq)",
+        "verdict",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut rows = Vec::new();
+    let mut counts = [0usize; 4];
+    for g in &m.groups {
+        let pts: Vec<Option<&super::frontier::FrontierRow>> = protos
+            .iter()
+            .map(|p| {
+                m.frontier
+                    .iter()
+                    .find(|r| r.design == g.label && r.protocol == *p)
+            })
+            .collect();
+        let seeds = pts.iter().flatten().map(|r| r.seeds()).max().unwrap_or(0);
+        let state = group_state(g, m, seeds);
+        let mut row = vec![
+            g.label.clone(),
+            format!("{seeds}/{}", g.members.len()),
+            state,
+        ];
+        for (k, r) in pts.iter().enumerate() {
+            match r {
+                Some(r) => {
+                    row.push(with_sd_ci(r.mean_accuracy, r.mean_sd, r.mean_ci, 2));
+                    row.push(with_sd_ci(r.gap_pp, r.gap_sd, r.gap_ci, 1));
+                    if k == 0 {
+                        row.push(format!("{} ({})", r.worst_phase, pct(r.worst_accuracy)));
+                    }
+                }
+                None => row.extend((0..if k == 0 { 3 } else { 2 }).map(|_| "-".to_string())),
+            }
+        }
+        let vs: Vec<Verdict> = pts.iter().flatten().map(|r| r.verdict).collect();
+        row.push(
+            pts.iter()
+                .map(|r| r.map_or("-", |r| r.verdict.name()))
+                .collect::<Vec<_>>()
+                .join(" / "),
+        );
+        let overall = Verdict::overall(&vs);
+        // A design that did not learn the lookup passes the gap gate trivially.
+        let chance = g.members.first().map_or(f64::NAN, |d| chance_of(grid, d));
+        let unlearned =
+            !vs.is_empty() && pts.iter().flatten().all(|r| r.mean_accuracy < 3.0 * chance);
+        counts[match overall {
+            Some(Verdict::Pass) => 0,
+            Some(Verdict::Fail) => 1,
+            Some(Verdict::Inconclusive) => 2,
+            None => 3,
+        }] += 1;
+        row.push(match overall {
+            None => "not trained".into(),
+            Some(v) if unlearned => {
+                format!("{}; did not learn (mean < 3x chance {chance:.3})", v.name())
+            }
+            Some(v) => v.name().to_string(),
+        });
+        rows.push(row);
+    }
+    rep.table(
+        format!("Designs pooled over seeds against the {gate} pp gap gate (final query)"),
+        header,
+        rows,
+    );
+    rep.paragraph(format!(
+        "{} of {} designs measured: {} pass, {} fail, {} inconclusive; {} not trained yet.",
+        m.groups.len() - counts[3],
+        m.groups.len(),
+        counts[0],
+        counts[1],
+        counts[2],
+        counts[3]
+    ));
+}
+
+/// The state of a frontier design with `seeds` merged seeds: `done`, `k of n seeds
+/// merged`, or (none merged) its first seed's progress; plus the progress of every
+/// seed not merged that has started (`; baseline-seed1: not trained (step 750/2000)`).
+fn group_state(g: &super::frontier::DesignGroup, m: &Merged, seeds: usize) -> String {
+    let progress = |d: &String| {
+        m.progress
+            .iter()
+            .find(|(n, _)| n == d)
+            .map_or("not trained", |(_, p)| p.as_str())
+    };
+    let pending: Vec<&String> = g
+        .members
+        .iter()
+        .filter(|d| !m.designs.contains(d))
+        .collect();
+    let mut state = if seeds == 0 {
+        g.members
+            .first()
+            .map_or("not trained".to_string(), |d| progress(d).to_string())
+    } else if seeds == g.members.len() {
+        "done".to_string()
+    } else {
+        format!("{seeds} of {} seeds merged", g.members.len())
+    };
+    for d in pending {
+        let p = progress(d);
+        if p != "not trained (not started)" && !(seeds == 0 && g.members.first() == Some(d)) {
+            state.push_str(&format!("; {d}: {p}"));
+        }
+    }
+    state
 }

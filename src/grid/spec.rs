@@ -51,6 +51,32 @@ struct GridSection {
     /// Default: `<name>` next to the grid file.
     #[serde(default)]
     out: Option<PathBuf>,
+    /// The frontier's phase-gap gate (`"5pp"` or 5): default [`DEFAULT_MAX_GAP_PP`].
+    #[serde(default)]
+    max_gap: Option<toml::Value>,
+}
+
+/// The frontier's default phase-gap gate (pp), the audit's `--max-gap 5pp`.
+pub const DEFAULT_MAX_GAP_PP: f64 = 5.0;
+
+/// `[grid] max_gap` in pp: a number (pp) or text such as `"5pp"`; must be in (0, 100].
+fn max_gap_pp(src: Source, g: &GridSection) -> Result<f64> {
+    let Some(v) = &g.max_gap else {
+        return Ok(DEFAULT_MAX_GAP_PP);
+    };
+    let pp = match v {
+        toml::Value::Integer(i) => Ok(*i as f64),
+        toml::Value::Float(f) => Ok(*f),
+        toml::Value::String(s) => crate::audit::config::parse_pp(s),
+        other => Err(format!(
+            "expected an amount in pp (5 or \"5pp\"), got {other}"
+        )),
+    }
+    .map_err(|m| src.bad(None, format!("[grid] max_gap: {m}")))?;
+    if !(pp > 0.0 && pp <= 100.0) {
+        return Err(src.bad(None, format!("[grid] max_gap: {pp} pp is not in (0, 100]")));
+    }
+    Ok(pp)
 }
 
 type KeyMap = BTreeMap<Spanned<String>, Spanned<toml::Value>>;
@@ -200,6 +226,8 @@ pub struct Grid {
     pub columns: Vec<String>,
     pub eval: EvalConfig,
     pub slurm: SlurmConfig,
+    /// `[grid] max_gap` (pp): the frontier's gate on the phase gap (docs/grid.md).
+    pub max_gap_pp: f64,
 }
 
 impl Grid {
@@ -217,6 +245,7 @@ impl Grid {
         let src = Source { path, text };
         let folder = path.parent().unwrap_or(Path::new(".")).to_path_buf();
         let name = grid_name(src, &raw.grid)?;
+        let max_gap_pp = max_gap_pp(src, &raw.grid)?;
         let (base, base_table) = load_base(src, &folder, &raw.grid)?;
         let dir = folder.join(raw.grid.out.clone().unwrap_or_else(|| name.clone().into()));
 
@@ -279,6 +308,7 @@ impl Grid {
             columns: cols,
             eval: raw.eval,
             slurm: raw.slurm,
+            max_gap_pp,
         })
     }
 

@@ -20,6 +20,7 @@ mod deepseek_v4_realwidth;
 mod deepseek_v4_suffix;
 mod edges;
 mod grid;
+mod grid_frontier;
 mod grid_slurm;
 mod grid_slurm_states;
 mod hostile_cli;

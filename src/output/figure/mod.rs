@@ -17,6 +17,7 @@
 //! | [`scatter_predicted_vs_observed`] | [`ScatterSpec`] | predicted vs observed with the y = x line, R^2 and MAE in the title |
 //! | [`bar_profile`] | [`BarProfileSpec`] | one bar per offset with a reference line (gate profile g(r), 1 = uniform) |
 //! | [`loss_curve`] | [`LossCurveSpec`] | training loss against step, with a moving average |
+//! | [`error_scatter`] | [`ErrorScatterSpec`] | labelled points with x and y error bars and a reference line (the grid frontier) |
 
 use std::ffi::OsString;
 use std::ops::Range;
@@ -414,12 +415,14 @@ fn padded_range(
 }
 
 mod bars;
+mod errorbars;
 mod heatmap;
 mod lines;
 mod loss;
 mod scatter;
 
 pub use bars::{BarProfileSpec, bar_profile};
+pub use errorbars::{ErrorPoint, ErrorScatterSpec, ErrorSeries, error_scatter};
 pub use heatmap::{HeatmapSpec, heatmap};
 pub use lines::{BandSeries, BandStyle, LinePlotSpec, draw_band_series, line_with_bands};
 pub use loss::{LossCurveSpec, loss_curve};

@@ -347,3 +347,76 @@ fn moving_average_is_centred() {
     assert_eq!(m[0].1, 1.0);
     assert_eq!(m[9].1, 8.0);
 }
+
+#[test]
+fn error_scatter_draws_labelled_points_and_refuses_empty_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let point = |label: &str, x: f64, y: f64| ErrorPoint {
+        label: label.into(),
+        x,
+        x_lo: x - 5.0,
+        x_hi: x + 5.0,
+        y,
+        y_lo: y - 0.05,
+        y_hi: y + 0.05,
+    };
+    let spec = ErrorScatterSpec {
+        series: vec![
+            ErrorSeries {
+                name: "fail".into(),
+                points: vec![point("baseline", 94.9, 0.32), point("jitter0", 91.0, 0.28)],
+                color: Some(3),
+            },
+            ErrorSeries {
+                name: "pass".into(),
+                // A point without intervals draws no bars; NaN x is skipped.
+                points: vec![
+                    ErrorPoint {
+                        label: "flat".into(),
+                        x: 2.0,
+                        y: 0.9,
+                        x_lo: f64::NAN,
+                        x_hi: f64::NAN,
+                        y_lo: f64::NAN,
+                        y_hi: f64::NAN,
+                    },
+                    point("skipped", f64::NAN, 0.5),
+                ],
+                color: None,
+            },
+        ],
+        title: "frontier".into(),
+        x_label: "gap (pp)".into(),
+        y_label: "mean accuracy".into(),
+        x_ref: Some((5.0, "gate 5 pp".into())),
+        ..Default::default()
+    };
+    let files = error_scatter(dir.path().join("frontier"), &spec).unwrap();
+    assert_written(&files, (1100, 820));
+    let svg = std::fs::read_to_string(&files.svg).unwrap();
+    for text in ["baseline", "jitter0", "flat", "gate 5 pp", "fail", "pass"] {
+        assert!(svg.contains(text), "{text} not drawn");
+    }
+    assert!(
+        !svg.contains("skipped"),
+        "a point with a NaN x is not drawn"
+    );
+    let empty = ErrorScatterSpec {
+        series: vec![ErrorSeries {
+            name: "none".into(),
+            points: vec![point("nan", f64::NAN, f64::NAN)],
+            color: None,
+        }],
+        ..Default::default()
+    };
+    let err = error_scatter(dir.path().join("empty"), &empty).unwrap_err();
+    assert!(
+        err.to_string().contains("no point with a finite x and y"),
+        "{err}"
+    );
+    let bad_range = ErrorScatterSpec {
+        y_range: Some((1.0, 0.0)),
+        ..spec
+    };
+    assert!(error_scatter(dir.path().join("range"), &bad_range).is_err());
+}
