@@ -124,6 +124,47 @@ impl Attention {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
+        let (q, k, v, entries) = self.inputs(layer, h, tables, c, flow, hooks)?;
+        let dh = c.d_head();
+        let raw = match (c.attention, &c.compression) {
+            (AttentionKind::Full, _) => Some(None),
+            (_, Some(cc)) if cc.local_tail > 0 => Some(Some(cc.local_tail)),
+            _ => None,
+        }
+        .map(|window| Raw {
+            k: rope(k, &tables.keys),
+            v,
+            window,
+        });
+        let keys = Keys {
+            entries,
+            selector: None,
+            raw,
+            sink: self.sink.as_ref().map(|s| s.val()),
+        };
+        let q = rope(q, &tables.queries);
+        let pattern = HookPoint::block(layer, Site::AttnPattern);
+        let scale = 1.0 / (dh as f64).sqrt();
+        let z = attend(q, flow.queries(), keys, scale, pattern, false, hooks)?;
+        let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
+        self.output(layer, z, hooks)
+    }
+
+    /// The attention's inputs from `h: [b, lq, d]`: the queries (through `hook_q`, not
+    /// rotated), the keys and values of every position (through `hook_k` / `hook_v`,
+    /// not rotated) and the compressed entries (through `hook_compressed_k` / `_v`).
+    /// Everything between the layer's normalised input and what the attention core
+    /// reads: edge attribution's local pass runs this alone.
+    #[allow(clippy::type_complexity)]
+    pub fn inputs(
+        &self,
+        layer: usize,
+        h: Tensor<3>,
+        tables: &Tables,
+        c: &KvcConfig,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<(Tensor<4>, Tensor<4>, Tensor<4>, Option<Entries>)> {
         let [b, lq, _] = h.dims();
         let (nh, kvh, dh) = (c.n_heads, c.n_kv_heads, c.d_head());
         let mut q = self.w_q.forward(h.clone()).reshape([b, lq, nh, dh]);
@@ -152,28 +193,7 @@ impl Attention {
         let k = flow.full(layer, "k", k)?;
         let v = flow.full(layer, "v", v)?;
         let entries = self.entries(layer, &h, &k, &v, tables, c, flow, hooks)?;
-        let raw = match (c.attention, &c.compression) {
-            (AttentionKind::Full, _) => Some(None),
-            (_, Some(cc)) if cc.local_tail > 0 => Some(Some(cc.local_tail)),
-            _ => None,
-        }
-        .map(|window| Raw {
-            k: rope(k, &tables.keys),
-            v,
-            window,
-        });
-        let keys = Keys {
-            entries,
-            selector: None,
-            raw,
-            sink: self.sink.as_ref().map(|s| s.val()),
-        };
-        let q = rope(q, &tables.queries);
-        let pattern = HookPoint::block(layer, Site::AttnPattern);
-        let scale = 1.0 / (dh as f64).sqrt();
-        let z = attend(q, flow.queries(), keys, scale, pattern, false, hooks)?;
-        let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
-        self.output(layer, z, hooks)
+        Ok((q, k, v, entries))
     }
 
     /// The compressed entries (pooled from the keys and values of every position), or

@@ -60,7 +60,7 @@ pub mod faithful;
 pub mod figure;
 pub mod graph;
 
-pub use eap::{EdgeRun, EdgeScores, Method};
+pub use eap::{EdgeRun, EdgeScores, Method, Pass2};
 pub use graph::{Edge, Graph, Input, ReceiverNode, SenderNode};
 
 /// An estimator as the settings name it.
