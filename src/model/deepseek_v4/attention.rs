@@ -148,10 +148,10 @@ impl Attention {
         self.output(layer, z, hooks)
     }
 
-    /// Only the attention's inputs from `x` (after `input_layernorm`): the queries
-    /// through `hook_q`, the K = V head through `hook_k` / `hook_v` and the compressed
-    /// entries through `hook_compressed_k` / `_v`; neither the indexer nor the attention
-    /// runs. Edge attribution's local pass.
+    /// Only the attention's inputs from `x` (after `input_layernorm`) that the hooks
+    /// touch: the queries through `hook_q`, the K = V head through `hook_k` / `hook_v`,
+    /// the compressed entries through `hook_compressed_k` / `_v`; neither the indexer
+    /// nor the attention runs. Edge attribution's local pass.
     pub fn read_inputs(
         &self,
         layer: usize,
@@ -164,9 +164,21 @@ impl Attention {
             AttnType::Sliding => &tables.main,
             _ => &tables.compress,
         };
-        self.queries(layer, &x, q_tables, hooks)?;
-        self.keys(layer, &x, q_tables, flow, hooks)?;
-        self.entries(layer, &x, tables, flow, hooks)?;
+        let at = |s: Site| hooks.touches(&HookPoint::block(layer, s));
+        let (q, kv, entries) = (
+            at(Site::AttnQ),
+            at(Site::AttnK) || at(Site::AttnV),
+            at(Site::CompressedK) || at(Site::CompressedV),
+        );
+        if q {
+            self.queries(layer, &x, q_tables, hooks)?;
+        }
+        if kv {
+            self.keys(layer, &x, q_tables, flow, hooks)?;
+        }
+        if entries {
+            self.entries(layer, &x, tables, flow, hooks)?;
+        }
         Ok(())
     }
 

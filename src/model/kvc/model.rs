@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 
-use super::attention::{Attention, Tables};
+use super::attention::{Attention, Need, Tables};
 use super::config::{AttentionKind, KvcConfig, MODEL_TYPE};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
@@ -335,9 +335,10 @@ impl StreamModel for KvcModel {
                 let here = block.attn_norm.weight.val().device();
                 let tables = Tables::new(&self.config, flow.queries(), &here);
                 let h = block.attn_norm.forward(to(x, &here));
+                let need = Need::touched(&hooks, l);
                 block
                     .attn
-                    .inputs(l, h, &tables, &self.config, &mut flow, &mut hooks)?;
+                    .inputs(l, h, &tables, &self.config, &mut flow, &mut hooks, need)?;
                 None
             }
             StreamPoint::Mlp(l) => {

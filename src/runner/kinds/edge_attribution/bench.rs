@@ -18,7 +18,7 @@ use crate::runner::patching::Positions;
 use crate::runner::progress::{Progress, ProgressMode};
 
 use super::super::path_patching::path_group;
-use super::eap::{EdgeRun, Method, Pass2, path_equivalent};
+use super::eap::{EdgeRun, Method, Pass2, Timing, path_equivalent};
 use super::graph::{Graph, ReceiverNode};
 use super::path_cells;
 
@@ -33,6 +33,8 @@ pub struct EdgeBenchResult {
     pub eap_seconds: f64,
     /// How EAP and EAP-IG computed pass 2.
     pub pass2: Pass2,
+    /// Where EAP's time went.
+    pub eap_timing: Timing,
     /// With local pass 2: EAP with replicas (the reference), its seconds and the
     /// largest |local - replicas| over every edge and prompt relative to the largest
     /// |replicas| score.
@@ -84,6 +86,7 @@ impl std::fmt::Display for EdgeBenchResult {
                 "(the model has no stream API: pass 2 with one replica forward per receiver)"
             )?;
         }
+        writeln!(f, "  EAP's time: {}", self.eap_timing)?;
         if let Some((s, diff)) = self.replicas {
             writeln!(
                 f,
@@ -216,6 +219,7 @@ pub fn bench_edges(
         edges: graph.edges.len(),
         eap_seconds,
         pass2: eap.pass2,
+        eap_timing: eap.timing.clone(),
         replicas,
         ig_steps,
         ig_seconds,

@@ -75,6 +75,7 @@ use super::super::super::patching::{Outcome, Prompts, Target, readout};
 use super::super::super::progress::Progress;
 use super::super::attribution_patching::{weighted_ld, weights};
 use super::graph::{Graph, Input, ReceiverNode};
+use std::time::Instant;
 
 /// Which estimator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,6 +116,33 @@ impl Pass2 {
     }
 }
 
+/// Seconds spent in each part of [`EdgeRun::scores`].
+#[derive(Debug, Clone, Default)]
+pub struct Timing {
+    /// The plain forward of every prompt (outcomes, sender values).
+    pub plain: f64,
+    /// EAP-IG: the forwards of the interpolated states.
+    pub states: f64,
+    /// Pass 1 (`G_v` at every receiver).
+    pub pass1: f64,
+    /// Local pass 2: the raw k / v corrections and the local products `r_v`.
+    pub local: f64,
+    /// Local pass 2: the stream transport (mHC) and the scores.
+    pub transport: f64,
+    /// Replica pass 2.
+    pub replicas: f64,
+}
+
+impl std::fmt::Display for Timing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "plain forward {:.2} s, interpolated states {:.2} s, pass 1 {:.2} s, local products {:.2} s, transport + scores {:.2} s, replicas {:.2} s",
+            self.plain, self.states, self.pass1, self.local, self.transport, self.replicas
+        )
+    }
+}
+
 /// The scores of one prompt batch.
 #[derive(Debug, Clone)]
 pub struct EdgeScores {
@@ -132,6 +160,8 @@ pub struct EdgeScores {
     pub local_passes: usize,
     /// How pass 2 was computed.
     pub pass2: Pass2,
+    /// Where the time went.
+    pub timing: Timing,
 }
 
 /// A batch of the prompts `rows` of `p` (targets and tokens only).
@@ -261,6 +291,24 @@ fn dot_blocks(g: Tensor<3>, delta: &Tensor<4>, m: usize) -> Result<Vec<f32>> {
     Ok(prod.reshape([m * n * h]).try_into_vec_as::<f32>()?)
 }
 
+/// Receivers whose local products compute the same parts of a layer's input
+/// computation (and so share a local pass): queries, per-token k / v, entries, the MLP,
+/// the logits.
+fn input_class(r: ReceiverNode) -> u8 {
+    match r {
+        ReceiverNode::Attn {
+            input: Input::Q, ..
+        } => 0,
+        ReceiverNode::Attn {
+            input: Input::K | Input::V,
+            ..
+        } => 1,
+        ReceiverNode::Attn { .. } => 2,
+        ReceiverNode::Mlp { .. } => 3,
+        ReceiverNode::Logits => 4,
+    }
+}
+
 /// The term `<G_v, act_v>` of receiver `r` whose rows are block `j` (of `n`) of a
 /// batch: from the captured activation at its point (head slice), or the logits.
 #[allow(clippy::too_many_arguments)]
@@ -378,6 +426,8 @@ impl EdgeRun<'_> {
         caps.sort();
         caps.dedup();
         let all: Vec<usize> = (0..n2).collect();
+        let mut timing = Timing::default();
+        let t0 = Instant::now();
         let mut spec = HookSpec::new();
         for c in &caps {
             spec = spec.capture_point(*c);
@@ -405,6 +455,8 @@ impl EdgeRun<'_> {
             let d = as4(&a.select_batch(&partners)?)? - as4(&a.select_batch(&recv)?)?;
             deltas.push((sp, d));
         }
+        timing.plain = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
         let sub = rows_of(p, &recv);
         let sign = weights(n, &[self.direction])[recv[0]];
         let w = vec![sign; n];
@@ -451,13 +503,17 @@ impl EdgeRun<'_> {
         } else {
             states.len()
         };
+        timing.states = t0.elapsed().as_secs_f64();
         let scale = 1.0 / states.len() as f32;
         let mut local_passes = 0;
         for st in &states {
+            let t0 = Instant::now();
             let g = self.receiver_grads(st, &sub, &w, stream.is_none())?;
+            timing.pass1 += t0.elapsed().as_secs_f64();
             passes += 2;
             match stream {
                 None => {
+                    let t0 = Instant::now();
                     passes += self.replica_passes(
                         st,
                         &sub,
@@ -468,6 +524,7 @@ impl EdgeRun<'_> {
                         &mut scores,
                         progress,
                     )?;
+                    timing.replicas += t0.elapsed().as_secs_f64();
                 }
                 Some(sm) => {
                     local_passes += self.local_passes(
@@ -480,6 +537,7 @@ impl EdgeRun<'_> {
                         scale,
                         &mut scores,
                         progress,
+                        &mut timing,
                     )?;
                 }
             }
@@ -491,6 +549,7 @@ impl EdgeRun<'_> {
             passes,
             local_passes,
             pass2,
+            timing,
         })
     }
 
@@ -736,6 +795,13 @@ impl EdgeRun<'_> {
         Ok(())
     }
 
+    /// Rows per local pass: `max_rows` bounds a full-model forward, and a local pass
+    /// holds about one layer's activations per row (the stream transport less), so it
+    /// takes `n_layers x max_rows`.
+    fn local_rows(&self) -> usize {
+        self.max_rows.saturating_mul(self.graph.n_layers.max(1))
+    }
+
     /// Pass 2 at a state without replicas (see the module doc): the raw k / v
     /// gradients corrected, `r_v` by local products per stream point, then the scores
     /// (additive stream: `r_v` dotted with every earlier sender's change; otherwise
@@ -753,13 +819,15 @@ impl EdgeRun<'_> {
         scale: f32,
         scores: &mut [Vec<f32>],
         progress: &mut Progress,
+        timing: &mut Timing,
     ) -> Result<usize> {
+        let t0 = Instant::now();
         let graph = self.graph;
         let nl = graph.n_layers;
         let n = sub.n();
         let device = self.model.device();
         let ad = device.clone().autodiff();
-        let per = (self.max_rows / n.max(1)).max(1);
+        let per = (self.local_rows() / n.max(1)).max(1);
         let mut passes = 0;
         // The raw k / v gradients of every layer with entry receivers.
         let mut entry_layers: Vec<usize> =
@@ -780,10 +848,16 @@ impl EdgeRun<'_> {
             let shape = x.shape().to_vec();
             let x3 = flat3(x)?;
             let [_, t, width] = x3.dims();
-            let at: Vec<usize> = (0..graph.receivers.len())
+            let mut at: Vec<usize> = (0..graph.receivers.len())
                 .filter(|&ri| stream_point(graph.receivers[ri]) == sp)
                 .collect();
-            for chunk in at.chunks(per) {
+            at.sort_by_key(|&ri| input_class(graph.receivers[ri]));
+            let chunks = at
+                .chunk_by(|&a, &b| {
+                    input_class(graph.receivers[a]) == input_class(graph.receivers[b])
+                })
+                .flat_map(|group| group.chunks(per));
+            for chunk in chunks {
                 let c = chunk.len();
                 let rows: Vec<usize> = (0..c).flat_map(|_| 0..n).collect();
                 let rep = rows_of(sub, &rows);
@@ -838,11 +912,14 @@ impl EdgeRun<'_> {
                 })
             })
             .collect::<Result<_>>()?;
+        timing.local += t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
         if sm.additive_stream() {
             self.score_additive(&r, deltas, scale, scores)?;
         } else {
             passes += self.score_transported(sm, st, &r, deltas, scale, scores, progress)?;
         }
+        timing.transport += t0.elapsed().as_secs_f64();
         Ok(passes)
     }
 
@@ -1010,7 +1087,7 @@ impl EdgeRun<'_> {
         let nl = graph.n_layers;
         let n = self.prompts.n() / 2;
         let ad = self.model.device().autodiff();
-        let per_chunk = (self.max_rows / n.max(1)).max(1);
+        let per_chunk = (self.local_rows() / n.max(1)).max(1);
         let embed = match &st.embed {
             Some(e) => e.get::<3>()?,
             None => cached(&st.cache, &HookPoint::global(Site::Embed))?.get::<3>()?,
