@@ -133,6 +133,78 @@ impl ModelInfo {
     }
 }
 
+/// Where a node reads the residual stream (edge attribution's local pass).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum StreamPoint {
+    /// The stream entering block `l` (`blocks.{l}.hook_resid_pre`): read by the
+    /// layer's attention inputs (q, k, v, compressed entries).
+    Attn(usize),
+    /// The stream after block `l`'s attention (`blocks.{l}.hook_resid_mid`): read by
+    /// its MLP / MoE.
+    Mlp(usize),
+    /// The stream after the last block (its `hook_resid_post`): read by the head.
+    Final,
+}
+
+impl StreamPoint {
+    /// Index into [`StreamModel::stream_from_outputs`]' list: `Attn(l)` 2l, `Mlp(l)`
+    /// 2l + 1, `Final` 2 n_layers.
+    pub fn index(self, n_layers: usize) -> usize {
+        match self {
+            StreamPoint::Attn(l) => 2 * l,
+            StreamPoint::Mlp(l) => 2 * l + 1,
+            StreamPoint::Final => 2 * n_layers,
+        }
+    }
+}
+
+/// What [`StreamModel::read_stream`] returns.
+pub struct StreamRead {
+    /// `Final`: the logits `[batch, pos, vocab]`; `None` elsewhere.
+    pub logits: Option<Tensor<3>>,
+    /// The activations the spec captured.
+    pub cache: ActivationCache,
+}
+
+/// The residual stream as edge attribution sees it: what reads it at each point, and
+/// how it is made from the block outputs. With these, the direct-path derivative of
+/// every edge comes from local vector-Jacobian products (one per stream point, the
+/// receivers of the point as batch rows) and one transport backward instead of a
+/// full-model replica per receiver (see `runner/kinds/edge_attribution/eap.rs`).
+pub trait StreamModel {
+    /// Run ONLY the computation between the stream at `at` (shaped as the model's
+    /// `hook_resid_pre`: `[b, T, d]` kvc, `[b, T, hc_mult, d]` DeepSeek-V4) and the
+    /// nodes that read it, with the hooks of `spec` as in [`LanguageModel::forward`]:
+    /// `Attn(l)`: layer l's attention inputs up to `hook_q`, `hook_k`, `hook_v` and the
+    /// compressed entries (`hook_compressed_k` / `_v`; the attention itself does not
+    /// run); `Mlp(l)`: the MLP / MoE up to `hook_mlp_out`; `Final`: the logits. Every
+    /// value equals the full forward's at that point when `stream` does. `tokens`
+    /// (`[b, T]`): for models whose layers read ids (hash routing).
+    fn read_stream(
+        &self,
+        tokens: Tensor<2, Int>,
+        at: StreamPoint,
+        stream: &Act,
+        spec: &HookSpec,
+    ) -> Result<StreamRead>;
+    /// Whether the stream is the plain sum of the embeddings and every block output
+    /// (`hook_attn_out`, `hook_mlp_out`): then the stream-only computation below is the
+    /// identity for derivatives and the caller may skip it.
+    fn additive_stream(&self) -> bool;
+    /// The stream at every point (in [`StreamPoint::index`] order), computed from the
+    /// token embeddings (`hook_embed`, `[b, T, d]`) and the block outputs only
+    /// (`attn_out[l]` as at `hook_attn_out`, `mlp_out[l]` as at `hook_mlp_out`), every
+    /// block's own computation held out: kvc, running sums; DeepSeek-V4, the
+    /// hyper-connections (their pre / post / comb weights computed from the stream, as
+    /// in the forward) around the given outputs.
+    fn stream_from_outputs(
+        &self,
+        embed: Tensor<3>,
+        attn_out: &[Tensor<3>],
+        mlp_out: &[Tensor<3>],
+    ) -> Result<Vec<Act>>;
+}
+
 /// The interface every model implements.
 pub trait LanguageModel: Send + Sync {
     /// Static description.
@@ -151,6 +223,11 @@ pub trait LanguageModel: Send + Sync {
         resid: &Act,
         spec: &HookSpec,
     ) -> Result<ForwardOutput>;
+    /// The stream-level API edge attribution's O(1)-pass method needs (`None`: the
+    /// kind falls back to one replica forward per receiver).
+    fn stream_model(&self) -> Option<&dyn StreamModel> {
+        None
+    }
     /// Number of parameters (values held in the compute dtype), when known.
     fn n_params(&self) -> Option<usize> {
         None

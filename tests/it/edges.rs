@@ -1,8 +1,10 @@
 //! edge-attribution: EAP of every edge against brute force (each edge's linearised
 //! effect by central finite differences through the hooks' own actions, edge by edge)
-//! on a tiny compressed MQA model; EAP-IG with one step against EAP at the partner;
-//! the kind end to end (tables, agreement with path patching, logit lens, report,
-//! redraw, resume).
+//! on a tiny compressed MQA model; the local pass 2 (stream API) against the replica
+//! reference on kvc models and a tiny DeepSeek-V4 (CSA + HCA + sliding, mHC, hash and
+//! learned MoE), EAP and EAP-IG; EAP-IG with one step against EAP at the partner; the
+//! kind end to end (tables, agreement with path patching, logit lens, report, redraw,
+//! resume).
 
 use std::sync::Arc;
 
@@ -14,7 +16,7 @@ use phaselens::model::LanguageModel;
 use phaselens::output::{LONG_COLUMNS, LongRow, Table, read_long_rows, validate_columns};
 use phaselens::runner::kinds::edge_attribution::faithful::circuit_ld;
 use phaselens::runner::kinds::edge_attribution::{
-    EdgeRun, Graph, Input, Method, ReceiverNode, SenderNode, edge_metric,
+    EdgeRun, Graph, Input, Method, Pass2, ReceiverNode, SenderNode, edge_metric,
 };
 use phaselens::runner::kinds::patch_heads::Direction;
 use phaselens::runner::patching::{Prompts, Target, readout};
@@ -237,6 +239,118 @@ fn eap_matches_brute_force_on_every_edge() {
             .fold(0f32, f32::max);
         assert!(m > 1e-4 * scale.max(1.0), "{input:?} edges all ~0");
     }
+}
+
+/// The local pass 2 against the replicas, per edge and receiving prompt, for EAP and
+/// EAP-IG (2 steps) in both directions; the default method is the local one, and every
+/// kind of receiver input carries an effect (not vacuous).
+fn local_matches_replicas(model: &dyn LanguageModel, prompts: &Prompts, name: &str) {
+    let graph = Graph::of(&model.info());
+    let mut progress = Progress::new(ProgressMode::Hidden, "t", "passes", 0);
+    for (direction, method) in [
+        (Direction::Denoise, Method::Eap),
+        (Direction::Denoise, Method::EapIg { steps: 2 }),
+        (Direction::Noise, Method::Eap),
+    ] {
+        let run = EdgeRun {
+            model,
+            prompts,
+            graph: &graph,
+            direction,
+            // Several chunks per stream point (3 receivers x 2 prompts each).
+            max_rows: 6,
+        };
+        let local = run.scores(method, &mut progress).unwrap();
+        assert_eq!(local.pass2, Pass2::Local, "{name}: the default is local");
+        let rep = run
+            .scores_with(method, Pass2::Replicas, &mut progress)
+            .unwrap();
+        assert_eq!(rep.pass2, Pass2::Replicas);
+        assert!(local.local_passes > 0 && rep.local_passes == 0);
+        assert!(
+            local.passes < rep.passes,
+            "{name}: local ran {} full-model passes, replicas {}",
+            local.passes,
+            rep.passes
+        );
+        let scale = rep
+            .scores
+            .iter()
+            .flatten()
+            .fold(0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 1e-3, "{name}: every score ~0: vacuous");
+        let mut worst = (0f32, String::new());
+        for (ei, e) in graph.edges.iter().enumerate() {
+            for (a, b) in local.scores[ei].iter().zip(&rep.scores[ei]) {
+                let err = (a - b).abs() / scale;
+                if err > worst.0 {
+                    worst = (
+                        err,
+                        format!("{}: local {a} vs replicas {b}", graph.edge_label(*e)),
+                    );
+                }
+            }
+        }
+        eprintln!(
+            "{name} {direction:?} {method:?}: worst |local - replicas| = {:.2e} of the largest score ({scale}): {}",
+            worst.0, worst.1
+        );
+        assert!(
+            worst.0 <= 2e-5,
+            "{name} {direction:?} {method:?}: {} ({:.2e} of {scale})",
+            worst.1,
+            worst.0
+        );
+        for input in [Input::Q, Input::K, Input::V, Input::Ck, Input::Cv] {
+            let m = graph
+                .edges
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| {
+                    matches!(graph.receivers[e.receiver], ReceiverNode::Attn { input: i, .. } if i == input)
+                })
+                .flat_map(|(ei, _)| rep.scores[ei].iter().map(|x| x.abs()))
+                .fold(0f32, f32::max);
+            assert!(m > 1e-6 * scale, "{name}: {input:?} edges all ~0");
+        }
+    }
+}
+
+#[test]
+fn local_pass_matches_replicas_on_kvc() {
+    // Compressed MQA with a raw tail; then GQA with overlapping windows, vector gates,
+    // the key shift and tied k / v (every input computation kvc has).
+    let model = random_model(&tiny(2, 4, 1, 4, 4), 5);
+    local_matches_replicas(&model, &pair_prompts(14, 1), "kvc MQA");
+    let mut cfg = tiny(2, 4, 2, 4, 2);
+    cfg.key_shift = true;
+    cfg.tied_kv = true;
+    if let Some(c) = cfg.compression.as_mut() {
+        c.gate = phaselens::model::kvc::GateMode::Vector;
+    }
+    let model = random_model(&cfg, 9);
+    local_matches_replicas(&model, &pair_prompts(14, 1), "kvc GQA shift");
+}
+
+#[test]
+fn local_pass_matches_replicas_on_deepseek_v4() {
+    use phaselens::model::deepseek_v4::{DeepseekV4Config, DeepseekV4Model};
+    use phaselens::model::weights::{RandomInit, Vb};
+    // CSA (overlapping windows, indexer top-2 of 4 entries), HCA, sliding; two mHC
+    // streams; a hash-routed and two learned MoE layers.
+    let json = r#"{"model_type": "deepseek_v4", "vocab_size": 128, "hidden_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 16,
+        "qk_rope_head_dim": 8, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "num_hash_layers": 1,
+        "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention",
+                        "sliding_attention"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "sliding_window": 6, "index_n_heads": 1, "index_head_dim": 8, "index_topk": 2,
+        "hc_mult": 2}"#;
+    let c = DeepseekV4Config::from_json(json).unwrap();
+    let model = DeepseekV4Model::new(&c, &Vb::new(&RandomInit { seed: 13 }, &dev())).unwrap();
+    local_matches_replicas(&model, &pair_prompts(16, 1), "deepseek-v4");
 }
 
 #[test]

@@ -148,6 +148,40 @@ impl Attention {
         self.output(layer, z, hooks)
     }
 
+    /// Only the attention's inputs from `x` (after `input_layernorm`) that the hooks
+    /// touch: the queries through `hook_q`, the K = V head through `hook_k` / `hook_v`,
+    /// the compressed entries through `hook_compressed_k` / `_v`; neither the indexer
+    /// nor the attention runs. Edge attribution's local pass.
+    pub fn read_inputs(
+        &self,
+        layer: usize,
+        x: Tensor<3>,
+        tables: &Tables,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<()> {
+        let q_tables = match self.kind {
+            AttnType::Sliding => &tables.main,
+            _ => &tables.compress,
+        };
+        let at = |s: Site| hooks.touches(&HookPoint::block(layer, s));
+        let (q, kv, entries) = (
+            at(Site::AttnQ),
+            at(Site::AttnK) || at(Site::AttnV),
+            at(Site::CompressedK) || at(Site::CompressedV),
+        );
+        if q {
+            self.queries(layer, &x, q_tables, hooks)?;
+        }
+        if kv {
+            self.keys(layer, &x, q_tables, flow, hooks)?;
+        }
+        if entries {
+            self.entries(layer, &x, tables, flow, hooks)?;
+        }
+        Ok(())
+    }
+
     /// The queries `[b, t, n_heads, head_dim]` (low-rank, per-head normalised, hooked
     /// at `attn_q`, then rotated) and the normalised low-rank residual `q_res` the CSA
     /// indexer reads.

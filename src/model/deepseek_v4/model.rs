@@ -20,7 +20,9 @@ use crate::model::layers::{Embedding, Linear, RmsNorm};
 use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::stored::StoredWeight;
 use crate::model::weights::{Init, Vb};
-use crate::model::{ForwardOutput, LayerKind, LayerSpec, ModelInfo};
+use crate::model::{
+    ForwardOutput, LayerKind, LayerSpec, ModelInfo, StreamModel, StreamPoint, StreamRead,
+};
 
 /// One decoder layer (`model.layers.{l}`).
 #[derive(Module, Debug)]
@@ -413,6 +415,17 @@ impl DeepseekV4Model {
             x = mhc::expand(x, m, &hc);
             x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
         }
+        let logits = self.head_logits(x, hooks)?;
+        Ok(ForwardOutput {
+            logits,
+            cache: hooks.finish().to_device(&home),
+        })
+    }
+
+    /// The streams after the last layer `[b, t, hc, d]` -> logits (on the home device):
+    /// hyper-head collapse, final norm (`hook_final_norm`), LM head.
+    fn head_logits(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
+        let home = self.model.embed_tokens.weight.device();
         let x = to(x, &self.model.norm.weight.val().device());
         let h = self.model.hc_head.forward(x, hooks)?;
         let h = self.model.norm.forward(h);
@@ -429,16 +442,120 @@ impl DeepseekV4Model {
                     .reshape([b, t, v])
             }
         };
-        Ok(ForwardOutput {
-            logits: to(logits, &home),
+        Ok(to(logits, &home))
+    }
+
+    fn layer_at(&self, l: usize) -> Result<&DecoderLayer> {
+        self.model.layers.get(l).ok_or_else(|| {
+            Error::Input(format!(
+                "stream point of layer {l}: the model has {} layers",
+                self.model.layers.len()
+            ))
+        })
+    }
+}
+
+impl StreamModel for DeepseekV4Model {
+    fn read_stream(
+        &self,
+        tokens: Tensor<2, Int>,
+        at: StreamPoint,
+        stream: &Act,
+        spec: &HookSpec,
+    ) -> Result<StreamRead> {
+        let x = stream.get::<4>()?;
+        let [b, t, _, _] = x.dims();
+        let home = self.model.embed_tokens.weight.device();
+        let mut hooks = spec.run();
+        let mut flow = TokenFlow::plain(b, t);
+        let logits = match at {
+            StreamPoint::Attn(l) => {
+                let layer = self.layer_at(l)?;
+                let here = layer.input_layernorm.weight.val().device();
+                let x = to(x, &here);
+                let tables = Tables::new(&self.config, flow.queries(), &here);
+                let hc = layer
+                    .attn_hc
+                    .forward(l, Sublayer::Attention, &x, &mut hooks)?;
+                layer.self_attn.read_inputs(
+                    l,
+                    layer.input_layernorm.forward(hc.collapsed),
+                    &tables,
+                    &mut flow,
+                    &mut hooks,
+                )?;
+                None
+            }
+            StreamPoint::Mlp(l) => {
+                let ids = self.token_ids(&tokens)?;
+                let layer = self.layer_at(l)?;
+                let x = to(x, &layer.input_layernorm.weight.val().device());
+                let hc = layer.ffn_hc.forward(l, Sublayer::Mlp, &x, &mut hooks)?;
+                let m = layer.mlp.forward(
+                    l,
+                    layer.post_attention_layernorm.forward(hc.collapsed),
+                    &ids,
+                    &mut hooks,
+                )?;
+                hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
+                None
+            }
+            StreamPoint::Final => Some(self.head_logits(x, &mut hooks)?),
+        };
+        Ok(StreamRead {
+            logits,
             cache: hooks.finish().to_device(&home),
         })
+    }
+
+    fn additive_stream(&self) -> bool {
+        false
+    }
+
+    fn stream_from_outputs(
+        &self,
+        embed: Tensor<3>,
+        attn_out: &[Tensor<3>],
+        mlp_out: &[Tensor<3>],
+    ) -> Result<Vec<Act>> {
+        let nl = self.model.layers.len();
+        if attn_out.len() != nl || mlp_out.len() != nl {
+            return Err(Error::Input(format!(
+                "{} attention and {} MoE outputs for {nl} layers",
+                attn_out.len(),
+                mlp_out.len()
+            )));
+        }
+        let home = self.model.embed_tokens.weight.device();
+        let spec = HookSpec::new();
+        let mut hooks = spec.run();
+        let [b, t, h] = embed.dims();
+        let n = self.config.hc_mult;
+        let mut x = embed.reshape([b, t, 1, h]).expand([b, t, n, h]);
+        let mut out = Vec::with_capacity(2 * nl + 1);
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let here = layer.input_layernorm.weight.val().device();
+            x = to(x, &here);
+            out.push(Act::new(to(x.clone(), &home)));
+            let hc = layer
+                .attn_hc
+                .forward(l, Sublayer::Attention, &x, &mut hooks)?;
+            x = mhc::expand(x, to(attn_out[l].clone(), &here), &hc);
+            out.push(Act::new(to(x.clone(), &home)));
+            let hc = layer.ffn_hc.forward(l, Sublayer::Mlp, &x, &mut hooks)?;
+            x = mhc::expand(x, to(mlp_out[l].clone(), &here), &hc);
+        }
+        out.push(Act::new(to(x, &home)));
+        Ok(out)
     }
 }
 
 impl crate::model::LanguageModel for DeepseekV4Model {
     fn info(&self) -> ModelInfo {
         DeepseekV4Model::info(self)
+    }
+    fn stream_model(&self) -> Option<&dyn StreamModel> {
+        Some(self)
     }
     fn n_params(&self) -> Option<usize> {
         Some(DeepseekV4Model::n_params(self))

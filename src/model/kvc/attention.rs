@@ -7,7 +7,7 @@ use burn::tensor::{Device, Tensor};
 
 use super::compressor::{Compressor, Windows};
 use super::config::{AttentionKind, KvcConfig};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::{Entries, Keys, Raw, attend};
 use crate::model::kv_state::{Queries, TokenFlow};
@@ -29,6 +29,36 @@ pub struct Attention {
     /// Key-shift mix `mu` `[d_model]` (`key_shift = true`).
     pub key_shift: Option<Param<Tensor<1>>>,
     pub compressor: Option<Compressor>,
+}
+
+/// Which of the attention's inputs [`Attention::inputs`] computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Need {
+    /// The queries.
+    pub q: bool,
+    /// The per-token keys and values.
+    pub kv: bool,
+    /// The compressed entries (and the keys and values they pool).
+    pub entries: bool,
+}
+
+impl Need {
+    /// Everything (the forward).
+    pub const ALL: Need = Need {
+        q: true,
+        kv: true,
+        entries: true,
+    };
+
+    /// What the hooks of `hooks` read or change at layer `layer` (a local read).
+    pub fn touched(hooks: &HookRun, layer: usize) -> Need {
+        let at = |s: Site| hooks.touches(&HookPoint::block(layer, s));
+        Need {
+            q: at(Site::AttnQ),
+            kv: at(Site::AttnK) || at(Site::AttnV),
+            entries: at(Site::CompressedK) || at(Site::CompressedV),
+        }
+    }
 }
 
 /// What every layer of one forward shares: RoPE tables at the key positions, the
@@ -124,34 +154,13 @@ impl Attention {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
-        let [b, lq, _] = h.dims();
-        let (nh, kvh, dh) = (c.n_heads, c.n_kv_heads, c.d_head());
-        let mut q = self.w_q.forward(h.clone()).reshape([b, lq, nh, dh]);
-        let key_input = match &self.key_shift {
-            Some(mix) => {
-                let prev = flow.previous(layer, "attn_in", h.clone())?;
-                let mu = mix.val().unsqueeze::<3>();
-                h.clone() * mu.clone() + prev * (mu.neg() + 1.0)
-            }
-            None => h.clone(),
+        let (q, k, v, entries) = self.inputs(layer, h, tables, c, flow, hooks, Need::ALL)?;
+        let (Some(q), Some(k), Some(v)) = (q, k, v) else {
+            return Err(Error::Other(format!(
+                "layer {layer}: the attention inputs were not all computed"
+            )));
         };
-        let mut k = self.w_k.forward(key_input).reshape([b, lq, kvh, dh]);
-        let v = match &self.w_v {
-            Some(w_v) => w_v.forward(h.clone()).reshape([b, lq, kvh, dh]),
-            None => k.clone(),
-        };
-        if let Some(n) = &self.q_norm {
-            q = n.forward(q);
-        }
-        if let Some(n) = &self.k_norm {
-            k = n.forward(k);
-        }
-        let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
-        let k = hooks.apply(HookPoint::block(layer, Site::AttnK), k)?;
-        let v = hooks.apply(HookPoint::block(layer, Site::AttnV), v)?;
-        let k = flow.full(layer, "k", k)?;
-        let v = flow.full(layer, "v", v)?;
-        let entries = self.entries(layer, &h, &k, &v, tables, c, flow, hooks)?;
+        let dh = c.d_head();
         let raw = match (c.attention, &c.compression) {
             (AttentionKind::Full, _) => Some(None),
             (_, Some(cc)) if cc.local_tail > 0 => Some(Some(cc.local_tail)),
@@ -174,6 +183,70 @@ impl Attention {
         let z = attend(q, flow.queries(), keys, scale, pattern, false, hooks)?;
         let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
         self.output(layer, z, hooks)
+    }
+
+    /// The attention's inputs from `h: [b, lq, d]`: the queries (through `hook_q`, not
+    /// rotated), the keys and values of every position (through `hook_k` / `hook_v`,
+    /// not rotated) and the compressed entries (through `hook_compressed_k` / `_v`).
+    /// Everything between the layer's normalised input and what the attention core
+    /// reads: edge attribution's local pass runs this alone, only the parts it `need`s
+    /// (the forward: all; `None` for the others).
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    pub fn inputs(
+        &self,
+        layer: usize,
+        h: Tensor<3>,
+        tables: &Tables,
+        c: &KvcConfig,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+        need: Need,
+    ) -> Result<(
+        Option<Tensor<4>>,
+        Option<Tensor<4>>,
+        Option<Tensor<4>>,
+        Option<Entries>,
+    )> {
+        let [b, lq, _] = h.dims();
+        let (nh, kvh, dh) = (c.n_heads, c.n_kv_heads, c.d_head());
+        let q = if need.q {
+            let mut q = self.w_q.forward(h.clone()).reshape([b, lq, nh, dh]);
+            if let Some(n) = &self.q_norm {
+                q = n.forward(q);
+            }
+            Some(hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?)
+        } else {
+            None
+        };
+        if !(need.kv || need.entries) {
+            return Ok((q, None, None, None));
+        }
+        let key_input = match &self.key_shift {
+            Some(mix) => {
+                let prev = flow.previous(layer, "attn_in", h.clone())?;
+                let mu = mix.val().unsqueeze::<3>();
+                h.clone() * mu.clone() + prev * (mu.neg() + 1.0)
+            }
+            None => h.clone(),
+        };
+        let mut k = self.w_k.forward(key_input).reshape([b, lq, kvh, dh]);
+        let v = match &self.w_v {
+            Some(w_v) => w_v.forward(h.clone()).reshape([b, lq, kvh, dh]),
+            None => k.clone(),
+        };
+        if let Some(n) = &self.k_norm {
+            k = n.forward(k);
+        }
+        let k = hooks.apply(HookPoint::block(layer, Site::AttnK), k)?;
+        let v = hooks.apply(HookPoint::block(layer, Site::AttnV), v)?;
+        let k = flow.full(layer, "k", k)?;
+        let v = flow.full(layer, "v", v)?;
+        let entries = if need.entries {
+            self.entries(layer, &h, &k, &v, tables, c, flow, hooks)?
+        } else {
+            None
+        };
+        Ok((q, Some(k), Some(v), entries))
     }
 
     /// The compressed entries (pooled from the keys and values of every position), or

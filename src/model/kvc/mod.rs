@@ -26,7 +26,7 @@ pub mod compressor;
 pub mod config;
 pub mod model;
 
-pub use attention::Attention;
+pub use attention::{Attention, Need};
 pub use compressor::Compressor;
 pub use config::{AttentionKind, CompressionConfig, GateMode, KvcConfig, MODEL_TYPE, RopeMode};
 pub use model::{Block, KvcModel};

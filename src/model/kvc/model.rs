@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 
-use super::attention::{Attention, Tables};
+use super::attention::{Attention, Need, Tables};
 use super::config::{AttentionKind, KvcConfig, MODEL_TYPE};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
@@ -12,7 +12,10 @@ use crate::model::kv_state::{PrefixState, Suffix, TokenFlow};
 use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu};
 use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::weights::Vb;
-use crate::model::{ForwardOutput, LanguageModel, LayerKind, LayerSpec, ModelInfo};
+use crate::model::{
+    ForwardOutput, LanguageModel, LayerKind, LayerSpec, ModelInfo, StreamModel, StreamPoint,
+    StreamRead,
+};
 
 /// One pre-norm block.
 #[derive(Module, Debug)]
@@ -302,9 +305,99 @@ impl KvcModel {
     }
 }
 
+impl KvcModel {
+    fn block_at(&self, l: usize) -> Result<&Block> {
+        self.blocks.get(l).ok_or_else(|| {
+            Error::Input(format!(
+                "stream point of layer {l}: the model has {} blocks",
+                self.blocks.len()
+            ))
+        })
+    }
+}
+
+impl StreamModel for KvcModel {
+    fn read_stream(
+        &self,
+        _tokens: Tensor<2, Int>,
+        at: StreamPoint,
+        stream: &Act,
+        spec: &HookSpec,
+    ) -> Result<StreamRead> {
+        let x = stream.get::<3>()?;
+        let [b, t, _] = x.dims();
+        let mut hooks = spec.run();
+        let home = self.home();
+        let mut flow = TokenFlow::plain(b, t);
+        let logits = match at {
+            StreamPoint::Attn(l) => {
+                let block = self.block_at(l)?;
+                let here = block.attn_norm.weight.val().device();
+                let tables = Tables::new(&self.config, flow.queries(), &here);
+                let h = block.attn_norm.forward(to(x, &here));
+                let need = Need::touched(&hooks, l);
+                block
+                    .attn
+                    .inputs(l, h, &tables, &self.config, &mut flow, &mut hooks, need)?;
+                None
+            }
+            StreamPoint::Mlp(l) => {
+                let block = self.block_at(l)?;
+                let here = block.mlp_norm.weight.val().device();
+                let m = block.mlp.forward(block.mlp_norm.forward(to(x, &here)));
+                hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
+                None
+            }
+            StreamPoint::Final => {
+                let x = to(x, &self.final_norm.weight.val().device());
+                let x = self.final_norm.forward(x);
+                let x = hooks.apply(HookPoint::global(Site::FinalNorm), x)?;
+                Some(to(self.head(x), &home))
+            }
+        };
+        Ok(StreamRead {
+            logits,
+            cache: hooks.finish().to_device(&home),
+        })
+    }
+
+    fn additive_stream(&self) -> bool {
+        true
+    }
+
+    fn stream_from_outputs(
+        &self,
+        embed: Tensor<3>,
+        attn_out: &[Tensor<3>],
+        mlp_out: &[Tensor<3>],
+    ) -> Result<Vec<Act>> {
+        let nl = self.blocks.len();
+        if attn_out.len() != nl || mlp_out.len() != nl {
+            return Err(Error::Input(format!(
+                "{} attention and {} MLP outputs for {nl} blocks",
+                attn_out.len(),
+                mlp_out.len()
+            )));
+        }
+        let mut x = embed;
+        let mut out = Vec::with_capacity(2 * nl + 1);
+        for (a, m) in attn_out.iter().zip(mlp_out) {
+            out.push(Act::new(x.clone()));
+            x = x + a.clone();
+            out.push(Act::new(x.clone()));
+            x = x + m.clone();
+        }
+        out.push(Act::new(x));
+        Ok(out)
+    }
+}
+
 impl LanguageModel for KvcModel {
     fn info(&self) -> ModelInfo {
         KvcModel::info(self)
+    }
+    fn stream_model(&self) -> Option<&dyn StreamModel> {
+        Some(self)
     }
     fn n_params(&self) -> Option<usize> {
         Some(self.num_params())

@@ -2,7 +2,9 @@
 //! graph at once) against exact path patching (the path-patching routine, one cell per
 //! edge) of every edge path patching defines (query head -> later q / k / v), in one
 //! run on one phase group of an experiment's model and prompts; and the agreement of the
-//! estimates with the exact effects over those edges.
+//! estimates with the exact effects over those edges. Where pass 2 runs locally (the
+//! model has a stream API), EAP with replicas is timed too, and the largest difference
+//! of the two methods' scores is reported (they compute the same derivative).
 
 use std::path::Path;
 use std::time::Instant;
@@ -16,7 +18,7 @@ use crate::runner::patching::Positions;
 use crate::runner::progress::{Progress, ProgressMode};
 
 use super::super::path_patching::path_group;
-use super::eap::{EdgeRun, Method, path_equivalent};
+use super::eap::{EdgeRun, Method, Pass2, Timing, path_equivalent};
 use super::graph::{Graph, ReceiverNode};
 use super::path_cells;
 
@@ -29,6 +31,14 @@ pub struct EdgeBenchResult {
     /// Edges of the whole graph (what EAP and EAP-IG score).
     pub edges: usize,
     pub eap_seconds: f64,
+    /// How EAP and EAP-IG computed pass 2.
+    pub pass2: Pass2,
+    /// Where EAP's time went.
+    pub eap_timing: Timing,
+    /// With local pass 2: EAP with replicas (the reference), its seconds and the
+    /// largest |local - replicas| over every edge and prompt relative to the largest
+    /// |replicas| score.
+    pub replicas: Option<(f64, f64)>,
     pub ig_steps: usize,
     pub ig_seconds: f64,
     /// Edges path patching scored (every query head -> later q / k / v edge).
@@ -65,10 +75,27 @@ impl std::fmt::Display for EdgeBenchResult {
         )?;
         writeln!(
             f,
-            "EAP (every edge):                    {:.2} s, {:.1} edges/s",
+            "EAP (every edge, pass 2 {}):      {:.2} s, {:.1} edges/s",
+            self.pass2.name(),
             self.eap_seconds,
             Self::rate(self.edges, self.eap_seconds)
         )?;
+        if self.pass2 == Pass2::Replicas {
+            writeln!(
+                f,
+                "(the model has no stream API: pass 2 with one replica forward per receiver)"
+            )?;
+        }
+        writeln!(f, "  EAP's time: {}", self.eap_timing)?;
+        if let Some((s, diff)) = self.replicas {
+            writeln!(
+                f,
+                "EAP with replicas (reference):       {:.2} s, {:.1} edges/s; max |local - replicas| = {:.1e} of max |score|",
+                s,
+                Self::rate(self.edges, s),
+                diff
+            )?;
+        }
         writeln!(
             f,
             "EAP-IG, {} steps (every edge):        {:.2} s, {:.1} edges/s",
@@ -127,6 +154,21 @@ pub fn bench_edges(
     let t = Instant::now();
     let eap = run.scores(Method::Eap, &mut hidden)?;
     let eap_seconds = t.elapsed().as_secs_f64();
+    let replicas = if eap.pass2 == Pass2::Local {
+        let t = Instant::now();
+        let rep = run.scores_with(Method::Eap, Pass2::Replicas, &mut hidden)?;
+        let s = t.elapsed().as_secs_f64();
+        let flat = |v: &[Vec<f32>]| v.iter().flatten().copied().collect::<Vec<f32>>();
+        let (a, b) = (flat(&eap.scores), flat(&rep.scores));
+        let top = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        Some((s, f64::from(diff / top.max(f32::MIN_POSITIVE))))
+    } else {
+        None
+    };
     let t = Instant::now();
     let ig = run.scores(Method::EapIg { steps: ig_steps }, &mut hidden)?;
     let ig_seconds = t.elapsed().as_secs_f64();
@@ -176,6 +218,9 @@ pub fn bench_edges(
         prompt_len: prompts.len,
         edges: graph.edges.len(),
         eap_seconds,
+        pass2: eap.pass2,
+        eap_timing: eap.timing.clone(),
+        replicas,
         ig_steps,
         ig_seconds,
         exact_edges: cells.len(),

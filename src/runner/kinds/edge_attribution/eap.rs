@@ -30,6 +30,34 @@
 //!    direct path from u; its dot product with `a_partner(u) - a(u)` is the score. An
 //!    MLP receiver's replica keeps its own output live (the functional reads it).
 //!
+//! **Pass 2 without replicas** ([`Pass2::Local`], used whenever the model offers a
+//! [`StreamModel`]). "Direct path from u into v" means: every block's own computation
+//! (attention core and output projection of every head, every MLP / MoE) held at its
+//! value, the rest live: the stream-only computation from the senders' outputs to the
+//! stream `X_p` at the point p where v reads (kvc: the running sum; DeepSeek-V4: the
+//! hyper-connections, whose pre / post / comb weights stay functions of the stream), then
+//! v's own input computation `act_v = f_v(X_p)` (norm, mHC pre-mix, projections, gates
+//! and pooling of the entries, the MLP for an MLP receiver, head for the logits). This is
+//! exactly what the replicas differentiate, so the derivative factorises:
+//!
+//! - `r_v = d<G_v, f_v(X_p)>/dX_p`: a vector-Jacobian product through f_v alone
+//!   ([`StreamModel::read_stream`]), one local forward + backward per stream point with
+//!   the point's receivers as batch rows;
+//! - the gradient at u's contribution to the stream: r_v itself on an additive stream
+//!   (kvc), else one backward of `sum_v <r_v, X_p(v)>` through
+//!   [`StreamModel::stream_from_outputs`] with every receiver's rows stacked (cheap: no
+//!   attention, no MLP);
+//! - the score: that gradient dotted with u's change in stream space (a head's
+//!   `hook_result` slice, the MLP output, the embeddings), summed over positions.
+//!
+//! The raw k / v gradients then need no copies of the prompts in pass 1: `G_k(raw) =
+//! dM/d hook_k - d<G_ck, ck> / d hook_k - d<G_cv, cv> / d hook_k` (the entries' own
+//! dependence on `hook_k` / `hook_v`, zero where they have their own projection), a local
+//! product at the same stream point. Cost per state: pass 1 over the receiving prompts
+//! plus local passes of about one layer's inputs per receiver, against a full forward per
+//! receiver with replicas. [`Pass2::Replicas`] stays as the reference (tests compare the
+//! two to float rounding) and the fallback for a model without a [`StreamModel`].
+//!
 //! EAP evaluates both passes at the receiving prompts. EAP-IG (`steps = m`) averages
 //! the gradients over the inputs `e + k/m (e_partner - e)`, k = 1..m, of the token
 //! embeddings (`hook_embed` replaced by the interpolation; the senders' values are
@@ -39,14 +67,15 @@ use burn::tensor::Tensor;
 
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
-use crate::model::LanguageModel;
 use crate::model::grad::grad_at_leaves;
+use crate::model::{LanguageModel, StreamModel, StreamPoint};
 
 use super::super::super::heads::Direction;
 use super::super::super::patching::{Outcome, Prompts, Target, readout};
 use super::super::super::progress::Progress;
 use super::super::attribution_patching::{weighted_ld, weights};
 use super::graph::{Graph, Input, ReceiverNode};
+use std::time::Instant;
 
 /// Which estimator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +96,53 @@ impl Method {
     }
 }
 
+/// How pass 2 (the direct-path derivative into every receiver) is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass2 {
+    /// Local vector-Jacobian products at each stream point and one transport backward:
+    /// O(1) full-model passes (needs the model's [`StreamModel`]).
+    Local,
+    /// One replica forward + backward of the whole model per receiver (the reference).
+    Replicas,
+}
+
+impl Pass2 {
+    /// `local`, `replicas`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass2::Local => "local",
+            Pass2::Replicas => "replicas",
+        }
+    }
+}
+
+/// Seconds spent in each part of [`EdgeRun::scores`].
+#[derive(Debug, Clone, Default)]
+pub struct Timing {
+    /// The plain forward of every prompt (outcomes, sender values).
+    pub plain: f64,
+    /// EAP-IG: the forwards of the interpolated states.
+    pub states: f64,
+    /// Pass 1 (`G_v` at every receiver).
+    pub pass1: f64,
+    /// Local pass 2: the raw k / v corrections and the local products `r_v`.
+    pub local: f64,
+    /// Local pass 2: the stream transport (mHC) and the scores.
+    pub transport: f64,
+    /// Replica pass 2.
+    pub replicas: f64,
+}
+
+impl std::fmt::Display for Timing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "plain forward {:.2} s, interpolated states {:.2} s, pass 1 {:.2} s, local products {:.2} s, transport + scores {:.2} s, replicas {:.2} s",
+            self.plain, self.states, self.pass1, self.local, self.transport, self.replicas
+        )
+    }
+}
+
 /// The scores of one prompt batch.
 #[derive(Debug, Clone)]
 pub struct EdgeScores {
@@ -77,8 +153,15 @@ pub struct EdgeScores {
     /// Per edge (graph order): per receiving prompt, the estimated change of the
     /// clean-orientation logit difference when the edge carries the partner's value.
     pub scores: Vec<Vec<f32>>,
-    /// Forwards run (each backward counted as one more).
+    /// Full-model forwards run (each backward counted as one more).
     pub passes: usize,
+    /// Local forwards (one layer's inputs, or the stream-only computation) run, each
+    /// backward counted as one more ([`Pass2::Local`]; 0 with replicas).
+    pub local_passes: usize,
+    /// How pass 2 was computed.
+    pub pass2: Pass2,
+    /// Where the time went.
+    pub timing: Timing,
 }
 
 /// A batch of the prompts `rows` of `p` (targets and tokens only).
@@ -160,6 +243,110 @@ fn entry_points(g: &Graph) -> Vec<HookPoint> {
     v
 }
 
+/// Where receiver `r` reads the stream.
+fn stream_point(r: ReceiverNode) -> StreamPoint {
+    match r {
+        ReceiverNode::Attn { layer, .. } => StreamPoint::Attn(layer),
+        ReceiverNode::Mlp { layer } => StreamPoint::Mlp(layer),
+        ReceiverNode::Logits => StreamPoint::Final,
+    }
+}
+
+/// The hook point holding the stream at `p` (`Final`: the last block's
+/// `hook_resid_post`).
+fn stream_hook(p: StreamPoint, n_layers: usize) -> Result<HookPoint> {
+    Ok(match p {
+        StreamPoint::Attn(l) => HookPoint::block(l, Site::ResidPre),
+        StreamPoint::Mlp(l) => HookPoint::block(l, Site::ResidMid),
+        StreamPoint::Final => {
+            if n_layers == 0 {
+                return Err(Error::Other(
+                    "edge attribution of a model without blocks".into(),
+                ));
+            }
+            HookPoint::block(n_layers - 1, Site::ResidPost)
+        }
+    })
+}
+
+/// `a: [b, T, ...]` as `[b, T, rest]`.
+fn flat3(a: &Act) -> Result<Tensor<3>> {
+    let s = a.shape();
+    if s.len() < 3 {
+        return Err(Error::Other(format!(
+            "a stream of shape {s:?}: expected [batch, pos, ...]"
+        )));
+    }
+    let rest: usize = s[2..].iter().product();
+    a.reshaped(vec![s[0], s[1], rest])?.get::<3>()
+}
+
+/// Per (row block j, prompt i, head h), `sum_{t, d} g[j n + i, t, d] delta[i, t, h, d]`
+/// for `g: [m n, T, d]` and `delta: [n, T, H, d]`, flattened `[m, n, H]`.
+fn dot_blocks(g: Tensor<3>, delta: &Tensor<4>, m: usize) -> Result<Vec<f32>> {
+    let [n, t, h, d] = delta.dims();
+    let gm = g.reshape([m, n, t * d]).swap_dims(0, 1); // [n, m, T d]
+    let dm = delta.clone().swap_dims(2, 3).reshape([n, t * d, h]); // [n, T d, H]
+    let prod = gm.matmul(dm).swap_dims(0, 1); // [m, n, H]
+    Ok(prod.reshape([m * n * h]).try_into_vec_as::<f32>()?)
+}
+
+/// Receivers whose local products compute the same parts of a layer's input
+/// computation (and so share a local pass): queries, per-token k / v, entries, the MLP,
+/// the logits.
+fn input_class(r: ReceiverNode) -> u8 {
+    match r {
+        ReceiverNode::Attn {
+            input: Input::Q, ..
+        } => 0,
+        ReceiverNode::Attn {
+            input: Input::K | Input::V,
+            ..
+        } => 1,
+        ReceiverNode::Attn { .. } => 2,
+        ReceiverNode::Mlp { .. } => 3,
+        ReceiverNode::Logits => 4,
+    }
+}
+
+/// The term `<G_v, act_v>` of receiver `r` whose rows are block `j` (of `n`) of a
+/// batch: from the captured activation at its point (head slice), or the logits.
+#[allow(clippy::too_many_arguments)]
+fn receiver_term(
+    r: ReceiverNode,
+    j: usize,
+    n: usize,
+    logits: Option<&Tensor<3>>,
+    cache: &ActivationCache,
+    g: &ActivationCache,
+    sub: &Prompts,
+    w: &[f32],
+) -> Result<Tensor<1>> {
+    match r.point() {
+        None => {
+            let logits =
+                logits.ok_or_else(|| Error::Other("the logits receiver read no logits".into()))?;
+            let [_, t, v] = logits.dims();
+            let lg = logits.clone().slice([j * n..(j + 1) * n, 0..t, 0..v]);
+            weighted_ld(lg, sub, w.to_vec())
+        }
+        Some(pt) => {
+            let a = as4(cached(cache, &pt)?)?;
+            let gr = as4(cached(g, &pt)?)?;
+            let [_, t, h, d] = a.dims();
+            let a = a.slice([j * n..(j + 1) * n, 0..t, 0..h, 0..d]);
+            let (a, gr) = match r.head() {
+                Some(hd) => (
+                    a.slice([0..n, 0..t, hd..hd + 1, 0..d]),
+                    gr.slice([0..n, 0..t, hd..hd + 1, 0..d]),
+                ),
+                None => (a, gr),
+            };
+            Ok((a * gr).sum())
+        }
+    }
+}
+
 /// The state the gradients are taken at: the receiving prompts' tokens, optionally
 /// with the token embeddings replaced.
 struct State {
@@ -179,9 +366,36 @@ pub struct EdgeRun<'a> {
 }
 
 impl EdgeRun<'_> {
-    /// The scores of every edge of the graph with `method`; `progress` advances by one
-    /// per replica pass.
+    /// The scores of every edge of the graph with `method`: pass 2 local where the
+    /// model offers a [`StreamModel`], else with replicas; `progress` advances by one
+    /// per pass-2 chunk.
     pub fn scores(&self, method: Method, progress: &mut Progress) -> Result<EdgeScores> {
+        let pass2 = if self.model.stream_model().is_some() {
+            Pass2::Local
+        } else {
+            Pass2::Replicas
+        };
+        self.scores_with(method, pass2, progress)
+    }
+
+    /// [`EdgeRun::scores`] with pass 2 computed as asked (`Local` needs the model's
+    /// [`StreamModel`]).
+    pub fn scores_with(
+        &self,
+        method: Method,
+        pass2: Pass2,
+        progress: &mut Progress,
+    ) -> Result<EdgeScores> {
+        let stream = match pass2 {
+            Pass2::Local => Some(self.model.stream_model().ok_or_else(|| {
+                Error::Other(format!(
+                    "{} models offer no stream API for local edge attribution (use replicas)",
+                    self.model.info().arch
+                ))
+            })?),
+            Pass2::Replicas => None,
+        };
+        let nl = self.graph.n_layers;
         let p = self.prompts;
         let n2 = p.n();
         if n2 == 0 || !n2.is_multiple_of(2) {
@@ -197,24 +411,52 @@ impl EdgeRun<'_> {
         let mut caps = sender_points(self.graph);
         caps.extend(receiver_points(self.graph));
         caps.extend(entry_points(self.graph));
+        if let Some(sm) = stream {
+            // The streams every receiver reads, and (for the transport) the block
+            // outputs the stream is made of.
+            for l in 0..nl {
+                caps.push(stream_hook(StreamPoint::Attn(l), nl)?);
+                caps.push(stream_hook(StreamPoint::Mlp(l), nl)?);
+                if !sm.additive_stream() {
+                    caps.push(HookPoint::block(l, Site::AttnOut));
+                }
+            }
+            caps.push(stream_hook(StreamPoint::Final, nl)?);
+        }
         caps.sort();
         caps.dedup();
         let all: Vec<usize> = (0..n2).collect();
+        let mut timing = Timing::default();
+        let t0 = Instant::now();
         let mut spec = HookSpec::new();
         for c in &caps {
             spec = spec.capture_point(*c);
+        }
+        if stream.is_some() {
+            // The heads' outputs in stream space (hook_result): their deltas.
+            for l in 0..nl {
+                spec = spec.capture_point(HookPoint::block(l, Site::AttnResult));
+            }
         }
         let out = self.model.forward(p.tokens_of(&all, &device), &spec)?;
         let targets: Vec<&Target> = p.targets.iter().collect();
         let base = readout(out.logits, &targets)?;
         let plain = out.cache;
-        // Sender deltas (partner - receiving), per sender point, as [n, T, H|1, d].
+        // Sender deltas (partner - receiving), per sender point, as [n, T, H|1, d]
+        // (replicas: at the sender's point; local: in stream space, a head's through
+        // its hook_result slice).
         let mut deltas = Vec::new();
         for sp in sender_points(self.graph) {
-            let a = cached(&plain, &sp)?;
+            let at = match (stream, sp.site, sp.layer) {
+                (Some(_), Site::AttnZ, Some(l)) => HookPoint::block(l, Site::AttnResult),
+                _ => sp,
+            };
+            let a = cached(&plain, &at)?;
             let d = as4(&a.select_batch(&partners)?)? - as4(&a.select_batch(&recv)?)?;
             deltas.push((sp, d));
         }
+        timing.plain = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
         let sub = rows_of(p, &recv);
         let sign = weights(n, &[self.direction])[recv[0]];
         let w = vec![sign; n];
@@ -261,34 +503,81 @@ impl EdgeRun<'_> {
         } else {
             states.len()
         };
+        timing.states = t0.elapsed().as_secs_f64();
         let scale = 1.0 / states.len() as f32;
+        let mut local_passes = 0;
         for st in &states {
-            let g = self.receiver_grads(st, &sub, &w)?;
+            let t0 = Instant::now();
+            let g = self.receiver_grads(st, &sub, &w, stream.is_none())?;
+            timing.pass1 += t0.elapsed().as_secs_f64();
             passes += 2;
-            passes +=
-                self.replica_passes(st, &sub, &w, &g, &deltas, scale, &mut scores, progress)?;
+            match stream {
+                None => {
+                    let t0 = Instant::now();
+                    passes += self.replica_passes(
+                        st,
+                        &sub,
+                        &w,
+                        &g,
+                        &deltas,
+                        scale,
+                        &mut scores,
+                        progress,
+                    )?;
+                    timing.replicas += t0.elapsed().as_secs_f64();
+                }
+                Some(sm) => {
+                    local_passes += self.local_passes(
+                        sm,
+                        st,
+                        &sub,
+                        &w,
+                        g,
+                        &deltas,
+                        scale,
+                        &mut scores,
+                        progress,
+                        &mut timing,
+                    )?;
+                }
+            }
         }
         Ok(EdgeScores {
             base,
             n,
             scores,
             passes,
+            local_passes,
+            pass2,
+            timing,
         })
     }
 
-    /// Pass 1 at a state: `G_v = dM/d act_v` at every receiver point (raw k / v of a
-    /// compressing layer: with that layer's entries held).
-    fn receiver_grads(&self, st: &State, sub: &Prompts, w: &[f32]) -> Result<ActivationCache> {
+    /// Pass 1 at a state: `G_v = dM/d act_v` at every receiver point. With `copies`,
+    /// the raw k / v gradient of a compressing layer is taken with that layer's entries
+    /// held (extra batch rows); without, `hook_k` / `hook_v` hold the total gradient (the
+    /// local pass removes the entries' share).
+    fn receiver_grads(
+        &self,
+        st: &State,
+        sub: &Prompts,
+        w: &[f32],
+        copies: bool,
+    ) -> Result<ActivationCache> {
         let device = self.model.device();
         let n = sub.n();
         // Copy 0 of the prompts runs unchanged (every gradient but the raw k / v ones);
         // copy 1 + c holds the entries of the c-th compressing layer at their values,
         // which cuts only the path from that layer's hook_k / hook_v into its own
         // entries (every other entry stays live): its raw k / v gradient.
-        let mut entry_layers: Vec<usize> = entry_points(self.graph)
-            .iter()
-            .filter_map(|p| p.layer)
-            .collect();
+        let mut entry_layers: Vec<usize> = if copies {
+            entry_points(self.graph)
+                .iter()
+                .filter_map(|p| p.layer)
+                .collect()
+        } else {
+            Vec::new()
+        };
         entry_layers.dedup();
         let copies = 1 + entry_layers.len();
         let rows: Vec<usize> = (0..copies).flat_map(|_| 0..n).collect();
@@ -457,27 +746,7 @@ impl EdgeRun<'_> {
             let mut total: Option<Tensor<1>> = None;
             for (j, &ri) in chunk.iter().enumerate() {
                 let r = graph.receivers[ri];
-                let term = match r.point() {
-                    None => {
-                        let [_, t, v] = out.logits.dims();
-                        let lg = out.logits.clone().slice([j * n..(j + 1) * n, 0..t, 0..v]);
-                        weighted_ld(lg, sub, w.to_vec())?
-                    }
-                    Some(pt) => {
-                        let a = as4(cached(&out.cache, &pt)?)?;
-                        let gr = as4(cached(g, &pt)?)?;
-                        let [_, t, h, d] = a.dims();
-                        let a = a.slice([j * n..(j + 1) * n, 0..t, 0..h, 0..d]);
-                        let (a, gr) = match r.head() {
-                            Some(hd) => (
-                                a.slice([0..n, 0..t, hd..hd + 1, 0..d]),
-                                gr.slice([0..n, 0..t, hd..hd + 1, 0..d]),
-                            ),
-                            None => (a, gr),
-                        };
-                        (a * gr).sum()
-                    }
-                };
+                let term = receiver_term(r, j, n, Some(&out.logits), &out.cache, g, sub, w)?;
                 total = Some(match total {
                     Some(x) => x + term,
                     None => term,
@@ -524,6 +793,374 @@ impl EdgeRun<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Rows per local pass: `max_rows` bounds a full-model forward, and a local pass
+    /// holds about one layer's activations per row (the stream transport less), so it
+    /// takes `n_layers x max_rows`.
+    fn local_rows(&self) -> usize {
+        self.max_rows.saturating_mul(self.graph.n_layers.max(1))
+    }
+
+    /// Pass 2 at a state without replicas (see the module doc): the raw k / v
+    /// gradients corrected, `r_v` by local products per stream point, then the scores
+    /// (additive stream: `r_v` dotted with every earlier sender's change; otherwise
+    /// through the stream-only transport). Adds `scale x` each edge's per-prompt score
+    /// to `scores`; returns the local passes run (a backward counted as one).
+    #[allow(clippy::too_many_arguments)]
+    fn local_passes(
+        &self,
+        sm: &dyn StreamModel,
+        st: &State,
+        sub: &Prompts,
+        w: &[f32],
+        mut g: ActivationCache,
+        deltas: &[(HookPoint, Tensor<4>)],
+        scale: f32,
+        scores: &mut [Vec<f32>],
+        progress: &mut Progress,
+        timing: &mut Timing,
+    ) -> Result<usize> {
+        let t0 = Instant::now();
+        let graph = self.graph;
+        let nl = graph.n_layers;
+        let n = sub.n();
+        let device = self.model.device();
+        let ad = device.clone().autodiff();
+        let per = (self.local_rows() / n.max(1)).max(1);
+        let mut passes = 0;
+        // The raw k / v gradients of every layer with entry receivers.
+        let mut entry_layers: Vec<usize> =
+            entry_points(graph).iter().filter_map(|p| p.layer).collect();
+        entry_layers.dedup();
+        for &l in &entry_layers {
+            self.raw_kv_grads(sm, st, sub, l, &mut g)?;
+            passes += 2;
+        }
+        // r_v per receiver, [n, T, P] (P: the stream's width per position).
+        let mut r: Vec<Option<Tensor<3>>> = vec![None; graph.receivers.len()];
+        let mut points: Vec<StreamPoint> =
+            graph.receivers.iter().map(|&rv| stream_point(rv)).collect();
+        points.sort();
+        points.dedup();
+        for sp in points {
+            let x = cached(&st.cache, &stream_hook(sp, nl)?)?;
+            let shape = x.shape().to_vec();
+            let x3 = flat3(x)?;
+            let [_, t, width] = x3.dims();
+            let mut at: Vec<usize> = (0..graph.receivers.len())
+                .filter(|&ri| stream_point(graph.receivers[ri]) == sp)
+                .collect();
+            at.sort_by_key(|&ri| input_class(graph.receivers[ri]));
+            let chunks = at
+                .chunk_by(|&a, &b| {
+                    input_class(graph.receivers[a]) == input_class(graph.receivers[b])
+                })
+                .flat_map(|group| group.chunks(per));
+            for chunk in chunks {
+                let c = chunk.len();
+                let rows: Vec<usize> = (0..c).flat_map(|_| 0..n).collect();
+                let rep = rows_of(sub, &rows);
+                let leaf = Tensor::<3>::zeros([c * n, t, width], &ad).require_grad();
+                let mut sshape = shape.clone();
+                sshape[0] = c * n;
+                let xs = Act::new(x3.clone().repeat_dim(0, c) + leaf.clone()).reshaped(sshape)?;
+                let mut spec = HookSpec::new();
+                for &ri in chunk {
+                    if let Some(pt) = graph.receivers[ri].point() {
+                        spec = spec.capture_point(pt);
+                    }
+                }
+                let out = sm.read_stream(all_tokens(&rep, &device), sp, &xs, &spec)?;
+                let mut total: Option<Tensor<1>> = None;
+                for (j, &ri) in chunk.iter().enumerate() {
+                    let term = receiver_term(
+                        graph.receivers[ri],
+                        j,
+                        n,
+                        out.logits.as_ref(),
+                        &out.cache,
+                        &g,
+                        sub,
+                        w,
+                    )?;
+                    total = Some(match total {
+                        Some(a) => a + term,
+                        None => term,
+                    });
+                }
+                let total = total.ok_or_else(|| Error::Other("an empty receiver chunk".into()))?;
+                let grads = total.backward();
+                let gr = leaf.grad(&grads).ok_or_else(|| {
+                    Error::Other(format!(
+                        "no gradient reached the stream at {sp:?} (does the model read it?)"
+                    ))
+                })?;
+                for (j, &ri) in chunk.iter().enumerate() {
+                    r[ri] = Some(gr.clone().slice([j * n..(j + 1) * n, 0..t, 0..width]));
+                }
+                passes += 2;
+                progress.inc(1);
+            }
+        }
+        let r: Vec<Tensor<3>> = r
+            .into_iter()
+            .enumerate()
+            .map(|(ri, x)| {
+                x.ok_or_else(|| {
+                    Error::Other(format!("no local pass for {}", graph.receivers[ri].label()))
+                })
+            })
+            .collect::<Result<_>>()?;
+        timing.local += t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        if sm.additive_stream() {
+            self.score_additive(&r, deltas, scale, scores)?;
+        } else {
+            passes += self.score_transported(sm, st, &r, deltas, scale, scores, progress)?;
+        }
+        timing.transport += t0.elapsed().as_secs_f64();
+        Ok(passes)
+    }
+
+    /// `G_k(raw) = G_k - d(<G_ck, ck> + <G_cv, cv>)/d hook_k` (and for v) at layer `l`:
+    /// one local product through the layer's inputs with leaves at `hook_k` / `hook_v`.
+    fn raw_kv_grads(
+        &self,
+        sm: &dyn StreamModel,
+        st: &State,
+        sub: &Prompts,
+        l: usize,
+        g: &mut ActivationCache,
+    ) -> Result<()> {
+        let device = self.model.device();
+        let ad = device.clone().autodiff();
+        let sp = StreamPoint::Attn(l);
+        let x = cached(&st.cache, &stream_hook(sp, self.graph.n_layers)?)?;
+        let (kp, vp) = (
+            HookPoint::block(l, Site::AttnK),
+            HookPoint::block(l, Site::AttnV),
+        );
+        let (ckp, cvp) = (
+            HookPoint::block(l, Site::CompressedK),
+            HookPoint::block(l, Site::CompressedV),
+        );
+        let mut spec = HookSpec::new().capture_point(ckp).capture_point(cvp);
+        let mut leaves = Vec::new();
+        for pt in [kp, vp] {
+            let Some(gk) = g.get(&pt) else {
+                continue;
+            };
+            let dims: [usize; 4] = as4(gk)?.dims();
+            let leaf = Tensor::<4>::zeros(dims, &ad).require_grad();
+            let act = if gk.rank() == 3 {
+                Act::new(leaf.clone().reshape([dims[0], dims[1], dims[3]]))
+            } else {
+                Act::new(leaf.clone())
+            };
+            spec = spec.intervene_point(pt, Action::Add(act), Scope::all());
+            leaves.push((pt, leaf));
+        }
+        if leaves.is_empty() {
+            return Ok(());
+        }
+        let out = sm.read_stream(all_tokens(sub, &device), sp, x, &spec)?;
+        let mut total: Option<Tensor<1>> = None;
+        for pt in [ckp, cvp] {
+            let (Some(a), Some(ga)) = (out.cache.get(&pt), g.get(&pt)) else {
+                continue;
+            };
+            let term = (as4(a)? * as4(ga)?).sum();
+            total = Some(match total {
+                Some(x) => x + term,
+                None => term,
+            });
+        }
+        // Entries that do not read hook_k / hook_v (their own projection): nothing to
+        // remove, and nothing to differentiate.
+        let Some(total) = total.filter(|t| t.is_tracked()) else {
+            return Ok(());
+        };
+        let grads = total.backward();
+        for (pt, leaf) in leaves {
+            // No gradient: the entries do not read this point (their own projection).
+            let Some(share) = leaf.grad(&grads) else {
+                continue;
+            };
+            let gk = cached(g, &pt)?;
+            let shape = gk.shape().to_vec();
+            let raw = Act::new(as4(gk)? - share).reshaped(shape)?;
+            g.insert(pt, raw);
+        }
+        Ok(())
+    }
+
+    /// Additive stream: the gradient at every earlier sender's contribution is `r_v`.
+    fn score_additive(
+        &self,
+        r: &[Tensor<3>],
+        deltas: &[(HookPoint, Tensor<4>)],
+        scale: f32,
+        scores: &mut [Vec<f32>],
+    ) -> Result<()> {
+        let graph = self.graph;
+        let nl = graph.n_layers;
+        let n = self.prompts.n() / 2;
+        for (pt, delta) in deltas {
+            let Some(order) = graph
+                .senders
+                .iter()
+                .find(|s| s.point() == *pt)
+                .map(|s| s.order())
+            else {
+                continue;
+            };
+            let js: Vec<usize> = (0..graph.receivers.len())
+                .filter(|&ri| graph.receivers[ri].order(nl) > order)
+                .collect();
+            if js.is_empty() {
+                continue;
+            }
+            let width = r[js[0]].dims()[2];
+            let d = delta.dims()[3];
+            if width != d {
+                return Err(Error::hook(
+                    pt.to_string(),
+                    format!(
+                        "an additive stream of width {width} against sender outputs of width {d}"
+                    ),
+                ));
+            }
+            let gcat = Tensor::cat(js.iter().map(|&j| r[j].clone()).collect(), 0);
+            let per = dot_blocks(gcat, delta, js.len())?;
+            let h = delta.dims()[2];
+            for (jj, &ri) in js.iter().enumerate() {
+                self.add_scores(ri, *pt, &per, jj, n, h, scale, scores);
+            }
+        }
+        Ok(())
+    }
+
+    /// Add `scale x per[(jj n + i) H + head]` to every edge into receiver `ri` from a
+    /// sender at `pt`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_scores(
+        &self,
+        ri: usize,
+        pt: HookPoint,
+        per: &[f32],
+        jj: usize,
+        n: usize,
+        h: usize,
+        scale: f32,
+        scores: &mut [Vec<f32>],
+    ) {
+        let graph = self.graph;
+        for (ei, e) in graph.edges_into(ri) {
+            let s = graph.senders[e.sender];
+            if s.point() != pt {
+                continue;
+            }
+            let hd = s.head().unwrap_or(0);
+            for i in 0..n {
+                scores[ei][i] += scale * per[(jj * n + i) * h + hd];
+            }
+        }
+    }
+
+    /// Non-additive stream (mHC): the senders' gradients for every receiver from one
+    /// backward of `sum_v <r_v, X_p(v)>` through the stream-only computation (receivers
+    /// x prompts rows, `max_rows` at a time), every block output held at the state's
+    /// value.
+    #[allow(clippy::too_many_arguments)]
+    fn score_transported(
+        &self,
+        sm: &dyn StreamModel,
+        st: &State,
+        r: &[Tensor<3>],
+        deltas: &[(HookPoint, Tensor<4>)],
+        scale: f32,
+        scores: &mut [Vec<f32>],
+        progress: &mut Progress,
+    ) -> Result<usize> {
+        let graph = self.graph;
+        let nl = graph.n_layers;
+        let n = self.prompts.n() / 2;
+        let ad = self.model.device().autodiff();
+        let per_chunk = (self.local_rows() / n.max(1)).max(1);
+        let embed = match &st.embed {
+            Some(e) => e.get::<3>()?,
+            None => cached(&st.cache, &HookPoint::global(Site::Embed))?.get::<3>()?,
+        };
+        let outs = |site: Site| -> Result<Vec<Tensor<3>>> {
+            (0..nl)
+                .map(|l| cached(&st.cache, &HookPoint::block(l, site))?.get::<3>())
+                .collect()
+        };
+        let (attn, mlp) = (outs(Site::AttnOut)?, outs(Site::MlpOut)?);
+        let receivers: Vec<usize> = (0..graph.receivers.len()).collect();
+        let mut passes = 0;
+        for chunk in receivers.chunks(per_chunk) {
+            let c = chunk.len();
+            let leaf = |t: &Tensor<3>| Tensor::<3>::zeros(t.dims(), &ad).require_grad();
+            let rep = |t: &Tensor<3>| t.clone().repeat_dim(0, c);
+            let (e0, a0, m0) = (
+                rep(&embed),
+                attn.iter().map(rep).collect::<Vec<_>>(),
+                mlp.iter().map(rep).collect::<Vec<_>>(),
+            );
+            let el = leaf(&e0);
+            let al: Vec<Tensor<3>> = a0.iter().map(leaf).collect();
+            let ml: Vec<Tensor<3>> = m0.iter().map(leaf).collect();
+            let sum = |a: &[Tensor<3>], b: &[Tensor<3>]| -> Vec<Tensor<3>> {
+                a.iter()
+                    .zip(b)
+                    .map(|(x, y)| x.clone() + y.clone())
+                    .collect()
+            };
+            let streams =
+                sm.stream_from_outputs(e0 + el.clone(), &sum(&a0, &al), &sum(&m0, &ml))?;
+            let mut total: Option<Tensor<1>> = None;
+            for (j, &ri) in chunk.iter().enumerate() {
+                let k = stream_point(graph.receivers[ri]).index(nl);
+                let x = flat3(streams.get(k).ok_or_else(|| {
+                    Error::Other(format!("the stream-only computation gave no stream {k}"))
+                })?)?;
+                let [_, t, width] = x.dims();
+                let term = (x.slice([j * n..(j + 1) * n, 0..t, 0..width]) * r[ri].clone()).sum();
+                total = Some(match total {
+                    Some(a) => a + term,
+                    None => term,
+                });
+            }
+            let total = total.ok_or_else(|| Error::Other("an empty receiver chunk".into()))?;
+            let grads = total.backward();
+            let grad = |t: &Tensor<3>| -> Tensor<3> {
+                t.grad(&grads)
+                    .unwrap_or_else(|| Tensor::zeros(t.dims(), &self.model.device()))
+            };
+            for (pt, delta) in deltas {
+                let gs = match (pt.site, pt.layer) {
+                    (Site::Embed, _) => grad(&el),
+                    (Site::AttnZ, Some(l)) => grad(&al[l]),
+                    (Site::MlpOut, Some(l)) => grad(&ml[l]),
+                    _ => {
+                        return Err(Error::hook(
+                            pt.to_string(),
+                            "not a sender point of the stream transport",
+                        ));
+                    }
+                };
+                let per = dot_blocks(gs, delta, c)?;
+                let h = delta.dims()[2];
+                for (jj, &ri) in chunk.iter().enumerate() {
+                    self.add_scores(ri, *pt, &per, jj, n, h, scale, scores);
+                }
+            }
+            passes += 2;
+            progress.inc(1);
+        }
+        Ok(passes)
     }
 }
 

@@ -7,8 +7,10 @@
 //! Per phase group r (clean prompts and their corrupted partners, as in path patching):
 //! 1. **Scores** ([`eap`]): for every method, one plain forward, then per state (EAP: the
 //!    receiving prompts; EAP-IG: `ig_steps` interpolations of the input embeddings)
-//!    one gradient pass for the receivers' gradients and one replicated pass for the
-//!    receivers' inputs; every edge's per-prompt estimate of the change of the
+//!    one gradient pass for the receivers' gradients and the direct-path derivative
+//!    into every receiver's input (local products per stream point and a stream
+//!    transport where the model offers its stream API, else one replicated pass); every
+//!    edge's per-prompt estimate of the change of the
 //!    clean-orientation logit difference. The estimated NLD of an edge is the
 //!    patch-heads NLD with `LD_patched` replaced by `LD_receiving + score`.
 //! 2. **Exact check** (`validate`): the path-patching routine on (a seeded sample of)
@@ -60,7 +62,7 @@ pub mod faithful;
 pub mod figure;
 pub mod graph;
 
-pub use eap::{EdgeRun, EdgeScores, Method};
+pub use eap::{EdgeRun, EdgeScores, Method, Pass2, Timing};
 pub use graph::{Edge, Graph, Input, ReceiverNode, SenderNode};
 
 /// An estimator as the settings name it.
