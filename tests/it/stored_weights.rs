@@ -13,7 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use phaselens::hooks::HookSpec;
 use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
 use phaselens::model::safetensors_io::SafetensorsReader;
-use phaselens::model::stored::Residency;
+use phaselens::model::stored::{Residency, take_largest_dequant, with_dequant_budget};
 
 use crate::common::vals;
 use crate::deepseek_v4_parity::{read_raw, write_raw};
@@ -72,6 +72,35 @@ fn sharded_release_fp8_fixture_is_the_same_stored_or_f32() {
 #[test]
 fn realwidth_fixture_is_the_same_stored_or_f32() {
     same_bits("realwidth_ci");
+}
+
+/// Stored matrices are multiplied in blocks of rows, never dequantised whole when larger
+/// than the budget: with a budget of 3077 values (3 rows of `realwidth_ci`'s widest
+/// matrix, `o_a` with 1024 columns; the heads are 128 x 128 and 256 x 64, `wq_b` 2048 x
+/// 64, so every large matrix is split, most into blocks of uneven length) the logits and
+/// every capture equal the f32 residency's bit for bit, and a forward without hooks
+/// dequantises less than twice the budget at once (a last block shorter than the blocks
+/// joins the one before it).
+#[test]
+fn blocked_products_of_stored_matrices_give_the_same_bits() {
+    let budget = 3 * 1024 + 5;
+    for name in ["realwidth_ci", "fp4_experts"] {
+        with_dequant_budget(budget, || {
+            same_bits(name);
+            let s = load(name, Residency::Stored);
+            take_largest_dequant();
+            s.forward(input(name), &HookSpec::new()).unwrap();
+            let blocked = take_largest_dequant();
+            eprintln!("{name}: at most {blocked} values dequantised at once (budget {budget})");
+            assert!(blocked > 0 && blocked < 2 * budget, "{name}: {blocked}");
+        });
+        // the default budget holds each of these small matrices whole
+        let s = load(name, Residency::Stored);
+        take_largest_dequant();
+        s.forward(input(name), &HookSpec::new()).unwrap();
+        let whole = take_largest_dequant();
+        assert!(whole > 2 * budget, "{name}: largest matrix {whole}");
+    }
 }
 
 /// Bytes of the tensors of `name`'s checkpoint by dtype (as in the files), and the f32
