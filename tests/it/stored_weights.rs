@@ -225,3 +225,114 @@ fn a_malformed_scale_is_named_with_stored_weights_as_with_f32() {
         "{s}"
     );
 }
+
+fn phaselens(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_phaselens"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `bench forward --model DIR --weights stored|f32`: the model is held so (the sweep's
+/// resident weight bytes: the FP4 + FP8 + BF16 fixture is 3x larger as f32); a bad value,
+/// or --weights without --model, is clap's error.
+#[test]
+fn bench_forward_takes_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("realwidth_ci");
+    let model = model.to_str().unwrap();
+    let mut bytes = Vec::new();
+    for w in ["stored", "f32"] {
+        let json = dir.path().join(format!("{w}.json"));
+        let out = phaselens(&[
+            "bench",
+            "forward",
+            "--model",
+            model,
+            "--tokens",
+            "16",
+            "--reps",
+            "1",
+            "--weights",
+            w,
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{e}");
+        assert!(e.contains(&format!("weights {w}:")), "{e}");
+        let j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        bytes.push(j[0]["weights_bytes"].as_u64().unwrap());
+    }
+    eprintln!("bench forward weights bytes, stored vs f32: {bytes:?}");
+    assert!(bytes[1] > 2 * bytes[0], "{bytes:?}");
+    let out = phaselens(&["bench", "forward", "--model", model, "--weights", "bf16"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(e.contains("bf16") && e.contains("`stored`"), "{e}");
+    let out = phaselens(&["bench", "forward", "--weights", "f32"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(e.contains("--model"), "{e}");
+}
+
+/// `audit --weights` and the audit TOML's `[model] weights` (the flag wins): the model is
+/// loaded so (FP4 bytes resident or not) before the audit's checks; bad values are named.
+/// A budget too small for the CI width stops each audit right after loading.
+#[test]
+fn audit_takes_weights_from_the_flag_or_its_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = fixture("realwidth_ci");
+    let model = model.to_str().unwrap();
+    let cfg = d.join("audit.toml");
+    std::fs::write(&cfg, "[model]\nweights = \"f32\"\n").unwrap();
+    let audit = |out: &str, extra: &[&str]| {
+        let out = d.join(out);
+        let mut args = vec![
+            "audit",
+            model,
+            "--plain",
+            "--budget",
+            "prompts=10",
+            "--ci-width",
+            "20pp",
+            "--out",
+        ];
+        args.push(out.to_str().unwrap());
+        args.extend_from_slice(extra);
+        let o = phaselens(&args);
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let cfg = cfg.to_str().unwrap();
+    for (out, extra, want) in [
+        ("a", &["--weights", "f32"][..], "f32"),
+        ("b", &["--config", cfg][..], "f32"),
+        ("c", &["--config", cfg, "--weights", "stored"][..], "stored"),
+    ] {
+        let (code, e) = audit(out, extra);
+        assert_eq!(code, Some(1), "{extra:?}: {e}");
+        assert!(e.contains("budget is too small"), "{extra:?}: {e}");
+        let line = e
+            .lines()
+            .find(|l| l.contains(": weights "))
+            .unwrap_or_else(|| panic!("{extra:?}: no residency line in {e}"));
+        assert!(
+            line.contains(&format!("weights {want}:")),
+            "{extra:?}: {line}"
+        );
+        assert_eq!(line.contains("fp4 "), want == "stored", "{extra:?}: {line}");
+    }
+    let (code, e) = audit("e", &["--weights", "half"]);
+    assert_eq!(code, Some(2), "{e}");
+    assert!(e.contains("half") && e.contains("`f32`"), "{e}");
+    std::fs::write(d.join("bad.toml"), "[model]\nweights = \"half\"\n").unwrap();
+    let bad = d.join("bad.toml");
+    let (code, e) = audit("f", &["--config", bad.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{e}");
+    assert!(e.contains("bad.toml") && e.contains("half"), "{e}");
+}
