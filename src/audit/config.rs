@@ -224,6 +224,16 @@ impl Default for Settings {
     }
 }
 
+/// `[model]`: how the audited checkpoint is loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSettings {
+    /// A checkpoint's BF16 / FP8 / FP4 weights: `"stored"` (resident as in the
+    /// checkpoint, dequantised where used; the default) or `"f32"` (dequantised on
+    /// load). `--weights` overrides it.
+    pub weights: crate::model::stored::Residency,
+}
+
 /// The whole audit configuration.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -231,6 +241,7 @@ pub struct AuditConfig {
     pub gates: Gates,
     pub budget: Budget,
     pub audit: Settings,
+    pub model: ModelSettings,
     /// The runner's `[task]` keys (vocab, prompt, seed, ...; docs/experiments.md),
     /// passed through; `period` and `n_logical` are set by the audit.
     pub task: Option<toml::Table>,

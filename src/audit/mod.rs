@@ -31,12 +31,12 @@ use std::time::Instant;
 
 use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
-use crate::model::load_model;
+use crate::model::{load_model_with, residency_summary};
 use crate::runner::ProgressMode;
 use crate::train::OrganismFile;
 
 pub use certificate::{Certificate, Verdict};
-pub use config::{AuditConfig, Budget, GateOn, Gates, Settings};
+pub use config::{AuditConfig, Budget, GateOn, Gates, ModelSettings, Settings};
 
 /// Every gate passed (or none was set).
 pub const EXIT_PASS: i32 = 0;
@@ -204,12 +204,20 @@ pub fn run_audit(req: &AuditRequest) -> Result<AuditOutcome> {
     req.config.validate().map_err(Error::Input)?;
     let target = resolve_target(&req.model)?;
     let device = req.device.device()?;
-    let model = load_model(&target.dir, &device).map_err(|e| {
+    let residency = req.config.model.weights;
+    let model = load_model_with(&target.dir, &device, residency).map_err(|e| {
         Error::Input(format!(
             "the model folder {} does not load: {e}",
             target.dir.display()
         ))
     })?;
+    if req.progress != ProgressMode::Hidden {
+        eprintln!(
+            "{}: {}",
+            target.dir.display(),
+            residency_summary(model.as_ref(), residency)
+        );
+    }
     let info = model.info();
     std::fs::create_dir_all(&req.out).map_err(|e| Error::io(&req.out, e))?;
     let _lock = crate::output::lock::RunLock::acquire(&req.out.join(".lock"), "audit")?;

@@ -71,6 +71,11 @@ pub struct AuditArgs {
     /// Device: cpu, wgpu[:N], tch-cpu, tch-cuda:N, cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
+    /// BF16 / FP8 / FP4 checkpoint weights: `stored` (resident as in the checkpoint,
+    /// dequantised where used) or `f32` (dequantised on load). Overrides the --config
+    /// file's `[model] weights`; default stored.
+    #[arg(long, value_name = "stored|f32")]
+    pub weights: Option<phaselens::model::stored::Residency>,
     /// Recompute everything (replace an earlier audit in --out).
     #[arg(long)]
     pub fresh: bool,
@@ -155,6 +160,9 @@ fn config(a: &AuditArgs) -> Result<AuditConfig> {
     }
     if !a.lengths.is_empty() {
         c.audit.lengths = a.lengths.clone();
+    }
+    if let Some(w) = a.weights {
+        c.model.weights = w;
     }
     Ok(c)
 }

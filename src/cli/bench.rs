@@ -25,7 +25,8 @@ pub enum BenchWhat {
     /// several `--tokens`: tokens/s and peak RSS per sequence length.
     #[command(
         after_help = "Examples:\n  phaselens bench forward --tokens 1024 --reps 5\n  \
-        phaselens bench forward --model experiments/organisms/kvc-w8s8 --tokens 1024,4096,16384,65536 --reps 1\n\n\
+        phaselens bench forward --model experiments/organisms/kvc-w8s8 --tokens 1024,4096,16384,65536 --reps 1\n  \
+        phaselens bench forward --model DIR --tokens 4096 --reps 1 --weights f32\n\n\
         The length sweep prints seconds per forward, tokens/s, the process's peak resident set\n\
         (reset before each length) and, for scale, the f32 weights and one layer's K/V state at\n\
         that length; --json writes the same numbers."
@@ -152,6 +153,15 @@ pub struct ForwardBench {
     /// measures the length sweep.
     #[arg(long)]
     pub model: Option<std::path::PathBuf>,
+    /// With --model: BF16 / FP8 / FP4 checkpoint weights `stored` (resident as in the
+    /// checkpoint, dequantised where used) or `f32` (dequantised on load).
+    #[arg(
+        long,
+        value_name = "stored|f32",
+        default_value = "stored",
+        requires = "model"
+    )]
+    pub weights: phaselens::model::stored::Residency,
     /// Write the length sweep as JSON.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -363,8 +373,16 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
     use phaselens::model::bench::forward_sweep;
     let device = b.device.device()?;
     let model: Box<dyn phaselens::model::LanguageModel> = match &b.model {
-        Some(dir) => phaselens::model::load_model(dir, &device)
-            .with_context(|| format!("loading {}", dir.display()))?,
+        Some(dir) => {
+            let m = phaselens::model::load_model_with(dir, &device, b.weights)
+                .with_context(|| format!("loading {}", dir.display()))?;
+            eprintln!(
+                "{}: {}",
+                dir.display(),
+                phaselens::model::residency_summary(m.as_ref(), b.weights)
+            );
+            m
+        }
         None => Box::new(synthetic_kvc(&b, &device)?),
     };
     let name = b

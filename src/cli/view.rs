@@ -45,6 +45,11 @@ pub struct ViewArgs {
     /// Device for the capture forwards.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
+    /// BF16 / FP8 / FP4 checkpoint weights for the capture forwards: `stored` (resident
+    /// as in the checkpoint, dequantised where used) or `f32` (dequantised on load).
+    /// Overrides the experiment's `[model] weights`; default stored.
+    #[arg(long, value_name = "stored|f32")]
+    pub weights: Option<phaselens::model::stored::Residency>,
     /// Root of the tables.
     #[arg(long, default_value = "notebooks-data")]
     pub data_dir: PathBuf,
@@ -65,6 +70,7 @@ pub fn run(a: ViewArgs) -> Result<()> {
         capture: (!a.no_capture).then(|| CaptureOptions {
             logical: a.exemplars,
             device: a.device,
+            weights: a.weights,
             ..CaptureOptions::default()
         }),
     };

@@ -106,6 +106,18 @@ pub fn with_block_budget<T>(budget: usize, f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// Query rows per block of `lq` queries: `lq` halved until `cost(rows)` (score
+/// elements of a block of `rows` queries) fits this thread's budget ([`BLOCK_BUDGET`]);
+/// at least 1. The blocked attention sizes its blocks so; `phaselens plan` repeats it.
+pub fn rows_within_budget(lq: usize, cost: impl Fn(usize) -> usize) -> usize {
+    let budget = BUDGET.with(|b| b.get());
+    let mut bq = lq.max(1);
+    while bq > 1 && cost(bq) > budget {
+        bq = bq.div_ceil(2);
+    }
+    bq
+}
+
 /// The largest score tensor (elements) the blocked path built on this thread since the
 /// last call; resets it. The dense path (a hooked `hook_pattern`) is not counted.
 pub fn take_largest_block() -> usize {
@@ -272,13 +284,9 @@ impl Geometry<'_> {
             Some(_) => total,
             None => 0,
         };
-        let budget = BUDGET.with(|b| b.get());
-        let mut bq = lq.max(1);
-        let cost = |bq: usize| self.b * bq * (self.nh * (entries + raw(bq) + 1) + selecting);
-        while bq > 1 && cost(bq) > budget {
-            bq = bq.div_ceil(2);
-        }
-        bq
+        rows_within_budget(lq, |bq| {
+            self.b * bq * (self.nh * (entries + raw(bq) + 1) + selecting)
+        })
     }
 
     /// Rows whose query positions differ: 1 when every row computes the same positions.

@@ -23,7 +23,8 @@ pub struct LengthPoint {
     pub peak_rss_bytes: Option<u64>,
     /// Resident set before the forwards (weights, code, allocator pools).
     pub base_rss_bytes: Option<u64>,
-    /// f32 weights.
+    /// Resident weights: as held (a checkpoint's BF16 / FP8 / FP4 matrices at their
+    /// stored bytes under `--weights stored`), else 4 bytes per parameter.
     pub weights_bytes: u64,
     /// One layer's per-token keys and values at this length (f32): raw K and V of every
     /// KV head plus the compressed entries (kvc: `T/S` per KV head; DeepSeek-V4: one
@@ -92,7 +93,10 @@ pub fn forward_sweep(
     }
     let info = model.info();
     let device = model.device();
-    let weights_bytes = model.n_params().unwrap_or(0) as u64 * 4;
+    let weights_bytes = match model.resident_bytes() {
+        Some(by) => by.values().sum::<usize>() as u64,
+        None => model.n_params().unwrap_or(0) as u64 * 4,
+    };
     let mut out = Vec::with_capacity(lengths.len());
     for &t in lengths {
         let ids: Vec<i64> = (0..batch * t)

@@ -43,6 +43,16 @@ impl Weight {
         }
     }
 
+    /// `x: [n, cols] -> x W^T: [n, rows]`. A stored matrix is dequantised in blocks of
+    /// rows within [`super::stored::DEQUANT_BUDGET`] ([`StoredWeight::matmul_t`]), never
+    /// whole when larger.
+    pub fn matmul_t(&self, x: Tensor<2>) -> Tensor<2> {
+        match self {
+            Weight::Dense(p) => x.matmul(p.val().transpose()),
+            Weight::Stored(s) => s.matmul_t(0, x),
+        }
+    }
+
     /// Rows `ids` of the matrix (`[ids.len(), cols]`; only those rows are dequantised).
     pub fn rows(&self, ids: Tensor<1, Int>) -> Tensor<2> {
         match self {
@@ -128,9 +138,8 @@ impl Linear {
         let dims = x.dims();
         let d_in = dims[D - 1];
         let n: usize = dims[..D - 1].iter().product();
-        let w = self.weight.val();
-        let d_out = w.dims()[0];
-        let mut y = x.reshape([n, d_in]).matmul(w.transpose());
+        let d_out = self.weight.dims()[0];
+        let mut y = self.weight.matmul_t(x.reshape([n, d_in]));
         if let Some(b) = &self.bias {
             y = y + b.val().unsqueeze::<2>();
         }

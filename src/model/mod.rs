@@ -395,6 +395,31 @@ pub fn save_kvc(model: &KvcModel, dir: &Path) -> Result<()> {
     safetensors_io::write_atomic(&dir.join("config.json"), format!("{json}\n").as_bytes())
 }
 
+/// One line on how a loaded model holds its weights, for commands to print:
+/// `weights stored: 3.3 MiB resident (bf16 1.2 MiB, fp4 ...)` (by storage, counted from
+/// the model), or the f32 bytes of its parameters when it does not report them.
+pub fn residency_summary(model: &dyn LanguageModel, residency: stored::Residency) -> String {
+    let human = memory::human;
+    match model.resident_bytes() {
+        Some(by) => {
+            let total: usize = by.values().sum();
+            let parts: Vec<String> = by
+                .iter()
+                .map(|(k, v)| format!("{k} {}", human(*v as f64)))
+                .collect();
+            format!(
+                "weights {residency}: {} resident ({})",
+                human(total as f64),
+                parts.join(", ")
+            )
+        }
+        None => format!(
+            "weights {residency}: {} resident (f32 parameters)",
+            human(4.0 * model.n_params().unwrap_or(0) as f64)
+        ),
+    }
+}
+
 /// Load any supported model directory, dispatching on `config.json`'s `model_type`
 /// (BF16 / FP8 / FP4 weights kept as stored: [`stored::Residency::Stored`]).
 pub fn load_model(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>> {

@@ -14,7 +14,10 @@
 //! - a **forward's working set**: the activations of one layer alive at once, per token
 //!   (mHC streams, query and output heads, compressor and indexer projections, routed and
 //!   shared expert intermediates), plus the logits on the device holding the head, plus
-//!   (stored residency) the largest matrix dequantised for one matmul;
+//!   one attention block's gathered keys and
+//!   values ([`attention_block_bytes`]) and score scratch, plus (stored residency) the
+//!   most dequantised at once (one matrix, at most [`DEQUANT_BUDGET`] values: larger
+//!   ones are multiplied in row blocks);
 //! - a **patching chunk**: the same per row, times the rows of a chunk;
 //! - the **load transient**: the loader builds one tensor (f32: a layer's stacked
 //!   experts; stored: one file tensor, dequantised once to check it) in host memory next
@@ -32,7 +35,7 @@ use super::deepseek_v4::config::{AttnType, MlpType};
 use super::deepseek_v4::{DeepseekV4Config, V4Checkpoint};
 use super::placement::{Placement, default_host};
 use super::safetensors_io::StDtype;
-use super::stored::Residency;
+use super::stored::{DEQUANT_BUDGET, Residency};
 use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
 
@@ -403,6 +406,34 @@ pub fn block_scratch() -> f64 {
     3.0 * 4.0 * crate::model::attention::BLOCK_BUDGET as f64
 }
 
+/// Bytes of keys and values one attention block of layer `l` gathers, for `rows` rows
+/// of `t` tokens at shared positions (a forward). The blocked attention sizes a block
+/// by its score elements ([`crate::model::attention::rows_within_budget`]); each query
+/// of the block gathers its own `min(window, t)` raw keys and, in a CSA layer, its
+/// `index_topk` selected entries, each `head_dim` wide: the selected keys and values
+/// together, then the selected values with the raw keys, then with the raw values (the
+/// raw keys are freed once scored). With head_dim 512 this, not the scores, is most of
+/// a block: 256 KiB per query for a window of 128, and a sliding layer's block holds up
+/// to 2000 queries at 4 heads.
+pub fn attention_block_bytes(c: &DeepseekV4Config, l: usize, t: usize, rows: usize) -> f64 {
+    let (nh, d) = (c.num_attention_heads, c.head_dim);
+    let w = c.sliding_window.min(t);
+    let (n, selecting, kk) = match c.layer_types[l] {
+        AttnType::Sliding => (0, 0, 0),
+        AttnType::Hca => (t / c.hca_rate.max(1), 0, 0),
+        AttnType::Csa => {
+            let n = t / c.csa_rate.max(1);
+            (n, c.index_n_heads * n, c.index_topk.min(n))
+        }
+    };
+    let entries = if selecting > 0 { kk } else { n };
+    let bq = crate::model::attention::rows_within_budget(t, |bq| {
+        rows * bq * (nh * (entries + w + 1) + selecting)
+    });
+    let per_query = (2 * kk).max(kk + w) * d;
+    4.0 * (rows * bq * per_query) as f64
+}
+
 /// KV of layer `l` for one row of `t` tokens in f32: (raw K = V head, compressed
 /// entries incl. CSA's indexer keys).
 pub fn layer_kv(c: &DeepseekV4Config, l: usize, t: usize) -> (f64, f64) {
@@ -515,18 +546,28 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    /// One row's activations on a device holding `layers` (and the head: logits).
+    /// `rows` rows' activations on a device holding `layers` (and the head: logits):
+    /// per token, plus one attention block's gathered keys and its score scratch.
     fn working_set(&self, layers: std::ops::Range<usize>, head: bool, rows: usize) -> f64 {
         let t = self.r.tokens as f64 * rows as f64;
         let per_token = layers
+            .clone()
             .map(|l| layer_activation_per_token(self.c, l))
             .fold(0.0, f64::max);
-        let logits = if head {
+        let block = layers
+            .map(|l| attention_block_bytes(self.c, l, self.r.tokens, rows))
+            .fold(0.0, f64::max);
+        t * (per_token + self.logits_per_token(head)) + block + block_scratch()
+    }
+
+    /// Logit bytes per token on the device holding the head (`head`): one `vocab` row
+    /// of f32 (a stored head's row blocks write into it).
+    fn logits_per_token(&self, head: bool) -> f64 {
+        if head {
             4.0 * self.c.vocab_size as f64
         } else {
             0.0
-        };
-        t * (per_token + logits) + block_scratch()
+        }
     }
 
     fn kv(&self, layers: std::ops::Range<usize>) -> (f64, f64) {
@@ -589,18 +630,22 @@ struct Running {
     weights: f64,
     kv: f64,
     per_token: f64,
+    /// The largest attention block's gathered keys ([`attention_block_bytes`]).
+    block: f64,
     /// The largest tensor built at once (load: twice it).
     largest: f64,
 }
 
 impl Ctx<'_> {
-    /// The largest matrix a forward dequantises at once on a device whose layers'
-    /// largest is `lt` (and the head's, where it is): 0 for f32 residency.
+    /// The most a forward dequantises at once on a device whose layers' largest matrix
+    /// is `lt` (and the head's, where it is): 0 for f32 residency; stored matrices are
+    /// multiplied in row blocks of at most [`DEQUANT_BUDGET`] values.
     fn dequant(&self, lt: f64, head: bool) -> f64 {
+        let cap = 4.0 * DEQUANT_BUDGET as f64;
         match self.r.residency {
             Residency::F32 => 0.0,
-            Residency::Stored if head => lt.max(4.0 * self.w.head.values),
-            Residency::Stored => lt,
+            Residency::Stored if head => lt.max(4.0 * self.w.head.values).min(cap),
+            Residency::Stored => lt.min(cap),
         }
     }
 
@@ -610,6 +655,10 @@ impl Ctx<'_> {
         let (a, b) = layer_kv(self.c, l, self.r.tokens);
         r.kv += a + b;
         r.per_token = r.per_token.max(layer_activation_per_token(self.c, l));
+        let rows = self.r.chunk_rows.max(1);
+        r.block = r
+            .block
+            .max(attention_block_bytes(self.c, l, self.r.tokens, rows));
         r.largest = r.largest.max(lw.largest_resident);
         r
     }
@@ -618,11 +667,7 @@ impl Ctx<'_> {
     fn total(&self, r: Running, first: bool, head: bool) -> f64 {
         let rows = self.r.chunk_rows.max(1) as f64;
         let t = self.r.tokens as f64 * rows;
-        let logits = if head {
-            4.0 * self.c.vocab_size as f64
-        } else {
-            0.0
-        };
+        let logits = self.logits_per_token(head);
         let mut w = r.weights;
         if first {
             w += self.w.embed.resident;
@@ -631,7 +676,8 @@ impl Ctx<'_> {
             w += self.w.head.resident;
         }
         let dq = self.dequant(r.largest, head);
-        w + (2.0 * r.largest).max(r.kv * rows + t * (r.per_token + logits) + block_scratch() + dq)
+        let ws = t * (r.per_token + logits) + r.block + block_scratch() + dq;
+        w + (2.0 * r.largest).max(r.kv * rows + ws)
     }
 }
 
@@ -769,7 +815,10 @@ pub fn plan(c: &DeepseekV4Config, w: &ModelWeights, r: &PlanRequest) -> Result<P
             host.resident - cap
         )));
     }
-    let per_row = x.working_set(0..w.layers.len(), true, 1) - block_scratch()
+    let per_token = (0..w.layers.len())
+        .map(|l| layer_activation_per_token(c, l))
+        .fold(0.0, f64::max);
+    let per_row = r.tokens as f64 * (per_token + x.logits_per_token(true))
         + (0..w.layers.len())
             .map(|l| {
                 let (a, b) = layer_kv(c, l, r.tokens);

@@ -32,6 +32,64 @@ pub const E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
+/// Values (f32 elements) a blocked product dequantises at once: 32 MiB. A stored matrix
+/// larger than this (the 129280 x 4096 head of V4-Flash is 2 GiB as f32) is multiplied
+/// in blocks of its rows ([`StoredWeight::matmul_t`]).
+pub const DEQUANT_BUDGET: usize = 8 << 20;
+
+thread_local! {
+    static DQ_BUDGET: std::cell::Cell<usize> = const { std::cell::Cell::new(DEQUANT_BUDGET) };
+    static DQ_LARGEST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Run `f` with another dequantisation budget (f32 elements per block) on this thread:
+/// tests use a tiny one to force many blocks.
+pub fn with_dequant_budget<T>(values: usize, f: impl FnOnce() -> T) -> T {
+    let old = DQ_BUDGET.with(|b| b.replace(values.max(1)));
+    let out = f();
+    DQ_BUDGET.with(|b| b.set(old));
+    out
+}
+
+/// The dequantisation budget of this thread (f32 elements).
+pub fn dequant_budget() -> usize {
+    DQ_BUDGET.with(|b| b.get())
+}
+
+/// The most values a stored weight dequantised at once on this thread since the last
+/// call (a whole matrix or one block of rows; embedding lookups not counted); resets it.
+pub fn take_largest_dequant() -> usize {
+    DQ_LARGEST.with(|l| l.replace(0))
+}
+
+fn note_dequant(values: usize) {
+    DQ_LARGEST.with(|l| l.set(l.get().max(values)));
+}
+
+/// Rows of `cols` columns per block within the budget: a multiple of 128 (whole FP8
+/// scale blocks) when at least 128 fit, at least two (a one-row product would take
+/// gemm's matrix-vector path, whose sums are ordered differently).
+pub fn block_rows(cols: usize) -> usize {
+    let r = (dequant_budget() / cols.max(1)).max(2);
+    if r >= 128 { r / 128 * 128 } else { r }
+}
+
+/// The first rows of the blocks of `rows` in blocks of `block` rows: a last block
+/// shorter than `min(block, 65)` rows joins the one before it, so that no block is a
+/// single row or (unless `block` is) a matrix of at most 64 rows, which gemm multiplies
+/// with other kernel parameters (a product over more than 512 columns summed in two
+/// passes instead of one); every column then sums as with the whole matrix.
+fn block_starts(rows: std::ops::Range<usize>, block: usize) -> Vec<usize> {
+    let mut starts: Vec<usize> = rows.clone().step_by(block.max(1)).collect();
+    if let Some(&last) = starts.last()
+        && starts.len() > 1
+        && rows.end - last < block.min(65)
+    {
+        starts.pop();
+    }
+    starts
+}
+
 /// How a checkpoint's BF16 / F16 / FP8 / FP4 weights are held once loaded.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -316,8 +374,47 @@ impl StoredWeight {
     /// Matrix `i` dequantised into a transient tensor `[rows, cols]` on the device.
     pub fn matrix(&self, i: usize) -> Tensor<2> {
         let m = &self.matrices[i];
-        let v = m.rows_f32(0, m.rows());
-        Tensor::from_data(TensorData::new(v, [m.rows(), m.cols()]), &self.device)
+        self.rows_tensor(i, 0, m.rows())
+    }
+
+    /// Rows `r0..r1` of matrix `i`, dequantised into a transient tensor on the device.
+    fn rows_tensor(&self, i: usize, r0: usize, r1: usize) -> Tensor<2> {
+        let m = &self.matrices[i];
+        note_dequant((r1 - r0) * m.cols());
+        let v = m.rows_f32(r0, r1);
+        Tensor::from_data(TensorData::new(v, [r1 - r0, m.cols()]), &self.device)
+    }
+
+    /// `x: [n, cols] -> x W_i^T: [n, rows]` with `W_i` matrix `i`, dequantised in blocks
+    /// of [`block_rows`] rows (one block when it fits the budget), each block's product
+    /// written into its columns of the output: each output column is the same product of
+    /// `x` with the same row as with the whole matrix. `x` must be on
+    /// [`StoredWeight::device`].
+    pub fn matmul_t(&self, i: usize, x: Tensor<2>) -> Tensor<2> {
+        self.matmul_t_rows(i, 0..self.matrices[i].rows(), x)
+    }
+
+    /// As [`StoredWeight::matmul_t`] with rows `rows` of matrix `i` only: `[n, rows.len()]`.
+    pub fn matmul_t_rows(&self, i: usize, rows: std::ops::Range<usize>, x: Tensor<2>) -> Tensor<2> {
+        let m = &self.matrices[i];
+        let block = block_rows(m.cols());
+        let product =
+            |r0: usize, r1: usize, x: Tensor<2>| x.matmul(self.rows_tensor(i, r0, r1).transpose());
+        if rows.len() <= block {
+            return product(rows.start, rows.end, x);
+        }
+        // Each block's product goes into its columns of the output (in place where the
+        // backend can: one output and one block's product alive, not all blocks and
+        // their concatenation).
+        let starts = block_starts(rows.clone(), block);
+        let n = x.dims()[0];
+        let mut out = Tensor::<2>::empty([n, rows.len()], &x.device());
+        for (j, &r0) in starts.iter().enumerate() {
+            let r1 = starts.get(j + 1).copied().unwrap_or(rows.end);
+            let cols = r0 - rows.start..r1 - rows.start;
+            out = out.slice_assign([0..n, cols], product(r0, r1, x.clone()));
+        }
+        out
     }
 
     /// Rows `rows` of matrix `i` (an embedding lookup), dequantised: `[rows.len(), cols]`.
@@ -418,6 +515,17 @@ impl ModuleDisplay for StoredWeight {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn short_last_blocks_join_the_one_before() {
+        assert_eq!(block_starts(0..10, 3), vec![0, 3, 6]); // 3, 3, 4 rows
+        assert_eq!(block_starts(0..9, 3), vec![0, 3, 6]);
+        assert_eq!(block_starts(5..9, 2), vec![5, 7]);
+        // blocks of 128: a 64-row tail joins, a 65-row one stays
+        assert_eq!(block_starts(0..320, 128), vec![0, 128]);
+        assert_eq!(block_starts(0..321, 128), vec![0, 128, 256]);
+        assert_eq!(block_starts(0..100, 128), vec![0]);
+    }
 
     #[test]
     fn fp4_and_fp8_blocks_dequantise_by_rows() {

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use crate::device::DeviceSpec;
 use crate::error::{Error, Result, ResultExt};
 use crate::hooks::{HookPoint, HookSpec, Site};
-use crate::model::{LanguageModel, LayerKind, ModelInfo, load_model};
+use crate::model::{LanguageModel, LayerKind, ModelInfo, load_model_with, residency_summary};
 use crate::output::{ColumnData, META_SCHEMA, Table};
 use crate::runner::Experiment;
 use crate::runner::kinds::retrieval_heads::layer_layout;
@@ -41,6 +41,9 @@ pub struct CaptureOptions {
     /// Attention weights below this are not stored (the viewer draws them as 0).
     pub min_weight: f64,
     pub device: DeviceSpec,
+    /// How a checkpoint's BF16 / FP8 / FP4 weights are held (`--weights`); `None`: the
+    /// experiment's `[model] weights`, else stored.
+    pub weights: Option<crate::model::stored::Residency>,
 }
 
 impl Default for CaptureOptions {
@@ -49,6 +52,7 @@ impl Default for CaptureOptions {
             logical: 2,
             min_weight: 0.002,
             device: DeviceSpec::Cpu,
+            weights: None,
         }
     }
 }
@@ -109,14 +113,20 @@ struct Setup {
     device: burn::tensor::Device,
 }
 
-fn setup(exp: &Experiment, device: &DeviceSpec) -> Result<Setup> {
+fn setup(exp: &Experiment, opts: &CaptureOptions) -> Result<Setup> {
     let (models, _) = resolve_models(exp)?;
     let mref = models
         .first()
         .ok_or_else(|| Error::Other(format!("{}: no model", exp.path.display())))?;
-    let device = device.device()?;
-    let model = load_model(&mref.dir, &device)
+    let device = opts.device.device()?;
+    let residency = opts.weights.or(exp.file.model.weights).unwrap_or_default();
+    let model = load_model_with(&mref.dir, &device, residency)
         .context_with(|| format!("loading model {}", mref.dir.display()))?;
+    eprintln!(
+        "model {}: {}",
+        mref.dir.display(),
+        residency_summary(model.as_ref(), residency)
+    );
     let info = model.info();
     let task = TaskSetup::resolve(exp, mref, &info)?;
     Ok(Setup {
@@ -131,7 +141,7 @@ fn setup(exp: &Experiment, device: &DeviceSpec) -> Result<Setup> {
 /// Capture the exemplars of `exp` on its (first) model and write them to
 /// `<data_dir>/exemplars.arrow`.
 pub fn capture(exp: &Experiment, data_dir: &Path, opts: &CaptureOptions) -> Result<PathBuf> {
-    let s = setup(exp, &opts.device)?;
+    let s = setup(exp, opts)?;
     let set = s.task.eval_set(s.task.protocol)?;
     let p = s.task.period.len();
     let n = (set.examples.len() / p.max(1)).min(opts.logical.max(1));

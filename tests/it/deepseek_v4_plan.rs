@@ -80,6 +80,55 @@ fn estimate_is_within_20_percent_of_the_measured_peak() {
     }
 }
 
+/// The real-width-like `realwidth_ci` fixture (head_dim 512, indexer 64 x 128, window
+/// 128; 3.3 MiB of weights, so its peak is all activations): the estimate is within 20%
+/// of the measured peak, stored and f32, at lengths where a sliding layer's attention
+/// block gathers 128 raw keys of 2 KiB per query for every query at once (32 to 320 MiB).
+#[test]
+fn realwidth_ci_estimate_is_within_20_percent_of_the_measured_peak() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v4/realwidth_ci");
+    let dir = dir.to_str().unwrap();
+    for (tokens, weights) in [
+        ("128", "stored"),
+        ("640", "stored"),
+        ("640", "f32"),
+        ("1280", "stored"),
+    ] {
+        let out = phaselens(&[
+            "--model",
+            dir,
+            "--tokens",
+            tokens,
+            "--measure",
+            "--json",
+            "--weights",
+            weights,
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        if err.contains("no /proc/self/status") {
+            eprintln!("no /proc peak RSS on this system");
+            return;
+        }
+        assert!(out.status.success(), "{err}");
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let m = &j["measured"];
+        let (est, peak) = (
+            m["estimate"].as_f64().unwrap(),
+            m["peak_rss_increase"].as_f64().unwrap(),
+        );
+        eprintln!(
+            "realwidth_ci, {tokens} tokens, {weights} weights: estimate {:.1} MiB, measured peak RSS increase {:.1} MiB, ratio {:.3}",
+            est / 1048576.0,
+            peak / 1048576.0,
+            peak / est
+        );
+        assert!(
+            (peak / est - 1.0).abs() <= 0.2,
+            "{tokens} tokens, {weights}: measured {peak} vs estimated {est}"
+        );
+    }
+}
+
 #[test]
 fn config_missing_a_key_is_named() {
     let d = tempfile::tempdir().unwrap();

@@ -13,7 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use phaselens::hooks::HookSpec;
 use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
 use phaselens::model::safetensors_io::SafetensorsReader;
-use phaselens::model::stored::Residency;
+use phaselens::model::stored::{Residency, take_largest_dequant, with_dequant_budget};
 
 use crate::common::vals;
 use crate::deepseek_v4_parity::{read_raw, write_raw};
@@ -72,6 +72,35 @@ fn sharded_release_fp8_fixture_is_the_same_stored_or_f32() {
 #[test]
 fn realwidth_fixture_is_the_same_stored_or_f32() {
     same_bits("realwidth_ci");
+}
+
+/// Stored matrices are multiplied in blocks of rows, never dequantised whole when larger
+/// than the budget: with a budget of 3077 values (3 rows of `realwidth_ci`'s widest
+/// matrix, `o_a` with 1024 columns; the heads are 128 x 128 and 256 x 64, `wq_b` 2048 x
+/// 64, so every large matrix is split, most into blocks of uneven length) the logits and
+/// every capture equal the f32 residency's bit for bit, and a forward without hooks
+/// dequantises less than twice the budget at once (a last block shorter than the blocks
+/// joins the one before it).
+#[test]
+fn blocked_products_of_stored_matrices_give_the_same_bits() {
+    let budget = 3 * 1024 + 5;
+    for name in ["realwidth_ci", "fp4_experts"] {
+        with_dequant_budget(budget, || {
+            same_bits(name);
+            let s = load(name, Residency::Stored);
+            take_largest_dequant();
+            s.forward(input(name), &HookSpec::new()).unwrap();
+            let blocked = take_largest_dequant();
+            eprintln!("{name}: at most {blocked} values dequantised at once (budget {budget})");
+            assert!(blocked > 0 && blocked < 2 * budget, "{name}: {blocked}");
+        });
+        // the default budget holds each of these small matrices whole
+        let s = load(name, Residency::Stored);
+        take_largest_dequant();
+        s.forward(input(name), &HookSpec::new()).unwrap();
+        let whole = take_largest_dequant();
+        assert!(whole > 2 * budget, "{name}: largest matrix {whole}");
+    }
 }
 
 /// Bytes of the tensors of `name`'s checkpoint by dtype (as in the files), and the f32
@@ -195,4 +224,115 @@ fn a_malformed_scale_is_named_with_stored_weights_as_with_f32() {
         s.contains("layers.2.ffn.experts.1.w1.scale") && s.contains("dtype I8"),
         "{s}"
     );
+}
+
+fn phaselens(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_phaselens"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `bench forward --model DIR --weights stored|f32`: the model is held so (the sweep's
+/// resident weight bytes: the FP4 + FP8 + BF16 fixture is 3x larger as f32); a bad value,
+/// or --weights without --model, is clap's error.
+#[test]
+fn bench_forward_takes_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("realwidth_ci");
+    let model = model.to_str().unwrap();
+    let mut bytes = Vec::new();
+    for w in ["stored", "f32"] {
+        let json = dir.path().join(format!("{w}.json"));
+        let out = phaselens(&[
+            "bench",
+            "forward",
+            "--model",
+            model,
+            "--tokens",
+            "16",
+            "--reps",
+            "1",
+            "--weights",
+            w,
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{e}");
+        assert!(e.contains(&format!("weights {w}:")), "{e}");
+        let j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        bytes.push(j[0]["weights_bytes"].as_u64().unwrap());
+    }
+    eprintln!("bench forward weights bytes, stored vs f32: {bytes:?}");
+    assert!(bytes[1] > 2 * bytes[0], "{bytes:?}");
+    let out = phaselens(&["bench", "forward", "--model", model, "--weights", "bf16"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(e.contains("bf16") && e.contains("`stored`"), "{e}");
+    let out = phaselens(&["bench", "forward", "--weights", "f32"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(e.contains("--model"), "{e}");
+}
+
+/// `audit --weights` and the audit TOML's `[model] weights` (the flag wins): the model is
+/// loaded so (FP4 bytes resident or not) before the audit's checks; bad values are named.
+/// A budget too small for the CI width stops each audit right after loading.
+#[test]
+fn audit_takes_weights_from_the_flag_or_its_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = fixture("realwidth_ci");
+    let model = model.to_str().unwrap();
+    let cfg = d.join("audit.toml");
+    std::fs::write(&cfg, "[model]\nweights = \"f32\"\n").unwrap();
+    let audit = |out: &str, extra: &[&str]| {
+        let out = d.join(out);
+        let mut args = vec![
+            "audit",
+            model,
+            "--plain",
+            "--budget",
+            "prompts=10",
+            "--ci-width",
+            "20pp",
+            "--out",
+        ];
+        args.push(out.to_str().unwrap());
+        args.extend_from_slice(extra);
+        let o = phaselens(&args);
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let cfg = cfg.to_str().unwrap();
+    for (out, extra, want) in [
+        ("a", &["--weights", "f32"][..], "f32"),
+        ("b", &["--config", cfg][..], "f32"),
+        ("c", &["--config", cfg, "--weights", "stored"][..], "stored"),
+    ] {
+        let (code, e) = audit(out, extra);
+        assert_eq!(code, Some(1), "{extra:?}: {e}");
+        assert!(e.contains("budget is too small"), "{extra:?}: {e}");
+        let line = e
+            .lines()
+            .find(|l| l.contains(": weights "))
+            .unwrap_or_else(|| panic!("{extra:?}: no residency line in {e}"));
+        assert!(
+            line.contains(&format!("weights {want}:")),
+            "{extra:?}: {line}"
+        );
+        assert_eq!(line.contains("fp4 "), want == "stored", "{extra:?}: {line}");
+    }
+    let (code, e) = audit("e", &["--weights", "half"]);
+    assert_eq!(code, Some(2), "{e}");
+    assert!(e.contains("half") && e.contains("`f32`"), "{e}");
+    std::fs::write(d.join("bad.toml"), "[model]\nweights = \"half\"\n").unwrap();
+    let bad = d.join("bad.toml");
+    let (code, e) = audit("f", &["--config", bad.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{e}");
+    assert!(e.contains("bad.toml") && e.contains("half"), "{e}");
 }

@@ -422,3 +422,44 @@ fn exemplars_capture_patterns_gates_and_the_indexer_through_the_hooks() {
         .value as usize;
     assert!(key < toks);
 }
+
+/// `view --weights stored|f32` loads the capture's model so (the line it prints names
+/// the residency and the resident bytes); a bad value is clap's error naming it.
+#[test]
+fn view_takes_weights_for_its_capture_forwards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("data");
+    copy_tables("v4pro", &root);
+    let view = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_phaselens"))
+            .arg("view")
+            .arg("v4pro")
+            .arg("--data-dir")
+            .arg(&root)
+            .arg("--reports-dir")
+            .arg(tmp.path().join("reports"))
+            .arg("--experiments-dir")
+            .arg(repo().join("experiments"))
+            .args(["--exemplars", "1"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = view(
+        &["--weights", "f32", "--out"]
+            .into_iter()
+            .chain([tmp.path().join("site").to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{e}");
+    assert!(e.contains("weights f32:") && e.contains("resident"), "{e}");
+    assert!(root.join("v4pro").join(EXEMPLAR_FILE).exists(), "{e}");
+    let out = view(&["--weights", "half"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("half") && e.contains("`stored`") && e.contains("`f32`"),
+        "{e}"
+    );
+}

@@ -326,6 +326,24 @@ impl Attention {
         let [b, t, nh, dh] = z.dims();
         let g = self.o_groups;
         let in_g = nh * dh / g;
+        if let Some(s) = self.o_a_proj.weight.stored() {
+            // As stored: group by group, each group's rows of `o_a` dequantised in
+            // blocks (never the whole matrix at once).
+            let r = s.dims()[0] / g;
+            let zg = z.reshape([b * t, g, in_g]);
+            let y: Vec<Tensor<2>> = (0..g)
+                .map(|gi| {
+                    let x = zg.clone().slice_dim(1, gi..gi + 1).reshape([b * t, in_g]);
+                    s.matmul_t_rows(0, gi * r..(gi + 1) * r, x)
+                })
+                .collect();
+            let y = if g == 1 {
+                y.into_iter().next().expect("one group")
+            } else {
+                Tensor::cat(y, 1)
+            };
+            return self.o_b_proj.forward(y.reshape([b, t, g * r]));
+        }
         let wa = self.o_a_proj.weight.val(); // [g * r, in_g]
         let r = wa.dims()[0] / g;
         let wa = wa.reshape([g, r, in_g]).swap_dims(1, 2); // [g, in_g, r]

@@ -434,11 +434,9 @@ impl DeepseekV4Model {
             Some(head) => head.forward(h),
             None => {
                 let [b, t, d] = h.dims();
-                let w = self.model.embed_tokens.weight.val();
+                let w = &self.model.embed_tokens.weight;
                 let v = w.dims()[0];
-                to(h, &home)
-                    .reshape([b * t, d])
-                    .matmul(w.transpose())
+                w.matmul_t(to(h, &home).reshape([b * t, d]))
                     .reshape([b, t, v])
             }
         };

@@ -317,9 +317,8 @@ impl Moe {
         let nt = b * t;
         let k = self.top_k;
         let device = flat.device();
-        let w = self.gate.weight.val();
-        let e = w.dims()[0];
-        let logits = flat.matmul(w.transpose());
+        let e = self.gate.weight.dims()[0];
+        let logits = self.gate.weight.matmul_t(flat);
         let scores = match self.scoring {
             ScoringFunc::Sqrtsoftplus => softplus(logits, 1.0).sqrt(),
             ScoringFunc::Sigmoid => sigmoid(logits),
@@ -396,21 +395,32 @@ impl Moe {
                     continue;
                 }
                 // Only the experts rows are routed to are read (a stored one is
-                // dequantised here, for this call).
-                let w_gu = bank.gate_up_proj.expert(j).transpose();
-                let w_down = bank.down_proj.expert(j).transpose();
-                let d_ff = w_down.dims()[0];
+                // dequantised here, for this call, in blocks of rows when large).
                 let ti = int_tensor(toks, &device);
                 let rows = to(flat.clone().select(0, ti.clone()), &here);
-                let out = row_chunks(rows, |rows| {
-                    let gu = rows.matmul(w_gu.clone());
-                    let act = clamped_swiglu(
+                let swiglu = |gu: Tensor<2>, d_ff: usize| {
+                    clamped_swiglu(
                         gu.clone().slice_dim(1, 0..d_ff),
                         gu.slice_dim(1, d_ff..2 * d_ff),
                         self.limit,
-                    );
-                    act.matmul(w_down.clone())
-                });
+                    )
+                };
+                let out = match (bank.gate_up_proj.stored(), bank.down_proj.stored()) {
+                    (Some(gu), Some(down)) => {
+                        let d_ff = down.dims()[1];
+                        row_chunks(rows, |rows| {
+                            down.matmul_t(j, swiglu(gu.matmul_t(j, rows), d_ff))
+                        })
+                    }
+                    _ => {
+                        let w_gu = bank.gate_up_proj.expert(j).transpose();
+                        let w_down = bank.down_proj.expert(j).transpose();
+                        let d_ff = w_down.dims()[0];
+                        row_chunks(rows, |rows| {
+                            swiglu(rows.matmul(w_gu.clone()), d_ff).matmul(w_down.clone())
+                        })
+                    }
+                };
                 let wsel = weights
                     .clone()
                     .select(0, int_tensor(slots, &device))

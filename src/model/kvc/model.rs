@@ -275,11 +275,9 @@ impl KvcModel {
                 let mut dims = x.dims();
                 let d = dims[D - 1];
                 let rows = dims[..D - 1].iter().product();
-                let w = self.embed.weight.val();
+                let w = &self.embed.weight;
                 dims[D - 1] = w.dims()[0];
-                to(x, &w.device())
-                    .reshape([rows, d])
-                    .matmul(w.transpose())
+                w.matmul_t(to(x, &w.device()).reshape([rows, d]))
                     .reshape(dims)
             }
         }
