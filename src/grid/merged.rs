@@ -1,7 +1,7 @@
 //! The merged grid data as the figures and the report read it: a row per design x sweep
 //! x protocol (x phase), and the look-ups both of them make on those rows.
 
-use super::frontier::{DesignGroup, FrontierRow};
+use super::frontier::rows::{DesignGroup, FrontierRow};
 use super::spec::Grid;
 
 /// One row of the merged phase table, as the figures and report read it.
