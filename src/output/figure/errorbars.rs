@@ -94,26 +94,12 @@ impl FigureSpec for ErrorScatterSpec {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult {
         root.fill(&WHITE).map_err(de)?;
         let (xr, yr) = self.ranges();
-        let mut chart = ChartBuilder::on(root)
-            .caption(&self.title, (FONT, TITLE_SIZE - 6))
-            .margin(16)
-            .x_label_area_size(70)
-            .y_label_area_size(90)
-            .build_cartesian_2d(xr.clone(), yr.clone())
-            .map_err(de)?;
-        let fmt = |v: &f64| fmt_num(*v);
-        chart
-            .configure_mesh()
-            .x_desc(&self.x_label)
-            .y_desc(&self.y_label)
-            .x_label_formatter(&fmt)
-            .y_label_formatter(&fmt)
-            .axis_desc_style((FONT, DESC_SIZE))
-            .label_style((FONT, LABEL_SIZE))
-            .light_line_style(RGBColor(235, 235, 235))
-            .bold_line_style(RGBColor(210, 210, 210))
-            .draw()
-            .map_err(de)?;
+        let mut chart = numeric_chart(
+            root,
+            (&self.title, TITLE_SIZE - 6),
+            (xr.clone(), yr.clone()),
+            (&self.x_label, &self.y_label),
+        )?;
         if let Some((x, text)) = &self.x_ref {
             let grey = RGBColor(90, 90, 90);
             chart

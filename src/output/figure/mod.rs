@@ -121,6 +121,38 @@ fn de<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> String 
     e.to_string()
 }
 
+/// The axes of a numeric x-y figure (scatter, error bars): caption, 70 / 90 px label
+/// areas, the grey mesh, axis descriptions and `fmt_num` tick labels.
+fn numeric_chart<'a, DB: DrawingBackend>(
+    root: &'a DrawingArea<DB, Shift>,
+    caption: (&str, u32),
+    (xr, yr): (Range<f64>, Range<f64>),
+    (x_label, y_label): (&str, &str),
+) -> std::result::Result<ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>, String>
+{
+    let mut chart = ChartBuilder::on(root)
+        .caption(caption.0, (FONT, caption.1))
+        .margin(16)
+        .x_label_area_size(70)
+        .y_label_area_size(90)
+        .build_cartesian_2d(xr, yr)
+        .map_err(de)?;
+    let fmt = |v: &f64| fmt_num(*v);
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .x_label_formatter(&fmt)
+        .y_label_formatter(&fmt)
+        .axis_desc_style((FONT, DESC_SIZE))
+        .label_style((FONT, LABEL_SIZE))
+        .light_line_style(RGBColor(235, 235, 235))
+        .bold_line_style(RGBColor(210, 210, 210))
+        .draw()
+        .map_err(de)?;
+    Ok(chart)
+}
+
 fn with_suffix(base: &Path, ext: &str) -> PathBuf {
     let mut s: OsString = base.as_os_str().to_owned();
     s.push(".");

@@ -94,26 +94,12 @@ impl FigureSpec for ScatterSpec {
         } else {
             format!("{} ({})", self.title, self.fit_text())
         };
-        let mut chart = ChartBuilder::on(root)
-            .caption(title, (FONT, TITLE_SIZE - 4))
-            .margin(16)
-            .x_label_area_size(70)
-            .y_label_area_size(90)
-            .build_cartesian_2d(r.clone(), r.clone())
-            .map_err(de)?;
-        let fmt = |v: &f64| fmt_num(*v);
-        chart
-            .configure_mesh()
-            .x_desc(&self.x_label)
-            .y_desc(&self.y_label)
-            .x_label_formatter(&fmt)
-            .y_label_formatter(&fmt)
-            .axis_desc_style((FONT, DESC_SIZE))
-            .label_style((FONT, LABEL_SIZE))
-            .light_line_style(RGBColor(235, 235, 235))
-            .bold_line_style(RGBColor(210, 210, 210))
-            .draw()
-            .map_err(de)?;
+        let mut chart = numeric_chart(
+            root,
+            (&title, TITLE_SIZE - 4),
+            (r.clone(), r.clone()),
+            (&self.x_label, &self.y_label),
+        )?;
         let grey = RGBColor(90, 90, 90);
         chart
             .draw_series(DashedLineSeries::new(
