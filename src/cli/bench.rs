@@ -111,14 +111,24 @@ pub struct AtpBench {
 
 /// `phaselens bench edges`.
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("random").args(["layers", "heads"]).multiple(true)))]
 #[command(after_help = "\
-Example:
+Examples:
   phaselens bench edges exp/w8s8-edges.toml --phase 0 --n-logical 8
+  phaselens bench edges exp/w8s8-edges.toml --phase 0 --n-logical 8 --layers 16 --heads 16
 
 On one phase group of the experiment's model and prompts (denoising): EAP and EAP-IG score
 every edge of the graph (docs/experiments.md, edge-attribution); exact path patching then
 patches every query head -> later q / k / v edge. Prints edges/s of each, the speed-ups and
-the Spearman correlation of the estimates with the exact effects over the path-patched edges.")]
+the Spearman correlation of the estimates with the exact effects over the path-patched edges.
+--layers / --heads replace the trained model by a randomly initialised one of the same
+config with that many layers (per-layer type lists cycled) / query heads per layer (each of
+the config's head size), seeded by --seed: the speed of a larger graph on the same prompts
+(the agreement of random weights means little). --exact-senders K path-patches only the edges
+of K seeded-random head senders (their edges/s stands for all: each sender's patched run
+serves all its edges either way); --no-replicas skips the replica reference of EAP;
+--ig-hold-selection adds EAP-IG with the indexer's top-k choice held at the clean run's
+(does the interpolation's crossing of the discrete selection hurt EAP-IG?).")]
 pub struct EdgesBench {
     /// Experiment TOML whose model and prompts to use.
     #[arg(default_value = "exp/w8s8-edges.toml")]
@@ -132,6 +142,26 @@ pub struct EdgesBench {
     /// EAP-IG interpolation steps.
     #[arg(long, default_value_t = 5, value_parser = super::run::at_least_one)]
     pub ig_steps: usize,
+    /// Random weights, this many layers (the experiment's config otherwise).
+    #[arg(long, value_parser = super::run::at_least_one)]
+    pub layers: Option<usize>,
+    /// Random weights, this many query heads per layer.
+    #[arg(long, value_parser = super::run::at_least_one)]
+    pub heads: Option<usize>,
+    /// Seed of the random weights of --layers / --heads.
+    #[arg(long, requires = "random")]
+    pub seed: Option<u64>,
+    /// Exact path patching of every edge from at most K head senders (seeded sample),
+    /// for graphs where patching every edge takes too long.
+    #[arg(long, value_name = "K", value_parser = super::run::at_least_one)]
+    pub exact_senders: Option<usize>,
+    /// Skip EAP with replicas (the reference pass 2: a forward + backward per receiver).
+    #[arg(long)]
+    pub no_replicas: bool,
+    /// Also EAP-IG with every indexer's selection (hook_selected) held at the clean
+    /// run's in the interpolated states (DeepSeek-V4 CSA).
+    #[arg(long)]
+    pub ig_hold_selection: bool,
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
 }
@@ -191,14 +221,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
             Ok(())
         }
         BenchWhat::Edges(b) => {
-            let r = phaselens::runner::kinds::edge_attribution::bench::bench_edges(
-                &b.experiment,
-                b.phase,
-                b.n_logical,
-                b.ig_steps,
-                &b.device,
-            )
-            .map_err(|e| anyhow::anyhow!("benchmarking {}: {e}", b.experiment.display()))?;
+            use phaselens::runner::bench::RandomModel;
+            use phaselens::runner::kinds::edge_attribution::bench::{EdgeBench, bench_edges};
+            let random = (b.layers.is_some() || b.heads.is_some()).then_some(RandomModel {
+                layers: b.layers,
+                heads: b.heads,
+                seed: b.seed.unwrap_or(0),
+            });
+            let what = EdgeBench {
+                phase: b.phase,
+                n_logical: b.n_logical,
+                ig_steps: b.ig_steps,
+                random,
+                exact_senders: b.exact_senders,
+                replicas: !b.no_replicas,
+                ig_held: b.ig_hold_selection,
+            };
+            let r = bench_edges(&b.experiment, &what, &b.device)
+                .map_err(|e| anyhow::anyhow!("benchmarking {}: {e}", b.experiment.display()))?;
             println!("{r}");
             Ok(())
         }

@@ -203,6 +203,57 @@ pub trait StreamModel {
         attn_out: &[Tensor<3>],
         mlp_out: &[Tensor<3>],
     ) -> Result<Vec<Act>>;
+    /// [`stream_from_outputs`](Self::stream_from_outputs) linearised at these inputs
+    /// (one batch of `b` prompts): everything its derivative needs that does not depend
+    /// on the adjoint (DeepSeek-V4: the streams, the post / comb weights and their
+    /// per-token Jacobian with respect to the mixing logits) computed once, so that
+    /// [`StreamLinear`] applies the transposed map to any number of adjoint row blocks
+    /// without recomputing a weight.
+    fn linearize_stream(
+        &self,
+        embed: Tensor<3>,
+        attn_out: &[Tensor<3>],
+        mlp_out: &[Tensor<3>],
+    ) -> Result<Box<dyn StreamLinear + '_>>;
+}
+
+/// The vector-Jacobian products of [`StreamModel::stream_from_outputs`] at the point
+/// [`StreamModel::linearize_stream`] fixed, step by step: step `k` (1 ..= 2 n_layers)
+/// makes the stream at index `k` ([`StreamPoint::index`]) from the one at `k - 1` and
+/// the block output written between them (`attn_out[l]` for k = 2l + 1, `mlp_out[l]`
+/// for k = 2l + 2). Adjoints are `[c b, T, width]` (width: the stream's per-position
+/// size, `hc_mult x d_model` on DeepSeek-V4): `c` blocks of the linearised batch's rows,
+/// each block an independent adjoint (e.g. one receiver's). Exact: the same derivative
+/// autodiff takes through `stream_from_outputs` (the weights stay functions of the
+/// stream), up to float rounding.
+pub trait StreamLinear {
+    /// `dL/d stream_k` -> (`dL/d stream_(k-1)`, `dL/d` the block output of step `k`,
+    /// `[c b, T, d_model]`).
+    fn step_back(&self, k: usize, adj: Tensor<3>) -> Result<(Tensor<3>, Tensor<3>)>;
+    /// `dL/d stream_0` -> `dL/d hook_embed` (`[c b, T, d_model]`).
+    fn embed_back(&self, adj: Tensor<3>) -> Result<Tensor<3>>;
+}
+
+/// The [`StreamLinear`] of an additive stream (the running sum of the embeddings and
+/// every block output): each step's derivative is the identity.
+pub struct AdditiveLinear {
+    /// Steps (2 n_layers).
+    pub steps: usize,
+}
+
+impl StreamLinear for AdditiveLinear {
+    fn step_back(&self, k: usize, adj: Tensor<3>) -> Result<(Tensor<3>, Tensor<3>)> {
+        if k == 0 || k > self.steps {
+            return Err(Error::Input(format!(
+                "stream step {k}: the steps are 1..={}",
+                self.steps
+            )));
+        }
+        Ok((adj.clone(), adj))
+    }
+    fn embed_back(&self, adj: Tensor<3>) -> Result<Tensor<3>> {
+        Ok(adj)
+    }
 }
 
 /// The interface every model implements.

@@ -260,6 +260,136 @@ pub(crate) fn load_bench_model(exp: &Experiment, device: &DeviceSpec) -> Result<
     })
 }
 
+/// `bench edges --layers / --heads`: a randomly initialised model of the experiment's
+/// architecture and config, resized, in place of its trained weights (for graphs larger
+/// than the organisms'; the prompts stay the experiment's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RandomModel {
+    /// Layers (the config's per-layer type lists cycled to this length); `None`: as is.
+    pub layers: Option<usize>,
+    /// Query heads per layer, each of the config's head size; `None`: as is.
+    pub heads: Option<usize>,
+    /// Seed of the random weights.
+    pub seed: u64,
+}
+
+/// The config.json of the model in `dir` resized as `r` asks: kvc `n_layers`,
+/// `n_heads` (`d_head` fixed at its value, so that the heads keep their size);
+/// DeepSeek-V4 `num_hidden_layers`, `num_attention_heads` (`head_dim` is explicit),
+/// `layer_types` / `mlp_layer_types` cycled to the new depth.
+pub fn scaled_config(dir: &Path, r: &RandomModel) -> Result<serde_json::Value> {
+    use serde_json::Value;
+    let (path, _, mut json) = crate::model::read_config_json(dir)?;
+    let bad = |m: String| Error::Config {
+        path: path.clone(),
+        message: m,
+    };
+    let kind = json["model_type"].as_str().unwrap_or_default().to_string();
+    let (layers_key, heads_key, lists): (&str, &str, &[&str]) = match kind.as_str() {
+        crate::model::kvc::MODEL_TYPE => ("n_layers", "n_heads", &[]),
+        crate::model::deepseek_v4::MODEL_TYPE => (
+            "num_hidden_layers",
+            "num_attention_heads",
+            &["layer_types", "mlp_layer_types"],
+        ),
+        other => {
+            return Err(bad(format!(
+                "--layers / --heads: no random resizing of model_type \"{other}\""
+            )));
+        }
+    };
+    let obj = json
+        .as_object_mut()
+        .ok_or_else(|| bad("not a JSON object".into()))?;
+    if let Some(h) = r.heads {
+        if kind == crate::model::kvc::MODEL_TYPE && obj.get("d_head").is_none_or(Value::is_null) {
+            let (d, n) = (
+                obj.get("d_model").and_then(Value::as_u64),
+                obj.get("n_heads").and_then(Value::as_u64),
+            );
+            let (Some(d), Some(n)) = (d, n) else {
+                return Err(bad(
+                    "--heads: no d_model / n_heads to keep the head size".into()
+                ));
+            };
+            obj.insert("d_head".into(), Value::from(d / n.max(1)));
+        }
+        obj.insert(heads_key.into(), Value::from(h));
+    }
+    if let Some(l) = r.layers {
+        obj.insert(layers_key.into(), Value::from(l));
+        for key in lists {
+            if let Some(Value::Array(v)) = obj.get(*key)
+                && !v.is_empty()
+            {
+                let cycled: Vec<Value> = v.iter().cycle().take(l).cloned().collect();
+                obj.insert((*key).into(), Value::Array(cycled));
+            }
+        }
+    }
+    Ok(json)
+}
+
+/// A randomly initialised model of [`scaled_config`]`(dir, r)` on `device`.
+pub fn random_model(
+    dir: &Path,
+    r: &RandomModel,
+    device: &burn::tensor::Device,
+) -> Result<Box<dyn LanguageModel>> {
+    use crate::model::weights::{RandomInit, Vb};
+    let json = scaled_config(dir, r)?;
+    let path = dir.join("config.json");
+    let text = json.to_string();
+    let at = |m: String| Error::Config {
+        path: path.clone(),
+        message: format!("resized by --layers / --heads: {m}"),
+    };
+    let init = RandomInit { seed: r.seed };
+    let vb = Vb::new(&init, device);
+    if json["model_type"].as_str() == Some(crate::model::kvc::MODEL_TYPE) {
+        let c = crate::model::KvcConfig::from_json(&text).map_err(at)?;
+        c.check_memory().map_err(|e| at(e.to_string()))?;
+        Ok(Box::new(crate::model::KvcModel::new(&c, &vb)?))
+    } else {
+        use crate::model::deepseek_v4::{DeepseekV4Config, DeepseekV4Model};
+        let c = DeepseekV4Config::from_json(&text).map_err(|e| at(e.to_string()))?;
+        c.check_memory().map_err(|e| at(e.to_string()))?;
+        Ok(Box::new(DeepseekV4Model::new(&c, &vb)?))
+    }
+}
+
+/// [`load_bench_model`] with the weights replaced as `random` asks (`None`: the
+/// experiment's model as trained); the name says which.
+pub(crate) fn load_bench_model_with(
+    exp: &Experiment,
+    device: &DeviceSpec,
+    random: Option<&RandomModel>,
+) -> Result<BenchModel> {
+    let Some(r) = random else {
+        return load_bench_model(exp, device);
+    };
+    let (models, _) = setup::resolve_models(exp)?;
+    let mref = &models[0];
+    let max_rows = exp.max_rows(device);
+    let device = device.device()?;
+    let model = random_model(&mref.dir, r, &device)?;
+    let info = model.info();
+    let task = TaskSetup::resolve(exp, mref, &info)?;
+    Ok(BenchModel {
+        name: format!(
+            "{} resized to {} layers x {} heads, random weights (seed {})",
+            mref.name,
+            info.n_layers(),
+            info.n_heads,
+            r.seed
+        ),
+        model,
+        info,
+        task,
+        max_rows,
+    })
+}
+
 /// The clean/corrupted prompts of phase group `phase`, and the number of pairs.
 pub(crate) fn phase_prompts(task: &TaskSetup, phase: u32) -> Result<(Prompts, usize)> {
     if phase as usize >= task.period.len() {

@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
-use crate::common::dev;
 use crate::common::runner::*;
+use crate::common::{dev, vals};
 use burn::tensor::Tensor;
 use phaselens::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
 use phaselens::model::LanguageModel;
@@ -332,12 +332,11 @@ fn local_pass_matches_replicas_on_kvc() {
     local_matches_replicas(&model, &pair_prompts(14, 1), "kvc GQA shift");
 }
 
-#[test]
-fn local_pass_matches_replicas_on_deepseek_v4() {
+/// A tiny DeepSeek-V4: CSA (overlapping windows, indexer top-2 of 4 entries), HCA,
+/// sliding; two mHC streams; a hash-routed and two learned MoE layers.
+fn tiny_v4(seed: u64) -> phaselens::model::deepseek_v4::DeepseekV4Model {
     use phaselens::model::deepseek_v4::{DeepseekV4Config, DeepseekV4Model};
     use phaselens::model::weights::{RandomInit, Vb};
-    // CSA (overlapping windows, indexer top-2 of 4 entries), HCA, sliding; two mHC
-    // streams; a hash-routed and two learned MoE layers.
     let json = r#"{"model_type": "deepseek_v4", "vocab_size": 128, "hidden_size": 32,
         "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 16,
         "qk_rope_head_dim": 8, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8,
@@ -349,8 +348,124 @@ fn local_pass_matches_replicas_on_deepseek_v4() {
         "sliding_window": 6, "index_n_heads": 1, "index_head_dim": 8, "index_topk": 2,
         "hc_mult": 2}"#;
     let c = DeepseekV4Config::from_json(json).unwrap();
-    let model = DeepseekV4Model::new(&c, &Vb::new(&RandomInit { seed: 13 }, &dev())).unwrap();
-    local_matches_replicas(&model, &pair_prompts(16, 1), "deepseek-v4");
+    DeepseekV4Model::new(&c, &Vb::new(&RandomInit { seed }, &dev())).unwrap()
+}
+
+#[test]
+fn local_pass_matches_replicas_on_deepseek_v4() {
+    local_matches_replicas(&tiny_v4(13), &pair_prompts(16, 1), "deepseek-v4");
+}
+
+/// A deterministic pseudo-random tensor (values in [-1, 1)).
+fn noise<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<D> {
+    let n: usize = shape.iter().product();
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_data(burn::tensor::TensorData::new(v, shape), &dev())
+}
+
+/// The linearised stream transport (`linearize_stream` + `StreamLinear`) against
+/// autodiff through `stream_from_outputs`: an adjoint at every stream point for each of
+/// `c` = 2 row blocks (different adjoints, same linearisation point), the gradient at
+/// the embeddings and every block output; the steps' argument errors.
+fn stream_linear_matches_autodiff(model: &dyn LanguageModel, name: &str) {
+    let sm = model.stream_model().unwrap();
+    let info = model.info();
+    let (nl, d) = (info.n_layers(), info.d_model);
+    let (b, t, c) = (2, 5, 2);
+    // Block outputs of the size of a real forward's (the weights' Jacobians matter).
+    let embed = noise([b, t, d], 1);
+    let attn: Vec<Tensor<3>> = (0..nl).map(|l| noise([b, t, d], 10 + l as u64)).collect();
+    let mlp: Vec<Tensor<3>> = (0..nl).map(|l| noise([b, t, d], 20 + l as u64)).collect();
+    let width = {
+        let s = sm.stream_from_outputs(embed.clone(), &attn, &mlp).unwrap();
+        assert_eq!(s.len(), 2 * nl + 1);
+        s[0].shape()[2..].iter().product::<usize>()
+    };
+    let adj: Vec<Tensor<3>> = (0..=2 * nl)
+        .map(|k| noise([c * b, t, width], 100 + k as u64))
+        .collect();
+    // Reference: c copies of the inputs plus leaves, one backward of sum_k <adj_k, X_k>.
+    let ad = dev().autodiff();
+    let leaf = |x: &Tensor<3>| {
+        let r = x.clone().repeat_dim(0, c);
+        let l = Tensor::<3>::zeros(r.dims(), &ad).require_grad();
+        (r + l.clone(), l)
+    };
+    let (e, el) = leaf(&embed);
+    let (a, al): (Vec<_>, Vec<_>) = attn.iter().map(leaf).unzip();
+    let (m, ml): (Vec<_>, Vec<_>) = mlp.iter().map(leaf).unzip();
+    let streams = sm.stream_from_outputs(e, &a, &m).unwrap();
+    let mut total: Option<Tensor<1>> = None;
+    for (k, x) in streams.iter().enumerate() {
+        let x = x
+            .reshaped(vec![c * b, t, width])
+            .unwrap()
+            .get::<3>()
+            .unwrap();
+        let term = (x * adj[k].clone()).sum();
+        total = Some(match total {
+            Some(s) => s + term,
+            None => term,
+        });
+    }
+    let grads = total.unwrap().backward();
+    let g = |l: &Tensor<3>| l.grad(&grads).unwrap();
+    // The linear map, adjoints joining at their points.
+    let lin = sm.linearize_stream(embed, &attn, &mlp).unwrap();
+    let mut run = adj[2 * nl].clone();
+    let (mut ga, mut gm) = (vec![None; nl], vec![None; nl]);
+    for k in (1..=2 * nl).rev() {
+        let (prev, out) = lin.step_back(k, run).unwrap();
+        if k % 2 == 1 {
+            ga[(k - 1) / 2] = Some(out);
+        } else {
+            gm[k / 2 - 1] = Some(out);
+        }
+        run = prev + adj[k - 1].clone();
+    }
+    let ge = lin.embed_back(run).unwrap();
+    let mut pairs = vec![(g(&el), ge, "embed".to_string())];
+    for l in 0..nl {
+        pairs.push((g(&al[l]), ga[l].take().unwrap(), format!("attn_out[{l}]")));
+        pairs.push((g(&ml[l]), gm[l].take().unwrap(), format!("mlp_out[{l}]")));
+    }
+    for (want, got, what) in pairs {
+        let (w, x) = (vals(want), vals(got));
+        assert_eq!(w.len(), x.len(), "{name} {what}");
+        let scale = w.iter().fold(0f32, |s, v| s.max(v.abs()));
+        assert!(scale > 1e-2, "{name} {what}: a vacuous gradient");
+        let err = w
+            .iter()
+            .zip(&x)
+            .fold(0f32, |s, (a, b)| s.max((a - b).abs()));
+        assert!(
+            err <= 1e-5 * scale,
+            "{name} {what}: |linear - autodiff| = {err} of {scale}"
+        );
+    }
+    for k in [0, 2 * nl + 1] {
+        let err = lin
+            .step_back(k, adj[0].clone())
+            .err()
+            .unwrap_or_else(|| panic!("{name}: step {k} accepted"));
+        assert!(err.to_string().contains("steps are 1..="), "{err}");
+    }
+}
+
+#[test]
+fn stream_transport_linear_map_matches_autodiff() {
+    stream_linear_matches_autodiff(&tiny_v4(13), "deepseek-v4");
+    stream_linear_matches_autodiff(&random_model(&tiny(2, 4, 1, 4, 4), 5), "kvc");
 }
 
 #[test]
@@ -535,4 +650,152 @@ fn edge_attribution_end_to_end() {
     );
     let err = run_experiment(&bad, &opts(d)).unwrap_err().to_string();
     assert!(err.contains("methods"), "{err}");
+}
+
+/// `bench edges --layers / --heads`: the config resized (kvc: the head size kept;
+/// DeepSeek-V4: the per-layer type lists cycled), random weights of that size, and the
+/// benchmark on them with exact path patching of a sample of senders.
+#[test]
+fn bench_edges_on_a_resized_random_model() {
+    use phaselens::runner::bench::{RandomModel, random_model, scaled_config};
+    use phaselens::runner::kinds::edge_attribution::bench::{EdgeBench, bench_edges};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    two_value_organism(d, "tiny", &tiny(2, 4, 1, 4, 4), 31);
+    let r = RandomModel {
+        layers: Some(3),
+        heads: Some(6),
+        seed: 2,
+    };
+    let json = scaled_config(&d.join("tiny"), &r).unwrap();
+    assert_eq!(json["n_layers"], 3);
+    assert_eq!(json["n_heads"], 6);
+    let before = tiny(2, 4, 1, 4, 4);
+    let d_head = before.d_head.unwrap_or(before.d_model / 4);
+    assert_eq!(json["d_head"].as_u64(), Some(d_head as u64));
+    let m = random_model(&d.join("tiny"), &r, &dev()).unwrap();
+    let info = m.info();
+    assert_eq!((info.n_layers(), info.n_heads, info.d_head), (3, 6, d_head));
+    // DeepSeek-V4: 5 layers from a 3-layer config, types cycled.
+    let v4 = d.join("v4");
+    std::fs::create_dir_all(&v4).unwrap();
+    let cfg = r#"{"model_type": "deepseek_v4", "vocab_size": 128, "hidden_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 16,
+        "qk_rope_head_dim": 8, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "mlp_layer_types": ["hash_moe", "moe", "moe"],
+        "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention",
+                        "sliding_attention"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "sliding_window": 6, "index_n_heads": 1, "index_head_dim": 8, "index_topk": 2,
+        "hc_mult": 2}"#;
+    std::fs::write(v4.join("config.json"), cfg).unwrap();
+    let r5 = RandomModel {
+        layers: Some(5),
+        heads: Some(4),
+        seed: 0,
+    };
+    let json = scaled_config(&v4, &r5).unwrap();
+    let types: Vec<&str> = json["layer_types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(types.len(), 5);
+    assert_eq!(types[3], "compressed_sparse_attention");
+    assert_eq!(json["mlp_layer_types"][4], "moe");
+    let m = random_model(&v4, &r5, &dev()).unwrap();
+    assert_eq!((m.info().n_layers(), m.info().n_heads), (5, 4));
+    // 3 heads do not split into o_groups = 2: the config's own error.
+    let odd = RandomModel {
+        heads: Some(3),
+        ..r5
+    };
+    let err = random_model(&v4, &odd, &dev()).err().unwrap().to_string();
+    assert!(
+        err.contains("o_groups") && err.contains("--layers / --heads"),
+        "{err}"
+    );
+    // The benchmark on the resized kvc model: the graph of 3 layers x 6 heads, path
+    // patching of the edges of 2 senders only.
+    let exp = experiment(
+        d,
+        "ea.toml",
+        "[experiment]\nkind = \"edge-attribution\"\n\n[model]\norganism = \"tiny\"\n\n[task]\nn_logical = 8\n",
+    );
+    let what = EdgeBench {
+        phase: 0,
+        n_logical: Some(2),
+        ig_steps: 1,
+        random: Some(r),
+        exact_senders: Some(2),
+        replicas: false,
+        ig_held: false,
+    };
+    let res = bench_edges(&exp, &what, &"cpu".parse().unwrap()).unwrap();
+    assert_eq!(res.edges, Graph::of(&info).edges.len());
+    assert!(res.replicas.is_none());
+    assert!(
+        res.exact_edges > 0 && res.exact_edges < res.exact_of,
+        "{res}"
+    );
+    assert!(res.model.contains("3 layers x 6 heads"), "{}", res.model);
+}
+
+/// EAP-IG with the indexer's selection held at the clean run's: the local pass and the
+/// replicas agree (both hold it), the hold changes the scores (the interpolation moves
+/// the indexer's choice on this model), and a model without an indexer is refused.
+#[test]
+fn eap_ig_with_the_indexer_selection_held() {
+    let model = tiny_v4(13);
+    let prompts = pair_prompts(16, 1);
+    let graph = Graph::of(&model.info());
+    let mut progress = Progress::new(ProgressMode::Hidden, "t", "passes", 0);
+    let run = EdgeRun {
+        model: &model,
+        prompts: &prompts,
+        graph: &graph,
+        direction: Direction::Denoise,
+        max_rows: 6,
+    };
+    let m = Method::EapIgHeld { steps: 2 };
+    let local = run.scores(m, &mut progress).unwrap();
+    let rep = run.scores_with(m, Pass2::Replicas, &mut progress).unwrap();
+    let flat = |v: &[Vec<f32>]| v.iter().flatten().copied().collect::<Vec<f32>>();
+    let (a, b) = (flat(&local.scores), flat(&rep.scores));
+    let scale = b.iter().fold(0f32, |s, x| s.max(x.abs()));
+    assert!(scale > 1e-3);
+    let err = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |s, (x, y)| s.max((x - y).abs()));
+    assert!(
+        err <= 2e-5 * scale,
+        "held: local vs replicas {err} of {scale}"
+    );
+    let free = flat(
+        &run.scores(Method::EapIg { steps: 2 }, &mut progress)
+            .unwrap()
+            .scores,
+    );
+    let diff = a
+        .iter()
+        .zip(&free)
+        .fold(0f32, |s, (x, y)| s.max((x - y).abs()));
+    assert!(diff > 1e-4 * scale, "holding the selection changed nothing");
+    let kvc = random_model(&tiny(2, 4, 1, 4, 4), 5);
+    let graph = Graph::of(&kvc.info());
+    let err = EdgeRun {
+        model: &kvc,
+        prompts: &pair_prompts(14, 1),
+        graph: &graph,
+        direction: Direction::Denoise,
+        max_rows: 6,
+    }
+    .scores(m, &mut progress)
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("no indexer"), "{err}");
 }

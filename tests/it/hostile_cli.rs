@@ -206,6 +206,52 @@ fn bad_command_lines_give_named_errors_not_panics() {
             1,
             "phase 99",
         ),
+        (
+            vec![
+                "bench".into(),
+                "edges".into(),
+                "p.toml".into(),
+                "--layers".into(),
+                "0".into(),
+            ],
+            2,
+            "at least 1",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "edges".into(),
+                "p.toml".into(),
+                "--exact-senders".into(),
+                "0".into(),
+            ],
+            2,
+            "at least 1",
+        ),
+        (
+            // A seed of random weights without --layers / --heads.
+            vec![
+                "bench".into(),
+                "edges".into(),
+                "p.toml".into(),
+                "--seed".into(),
+                "3".into(),
+            ],
+            2,
+            "--layers",
+        ),
+        (
+            // 3 query heads over the organism's 2 KV heads.
+            vec![
+                "bench".into(),
+                "edges".into(),
+                "p.toml".into(),
+                "--heads".into(),
+                "3".into(),
+            ],
+            1,
+            "must divide n_heads",
+        ),
         (vec!["run".into(), "nope.toml".into()], 1, "nope.toml"),
         (vec!["train".into(), "nope.toml".into()], 1, "nope.toml"),
         (

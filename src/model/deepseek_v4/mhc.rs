@@ -10,10 +10,10 @@
 //! Sinkhorn) before the last norm.
 
 use burn::module::{Module, Param};
-use burn::tensor::Tensor;
 use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::{Tensor, TensorData};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::layers::rms_normalize;
 use crate::model::weights::{Init, Vb};
@@ -79,18 +79,19 @@ impl HyperConnection {
         })
     }
 
-    /// Compute the weights from the streams `x: [b, t, N, d]` and collapse them.
-    pub fn forward(
-        &self,
-        layer: usize,
-        which: Sublayer,
-        x: &Tensor<4>,
-        hooks: &mut HookRun,
-    ) -> Result<HcOut> {
+    /// The raw mixing logits `rms_normalize(flat X) fn^T` (`[b t, (2 + N) N]`) of the
+    /// streams `x: [b, t, N, d]`.
+    fn mix(&self, x: &Tensor<4>) -> Tensor<2> {
         let [b, t, n, d] = x.dims();
-        let bt = b * t;
-        let flat = rms_normalize(x.clone().reshape([bt, n * d]), self.norm_eps);
-        let mix = flat.matmul(self.fn_weight.val().transpose()); // [bt, (2+N)N]
+        rms_normalize(x.clone().reshape([b * t, n * d]), self.norm_eps)
+            .matmul(self.fn_weight.val().transpose())
+    }
+
+    /// The pre (`[bt, N]`), post (`[bt, N]`) and comb (`[bt, N, N]`, `[from j, to k]`)
+    /// weights from the raw mixing logits `mix: [bt, (2 + N) N]`.
+    fn weights(&self, mix: Tensor<2>) -> (Tensor<2>, Tensor<2>, Tensor<3>) {
+        let n = self.n;
+        let [bt, _] = mix.dims();
         let base = self.base.val();
         let scale = self.scale.val();
         let s = |i: usize| scale.clone().slice_dim(0, i..i + 1).reshape([1, 1]);
@@ -105,7 +106,20 @@ impl HyperConnection {
             * s(2).reshape([1, 1, 1])
             + base.slice_dim(0, 2 * n..(2 + n) * n).reshape([1, n, n]);
         let comb = sinkhorn(softmax(logits, 2) + self.hc_eps, self.iters, self.hc_eps);
+        (pre, post, comb)
+    }
 
+    /// Compute the weights from the streams `x: [b, t, N, d]` and collapse them.
+    pub fn forward(
+        &self,
+        layer: usize,
+        which: Sublayer,
+        x: &Tensor<4>,
+        hooks: &mut HookRun,
+    ) -> Result<HcOut> {
+        let [b, t, n, d] = x.dims();
+        let mix = self.mix(x);
+        let (pre, post, comb) = self.weights(mix);
         let (ps, qs, cs) = match which {
             Sublayer::Attention => (Site::HcPre, Site::HcPost, Site::HcComb),
             Sublayer::Mlp => (Site::MlpHcPre, Site::MlpHcPost, Site::MlpHcComb),
@@ -121,6 +135,143 @@ impl HyperConnection {
             comb,
             collapsed,
         })
+    }
+
+    /// The stream update `X' = post * out + comb^T X` around the sublayer output `out:
+    /// [b, t, d]`, linearised at the streams `x: [b, t, N, d]`: returns `X'` and the
+    /// [`HcLinear`] that applies its transposed Jacobian (with respect to `X`, the
+    /// weights included, and to `out`) to any number of adjoints.
+    pub fn linearize(&self, x: &Tensor<4>, out: Tensor<3>) -> Result<(Tensor<4>, HcLinear)> {
+        let [b, t, n, d] = x.dims();
+        let bt = b * t;
+        let mix = self.mix(x);
+        let (_, post, comb) = self.weights(mix.clone());
+        let jac = self.mix_jacobian(&mix)?;
+        let post = post.reshape([b, t, n]);
+        let comb = comb.reshape([b, t, n, n]);
+        let next = mix_streams(x.clone(), out.clone(), post.clone(), comb.clone());
+        let xf = x.clone().reshape([bt, n * d]);
+        // rms_normalize(x) = x s, s = (mean(x^2) + eps)^(-1/2), per token.
+        let inv_rms = (xf.clone().square().mean_dim(1) + self.norm_eps)
+            .sqrt()
+            .recip();
+        let proj = self
+            .fn_weight
+            .val()
+            .slice_dim(0, n..(2 + n) * n)
+            .reshape([n + n * n, n * d]);
+        Ok((
+            next,
+            HcLinear {
+                n,
+                d,
+                t,
+                post: post.reshape([bt, n]),
+                comb: comb.reshape([bt, n, n]),
+                jac,
+                proj,
+                x: xf,
+                inv_rms,
+                out: out.reshape([bt, d]),
+            },
+        ))
+    }
+
+    /// Per token, the Jacobian of the post and comb weights (`m = N + N^2` values, comb
+    /// row-major `[j, k]`) with respect to their raw mixing logits (`mix` columns `N..`):
+    /// `[bt, m (weight), m (logit)]`, by one backward over `m` copies of the logits
+    /// (copy q differentiates weight q; the weights are per token, so every token's row
+    /// comes from the same backward).
+    fn mix_jacobian(&self, mix: &Tensor<2>) -> Result<Tensor<3>> {
+        let n = self.n;
+        let m = n + n * n;
+        let [bt, width] = mix.dims();
+        let ad = mix.device().autodiff();
+        let leaf = Tensor::<3>::zeros([m, bt, width], &ad).require_grad();
+        let rep = mix.clone().reshape([1, bt, width]).repeat_dim(0, m) + leaf.clone();
+        let (_, post, comb) = self.weights(rep.reshape([m * bt, width]));
+        let w = Tensor::cat(vec![post, comb.reshape([m * bt, n * n])], 1).reshape([m, bt, m]);
+        let eye: Vec<f32> = (0..m * m)
+            .map(|i| if i / m == i % m { 1.0 } else { 0.0 })
+            .collect();
+        let eye = Tensor::<3>::from_data(TensorData::new(eye, [m, 1, m]), &ad);
+        let grads = (w * eye).sum().backward();
+        let g = leaf.grad(&grads).ok_or_else(|| {
+            Error::Other("no gradient reached the hyper-connection's mixing logits".into())
+        })?;
+        Ok(g.slice_dim(2, n..width).swap_dims(0, 1))
+    }
+}
+
+/// One hyper-connection's stream update linearised at its streams (see
+/// [`HyperConnection::linearize`]): per token the post / comb weights, their Jacobian
+/// with respect to the mixing logits, the streams and their RMS scale, the sublayer's
+/// output; [`HcLinear::back`] applies the transposed Jacobian as a per-token linear map.
+pub struct HcLinear {
+    n: usize,
+    d: usize,
+    t: usize,
+    /// `[bt, N]`
+    post: Tensor<2>,
+    /// `[bt, N, N]`, `[from j, to k]`
+    comb: Tensor<3>,
+    /// `[bt, m, m]`: `d weight_q / d logit_i` (m = N + N^2: post, then comb row-major).
+    jac: Tensor<3>,
+    /// `fn`'s post and comb rows, `[m, N d]`.
+    proj: Tensor<2>,
+    /// The streams, flattened: `[bt, N d]`.
+    x: Tensor<2>,
+    /// `(mean(x^2) + eps)^(-1/2)`, `[bt, 1]`.
+    inv_rms: Tensor<2>,
+    /// The sublayer's output, `[bt, d]`.
+    out: Tensor<2>,
+}
+
+impl HcLinear {
+    /// `adj = dL/dX'` for `c` blocks of the linearised batch's rows (`[c b, t, N d]`) ->
+    /// (`dL/dX` `[c b, t, N d]`, `dL/d out` `[c b, t, d]`): through the direct mixing
+    /// `comb^T X`, the output's expansion `post * out`, and the weights' dependence on
+    /// `X` (the post / comb adjoints `<dL/dX'[k], out>`, `<X[j], dL/dX'[k]>` through
+    /// the logits' Jacobian, `fn` and the RMS normalisation).
+    pub fn back(&self, adj: Tensor<3>) -> Result<(Tensor<3>, Tensor<3>)> {
+        let (n, d, t) = (self.n, self.d, self.t);
+        let m = n + n * n;
+        let [bt, _] = self.x.dims();
+        let [rows, ta, w] = adj.dims();
+        let b = bt / t;
+        if ta != t || w != n * d || b == 0 || !rows.is_multiple_of(b) {
+            return Err(Error::Input(format!(
+                "an mHC adjoint of shape [{rows}, {ta}, {w}]: expected [c x {b}, {t}, {}]",
+                n * d
+            )));
+        }
+        let c = rows / b;
+        let a = adj.reshape([c, bt, n, d]);
+        let g_out = (a.clone() * self.post.clone().reshape([1, bt, n, 1]))
+            .sum_dim(2)
+            .reshape([rows, t, d]);
+        let g_post = (a.clone() * self.out.clone().reshape([1, bt, 1, d]))
+            .sum_dim(3)
+            .reshape([c, bt, n]);
+        let a5 = a.reshape([c, bt, 1, n, d]);
+        let g_comb = (self.x.clone().reshape([1, bt, n, 1, d]) * a5.clone())
+            .sum_dim(4)
+            .reshape([c, bt, n * n]);
+        let direct = (self.comb.clone().reshape([1, bt, n, n, 1]) * a5)
+            .sum_dim(3)
+            .reshape([c, bt, n * d]);
+        let g_w = Tensor::cat(vec![g_post, g_comb], 2).reshape([c, bt, m, 1]);
+        let g_mix = (self.jac.clone().reshape([1, bt, m, m]) * g_w)
+            .sum_dim(2)
+            .reshape([c * bt, m]);
+        let g_flat = g_mix.matmul(self.proj.clone()).reshape([c, bt, n * d]);
+        // rms_normalize's transpose: s g - s^3 / D x (x . g).
+        let x = self.x.clone().reshape([1, bt, n * d]);
+        let s = self.inv_rms.clone().reshape([1, bt, 1]);
+        let dot = (g_flat.clone() * x.clone()).sum_dim(2);
+        let s3 = s.clone().powi_scalar(3) / (n * d) as f64;
+        let g_x = g_flat * s - x * (dot * s3);
+        Ok(((direct + g_x).reshape([rows, t, n * d]), g_out))
     }
 }
 
@@ -138,15 +289,18 @@ fn sinkhorn(m: Tensor<3>, iters: usize, eps: f64) -> Tensor<3> {
 
 /// `X'[k] = post[k] * out + sum_j comb[j, k] X[j]`.
 pub fn expand(x: Tensor<4>, out: Tensor<3>, hc: &HcOut) -> Tensor<4> {
+    mix_streams(x, out, hc.post.clone(), hc.comb.clone())
+}
+
+/// [`expand`] with the weights given: `post: [b, t, N]`, `comb: [b, t, N, N]`.
+fn mix_streams(x: Tensor<4>, out: Tensor<3>, post: Tensor<3>, comb: Tensor<4>) -> Tensor<4> {
     let [b, t, n, d] = x.dims();
-    let mixed = hc
-        .comb
-        .clone()
+    let mixed = comb
         .reshape([b * t, n, n])
         .swap_dims(1, 2)
         .matmul(x.reshape([b * t, n, d]))
         .reshape([b, t, n, d]);
-    hc.post.clone().reshape([b, t, n, 1]) * out.reshape([b, t, 1, d]) + mixed
+    post.reshape([b, t, n, 1]) * out.reshape([b, t, 1, d]) + mixed
 }
 
 /// The final collapse of the streams (`hc_head`).

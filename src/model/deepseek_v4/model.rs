@@ -21,7 +21,8 @@ use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::stored::StoredWeight;
 use crate::model::weights::{Init, Vb};
 use crate::model::{
-    ForwardOutput, LayerKind, LayerSpec, ModelInfo, StreamModel, StreamPoint, StreamRead,
+    ForwardOutput, LayerKind, LayerSpec, ModelInfo, StreamLinear, StreamModel, StreamPoint,
+    StreamRead,
 };
 
 /// One decoder layer (`model.layers.{l}`).
@@ -545,6 +546,76 @@ impl StreamModel for DeepseekV4Model {
         }
         out.push(Act::new(to(x, &home)));
         Ok(out)
+    }
+
+    fn linearize_stream(
+        &self,
+        embed: Tensor<3>,
+        attn_out: &[Tensor<3>],
+        mlp_out: &[Tensor<3>],
+    ) -> Result<Box<dyn StreamLinear + '_>> {
+        let nl = self.model.layers.len();
+        if attn_out.len() != nl || mlp_out.len() != nl {
+            return Err(Error::Input(format!(
+                "{} attention and {} MoE outputs for {nl} layers",
+                attn_out.len(),
+                mlp_out.len()
+            )));
+        }
+        let home = self.model.embed_tokens.weight.device();
+        let [b, t, h] = embed.dims();
+        let n = self.config.hc_mult;
+        let mut x = embed.reshape([b, t, 1, h]).expand([b, t, n, h]);
+        let mut steps = Vec::with_capacity(2 * nl);
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let here = layer.input_layernorm.weight.val().device();
+            x = to(x, &here);
+            for (hc, out) in [(&layer.attn_hc, &attn_out[l]), (&layer.ffn_hc, &mlp_out[l])] {
+                let (next, lin) = hc.linearize(&x, to(out.clone(), &here))?;
+                steps.push((here.clone(), lin));
+                x = next;
+            }
+        }
+        Ok(Box::new(MhcLinear { steps, home, n }))
+    }
+}
+
+/// [`StreamLinear`] of the hyper-connections: one [`mhc::HcLinear`] per step, on its
+/// layer's device.
+struct MhcLinear {
+    steps: Vec<(Device, mhc::HcLinear)>,
+    home: Device,
+    n: usize,
+}
+
+impl StreamLinear for MhcLinear {
+    fn step_back(&self, k: usize, adj: Tensor<3>) -> Result<(Tensor<3>, Tensor<3>)> {
+        let (here, lin) = k
+            .checked_sub(1)
+            .and_then(|i| self.steps.get(i))
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "stream step {k}: the steps are 1..={}",
+                    self.steps.len()
+                ))
+            })?;
+        let (prev, g) = lin.back(to(adj, here))?;
+        Ok((to(prev, &self.home), to(g, &self.home)))
+    }
+
+    fn embed_back(&self, adj: Tensor<3>) -> Result<Tensor<3>> {
+        let [rows, t, w] = adj.dims();
+        if !w.is_multiple_of(self.n) {
+            return Err(Error::Input(format!(
+                "a stream adjoint of width {w} for {} streams",
+                self.n
+            )));
+        }
+        let d = w / self.n;
+        Ok(adj
+            .reshape([rows, t, self.n, d])
+            .sum_dim(2)
+            .reshape([rows, t, d]))
     }
 }
 

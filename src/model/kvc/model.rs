@@ -13,8 +13,8 @@ use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu};
 use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::weights::Vb;
 use crate::model::{
-    ForwardOutput, LanguageModel, LayerKind, LayerSpec, ModelInfo, StreamModel, StreamPoint,
-    StreamRead,
+    AdditiveLinear, ForwardOutput, LanguageModel, LayerKind, LayerSpec, ModelInfo, StreamLinear,
+    StreamModel, StreamPoint, StreamRead,
 };
 
 /// One pre-norm block.
@@ -387,6 +387,23 @@ impl StreamModel for KvcModel {
         }
         out.push(Act::new(x));
         Ok(out)
+    }
+
+    fn linearize_stream(
+        &self,
+        _embed: Tensor<3>,
+        attn_out: &[Tensor<3>],
+        mlp_out: &[Tensor<3>],
+    ) -> Result<Box<dyn StreamLinear + '_>> {
+        let nl = self.blocks.len();
+        if attn_out.len() != nl || mlp_out.len() != nl {
+            return Err(Error::Input(format!(
+                "{} attention and {} MLP outputs for {nl} blocks",
+                attn_out.len(),
+                mlp_out.len()
+            )));
+        }
+        Ok(Box::new(AdditiveLinear { steps: 2 * nl }))
     }
 }
 

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::device::DeviceSpec;
 use crate::error::Result;
-use crate::runner::bench::{load_bench_model, override_n_logical, phase_prompts};
+use crate::runner::bench::{RandomModel, load_bench_model_with, override_n_logical, phase_prompts};
 use crate::runner::experiment::Experiment;
 use crate::runner::heads::Direction;
 use crate::runner::patching::Positions;
@@ -20,7 +20,7 @@ use crate::runner::progress::{Progress, ProgressMode};
 use super::super::path_patching::path_group;
 use super::eap::{EdgeRun, Method, Pass2, Timing, path_equivalent};
 use super::graph::{Graph, ReceiverNode};
-use super::path_cells;
+use super::{path_cells, path_cells_of_senders};
 
 /// Result of `phaselens bench edges`.
 #[derive(Debug, Clone)]
@@ -41,13 +41,18 @@ pub struct EdgeBenchResult {
     pub replicas: Option<(f64, f64)>,
     pub ig_steps: usize,
     pub ig_seconds: f64,
-    /// Edges path patching scored (every query head -> later q / k / v edge).
+    /// Edges path patching scored (every query head -> later q / k / v edge, or every
+    /// such edge of the sampled senders).
     pub exact_edges: usize,
+    /// Every query head -> later q / k / v edge of the graph.
+    pub exact_of: usize,
     pub exact_seconds: f64,
     /// Spearman of the EAP / EAP-IG summed LD change with the exact one over the
     /// path-patched edges.
     pub spearman_eap: f64,
     pub spearman_ig: f64,
+    /// EAP-IG with the indexer's selection held: seconds and Spearman.
+    pub ig_held: Option<(f64, f64)>,
 }
 
 impl EdgeBenchResult {
@@ -103,9 +108,14 @@ impl std::fmt::Display for EdgeBenchResult {
             self.ig_seconds,
             Self::rate(self.edges, self.ig_seconds)
         )?;
+        let of = if self.exact_edges < self.exact_of {
+            format!(" of {}, from a sample of senders", self.exact_of)
+        } else {
+            String::new()
+        };
         writeln!(
             f,
-            "exact path patching ({} edges):      {:.2} s, {:.1} edges/s",
+            "exact path patching ({} edges{of}):      {:.2} s, {:.1} edges/s",
             self.exact_edges,
             self.exact_seconds,
             Self::rate(self.exact_edges, self.exact_seconds)
@@ -120,21 +130,46 @@ impl std::fmt::Display for EdgeBenchResult {
             f,
             "Spearman with exact over the path-patched edges: EAP {:.3}, EAP-IG {:.3}",
             self.spearman_eap, self.spearman_ig
-        )
+        )?;
+        if let Some((s, sp)) = self.ig_held {
+            write!(
+                f,
+                "\nEAP-IG, indexer selection held at the clean run's: {s:.2} s, Spearman {sp:.3}"
+            )?;
+        }
+        Ok(())
     }
 }
 
-/// Time EAP, EAP-IG (`ig_steps`) and exact path patching on phase group `phase`.
-pub fn bench_edges(
-    path: &Path,
-    phase: u32,
-    n_logical: Option<usize>,
-    ig_steps: usize,
-    device: &DeviceSpec,
-) -> Result<EdgeBenchResult> {
+/// What `phaselens bench edges` measures.
+#[derive(Debug, Clone)]
+pub struct EdgeBench {
+    /// Phase group.
+    pub phase: u32,
+    /// Logical examples in place of the experiment's.
+    pub n_logical: Option<usize>,
+    /// EAP-IG interpolation steps.
+    pub ig_steps: usize,
+    /// A randomly initialised, resized model in place of the experiment's.
+    pub random: Option<RandomModel>,
+    /// Exact path patching of every edge from at most this many head senders (a seeded
+    /// sample; `None`: every sender). Its edges/s stands for all of them: each
+    /// sender's patched run serves all its edges either way.
+    pub exact_senders: Option<usize>,
+    /// Also time EAP with replicas and compare (where pass 2 runs locally).
+    pub replicas: bool,
+    /// Also EAP-IG with the indexer's selection held at the clean run's
+    /// ([`Method::EapIgHeld`]; a model with an indexer).
+    pub ig_held: bool,
+}
+
+/// Time EAP, EAP-IG and exact path patching on one phase group of the experiment at
+/// `path`.
+pub fn bench_edges(path: &Path, what: &EdgeBench, device: &DeviceSpec) -> Result<EdgeBenchResult> {
+    let (phase, ig_steps) = (what.phase, what.ig_steps);
     let exp = Experiment::load(path)?;
-    let mut b = load_bench_model(&exp, device)?;
-    if let Some(n) = n_logical {
+    let mut b = load_bench_model_with(&exp, device, what.random.as_ref())?;
+    if let Some(n) = what.n_logical {
         override_n_logical(&mut b.task, n)?;
     }
     let (prompts, n) = phase_prompts(&b.task, phase)?;
@@ -154,7 +189,7 @@ pub fn bench_edges(
     let t = Instant::now();
     let eap = run.scores(Method::Eap, &mut hidden)?;
     let eap_seconds = t.elapsed().as_secs_f64();
-    let replicas = if eap.pass2 == Pass2::Local {
+    let replicas = if what.replicas && eap.pass2 == Pass2::Local {
         let t = Instant::now();
         let rep = run.scores_with(Method::Eap, Pass2::Replicas, &mut hidden)?;
         let s = t.elapsed().as_secs_f64();
@@ -172,7 +207,18 @@ pub fn bench_edges(
     let t = Instant::now();
     let ig = run.scores(Method::EapIg { steps: ig_steps }, &mut hidden)?;
     let ig_seconds = t.elapsed().as_secs_f64();
-    let (senders, cells, cand) = path_cells(&graph, d, usize::MAX, 0);
+    let held = if what.ig_held {
+        let t = Instant::now();
+        let h = run.scores(Method::EapIgHeld { steps: ig_steps }, &mut hidden)?;
+        Some((t.elapsed().as_secs_f64(), h))
+    } else {
+        None
+    };
+    let (senders, cells, cand) = match what.exact_senders {
+        Some(k) => path_cells_of_senders(&graph, d, k, 0),
+        None => path_cells(&graph, d, usize::MAX, 0),
+    };
+    let all_exact = path_cells(&graph, d, usize::MAX, 0).1.len();
     let t = Instant::now();
     let (base, exact) = path_group(
         model,
@@ -224,8 +270,10 @@ pub fn bench_edges(
         ig_steps,
         ig_seconds,
         exact_edges: cells.len(),
+        exact_of: all_exact,
         exact_seconds,
         spearman_eap: sp(est(&eap.scores)),
         spearman_ig: sp(est(&ig.scores)),
+        ig_held: held.map(|(s, h)| (s, sp(est(&h.scores)))),
     })
 }

@@ -20,43 +20,16 @@
 //!    of `M`: `G_v = dM/d act_v`. The raw k / v gradients of a compressing layer come
 //!    from a copy of the prompts (extra batch rows) in which that layer's entries are
 //!    replaced by their own values (constants), so that `dM/d hook_k` there holds the
-//!    raw-slot path only while every other layer's entries stay live.
-//! 2. **Receiver inputs**: one forward of every prompt once per receiver (the rows of
-//!    receiver v form its replica), with every sender output replaced by its value
-//!    plus a gradient leaf (so the residual stream reaching any input is the same, but
-//!    no gradient flows through a node's own computation), and one backward of
-//!    `sum_v <G_v, act_v>` over the replicas (the logits replica reads `M` itself).
-//!    The leaf gradient of sender u in replica v is `dM/d(input of v)` along the
-//!    direct path from u; its dot product with `a_partner(u) - a(u)` is the score. An
-//!    MLP receiver's replica keeps its own output live (the functional reads it).
-//!
-//! **Pass 2 without replicas** ([`Pass2::Local`], used whenever the model offers a
-//! [`StreamModel`]). "Direct path from u into v" means: every block's own computation
-//! (attention core and output projection of every head, every MLP / MoE) held at its
-//! value, the rest live: the stream-only computation from the senders' outputs to the
-//! stream `X_p` at the point p where v reads (kvc: the running sum; DeepSeek-V4: the
-//! hyper-connections, whose pre / post / comb weights stay functions of the stream), then
-//! v's own input computation `act_v = f_v(X_p)` (norm, mHC pre-mix, projections, gates
-//! and pooling of the entries, the MLP for an MLP receiver, head for the logits). This is
-//! exactly what the replicas differentiate, so the derivative factorises:
-//!
-//! - `r_v = d<G_v, f_v(X_p)>/dX_p`: a vector-Jacobian product through f_v alone
-//!   ([`StreamModel::read_stream`]), one local forward + backward per stream point with
-//!   the point's receivers as batch rows;
-//! - the gradient at u's contribution to the stream: r_v itself on an additive stream
-//!   (kvc), else one backward of `sum_v <r_v, X_p(v)>` through
-//!   [`StreamModel::stream_from_outputs`] with every receiver's rows stacked (cheap: no
-//!   attention, no MLP);
-//! - the score: that gradient dotted with u's change in stream space (a head's
-//!   `hook_result` slice, the MLP output, the embeddings), summed over positions.
-//!
-//! The raw k / v gradients then need no copies of the prompts in pass 1: `G_k(raw) =
-//! dM/d hook_k - d<G_ck, ck> / d hook_k - d<G_cv, cv> / d hook_k` (the entries' own
-//! dependence on `hook_k` / `hook_v`, zero where they have their own projection), a local
-//! product at the same stream point. Cost per state: pass 1 over the receiving prompts
-//! plus local passes of about one layer's inputs per receiver, against a full forward per
-//! receiver with replicas. [`Pass2::Replicas`] stays as the reference (tests compare the
-//! two to float rounding) and the fallback for a model without a [`StreamModel`].
+//!    raw-slot path only while every other layer's entries stay live (with replicas;
+//!    the local pass subtracts the entries' share instead).
+//! 2. **Receiver inputs**: `dM/d(input of v)` along the direct path from every sender
+//!    u into v (every other node output held). Locally where the model offers a
+//!    [`StreamModel`] ([`Pass2::Local`], `local.rs`: vector-Jacobian products through
+//!    each stream point's input computation, and the stream-only transport linearised
+//!    once per state), else with one replica forward of the whole model per receiver
+//!    ([`Pass2::Replicas`], `replicas.rs`: the reference the tests compare the local
+//!    pass with, to float rounding). The score is the sender's change `a_partner(u) -
+//!    a(u)` dotted with that derivative.
 //!
 //! EAP evaluates both passes at the receiving prompts. EAP-IG (`steps = m`) averages
 //! the gradients over the inputs `e + k/m (e_partner - e)`, k = 1..m, of the token
@@ -67,8 +40,10 @@ use burn::tensor::Tensor;
 
 use crate::error::{Error, Result};
 use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
+#[cfg(doc)]
+use crate::model::StreamModel;
 use crate::model::grad::grad_at_leaves;
-use crate::model::{LanguageModel, StreamModel, StreamPoint};
+use crate::model::{LanguageModel, StreamPoint};
 
 use super::super::super::heads::Direction;
 use super::super::super::patching::{Outcome, Prompts, Target, readout};
@@ -84,6 +59,10 @@ pub enum Method {
     Eap,
     /// Gradients averaged over `steps` interpolations of the input embeddings.
     EapIg { steps: usize },
+    /// [`Method::EapIg`] with every indexer's selection (`hook_selected`, DeepSeek-V4
+    /// CSA) held at the clean run's in the interpolated states, so that the path
+    /// crosses no jump of the indexer's top-k (the MoE router's top-k still moves).
+    EapIgHeld { steps: usize },
 }
 
 impl Method {
@@ -92,6 +71,7 @@ impl Method {
         match self {
             Method::Eap => "eap",
             Method::EapIg { .. } => "eapig",
+            Method::EapIgHeld { .. } => "eapig_held",
         }
     }
 }
@@ -99,7 +79,7 @@ impl Method {
 /// How pass 2 (the direct-path derivative into every receiver) is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pass2 {
-    /// Local vector-Jacobian products at each stream point and one transport backward:
+    /// Local vector-Jacobian products at each stream point and the linearised transport:
     /// O(1) full-model passes (needs the model's [`StreamModel`]).
     Local,
     /// One replica forward + backward of the whole model per receiver (the reference).
@@ -180,7 +160,10 @@ pub(crate) fn rows_of(p: &Prompts, rows: &[usize]) -> Prompts {
 }
 
 /// Every prompt's tokens.
-fn all_tokens(p: &Prompts, device: &burn::tensor::Device) -> Tensor<2, burn::tensor::Int> {
+pub(super) fn all_tokens(
+    p: &Prompts,
+    device: &burn::tensor::Device,
+) -> Tensor<2, burn::tensor::Int> {
     let all: Vec<usize> = (0..p.n()).collect();
     p.tokens_of(&all, device)
 }
@@ -198,14 +181,14 @@ pub(crate) fn as4(a: &Act) -> Result<Tensor<4>> {
 }
 
 /// `t` repeated `c` times along the batch axis (rank 3 or 4).
-fn repeat(a: &Act, c: usize) -> Result<Act> {
+pub(super) fn repeat(a: &Act, c: usize) -> Result<Act> {
     Ok(match a.shape().len() {
         3 => Act::new(a.get::<3>()?.repeat_dim(0, c)),
         _ => Act::new(a.get::<4>()?.repeat_dim(0, c)),
     })
 }
 
-fn cached<'c>(cache: &'c ActivationCache, p: &HookPoint) -> Result<&'c Act> {
+pub(super) fn cached<'c>(cache: &'c ActivationCache, p: &HookPoint) -> Result<&'c Act> {
     cache.get(p).ok_or_else(|| {
         Error::hook(
             p.to_string(),
@@ -231,7 +214,7 @@ fn receiver_points(g: &Graph) -> Vec<HookPoint> {
 }
 
 /// The compressed-entry points among the receivers.
-fn entry_points(g: &Graph) -> Vec<HookPoint> {
+pub(super) fn entry_points(g: &Graph) -> Vec<HookPoint> {
     let mut v: Vec<HookPoint> = g
         .receivers
         .iter()
@@ -244,7 +227,7 @@ fn entry_points(g: &Graph) -> Vec<HookPoint> {
 }
 
 /// Where receiver `r` reads the stream.
-fn stream_point(r: ReceiverNode) -> StreamPoint {
+pub(super) fn stream_point(r: ReceiverNode) -> StreamPoint {
     match r {
         ReceiverNode::Attn { layer, .. } => StreamPoint::Attn(layer),
         ReceiverNode::Mlp { layer } => StreamPoint::Mlp(layer),
@@ -254,7 +237,7 @@ fn stream_point(r: ReceiverNode) -> StreamPoint {
 
 /// The hook point holding the stream at `p` (`Final`: the last block's
 /// `hook_resid_post`).
-fn stream_hook(p: StreamPoint, n_layers: usize) -> Result<HookPoint> {
+pub(super) fn stream_hook(p: StreamPoint, n_layers: usize) -> Result<HookPoint> {
     Ok(match p {
         StreamPoint::Attn(l) => HookPoint::block(l, Site::ResidPre),
         StreamPoint::Mlp(l) => HookPoint::block(l, Site::ResidMid),
@@ -269,59 +252,19 @@ fn stream_hook(p: StreamPoint, n_layers: usize) -> Result<HookPoint> {
     })
 }
 
-/// `a: [b, T, ...]` as `[b, T, rest]`.
-fn flat3(a: &Act) -> Result<Tensor<3>> {
-    let s = a.shape();
-    if s.len() < 3 {
-        return Err(Error::Other(format!(
-            "a stream of shape {s:?}: expected [batch, pos, ...]"
-        )));
-    }
-    let rest: usize = s[2..].iter().product();
-    a.reshaped(vec![s[0], s[1], rest])?.get::<3>()
-}
-
-/// Per (row block j, prompt i, head h), `sum_{t, d} g[j n + i, t, d] delta[i, t, h, d]`
-/// for `g: [m n, T, d]` and `delta: [n, T, H, d]`, flattened `[m, n, H]`.
-fn dot_blocks(g: Tensor<3>, delta: &Tensor<4>, m: usize) -> Result<Vec<f32>> {
-    let [n, t, h, d] = delta.dims();
-    let gm = g.reshape([m, n, t * d]).swap_dims(0, 1); // [n, m, T d]
-    let dm = delta.clone().swap_dims(2, 3).reshape([n, t * d, h]); // [n, T d, H]
-    let prod = gm.matmul(dm).swap_dims(0, 1); // [m, n, H]
-    Ok(prod.reshape([m * n * h]).try_into_vec_as::<f32>()?)
-}
-
-/// Receivers whose local products compute the same parts of a layer's input
-/// computation (and so share a local pass): queries, per-token k / v, entries, the MLP,
-/// the logits.
-fn input_class(r: ReceiverNode) -> u8 {
-    match r {
-        ReceiverNode::Attn {
-            input: Input::Q, ..
-        } => 0,
-        ReceiverNode::Attn {
-            input: Input::K | Input::V,
-            ..
-        } => 1,
-        ReceiverNode::Attn { .. } => 2,
-        ReceiverNode::Mlp { .. } => 3,
-        ReceiverNode::Logits => 4,
-    }
-}
-
-/// The term `<G_v, act_v>` of receiver `r` whose rows are block `j` (of `n`) of a
-/// batch: from the captured activation at its point (head slice), or the logits.
-#[allow(clippy::too_many_arguments)]
-fn receiver_term(
+/// The term `<G_v, act_v>` of receiver `r` whose rows are block `j` (of the receiving
+/// prompts) of a batch: from the captured activation at its point (head slice, against
+/// the pass-1 gradient `g`), or the logits (the metric's weights).
+pub(super) fn receiver_term(
     r: ReceiverNode,
     j: usize,
-    n: usize,
     logits: Option<&Tensor<3>>,
     cache: &ActivationCache,
+    inp: &StateInputs,
     g: &ActivationCache,
-    sub: &Prompts,
-    w: &[f32],
 ) -> Result<Tensor<1>> {
+    let (sub, w) = (inp.sub, inp.w);
+    let n = sub.n();
     match r.point() {
         None => {
             let logits =
@@ -349,11 +292,41 @@ fn receiver_term(
 
 /// The state the gradients are taken at: the receiving prompts' tokens, optionally
 /// with the token embeddings replaced.
-struct State {
-    embed: Option<Act>,
+pub(super) struct State {
+    pub(super) embed: Option<Act>,
+    /// Replacements every forward at this state applies (rows = the receiving
+    /// prompts): the held indexer selections of [`Method::EapIgHeld`].
+    pub(super) held: Vec<(HookPoint, Act)>,
     /// Values of every sender point, every receiver point and the entries at this
     /// state (rows = the receiving prompts).
-    cache: ActivationCache,
+    pub(super) cache: ActivationCache,
+}
+
+/// Pass 2's inputs at one state: the state, the receiving prompts and their metric
+/// weights, the senders' deltas (per sender point, `[n, T, H|1, d]`) and the state's
+/// weight in the average over states.
+#[derive(Clone, Copy)]
+pub(super) struct StateInputs<'s> {
+    pub(super) st: &'s State,
+    pub(super) sub: &'s Prompts,
+    pub(super) w: &'s [f32],
+    pub(super) deltas: &'s [(HookPoint, Tensor<4>)],
+    pub(super) scale: f32,
+}
+
+/// Where pass 2 writes: per edge, per receiving prompt, the summed scores; the progress.
+pub(super) struct Sink<'s> {
+    pub(super) scores: &'s mut [Vec<f32>],
+    pub(super) progress: &'s mut Progress,
+}
+
+/// One sender point's dot products with `m` receivers' gradients, `per[(j n + i) H +
+/// head]` (receiver block j, prompt i of n, head of H).
+pub(super) struct Dots<'s> {
+    pub(super) pt: HookPoint,
+    pub(super) per: &'s [f32],
+    pub(super) n: usize,
+    pub(super) h: usize,
 }
 
 /// One batch's edge scores.
@@ -438,6 +411,12 @@ impl EdgeRun<'_> {
                 spec = spec.capture_point(HookPoint::block(l, Site::AttnResult));
             }
         }
+        let hold = matches!(method, Method::EapIgHeld { .. });
+        if hold {
+            for l in 0..nl {
+                spec = spec.capture_point(HookPoint::block(l, Site::IndexerSelected));
+            }
+        }
         let out = self.model.forward(p.tokens_of(&all, &device), &spec)?;
         let targets: Vec<&Target> = p.targets.iter().collect();
         let base = readout(out.logits, &targets)?;
@@ -460,12 +439,30 @@ impl EdgeRun<'_> {
         let sub = rows_of(p, &recv);
         let sign = weights(n, &[self.direction])[recv[0]];
         let w = vec![sign; n];
+        // The clean prompts' indexer selections, row i for receiving prompt i.
+        let mut held = Vec::new();
+        if hold {
+            let clean: Vec<usize> = (0..n).collect();
+            for l in 0..nl {
+                let pt = HookPoint::block(l, Site::IndexerSelected);
+                if let Some(a) = plain.get(&pt) {
+                    held.push((pt, a.select_batch(&clean)?));
+                }
+            }
+            if held.is_empty() {
+                return Err(Error::Other(
+                    "EAP-IG with the selection held: the model has no indexer (hook_selected)"
+                        .into(),
+                ));
+            }
+        }
         let states: Vec<State> = match method {
             Method::Eap => vec![State {
                 embed: None,
+                held: Vec::new(),
                 cache: plain.select_batch(&recv)?,
             }],
-            Method::EapIg { steps } => {
+            Method::EapIg { steps } | Method::EapIgHeld { steps } => {
                 if steps == 0 {
                     return Err(Error::Other("EAP-IG needs at least one step".into()));
                 }
@@ -487,9 +484,13 @@ impl EdgeRun<'_> {
                     for c in &caps {
                         spec = spec.capture_point(*c);
                     }
+                    for (pt, a) in &held {
+                        spec = spec.intervene_point(*pt, Action::Replace(a.clone()), Scope::all());
+                    }
                     let o = self.model.forward(all_tokens(&sub, &device), &spec)?;
                     v.push(State {
                         embed: Some(emb),
+                        held: held.clone(),
                         cache: o.cache,
                     });
                 }
@@ -511,34 +512,25 @@ impl EdgeRun<'_> {
             let g = self.receiver_grads(st, &sub, &w, stream.is_none())?;
             timing.pass1 += t0.elapsed().as_secs_f64();
             passes += 2;
+            let inp = StateInputs {
+                st,
+                sub: &sub,
+                w: &w,
+                deltas: &deltas,
+                scale,
+            };
+            let mut sink = Sink {
+                scores: &mut scores,
+                progress: &mut *progress,
+            };
             match stream {
                 None => {
                     let t0 = Instant::now();
-                    passes += self.replica_passes(
-                        st,
-                        &sub,
-                        &w,
-                        &g,
-                        &deltas,
-                        scale,
-                        &mut scores,
-                        progress,
-                    )?;
+                    passes += self.replica_passes(&inp, &g, &mut sink)?;
                     timing.replicas += t0.elapsed().as_secs_f64();
                 }
                 Some(sm) => {
-                    local_passes += self.local_passes(
-                        sm,
-                        st,
-                        &sub,
-                        &w,
-                        g,
-                        &deltas,
-                        scale,
-                        &mut scores,
-                        progress,
-                        &mut timing,
-                    )?;
+                    local_passes += self.local_passes(sm, &inp, g, &mut sink, &mut timing)?;
                 }
             }
         }
@@ -590,6 +582,9 @@ impl EdgeRun<'_> {
                 Scope::all(),
             );
         }
+        for (pt, a) in &st.held {
+            base = base.intervene_point(*pt, Action::Replace(repeat(a, copies)?), Scope::all());
+        }
         for (c, &l) in entry_layers.iter().enumerate() {
             let block: Vec<usize> = ((c + 1) * n..(c + 2) * n).collect();
             for site in [Site::CompressedK, Site::CompressedV] {
@@ -637,530 +632,35 @@ impl EdgeRun<'_> {
         Ok(g)
     }
 
-    /// Pass 2 at a state: the replicas of every receiver, `max_rows` rows at a time;
-    /// adds `scale x` each edge's per-prompt score to `scores`. Returns the forwards
-    /// run (a backward counted as one).
-    #[allow(clippy::too_many_arguments)]
-    fn replica_passes(
-        &self,
-        st: &State,
-        sub: &Prompts,
-        w: &[f32],
-        g: &ActivationCache,
-        deltas: &[(HookPoint, Tensor<4>)],
-        scale: f32,
-        scores: &mut [Vec<f32>],
-        progress: &mut Progress,
-    ) -> Result<usize> {
-        let n = sub.n();
-        let per = (self.max_rows / n.max(1)).max(1);
-        let receivers: Vec<usize> = (0..self.graph.receivers.len()).collect();
-        let mut passes = 0;
-        for chunk in receivers.chunks(per) {
-            self.replica_chunk(st, sub, w, g, deltas, chunk, scale, scores)?;
-            passes += 2;
-            progress.inc(1);
-        }
-        Ok(passes)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn replica_chunk(
-        &self,
-        st: &State,
-        sub: &Prompts,
-        w: &[f32],
-        g: &ActivationCache,
-        deltas: &[(HookPoint, Tensor<4>)],
-        chunk: &[usize],
-        scale: f32,
-        scores: &mut [Vec<f32>],
-    ) -> Result<()> {
-        let graph = self.graph;
-        let nl = graph.n_layers;
-        let n = sub.n();
-        let c = chunk.len();
-        let device = self.model.device();
-        let rows_all: Vec<usize> = (0..c).flat_map(|_| 0..n).collect();
-        let rep = rows_of(sub, &rows_all);
-        let max_order = chunk
-            .iter()
-            .map(|&ri| graph.receivers[ri].order(nl))
-            .max()
-            .unwrap_or(0);
-        // Frozen senders: every hook_z and every MLP output at the state's values (an
-        // MLP receiver's own output stays live in its replica), plus leaves.
-        let mut base = HookSpec::new();
-        let ep = HookPoint::global(Site::Embed);
-        if let Some(e) = &st.embed {
-            base = base.intervene_point(ep, Action::Replace(repeat(e, c)?), Scope::all());
-        }
-        for l in 0..nl {
-            let zp = HookPoint::block(l, Site::AttnZ);
-            base = base.intervene_point(
-                zp,
-                Action::Replace(repeat(cached(&st.cache, &zp)?, c)?),
-                Scope::all(),
-            );
-            let mp = HookPoint::block(l, Site::MlpOut);
-            let live: Vec<usize> = chunk
-                .iter()
-                .enumerate()
-                .filter(|(_, ri)| graph.receivers[**ri] == ReceiverNode::Mlp { layer: l })
-                .flat_map(|(j, _)| j * n..(j + 1) * n)
-                .collect();
-            let frozen: Vec<usize> = (0..c * n).filter(|r| !live.contains(r)).collect();
-            if !frozen.is_empty() {
-                base = base.intervene_point(
-                    mp,
-                    Action::Replace(repeat(cached(&st.cache, &mp)?, c)?),
-                    Scope::all().with_batch(frozen),
-                );
-            }
-        }
-        // Leaves at the senders that write before some receiver of the chunk reads.
-        let mut leaf_pts: Vec<HookPoint> = Vec::new();
-        for s in &graph.senders {
-            if s.order() < max_order && !leaf_pts.contains(&s.point()) {
-                leaf_pts.push(s.point());
-            }
-        }
-        let leaves = leaf_pts
-            .iter()
-            .map(|pt| {
-                let mut shape = cached(&st.cache, pt)?.shape().to_vec();
-                shape[0] = c * n;
-                Ok((*pt, shape))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let caps: Vec<HookPoint> = {
-            let mut v: Vec<HookPoint> = chunk
-                .iter()
-                .filter_map(|&ri| graph.receivers[ri].point())
-                .collect();
-            v.sort();
-            v.dedup();
-            v
-        };
-        let metric = |out: &crate::model::ForwardOutput| -> Result<Tensor<1>> {
-            let mut total: Option<Tensor<1>> = None;
-            for (j, &ri) in chunk.iter().enumerate() {
-                let r = graph.receivers[ri];
-                let term = receiver_term(r, j, n, Some(&out.logits), &out.cache, g, sub, w)?;
-                total = Some(match total {
-                    Some(x) => x + term,
-                    None => term,
-                });
-            }
-            total.ok_or_else(|| Error::Other("an empty replica chunk".into()))
-        };
-        let (_, grads) = grad_at_leaves(
-            self.model,
-            all_tokens(&rep, &device),
-            base,
-            &leaves,
-            &caps,
-            metric,
-        )?;
-        // Per sender point: sum over positions and d of delta x leaf gradient, per
-        // (replica, prompt, head).
-        for (pt, gr) in leaf_pts.iter().zip(grads) {
-            let delta = &deltas
-                .iter()
-                .find(|(p, _)| p == pt)
-                .ok_or_else(|| Error::hook(pt.to_string(), "no sender delta"))?
-                .1;
-            let gr = as4(&gr)?;
-            let [_, t, h, d] = gr.dims();
-            let prod = gr.reshape([c, n * t * h * d]) * delta.clone().reshape([1, n * t * h * d]);
-            let per = prod
-                .reshape([c * n, t, h, d])
-                .sum_dim(3)
-                .sum_dim(1)
-                .reshape([c * n * h])
-                .try_into_vec_as::<f32>()?;
-            for (j, &ri) in chunk.iter().enumerate() {
-                for (ei, e) in graph.edges_into(ri) {
-                    let s = graph.senders[e.sender];
-                    if s.point() != *pt {
-                        continue;
-                    }
-                    let hd = s.head().unwrap_or(0);
-                    for i in 0..n {
-                        scores[ei][i] += scale * per[(j * n + i) * h + hd];
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Rows per local pass: `max_rows` bounds a full-model forward, and a local pass
     /// holds about one layer's activations per row (the stream transport less), so it
     /// takes `n_layers x max_rows`.
-    fn local_rows(&self) -> usize {
+    pub(super) fn local_rows(&self) -> usize {
         self.max_rows.saturating_mul(self.graph.n_layers.max(1))
     }
 
-    /// Pass 2 at a state without replicas (see the module doc): the raw k / v
-    /// gradients corrected, `r_v` by local products per stream point, then the scores
-    /// (additive stream: `r_v` dotted with every earlier sender's change; otherwise
-    /// through the stream-only transport). Adds `scale x` each edge's per-prompt score
-    /// to `scores`; returns the local passes run (a backward counted as one).
-    #[allow(clippy::too_many_arguments)]
-    fn local_passes(
-        &self,
-        sm: &dyn StreamModel,
-        st: &State,
-        sub: &Prompts,
-        w: &[f32],
-        mut g: ActivationCache,
-        deltas: &[(HookPoint, Tensor<4>)],
-        scale: f32,
-        scores: &mut [Vec<f32>],
-        progress: &mut Progress,
-        timing: &mut Timing,
-    ) -> Result<usize> {
-        let t0 = Instant::now();
-        let graph = self.graph;
-        let nl = graph.n_layers;
-        let n = sub.n();
-        let device = self.model.device();
-        let ad = device.clone().autodiff();
-        let per = (self.local_rows() / n.max(1)).max(1);
-        let mut passes = 0;
-        // The raw k / v gradients of every layer with entry receivers.
-        let mut entry_layers: Vec<usize> =
-            entry_points(graph).iter().filter_map(|p| p.layer).collect();
-        entry_layers.dedup();
-        for &l in &entry_layers {
-            self.raw_kv_grads(sm, st, sub, l, &mut g)?;
-            passes += 2;
-        }
-        // r_v per receiver, [n, T, P] (P: the stream's width per position).
-        let mut r: Vec<Option<Tensor<3>>> = vec![None; graph.receivers.len()];
-        let mut points: Vec<StreamPoint> =
-            graph.receivers.iter().map(|&rv| stream_point(rv)).collect();
-        points.sort();
-        points.dedup();
-        for sp in points {
-            let x = cached(&st.cache, &stream_hook(sp, nl)?)?;
-            let shape = x.shape().to_vec();
-            let x3 = flat3(x)?;
-            let [_, t, width] = x3.dims();
-            let mut at: Vec<usize> = (0..graph.receivers.len())
-                .filter(|&ri| stream_point(graph.receivers[ri]) == sp)
-                .collect();
-            at.sort_by_key(|&ri| input_class(graph.receivers[ri]));
-            let chunks = at
-                .chunk_by(|&a, &b| {
-                    input_class(graph.receivers[a]) == input_class(graph.receivers[b])
-                })
-                .flat_map(|group| group.chunks(per));
-            for chunk in chunks {
-                let c = chunk.len();
-                let rows: Vec<usize> = (0..c).flat_map(|_| 0..n).collect();
-                let rep = rows_of(sub, &rows);
-                let leaf = Tensor::<3>::zeros([c * n, t, width], &ad).require_grad();
-                let mut sshape = shape.clone();
-                sshape[0] = c * n;
-                let xs = Act::new(x3.clone().repeat_dim(0, c) + leaf.clone()).reshaped(sshape)?;
-                let mut spec = HookSpec::new();
-                for &ri in chunk {
-                    if let Some(pt) = graph.receivers[ri].point() {
-                        spec = spec.capture_point(pt);
-                    }
-                }
-                let out = sm.read_stream(all_tokens(&rep, &device), sp, &xs, &spec)?;
-                let mut total: Option<Tensor<1>> = None;
-                for (j, &ri) in chunk.iter().enumerate() {
-                    let term = receiver_term(
-                        graph.receivers[ri],
-                        j,
-                        n,
-                        out.logits.as_ref(),
-                        &out.cache,
-                        &g,
-                        sub,
-                        w,
-                    )?;
-                    total = Some(match total {
-                        Some(a) => a + term,
-                        None => term,
-                    });
-                }
-                let total = total.ok_or_else(|| Error::Other("an empty receiver chunk".into()))?;
-                let grads = total.backward();
-                let gr = leaf.grad(&grads).ok_or_else(|| {
-                    Error::Other(format!(
-                        "no gradient reached the stream at {sp:?} (does the model read it?)"
-                    ))
-                })?;
-                for (j, &ri) in chunk.iter().enumerate() {
-                    r[ri] = Some(gr.clone().slice([j * n..(j + 1) * n, 0..t, 0..width]));
-                }
-                passes += 2;
-                progress.inc(1);
-            }
-        }
-        let r: Vec<Tensor<3>> = r
-            .into_iter()
-            .enumerate()
-            .map(|(ri, x)| {
-                x.ok_or_else(|| {
-                    Error::Other(format!("no local pass for {}", graph.receivers[ri].label()))
-                })
-            })
-            .collect::<Result<_>>()?;
-        timing.local += t0.elapsed().as_secs_f64();
-        let t0 = Instant::now();
-        if sm.additive_stream() {
-            self.score_additive(&r, deltas, scale, scores)?;
-        } else {
-            passes += self.score_transported(sm, st, &r, deltas, scale, scores, progress)?;
-        }
-        timing.transport += t0.elapsed().as_secs_f64();
-        Ok(passes)
-    }
-
-    /// `G_k(raw) = G_k - d(<G_ck, ck> + <G_cv, cv>)/d hook_k` (and for v) at layer `l`:
-    /// one local product through the layer's inputs with leaves at `hook_k` / `hook_v`.
-    fn raw_kv_grads(
-        &self,
-        sm: &dyn StreamModel,
-        st: &State,
-        sub: &Prompts,
-        l: usize,
-        g: &mut ActivationCache,
-    ) -> Result<()> {
-        let device = self.model.device();
-        let ad = device.clone().autodiff();
-        let sp = StreamPoint::Attn(l);
-        let x = cached(&st.cache, &stream_hook(sp, self.graph.n_layers)?)?;
-        let (kp, vp) = (
-            HookPoint::block(l, Site::AttnK),
-            HookPoint::block(l, Site::AttnV),
-        );
-        let (ckp, cvp) = (
-            HookPoint::block(l, Site::CompressedK),
-            HookPoint::block(l, Site::CompressedV),
-        );
-        let mut spec = HookSpec::new().capture_point(ckp).capture_point(cvp);
-        let mut leaves = Vec::new();
-        for pt in [kp, vp] {
-            let Some(gk) = g.get(&pt) else {
-                continue;
-            };
-            let dims: [usize; 4] = as4(gk)?.dims();
-            let leaf = Tensor::<4>::zeros(dims, &ad).require_grad();
-            let act = if gk.rank() == 3 {
-                Act::new(leaf.clone().reshape([dims[0], dims[1], dims[3]]))
-            } else {
-                Act::new(leaf.clone())
-            };
-            spec = spec.intervene_point(pt, Action::Add(act), Scope::all());
-            leaves.push((pt, leaf));
-        }
-        if leaves.is_empty() {
-            return Ok(());
-        }
-        let out = sm.read_stream(all_tokens(sub, &device), sp, x, &spec)?;
-        let mut total: Option<Tensor<1>> = None;
-        for pt in [ckp, cvp] {
-            let (Some(a), Some(ga)) = (out.cache.get(&pt), g.get(&pt)) else {
-                continue;
-            };
-            let term = (as4(a)? * as4(ga)?).sum();
-            total = Some(match total {
-                Some(x) => x + term,
-                None => term,
-            });
-        }
-        // Entries that do not read hook_k / hook_v (their own projection): nothing to
-        // remove, and nothing to differentiate.
-        let Some(total) = total.filter(|t| t.is_tracked()) else {
-            return Ok(());
-        };
-        let grads = total.backward();
-        for (pt, leaf) in leaves {
-            // No gradient: the entries do not read this point (their own projection).
-            let Some(share) = leaf.grad(&grads) else {
-                continue;
-            };
-            let gk = cached(g, &pt)?;
-            let shape = gk.shape().to_vec();
-            let raw = Act::new(as4(gk)? - share).reshaped(shape)?;
-            g.insert(pt, raw);
-        }
-        Ok(())
-    }
-
-    /// Additive stream: the gradient at every earlier sender's contribution is `r_v`.
-    fn score_additive(
-        &self,
-        r: &[Tensor<3>],
-        deltas: &[(HookPoint, Tensor<4>)],
-        scale: f32,
-        scores: &mut [Vec<f32>],
-    ) -> Result<()> {
-        let graph = self.graph;
-        let nl = graph.n_layers;
-        let n = self.prompts.n() / 2;
-        for (pt, delta) in deltas {
-            let Some(order) = graph
-                .senders
-                .iter()
-                .find(|s| s.point() == *pt)
-                .map(|s| s.order())
-            else {
-                continue;
-            };
-            let js: Vec<usize> = (0..graph.receivers.len())
-                .filter(|&ri| graph.receivers[ri].order(nl) > order)
-                .collect();
-            if js.is_empty() {
-                continue;
-            }
-            let width = r[js[0]].dims()[2];
-            let d = delta.dims()[3];
-            if width != d {
-                return Err(Error::hook(
-                    pt.to_string(),
-                    format!(
-                        "an additive stream of width {width} against sender outputs of width {d}"
-                    ),
-                ));
-            }
-            let gcat = Tensor::cat(js.iter().map(|&j| r[j].clone()).collect(), 0);
-            let per = dot_blocks(gcat, delta, js.len())?;
-            let h = delta.dims()[2];
-            for (jj, &ri) in js.iter().enumerate() {
-                self.add_scores(ri, *pt, &per, jj, n, h, scale, scores);
-            }
-        }
-        Ok(())
-    }
-
-    /// Add `scale x per[(jj n + i) H + head]` to every edge into receiver `ri` from a
-    /// sender at `pt`.
-    #[allow(clippy::too_many_arguments)]
-    fn add_scores(
+    /// Add `scale x dots.per[(jj n + i) H + head]` to every edge into receiver `ri`
+    /// from a sender at `dots.pt`.
+    pub(super) fn add_scores(
         &self,
         ri: usize,
-        pt: HookPoint,
-        per: &[f32],
         jj: usize,
-        n: usize,
-        h: usize,
+        dots: &Dots,
         scale: f32,
         scores: &mut [Vec<f32>],
     ) {
         let graph = self.graph;
+        let (n, h) = (dots.n, dots.h);
         for (ei, e) in graph.edges_into(ri) {
             let s = graph.senders[e.sender];
-            if s.point() != pt {
+            if s.point() != dots.pt {
                 continue;
             }
             let hd = s.head().unwrap_or(0);
-            for i in 0..n {
-                scores[ei][i] += scale * per[(jj * n + i) * h + hd];
+            for (i, x) in scores[ei].iter_mut().enumerate().take(n) {
+                *x += scale * dots.per[(jj * n + i) * h + hd];
             }
         }
-    }
-
-    /// Non-additive stream (mHC): the senders' gradients for every receiver from one
-    /// backward of `sum_v <r_v, X_p(v)>` through the stream-only computation (receivers
-    /// x prompts rows, `max_rows` at a time), every block output held at the state's
-    /// value.
-    #[allow(clippy::too_many_arguments)]
-    fn score_transported(
-        &self,
-        sm: &dyn StreamModel,
-        st: &State,
-        r: &[Tensor<3>],
-        deltas: &[(HookPoint, Tensor<4>)],
-        scale: f32,
-        scores: &mut [Vec<f32>],
-        progress: &mut Progress,
-    ) -> Result<usize> {
-        let graph = self.graph;
-        let nl = graph.n_layers;
-        let n = self.prompts.n() / 2;
-        let ad = self.model.device().autodiff();
-        let per_chunk = (self.local_rows() / n.max(1)).max(1);
-        let embed = match &st.embed {
-            Some(e) => e.get::<3>()?,
-            None => cached(&st.cache, &HookPoint::global(Site::Embed))?.get::<3>()?,
-        };
-        let outs = |site: Site| -> Result<Vec<Tensor<3>>> {
-            (0..nl)
-                .map(|l| cached(&st.cache, &HookPoint::block(l, site))?.get::<3>())
-                .collect()
-        };
-        let (attn, mlp) = (outs(Site::AttnOut)?, outs(Site::MlpOut)?);
-        let receivers: Vec<usize> = (0..graph.receivers.len()).collect();
-        let mut passes = 0;
-        for chunk in receivers.chunks(per_chunk) {
-            let c = chunk.len();
-            let leaf = |t: &Tensor<3>| Tensor::<3>::zeros(t.dims(), &ad).require_grad();
-            let rep = |t: &Tensor<3>| t.clone().repeat_dim(0, c);
-            let (e0, a0, m0) = (
-                rep(&embed),
-                attn.iter().map(rep).collect::<Vec<_>>(),
-                mlp.iter().map(rep).collect::<Vec<_>>(),
-            );
-            let el = leaf(&e0);
-            let al: Vec<Tensor<3>> = a0.iter().map(leaf).collect();
-            let ml: Vec<Tensor<3>> = m0.iter().map(leaf).collect();
-            let sum = |a: &[Tensor<3>], b: &[Tensor<3>]| -> Vec<Tensor<3>> {
-                a.iter()
-                    .zip(b)
-                    .map(|(x, y)| x.clone() + y.clone())
-                    .collect()
-            };
-            let streams =
-                sm.stream_from_outputs(e0 + el.clone(), &sum(&a0, &al), &sum(&m0, &ml))?;
-            let mut total: Option<Tensor<1>> = None;
-            for (j, &ri) in chunk.iter().enumerate() {
-                let k = stream_point(graph.receivers[ri]).index(nl);
-                let x = flat3(streams.get(k).ok_or_else(|| {
-                    Error::Other(format!("the stream-only computation gave no stream {k}"))
-                })?)?;
-                let [_, t, width] = x.dims();
-                let term = (x.slice([j * n..(j + 1) * n, 0..t, 0..width]) * r[ri].clone()).sum();
-                total = Some(match total {
-                    Some(a) => a + term,
-                    None => term,
-                });
-            }
-            let total = total.ok_or_else(|| Error::Other("an empty receiver chunk".into()))?;
-            let grads = total.backward();
-            let grad = |t: &Tensor<3>| -> Tensor<3> {
-                t.grad(&grads)
-                    .unwrap_or_else(|| Tensor::zeros(t.dims(), &self.model.device()))
-            };
-            for (pt, delta) in deltas {
-                let gs = match (pt.site, pt.layer) {
-                    (Site::Embed, _) => grad(&el),
-                    (Site::AttnZ, Some(l)) => grad(&al[l]),
-                    (Site::MlpOut, Some(l)) => grad(&ml[l]),
-                    _ => {
-                        return Err(Error::hook(
-                            pt.to_string(),
-                            "not a sender point of the stream transport",
-                        ));
-                    }
-                };
-                let per = dot_blocks(gs, delta, c)?;
-                let h = delta.dims()[2];
-                for (jj, &ri) in chunk.iter().enumerate() {
-                    self.add_scores(ri, *pt, &per, jj, n, h, scale, scores);
-                }
-            }
-            passes += 2;
-            progress.inc(1);
-        }
-        Ok(passes)
     }
 }
 

@@ -61,6 +61,8 @@ pub mod eap;
 pub mod faithful;
 pub mod figure;
 pub mod graph;
+mod local;
+mod replicas;
 
 pub use eap::{EdgeRun, EdgeScores, Method, Pass2, Timing};
 pub use graph::{Edge, Graph, Input, ReceiverNode, SenderNode};
@@ -209,6 +211,40 @@ pub fn path_cells(
     max: usize,
     seed: u64,
 ) -> (Vec<Sender>, Vec<PathCell>, Vec<(usize, ReceiverNode)>) {
+    let mut cand = path_candidates(graph);
+    if cand.len() > max {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xed6e);
+        cand.shuffle(&mut rng);
+        cand.truncate(max);
+        cand.sort();
+    }
+    cells_of(graph, d, cand)
+}
+
+/// [`path_cells`] of every edge from a seeded sample of at most `max` head senders
+/// (each sender's patched run is shared by all its edges, as when every edge is
+/// patched: `bench edges --exact-senders`).
+pub fn path_cells_of_senders(
+    graph: &Graph,
+    d: Direction,
+    max: usize,
+    seed: u64,
+) -> (Vec<Sender>, Vec<PathCell>, Vec<(usize, ReceiverNode)>) {
+    let mut cand = path_candidates(graph);
+    let mut ids: Vec<usize> = cand.iter().map(|c| c.0).collect();
+    ids.sort();
+    ids.dedup();
+    if ids.len() > max {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5e4d);
+        ids.shuffle(&mut rng);
+        ids.truncate(max);
+        cand.retain(|c| ids.contains(&c.0));
+    }
+    cells_of(graph, d, cand)
+}
+
+/// Every head -> later q / k / v edge, as (sender index, receiver), in graph order.
+fn path_candidates(graph: &Graph) -> Vec<(usize, ReceiverNode)> {
     let mut cand: Vec<(usize, ReceiverNode)> = Vec::new();
     for e in &graph.edges {
         let (s, r) = (graph.senders[e.sender], graph.receivers[e.receiver]);
@@ -218,12 +254,15 @@ pub fn path_cells(
             cand.push((e.sender, r));
         }
     }
-    if cand.len() > max {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xed6e);
-        cand.shuffle(&mut rng);
-        cand.truncate(max);
-        cand.sort();
-    }
+    cand
+}
+
+/// The path cells and senders of the candidate edges `cand`.
+fn cells_of(
+    graph: &Graph,
+    d: Direction,
+    cand: Vec<(usize, ReceiverNode)>,
+) -> (Vec<Sender>, Vec<PathCell>, Vec<(usize, ReceiverNode)>) {
     let mut sender_ids: Vec<usize> = cand.iter().map(|c| c.0).collect();
     sender_ids.sort();
     sender_ids.dedup();
@@ -636,7 +675,6 @@ pub const LENS_PROB: &str = "lens_prob";
 /// See [`LENS_PROB`].
 pub const LENS_RANK: &str = "lens_rank";
 
-#[allow(clippy::too_many_arguments)]
 fn rows(
     cfg: &EdgeAttribution,
     ctx: &Ctx,
