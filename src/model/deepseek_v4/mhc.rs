@@ -150,29 +150,62 @@ impl HyperConnection {
         let post = post.reshape([b, t, n]);
         let comb = comb.reshape([b, t, n, n]);
         let next = mix_streams(x.clone(), out.clone(), post.clone(), comb.clone());
-        let xf = x.clone().reshape([bt, n * d]);
-        // rms_normalize(x) = x s, s = (mean(x^2) + eps)^(-1/2), per token.
-        let inv_rms = (xf.clone().square().mean_dim(1) + self.norm_eps)
+        let (m, nd) = (n + n * n, n * d);
+        let xf = x.clone().reshape([bt, nd]);
+        // The weights' share of dL/dX, per token: K (W dL/dX'), where W [m, N d] reads
+        // the post / comb adjoints off dL/dX' (row k: `out` in block k; row (j, k):
+        // X[j] in block k) and K [N d, m] = U J^T carries them back: J^T through the
+        // sigmoid / softmax / Sinkhorn, U = s P - s^3 / D x (x^T P) through `fn`'s rows
+        // P = fn^T [N d, m] and rms_normalize (x s, s = (mean(x^2) + eps)^(-1/2)).
+        let s = (xf.clone().square().mean_dim(1) + self.norm_eps)
             .sqrt()
-            .recip();
-        let proj = self
+            .recip()
+            .reshape([bt, 1, 1]);
+        let p = self
             .fn_weight
             .val()
             .slice_dim(0, n..(2 + n) * n)
-            .reshape([n + n * n, n * d]);
+            .transpose()
+            .reshape([1, nd, m]);
+        let xp = xf
+            .clone()
+            .matmul(p.clone().reshape([nd, m]))
+            .reshape([bt, 1, m]);
+        let u = s.clone() * p
+            - (s.clone() * s.clone() * s / nd as f64) * xf.clone().reshape([bt, nd, 1]) * xp;
+        let k = u.matmul(jac.swap_dims(1, 2));
+        let out2 = out.reshape([bt, 1, d]);
+        let x3 = x.clone().reshape([bt, n, 1, d]);
+        let mut rows = Vec::with_capacity(m);
+        for r in 0..m {
+            // Row r of W: block `blk` holds `src` (out, or X[j]), the others zero.
+            let (blk, src) = if r < n {
+                (r, out2.clone())
+            } else {
+                let (j, kk) = ((r - n) / n, (r - n) % n);
+                (kk, x3.clone().slice_dim(1, j..j + 1).reshape([bt, 1, d]))
+            };
+            let mut parts = Vec::with_capacity(n);
+            for b_ in 0..n {
+                parts.push(if b_ == blk {
+                    src.clone()
+                } else {
+                    src.zeros_like()
+                });
+            }
+            rows.push(Tensor::cat(parts, 2));
+        }
+        let w = Tensor::cat(rows, 1);
         Ok((
             next,
             HcLinear {
                 n,
                 d,
                 t,
-                post: post.reshape([bt, n]),
+                post: post.reshape([bt, 1, n]),
                 comb: comb.reshape([bt, n, n]),
-                jac,
-                proj,
-                x: xf,
-                inv_rms,
-                out: out.reshape([bt, d]),
+                w,
+                k,
             },
         ))
     }
@@ -204,39 +237,33 @@ impl HyperConnection {
 }
 
 /// One hyper-connection's stream update linearised at its streams (see
-/// [`HyperConnection::linearize`]): per token the post / comb weights, their Jacobian
-/// with respect to the mixing logits, the streams and their RMS scale, the sublayer's
-/// output; [`HcLinear::back`] applies the transposed Jacobian as a per-token linear map.
+/// [`HyperConnection::linearize`]): per token, the post / comb weights and the two
+/// matrices of the weights' share of the derivative; [`HcLinear::back`] applies the
+/// transposed Jacobian as per-token matrix products, for any number of adjoints at once.
 pub struct HcLinear {
     n: usize,
     d: usize,
     t: usize,
-    /// `[bt, N]`
-    post: Tensor<2>,
+    /// `[bt, 1, N]`
+    post: Tensor<3>,
     /// `[bt, N, N]`, `[from j, to k]`
     comb: Tensor<3>,
-    /// `[bt, m, m]`: `d weight_q / d logit_i` (m = N + N^2: post, then comb row-major).
-    jac: Tensor<3>,
-    /// `fn`'s post and comb rows, `[m, N d]`.
-    proj: Tensor<2>,
-    /// The streams, flattened: `[bt, N d]`.
-    x: Tensor<2>,
-    /// `(mean(x^2) + eps)^(-1/2)`, `[bt, 1]`.
-    inv_rms: Tensor<2>,
-    /// The sublayer's output, `[bt, d]`.
-    out: Tensor<2>,
+    /// `[bt, m, N d]` (m = N + N^2): the post and comb adjoints `<dL/dX'[k], out>`,
+    /// `<X[j], dL/dX'[k]>` as a linear map of `dL/dX'`.
+    w: Tensor<3>,
+    /// `[bt, N d, m]`: from the post / comb adjoints to `dL/dX` (through the weights'
+    /// Jacobian in the mixing logits, `fn` and the RMS normalisation).
+    k: Tensor<3>,
 }
 
 impl HcLinear {
     /// `adj = dL/dX'` for `c` blocks of the linearised batch's rows (`[c b, t, N d]`) ->
-    /// (`dL/dX` `[c b, t, N d]`, `dL/d out` `[c b, t, d]`): through the direct mixing
-    /// `comb^T X`, the output's expansion `post * out`, and the weights' dependence on
-    /// `X` (the post / comb adjoints `<dL/dX'[k], out>`, `<X[j], dL/dX'[k]>` through
-    /// the logits' Jacobian, `fn` and the RMS normalisation).
+    /// (`dL/dX` `[c b, t, N d]`, `dL/d out` `[c b, t, d]`): the direct mixing
+    /// `comb^T X`, the output's expansion `post * out` and the weights' dependence on
+    /// `X`, as batched per-token matrix products with the `c` blocks as columns.
     pub fn back(&self, adj: Tensor<3>) -> Result<(Tensor<3>, Tensor<3>)> {
         let (n, d, t) = (self.n, self.d, self.t);
-        let m = n + n * n;
-        let [bt, _] = self.x.dims();
+        let [bt, _, _] = self.comb.dims();
         let [rows, ta, w] = adj.dims();
         let b = bt / t;
         if ta != t || w != n * d || b == 0 || !rows.is_multiple_of(b) {
@@ -246,32 +273,22 @@ impl HcLinear {
             )));
         }
         let c = rows / b;
-        let a = adj.reshape([c, bt, n, d]);
-        let g_out = (a.clone() * self.post.clone().reshape([1, bt, n, 1]))
-            .sum_dim(2)
+        // [c, bt, N d] -> [bt, N d, c]: per token, one column per block.
+        let a = adj.reshape([c, bt, n * d]).permute([1, 2, 0]);
+        let weights = self.k.clone().matmul(self.w.clone().matmul(a.clone()));
+        let a = a.reshape([bt, n, d * c]);
+        let direct = self.comb.clone().matmul(a.clone()).reshape([bt, n * d, c]);
+        let g_out = self
+            .post
+            .clone()
+            .matmul(a)
+            .reshape([bt, d, c])
+            .permute([2, 0, 1])
             .reshape([rows, t, d]);
-        let g_post = (a.clone() * self.out.clone().reshape([1, bt, 1, d]))
-            .sum_dim(3)
-            .reshape([c, bt, n]);
-        let a5 = a.reshape([c, bt, 1, n, d]);
-        let g_comb = (self.x.clone().reshape([1, bt, n, 1, d]) * a5.clone())
-            .sum_dim(4)
-            .reshape([c, bt, n * n]);
-        let direct = (self.comb.clone().reshape([1, bt, n, n, 1]) * a5)
-            .sum_dim(3)
-            .reshape([c, bt, n * d]);
-        let g_w = Tensor::cat(vec![g_post, g_comb], 2).reshape([c, bt, m, 1]);
-        let g_mix = (self.jac.clone().reshape([1, bt, m, m]) * g_w)
-            .sum_dim(2)
-            .reshape([c * bt, m]);
-        let g_flat = g_mix.matmul(self.proj.clone()).reshape([c, bt, n * d]);
-        // rms_normalize's transpose: s g - s^3 / D x (x . g).
-        let x = self.x.clone().reshape([1, bt, n * d]);
-        let s = self.inv_rms.clone().reshape([1, bt, 1]);
-        let dot = (g_flat.clone() * x.clone()).sum_dim(2);
-        let s3 = s.clone().powi_scalar(3) / (n * d) as f64;
-        let g_x = g_flat * s - x * (dot * s3);
-        Ok(((direct + g_x).reshape([rows, t, n * d]), g_out))
+        let prev = (direct + weights)
+            .permute([2, 0, 1])
+            .reshape([rows, t, n * d]);
+        Ok((prev, g_out))
     }
 }
 
