@@ -115,7 +115,7 @@ pub struct AtpBench {
 #[command(after_help = "\
 Examples:
   phaselens bench edges exp/w8s8-edges.toml --phase 0 --n-logical 8
-  phaselens bench edges exp/w8s8-edges.toml --phase 0 --n-logical 8 --layers 16 --heads 16
+  phaselens bench edges exp/w8s8-edges.toml --layers 16 --heads 16 --exact-senders 8 --no-replicas
 
 On one phase group of the experiment's model and prompts (denoising): EAP and EAP-IG score
 every edge of the graph (docs/experiments.md, edge-attribution); exact path patching then
@@ -125,8 +125,9 @@ the Spearman correlation of the estimates with the exact effects over the path-p
 config with that many layers (per-layer type lists cycled) / query heads per layer (each of
 the config's head size), seeded by --seed: the speed of a larger graph on the same prompts
 (the agreement of random weights means little). --exact-senders K path-patches only the edges
-of K seeded-random head senders (their edges/s stands for all: each sender's patched run
-serves all its edges either way); --no-replicas skips the replica reference of EAP;
+of K seeded-random head senders, whose edges/s estimates that of all edges (each sender's
+patched run serves all its edges either way; docs/experiments.md gives the measured bias);
+--no-replicas skips the replica reference of EAP;
 --ig-hold-selection adds EAP-IG with the indexer's top-k choice held at the clean run's
 (does the interpolation's crossing of the discrete selection hurt EAP-IG?).")]
 pub struct EdgesBench {
