@@ -303,8 +303,8 @@ pub(super) struct State {
 }
 
 /// Pass 2's inputs at one state: the state, the receiving prompts and their metric
-/// weights, the senders' deltas (per sender point, `[n, T, H|1, d]`) and the state's
-/// weight in the average over states.
+/// weights, the senders' deltas (per sender point, `[n, T, H|1, d]`), the state's
+/// weight in the average over states and the edges into each receiver.
 #[derive(Clone, Copy)]
 pub(super) struct StateInputs<'s> {
     pub(super) st: &'s State,
@@ -312,6 +312,8 @@ pub(super) struct StateInputs<'s> {
     pub(super) w: &'s [f32],
     pub(super) deltas: &'s [(HookPoint, Tensor<4>)],
     pub(super) scale: f32,
+    /// Per receiver, the indices of the edges into it.
+    pub(super) into: &'s [Vec<usize>],
 }
 
 /// Where pass 2 writes: per edge, per receiving prompt, the summed scores; the progress.
@@ -506,6 +508,10 @@ impl EdgeRun<'_> {
         };
         timing.states = t0.elapsed().as_secs_f64();
         let scale = 1.0 / states.len() as f32;
+        let mut into = vec![Vec::new(); self.graph.receivers.len()];
+        for (ei, e) in self.graph.edges.iter().enumerate() {
+            into[e.receiver].push(ei);
+        }
         let mut local_passes = 0;
         for st in &states {
             let t0 = Instant::now();
@@ -518,6 +524,7 @@ impl EdgeRun<'_> {
                 w: &w,
                 deltas: &deltas,
                 scale,
+                into: &into,
             };
             let mut sink = Sink {
                 scores: &mut scores,
@@ -639,26 +646,26 @@ impl EdgeRun<'_> {
         self.max_rows.saturating_mul(self.graph.n_layers.max(1))
     }
 
-    /// Add `scale x dots.per[(jj n + i) H + head]` to every edge into receiver `ri`
-    /// from a sender at `dots.pt`.
+    /// Add `inp.scale x dots.per[(jj n + i) H + head]` to every edge into receiver
+    /// `ri` from a sender at `dots.pt`.
     pub(super) fn add_scores(
         &self,
         ri: usize,
         jj: usize,
         dots: &Dots,
-        scale: f32,
+        inp: &StateInputs,
         scores: &mut [Vec<f32>],
     ) {
         let graph = self.graph;
         let (n, h) = (dots.n, dots.h);
-        for (ei, e) in graph.edges_into(ri) {
-            let s = graph.senders[e.sender];
+        for &ei in &inp.into[ri] {
+            let s = graph.senders[graph.edges[ei].sender];
             if s.point() != dots.pt {
                 continue;
             }
             let hd = s.head().unwrap_or(0);
             for (i, x) in scores[ei].iter_mut().enumerate().take(n) {
-                *x += scale * dots.per[(jj * n + i) * h + hd];
+                *x += inp.scale * dots.per[(jj * n + i) * h + hd];
             }
         }
     }

@@ -278,7 +278,7 @@ impl EdgeRun<'_> {
         inp: &StateInputs,
         scores: &mut [Vec<f32>],
     ) -> Result<()> {
-        let (deltas, scale) = (inp.deltas, inp.scale);
+        let deltas = inp.deltas;
         let graph = self.graph;
         let nl = graph.n_layers;
         let n = self.prompts.n() / 2;
@@ -317,7 +317,7 @@ impl EdgeRun<'_> {
                 h,
             };
             for (jj, &ri) in js.iter().enumerate() {
-                self.add_scores(ri, jj, &dots, scale, scores);
+                self.add_scores(ri, jj, &dots, inp, scores);
             }
         }
         Ok(())
@@ -337,9 +337,7 @@ impl EdgeRun<'_> {
         r: &[Tensor<3>],
         sink: &mut Sink,
     ) -> Result<usize> {
-        let StateInputs {
-            st, deltas, scale, ..
-        } = *inp;
+        let StateInputs { st, deltas, .. } = *inp;
         let graph = self.graph;
         let nl = graph.n_layers;
         let n = self.prompts.n() / 2;
@@ -403,7 +401,7 @@ impl EdgeRun<'_> {
                         h: delta.dims()[2],
                     };
                     for (jj, &ri) in joined.iter().enumerate() {
-                        self.add_scores(ri, jj, &dots, scale, sink.scores);
+                        self.add_scores(ri, jj, &dots, inp, sink.scores);
                     }
                 }
             }

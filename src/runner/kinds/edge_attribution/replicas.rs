@@ -53,11 +53,7 @@ impl EdgeRun<'_> {
         scores: &mut [Vec<f32>],
     ) -> Result<()> {
         let StateInputs {
-            st,
-            sub,
-            deltas,
-            scale,
-            ..
+            st, sub, deltas, ..
         } = *inp;
         let graph = self.graph;
         let nl = graph.n_layers;
@@ -172,7 +168,7 @@ impl EdgeRun<'_> {
                 h,
             };
             for (j, &ri) in chunk.iter().enumerate() {
-                self.add_scores(ri, j, &dots, scale, scores);
+                self.add_scores(ri, j, &dots, inp, scores);
             }
         }
         Ok(())
