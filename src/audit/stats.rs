@@ -49,6 +49,7 @@ pub struct Flatness {
     pub statistic_pp: f64,
     /// `(1 + #{shuffled >= observed}) / (1 + permutations)`.
     pub p_value: f64,
+    /// Permutations drawn.
     pub permutations: usize,
 }
 
