@@ -1,7 +1,8 @@
 //! The library's one error type. Every variant names what the user has to fix: the file,
 //! the tensor, the config field or the hook point. The errors of the sub-modules
 //! (tables, figures, reports, statistics, task generators) convert into it with `?`
-//! and keep their source chain; [`ResultExt::context`] adds what was being done.
+//! and keep their source chain; [`ResultExt::context_with`] (and [`Error::context`])
+//! adds what was being done.
 
 use std::path::PathBuf;
 

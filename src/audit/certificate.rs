@@ -184,7 +184,7 @@ pub fn iso_utc(secs: u64) -> String {
     )
 }
 
-/// Now, as [`iso_utc`].
+/// Now, as `iso_utc` writes it.
 pub fn now_utc() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -89,10 +89,10 @@ pub enum Site {
     /// only); top-k rule: among equal scores the lower index wins.
     IndexerTopk,
     /// `attn_hc.hook_pre`: mHC collapse weights of the attention sublayer (DeepSeek-V4):
-    /// input = sum_n pre[n] * stream n.
+    /// input = sum_n pre\[n\] * stream n.
     HcPre,
     /// `attn_hc.hook_post`: mHC expand weights of the attention sublayer: stream k gets
-    /// post[k] * output.
+    /// post\[k\] * output.
     HcPost,
     /// `attn_hc.hook_comb`: mHC Sinkhorn-normalised stream mixing of the attention
     /// sublayer, [from j, to k]: stream k += sum_j comb[j, k] * stream j.

@@ -164,7 +164,7 @@ impl Suffix {
 /// What a base forward leaves behind so that later forwards of the same prompts can
 /// recompute only some positions ([`super::LanguageModel::forward_suffix`]): per layer,
 /// the named per-token tensors `[rows, len, ...]` the model passed through
-/// [`TokenFlow::full`] / [`TokenFlow::previous`].
+/// `TokenFlow::full` / `TokenFlow::previous`.
 #[derive(Debug, Clone)]
 pub struct PrefixState {
     arch: &'static str,

@@ -10,7 +10,7 @@
 //! window has closed, `w < (t + 1) / rate`, and (CSA) the indexer selected it. The
 //! attention itself is the shared blocked core ([`crate::model::attention`]); per-token
 //! state (keys, compressor and indexer projections) goes through
-//! [`crate::model::kv_state::TokenFlow`], so plain, recording and suffix forwards are
+//! `crate::model::kv_state::TokenFlow`, so plain, recording and suffix forwards are
 //! one code path.
 
 use burn::module::{Module, Param};

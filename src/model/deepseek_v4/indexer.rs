@@ -1,6 +1,6 @@
 //! The lightning indexer of CSA layers: scores every closed compressed entry for every
 //! query, `score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) / sqrt(index_head_dim)`,
-//! and keeps the top `index_topk` closed entries ([`crate::model::topk`]: among equal
+//! and keeps the top `index_topk` closed entries (`crate::model::topk`: among equal
 //! scores the lower entry index wins). Its keys come from its own overlapping
 //! compressor at `index_head_dim` (same rate and layout as the layer's CSA compressor);
 //! its queries from the attention's low-rank query residual `q_res`; its head weights
@@ -132,7 +132,7 @@ impl Indexer {
 /// The lightning indexer of one CSA layer in one forward, as the attention core's
 /// [`EntrySelector`]: `score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) /
 /// sqrt(index_head_dim)` over the closed entries, and the top `index_topk` of them
-/// ([`crate::model::topk`]).
+/// (`crate::model::topk`).
 pub struct IndexSelector {
     layer: usize,
     topk: usize,
