@@ -22,11 +22,16 @@ use crate::error::{Error, Result};
 /// | `cuda:N`      | burn's CUDA backend, GPU N      | `cuda`        |
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum DeviceSpec {
+    /// `cpu`: flex, the pure-Rust CPU backend.
     #[default]
     Cpu,
+    /// `wgpu[:N]`: wgpu, the default adapter or adapter N.
     Wgpu(Option<usize>),
+    /// `tch-cpu`: LibTorch on the CPU.
     TchCpu,
+    /// `tch-cuda:N`: LibTorch on CUDA GPU N.
     TchCuda(usize),
+    /// `cuda:N`: burn's CUDA backend on GPU N.
     Cuda(usize),
 }
 
@@ -186,9 +191,15 @@ impl DeviceSpec {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Unusable {
     /// This binary was built without the device's backend feature.
-    NotBuilt { feature: String },
+    NotBuilt {
+        /// The cargo feature to build with.
+        feature: String,
+    },
     /// Built, but the device does not work on this machine (no GPU, no Vulkan driver).
-    Unavailable { message: String },
+    Unavailable {
+        /// What the backend said.
+        message: String,
+    },
 }
 
 impl fmt::Display for Unusable {
@@ -298,7 +309,13 @@ fn wgpu_device(spec: &DeviceSpec, _: Option<usize>) -> Result<Device> {
 }
 
 #[cfg(feature = "tch")]
-#[allow(deprecated)] // burn marks its LibTorch backend deprecated; the design card asks for it.
+// burn 0.22 marks every LibTorch device constructor deprecated (there is no other way to
+// make one); the design card asks for the backend. `expect`, so that the attribute goes
+// when burn lifts the mark.
+#[expect(
+    deprecated,
+    reason = "burn 0.22 deprecates its LibTorch backend, which we use"
+)]
 fn tch_device(_: &DeviceSpec, n: Option<usize>) -> Result<Device> {
     Ok(match n {
         None => Device::libtorch(),

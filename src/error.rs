@@ -1,7 +1,8 @@
 //! The library's one error type. Every variant names what the user has to fix: the file,
 //! the tensor, the config field or the hook point. The errors of the sub-modules
 //! (tables, figures, reports, statistics, task generators) convert into it with `?`
-//! and keep their source chain; [`ResultExt::context`] adds what was being done.
+//! and keep their source chain; [`ResultExt::context_with`] (and [`Error::context`])
+//! adds what was being done.
 
 use std::path::PathBuf;
 
@@ -15,35 +16,65 @@ pub enum Error {
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// What went wrong.
         #[source]
         source: std::io::Error,
     },
     /// A config file (JSON or TOML) is malformed or has an invalid value.
     #[error("{path}: {message}")]
-    Config { path: PathBuf, message: String },
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the key.
+        message: String,
+    },
     /// An invalid model configuration value.
     #[error("invalid model config: field `{field}`: {message}")]
-    ConfigField { field: String, message: String },
+    ConfigField {
+        /// The field.
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
     /// A checkpoint tensor is missing, mis-shaped, wrongly typed or unreadable.
     #[error("{path}: tensor `{tensor}`: {message}")]
     Tensor {
+        /// The checkpoint file.
         path: PathBuf,
+        /// The tensor's name.
         tensor: String,
+        /// What is wrong with it.
         message: String,
     },
     /// A checkpoint file is not a valid safetensors file.
     #[error("{path}: not a valid safetensors file: {message}")]
-    Safetensors { path: PathBuf, message: String },
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
     /// A hook point name or pattern is invalid, or an intervention does not fit its point.
     #[error("hook `{point}`: {message}")]
-    Hook { point: String, message: String },
+    Hook {
+        /// The point or pattern as given.
+        point: String,
+        /// What is wrong.
+        message: String,
+    },
     /// Input data (token ids, prompts) is invalid.
     #[error("invalid input: {0}")]
     Input(String),
     /// A device was requested that this build cannot provide.
     #[error("device `{device}`: {message}")]
-    Device { device: String, message: String },
+    Device {
+        /// The device as given.
+        device: String,
+        /// Why it cannot be used.
+        message: String,
+    },
     /// A tensor could not be read back from the device.
     #[error("reading a tensor back from the device: {0}")]
     Readback(#[from] burn::tensor::TensorReadError),
@@ -76,7 +107,9 @@ pub enum Error {
     /// An error with what was being done when it happened.
     #[error("{context}: {source}")]
     Context {
+        /// What was being done.
         context: String,
+        /// The error.
         #[source]
         source: Box<Error>,
     },

@@ -133,17 +133,22 @@ mod tests {
 
     #[derive(Debug, serde::Deserialize)]
     #[serde(deny_unknown_fields)]
-    #[allow(dead_code)]
     struct Inner {
         steps: usize,
     }
 
     #[derive(Debug, serde::Deserialize)]
     #[serde(deny_unknown_fields)]
-    #[allow(dead_code)]
     struct Doc {
         name: String,
         train: Inner,
+    }
+
+    #[test]
+    fn a_valid_file_parses_into_its_fields() {
+        let text = "name = \"x\"\n\n[train]\nsteps = 3\n";
+        let d = parse_toml::<Doc>(Path::new("exp/a.toml"), text).unwrap();
+        assert_eq!((d.name.as_str(), d.train.steps), ("x", 3));
     }
 
     #[test]

@@ -12,8 +12,11 @@ use super::{DEFAULT_LEVEL, PhaseCluster, bootstrap_ci};
 /// A value with its interval and number of observations.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Est {
+    /// The estimate.
     pub value: f64,
+    /// Its 95% cluster-bootstrap interval (`None`: undefined).
     pub ci: Option<(f64, f64)>,
+    /// Observations behind it.
     pub n: u64,
 }
 
@@ -21,7 +24,9 @@ pub struct Est {
 /// count.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Obs<const K: usize> {
+    /// Per phase, the sums of the `K` quantities.
     pub sums: Vec<[f64; K]>,
+    /// Per phase, the number of observations.
     pub counts: Vec<u64>,
 }
 

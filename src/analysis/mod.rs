@@ -2,33 +2,33 @@
 //! takes numbers (outcomes, effects, gate weights) and returns numbers, so the
 //! runner, the figure redraw and the tests all share one implementation.
 //!
-//! | Submodule | What it computes |
+//! | File | What it computes (its public items are re-exported here) |
 //! |---|---|
-//! | [`intervals`] | Wilson score interval for a binomial proportion |
-//! | [`bootstrap`] | cluster bootstrap over logical examples; per-phase accuracy; the phase gap with CIs; the mean over training seeds (two-level) |
-//! | [`profile`] | R^2 and MAE between predicted and observed phase profiles, with bootstrap CIs |
-//! | [`specialization`](mod@specialization) | phase-specialization index of a head and a ranking of the most specialized heads |
-//! | [`effects`] | normalised logit difference for patching; relative change (%) for ablations |
-//! | [`gates`] | gate-profile statistics g(r), exp(H(E\[a\])), E\[exp(H(a))\] |
-//! | [`agreement`] | Spearman rank correlation and top-k recall of an estimate against a reference (attribution vs exact patching) |
-//! | [`separable`] | gate cycling's two-factor fit: the part of a phase profile the gates move and the part they do not |
-//! | [`retrieval`] | where attention lands in the `hook_pattern` key layout (needle slots, top hit); indexer ranks |
+//! | `intervals` | Wilson score interval for a binomial proportion |
+//! | `bootstrap` | cluster bootstrap over logical examples; per-phase accuracy; the phase gap with CIs; the mean over training seeds (two-level) |
+//! | `profile` | R^2 and MAE between predicted and observed phase profiles, with bootstrap CIs |
+//! | `specialization` | phase-specialization index of a head and a ranking of the most specialized heads |
+//! | `effects` | normalised logit difference for patching; relative change (%) for ablations |
+//! | `gates` | gate-profile statistics g(r), exp(H(E\[a\])), E\[exp(H(a))\] |
+//! | `agreement` | Spearman rank correlation and top-k recall of an estimate against a reference (attribution vs exact patching) |
+//! | `separable` | gate cycling's two-factor fit: the part of a phase profile the gates move and the part they do not |
+//! | `retrieval` | where attention lands in the `hook_pattern` key layout (needle slots, top hit); indexer ranks |
 //!
 //! Conventions: a *phase* is an index `r` in `0..P`; accuracies are fractions in
 //! `[0, 1]` and gaps are reported in percentage points (pp, `100 x` a difference of
 //! fractions). Undefined values (for example the accuracy of a phase without
 //! observations) are `f64::NAN` inside vectors and `None` for scalars.
 
-pub mod agreement;
-pub mod bootstrap;
-pub mod clusters;
-pub mod effects;
-pub mod gates;
-pub mod intervals;
-pub mod profile;
-pub mod retrieval;
-pub mod separable;
-pub mod specialization;
+pub(crate) mod agreement;
+pub(crate) mod bootstrap;
+pub(crate) mod clusters;
+pub(crate) mod effects;
+pub(crate) mod gates;
+pub(crate) mod intervals;
+pub(crate) mod profile;
+pub(crate) mod retrieval;
+pub(crate) mod separable;
+pub(crate) mod specialization;
 
 pub use agreement::{average_ranks, spearman, topk_recall};
 pub use bootstrap::{

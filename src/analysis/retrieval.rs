@@ -23,7 +23,9 @@ pub struct SlotLayout {
     pub entries: usize,
     /// Pooling window W and stride S of the entries (unused when `entries == 0`).
     pub window: usize,
+    /// Entry stride S.
     pub stride: usize,
+    /// Where an entry sits on the token axis.
     pub align: EntryAlign,
     /// Raw token slots after the entries (`T`, or 0 for a layer without raw keys).
     pub raw: usize,

@@ -37,49 +37,69 @@ pub struct GateResult {
     pub gate: String,
     /// The part (`period-8`, `shift-8`).
     pub part: String,
+    /// The padding protocol (`prefix_padding` or `in_sequence_padding`).
     pub protocol: String,
     /// The statistic compared (`gap_pp`, `gap_ci95_hi`, `worst_accuracy`, ...).
     pub statistic: String,
+    /// The statistic's value (pp for a gap, a fraction for an accuracy).
     pub value: f64,
+    /// The gate's threshold, in the same unit.
     pub threshold: f64,
+    /// Whether the gate passed.
     pub pass: bool,
 }
 
 /// The model audited.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModelSummary {
+    /// The model's name (its folder or recipe name).
     pub name: String,
+    /// The model folder.
     pub path: String,
+    /// The organism recipe beside the folder, if any.
     pub organism_recipe: Option<String>,
+    /// The architecture (`kvc`, `deepseek_v4`).
     pub arch: String,
+    /// Vocabulary size.
     pub vocab_size: usize,
+    /// Number of layers.
     pub n_layers: usize,
 }
 
 /// `audit.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Certificate {
+    /// `phaselens.audit` ([`SCHEMA`]).
     pub schema: &'static str,
+    /// [`SCHEMA_VERSION`].
     pub schema_version: u32,
+    /// The phaselens version that wrote it.
     pub phaselens_version: &'static str,
     /// UTC time the certificate was written (ISO 8601).
     pub created_utc: String,
+    /// The model audited.
     pub model: ModelSummary,
+    /// Its compression geometry.
     pub geometry: Geometry,
     /// Strides not audited, with the reason.
     pub skipped_strides: Vec<Skipped>,
     /// The settings the measurements used (budget, knobs, task overrides).
     pub settings: serde_json::Value,
+    /// What the budget bought.
     pub sizing: Sizing,
     /// One entry per audited period.
     pub parts: Vec<PartResult>,
+    /// Every gate checked, per part and protocol.
     pub gates: Vec<GateResult>,
+    /// The conclusion.
     pub verdict: Verdict,
     /// The process exit code the CLI returns for this certificate.
     pub exit_code: i32,
     /// One-line summary of the headline (the first part, prefix padding).
     pub headline: String,
+    /// Wall time of the audit (s).
     pub seconds: f64,
+    /// Forward passes computed (0 when fully resumed).
     pub forwards: u64,
 }
 
@@ -164,7 +184,7 @@ pub fn iso_utc(secs: u64) -> String {
     )
 }
 
-/// Now, as [`iso_utc`].
+/// Now, as `iso_utc` writes it.
 pub fn now_utc() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -200,7 +220,7 @@ fn headline(parts: &[PartResult]) -> String {
 
 impl Certificate {
     /// Assemble the certificate and evaluate the gates.
-    pub fn new(i: Inputs) -> Self {
+    pub(crate) fn new(i: Inputs) -> Self {
         let gates = check_gates(i.cfg, &i.parts);
         let verdict = if gates.is_empty() {
             Verdict::NoGates

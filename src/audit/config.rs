@@ -238,9 +238,13 @@ pub struct ModelSettings {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuditConfig {
+    /// `[gates]`: what makes the audit fail.
     pub gates: Gates,
+    /// `[budget]`: how much it may compute.
     pub budget: Budget,
+    /// `[audit]`: what is measured.
     pub audit: Settings,
+    /// `[model]`: how the model is loaded.
     pub model: ModelSettings,
     /// The runner's `[task]` keys (vocab, prompt, seed, ...; docs/experiments.md),
     /// passed through; `period` and `n_logical` are set by the audit.

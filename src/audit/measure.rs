@@ -28,10 +28,15 @@ use super::{AuditConfig, Target};
 /// Accuracy of one phase (or shift) group with its 95% Wilson interval.
 #[derive(Debug, Clone, Serialize)]
 pub struct PhaseStat {
+    /// The phase (or shift).
     pub phase: u32,
+    /// Prompts.
     pub n: u64,
+    /// Prompts answered right (top-1).
     pub correct: u64,
+    /// `correct / n`.
     pub accuracy: f64,
+    /// 95% Wilson interval of the accuracy.
     pub ci95: [f64; 2],
 }
 
@@ -40,11 +45,17 @@ pub struct PhaseStat {
 pub struct ProtocolResult {
     /// `prefix_padding` or `in_sequence_padding`.
     pub protocol: String,
+    /// Accuracy of every phase.
     pub per_phase: Vec<PhaseStat>,
+    /// Mean accuracy over phases.
     pub mean_accuracy: f64,
+    /// Its 95% cluster-bootstrap interval.
     pub mean_ci95: [f64; 2],
+    /// The phase of highest accuracy.
     pub best_phase: usize,
+    /// The phase of lowest accuracy.
     pub worst_phase: usize,
+    /// The worst phase's accuracy.
     pub worst_accuracy: f64,
     /// Wilson interval of the worst phase (not adjusted for choosing it).
     pub worst_ci95: [f64; 2],
@@ -52,26 +63,33 @@ pub struct ProtocolResult {
     pub gap_pp: f64,
     /// Selection-adjusted cluster-bootstrap interval of the gap (pp).
     pub gap_ci95: [f64; 2],
+    /// Permutation test of a flat profile.
     pub flatness: Flatness,
 }
 
 /// The shift-invariance test: the same prompts shifted by 0..P-1 prefix pads.
 #[derive(Debug, Clone, Serialize)]
 pub struct ShiftResult {
+    /// Shifts tested (the period).
     pub shifts: usize,
+    /// Logical examples.
     pub n_logical: u64,
     /// Logical examples answered right at some shifts and wrong at others.
     pub flipping: u64,
+    /// `flipping / n_logical`.
     pub flip_rate: f64,
+    /// Its 95% Wilson interval.
     pub ci95: [f64; 2],
 }
 
 /// The filler-length flip probe, grouped by `L mod P`.
 #[derive(Debug, Clone, Serialize)]
 pub struct ResidueStat {
+    /// The filler length modulo the period.
     pub residue: u32,
     /// Mean `P(correct) - P(distractor)`.
     pub prob_diff: f64,
+    /// Its 95% cluster-bootstrap interval (`None`: undefined).
     pub ci95: Option<[f64; 2]>,
     /// Fraction of prompts where the distractor is more probable.
     pub distractor_preferred: f64,
@@ -82,7 +100,9 @@ pub struct ResidueStat {
 pub struct FillerResult {
     /// Filler lengths `[min, max]`.
     pub lengths: [usize; 2],
+    /// Probe instances (each rendered at every length).
     pub instances: usize,
+    /// One entry per residue.
     pub by_residue: Vec<ResidueStat>,
     /// Max - min of the residues' mean `prob_diff`.
     pub swing: f64,
@@ -93,21 +113,32 @@ pub struct FillerResult {
 /// Accuracy of one phase with its cluster-bootstrap interval (long-context rows).
 #[derive(Debug, Clone, Serialize)]
 pub struct EstStat {
+    /// The phase.
     pub phase: u32,
+    /// Accuracy over the phase's prompts.
     pub accuracy: f64,
+    /// Its 95% cluster-bootstrap interval (`None`: undefined).
     pub ci95: Option<[f64; 2]>,
+    /// Prompts.
     pub n: u64,
 }
 
 /// Retrieval by phase at one long-context length under one protocol (over depths).
 #[derive(Debug, Clone, Serialize)]
 pub struct LengthResult {
+    /// The prompt length (tokens).
     pub length: usize,
+    /// The padding protocol.
     pub protocol: String,
+    /// Accuracy of every phase.
     pub per_phase: Vec<EstStat>,
+    /// Mean accuracy over phases.
     pub mean_accuracy: f64,
+    /// Its 95% cluster-bootstrap interval.
     pub mean_ci95: Option<[f64; 2]>,
+    /// The phase of lowest accuracy.
     pub worst_phase: Option<u32>,
+    /// Best minus worst phase accuracy (pp).
     pub gap_pp: f64,
     /// Selection-adjusted cluster-bootstrap interval (pp).
     pub gap_ci95: Option<[f64; 2]>,
@@ -116,20 +147,28 @@ pub struct LengthResult {
 /// Everything measured at one period.
 #[derive(Debug, Clone, Serialize)]
 pub struct PartResult {
+    /// `period-P` (or `shift-P` for a model without compression).
     pub name: String,
+    /// The audited period `P`.
     pub period: usize,
     /// False for a model without compression: groups are shifts, not phases.
     pub phased: bool,
+    /// Why this period (a stride, their least common multiple, `[audit] period`).
     pub why: String,
+    /// Logical examples per phase.
     pub n_logical: usize,
+    /// Retrieval by phase under each padding protocol.
     pub protocols: Vec<ProtocolResult>,
+    /// The shift-invariance test.
     pub shift_invariance: ShiftResult,
+    /// The filler-length probe (`None` when off).
     pub filler: Option<FillerResult>,
     /// The long-context test (`[audit] lengths`), per length and protocol.
     pub long_context: Vec<LengthResult>,
+    /// Notes for the report (e.g. a small sample).
     pub notes: Vec<String>,
     #[serde(skip)]
-    pub stats: ExecStats,
+    pub(crate) stats: ExecStats,
 }
 
 /// What every part shares.

@@ -7,24 +7,24 @@
 //!   + permutation test--> certificate (audit.json) + gates --> report + figures
 //! ```
 //!
-//! | file | role |
+//! | file | role (its public items are re-exported here) |
 //! |---|---|
-//! | [`config`] | gates, budget and knobs (TOML + flags) |
-//! | [`plan`] | geometry, audited periods, the runner experiments, budget sizing |
-//! | [`measure`] | one period: retrieval by phase (both protocols), shift invariance, filler probe |
-//! | [`stats`] | permutation test of flatness, shift flips, sample size for a CI width |
-//! | [`certificate`] | `audit.json` (schema in docs/audit.md), gates, verdict |
-//! | [`report`] | report.md / report.html and figures |
+//! | `config` | gates, budget and knobs (TOML + flags) |
+//! | `plan` | geometry, audited periods, the runner experiments, budget sizing |
+//! | `measure` | one period: retrieval by phase (both protocols), shift invariance, filler probe |
+//! | `stats` | permutation test of flatness, shift flips, sample size for a CI width |
+//! | `certificate` | `audit.json` (schema in docs/audit.md), gates, verdict |
+//! | `report` | report.md / report.html and figures |
 //!
 //! Exit codes (the CLI): [`EXIT_PASS`], [`EXIT_ERROR`], clap's 2 for usage errors,
 //! [`EXIT_GATE_FAILED`].
 
-pub mod certificate;
-pub mod config;
-pub mod measure;
-pub mod plan;
-pub mod report;
-pub mod stats;
+mod certificate;
+mod config;
+mod measure;
+mod plan;
+mod report;
+mod stats;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -32,11 +32,22 @@ use std::time::Instant;
 use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
 use crate::model::{load_model_with, residency_summary};
-use crate::runner::ProgressMode;
 use crate::train::OrganismFile;
 
-pub use certificate::{Certificate, Verdict};
-pub use config::{AuditConfig, Budget, GateOn, Gates, ModelSettings, Settings};
+pub use crate::runner::ProgressMode;
+#[doc(hidden)] // the CLI's default output folder name (`audit-<model>-<time>`)
+pub use certificate::now_utc;
+pub use certificate::{Certificate, GateResult, ModelSummary, SCHEMA, SCHEMA_VERSION, Verdict};
+pub use config::{
+    AuditConfig, Budget, GateOn, Gates, ModelSettings, Settings, parse_fraction, parse_pp,
+    parse_seconds,
+};
+pub use measure::{
+    EstStat, FillerResult, LengthResult, PartResult, PhaseStat, ProtocolResult, ResidueStat,
+    ShiftResult,
+};
+pub use plan::{Geometry, LayerGeometry, Sizing, Skipped};
+pub use stats::Flatness;
 
 /// Every gate passed (or none was set).
 pub const EXIT_PASS: i32 = 0;
@@ -48,8 +59,11 @@ pub const EXIT_GATE_FAILED: i32 = 3;
 /// The audited model: its directory and, for an organism, its recipe.
 #[derive(Debug, Clone)]
 pub struct Target {
+    /// The name the certificate and report use.
     pub name: String,
+    /// The model folder.
     pub dir: PathBuf,
+    /// The organism recipe (task settings), when there is one.
     pub organism: Option<PathBuf>,
 }
 
@@ -138,8 +152,11 @@ pub struct AuditRequest {
     pub model: PathBuf,
     /// Output folder (created; an earlier audit of the same request there resumes).
     pub out: PathBuf,
+    /// Gates, budget and knobs.
     pub config: AuditConfig,
+    /// Where the model runs.
     pub device: DeviceSpec,
+    /// How progress is shown ([`ProgressMode::Hidden`] for library calls).
     pub progress: ProgressMode,
     /// Recompute (ignore finished shards).
     pub fresh: bool,
@@ -148,11 +165,13 @@ pub struct AuditRequest {
 /// What the audit wrote and concluded.
 #[derive(Debug, Clone)]
 pub struct AuditOutcome {
+    /// The certificate (also written as `audit.json`).
     pub certificate: Certificate,
     /// `OUT/audit.json`.
     pub json: PathBuf,
     /// `OUT/report.md` (and `.html`).
     pub report: PathBuf,
+    /// What the CLI exits with ([`EXIT_PASS`] or [`EXIT_GATE_FAILED`]).
     pub exit_code: i32,
 }
 

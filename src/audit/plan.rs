@@ -17,20 +17,26 @@ use super::{AuditConfig, Target};
 /// One layer's attention geometry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerGeometry {
+    /// The layer index.
     pub layer: usize,
     /// `full`, `sliding` or `compressed`.
     pub kind: String,
+    /// Compression window (or sliding window) in tokens.
     pub window: Option<usize>,
+    /// Compression stride.
     pub stride: Option<usize>,
+    /// Raw tokens beside the compressed entries.
     pub local_tail: Option<usize>,
 }
 
 /// The model's compression geometry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Geometry {
+    /// Whether any layer compresses.
     pub compressed: bool,
     /// Distinct compression strides, ascending.
     pub strides: Vec<usize>,
+    /// Every layer.
     pub layers: Vec<LayerGeometry>,
 }
 
@@ -90,7 +96,9 @@ impl Geometry {
 /// A stride the audit does not test, and why.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Skipped {
+    /// The stride.
     pub stride: usize,
+    /// Why it is not audited.
     pub reason: String,
 }
 
@@ -327,9 +335,13 @@ pub fn calibrate(model: &dyn LanguageModel, pad: u32, len: usize, rows: usize) -
 /// How many logical examples per phase the budget buys, and the estimate.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sizing {
+    /// Logical examples per phase (the smallest over parts).
     pub n_logical: usize,
+    /// Prompts in all.
     pub prompts: usize,
+    /// Estimated compute (s), from a timed forward.
     pub estimated_seconds: f64,
+    /// The timed forward's cost per prompt (s).
     pub seconds_per_prompt: f64,
     /// The worst-case full width (pp) of a phase-difference CI at `n_logical`.
     pub ci_width_pp: f64,

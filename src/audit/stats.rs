@@ -42,13 +42,14 @@ pub fn range_pp(rows: &[Row], p: usize) -> f64 {
     100.0 * (hi - lo)
 }
 
-/// Result of [`flatness_test`].
+/// Result of the permutation test of flatness (`flatness_test`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Flatness {
     /// Observed range of the per-phase accuracies (pp).
     pub statistic_pp: f64,
     /// `(1 + #{shuffled >= observed}) / (1 + permutations)`.
     pub p_value: f64,
+    /// Permutations drawn.
     pub permutations: usize,
 }
 

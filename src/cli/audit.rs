@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use phaselens::audit::config::{parse_fraction, parse_pp, parse_seconds};
-use phaselens::audit::{AuditConfig, AuditRequest, GateOn, Verdict, run_audit};
+use phaselens::audit::{
+    AuditConfig, AuditRequest, GateOn, Verdict, parse_fraction, parse_pp, parse_seconds, run_audit,
+};
 use phaselens::device::DeviceSpec;
 use phaselens::runner::ProgressMode;
 
@@ -173,7 +174,7 @@ fn default_out(model: &std::path::Path) -> PathBuf {
         .ok()
         .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "model".into());
-    let t = phaselens::audit::certificate::now_utc().replace(['-', ':'], "");
+    let t = phaselens::audit::now_utc().replace(['-', ':'], "");
     PathBuf::from(format!("audit-{name}-{t}"))
 }
 

@@ -289,7 +289,7 @@ fn train(b: TrainBenchArgs) -> Result<()> {
     println!("  losses of steps 0..: {}", shown.join(" "));
     if let Some(path) = &b.json {
         let text = serde_json::to_string_pretty(&r)?;
-        phaselens::output::atomic::write_bytes_atomic(path, format!("{text}\n").as_bytes())
+        phaselens::output::write_bytes_atomic(path, format!("{text}\n").as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
@@ -465,7 +465,7 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
     })?;
     if let Some(path) = &b.json {
         let text = serde_json::to_string_pretty(&points)?;
-        phaselens::output::atomic::write_bytes_atomic(path, format!("{text}\n").as_bytes())
+        phaselens::output::write_bytes_atomic(path, format!("{text}\n").as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())

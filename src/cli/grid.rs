@@ -10,12 +10,7 @@ use phaselens::grid::slurm::{self, Resources};
 use phaselens::grid::{self, Grid, GridOptions};
 use phaselens::runner::ProgressMode;
 
-/// Train and phase-sweep a grid of controlled designs (locally or as a Slurm job
-/// array), then merge every sweep into one table, figures and a report.
-#[derive(Args, Debug)]
-#[command(
-    args_conflicts_with_subcommands = true,
-    after_help = "\
+const EXAMPLES: &str = "\
 Examples:
   phaselens grid list experiments/grids/paper.toml        # the designs and how far each got
   phaselens grid experiments/grids/paper.toml --local     # one design after another, resumable
@@ -31,8 +26,19 @@ notebooks-data/grids/<grid>/grid.arrow + grid_summary.arrow (+ Parquet) and
 reports/grids/<grid>/ (figures, report.md, report.html). Keys and files: docs/grid.md.
 
 Key aliases (any other key is a dotted recipe path such as train.lr):
-  W, S, tail, gate, gate_bias, kv_heads, rope, rope_dims, seed, steps, lr, period,
-  query_sampling"
+";
+
+/// The examples, then every key alias with its recipe keys (from the grid's own table).
+fn after_help() -> String {
+    format!("{EXAMPLES}{}", grid::aliases_help())
+}
+
+/// Train and phase-sweep a grid of controlled designs (locally or as a Slurm job
+/// array), then merge every sweep into one table, figures and a report.
+#[derive(Args, Debug)]
+#[command(
+    args_conflicts_with_subcommands = true,
+    after_help = after_help()
 )]
 pub struct GridArgs {
     #[command(subcommand)]

@@ -4,7 +4,7 @@ use phaselens::hooks::Site;
 
 pub fn run(markdown: bool) -> anyhow::Result<()> {
     if markdown {
-        print!("{}", phaselens::hooks::point::markdown_table());
+        print!("{}", phaselens::hooks::markdown_table());
         return Ok(());
     }
     println!("{:<40} {:<60} meaning", "name", "shape");

@@ -43,12 +43,16 @@ pub const SUMMARY_SCHEMA: &str = "grid_summary/v1";
 /// What a merge wrote.
 #[derive(Debug, Clone)]
 pub struct MergeSummary {
+    /// Designs with at least one finished sweep, merged.
     pub merged: Vec<String>,
     /// Designs with no finished sweep yet, with how far they got (`not trained (step
     /// 750/2000)`, `trained; sweeps 0/7`).
     pub missing: Vec<(String, String)>,
+    /// The tables written.
     pub tables: Vec<PathBuf>,
+    /// The figures drawn.
     pub figures: Vec<PathBuf>,
+    /// The report (`report.md`), when written.
     pub report: Option<PathBuf>,
 }
 

@@ -7,42 +7,69 @@ use super::spec::Grid;
 /// One row of the merged phase table, as the figures and report read it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PhaseRow {
+    /// The grid design.
     pub design: String,
+    /// The sweep (`final`, or an `[[eval]]` name).
     pub eval: String,
+    /// Bindings per prompt in the sweep.
     pub n_bindings: i64,
+    /// The queried binding's slot.
     pub query_slot: i64,
+    /// The padding protocol (`prefix`, `in-sequence`).
     pub protocol: String,
+    /// The phase.
     pub phase: i64,
+    /// Prompts of the phase.
     pub n: u64,
+    /// Top-1 accuracy.
     pub accuracy: f64,
+    /// Lower bound of its 95% Wilson interval.
     pub wilson_lo: f64,
+    /// Upper bound of its 95% Wilson interval.
     pub wilson_hi: f64,
 }
 
 /// One row of the merged summary table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SummaryRow {
+    /// The grid design.
     pub design: String,
+    /// The sweep (`final`, or an `[[eval]]` name).
     pub eval: String,
+    /// Bindings per prompt in the sweep.
     pub n_bindings: i64,
+    /// The queried binding's slot.
     pub query_slot: i64,
+    /// The padding protocol (`prefix`, `in-sequence`).
     pub protocol: String,
+    /// The phase period.
     pub period: i64,
+    /// Mean accuracy over phases.
     pub mean_accuracy: f64,
+    /// Its 95% cluster-bootstrap CI.
     pub mean_ci: (f64, f64),
+    /// Best minus worst phase accuracy (pp).
     pub gap_pp: f64,
+    /// Its selection-adjusted 95% cluster-bootstrap CI (pp).
     pub gap_ci: (f64, f64),
+    /// The phase of highest accuracy.
     pub best_phase: i64,
+    /// The phase of lowest accuracy.
     pub worst_phase: i64,
+    /// Its accuracy.
     pub worst_accuracy: f64,
+    /// Training steps of the design's organism.
     pub steps: Option<u64>,
+    /// Its final training-batch accuracy.
     pub batch_accuracy: Option<f64>,
 }
 
 /// Everything the figures and the report need.
 #[derive(Debug, Clone)]
 pub struct Merged {
+    /// Every phase row.
     pub phases: Vec<PhaseRow>,
+    /// Every summary row.
     pub summary: Vec<SummaryRow>,
     /// Merged designs in grid order.
     pub designs: Vec<String>,
@@ -74,6 +101,7 @@ pub fn protocols(m: &Merged) -> Vec<String> {
     v
 }
 
+/// The final-query phase rows of `design` for `protocol`.
 pub fn final_phases<'a>(m: &'a Merged, design: &str, protocol: &str) -> Vec<&'a PhaseRow> {
     m.phases
         .iter()

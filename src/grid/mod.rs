@@ -12,36 +12,43 @@
 //!
 //! | file | role |
 //! |---|---|
-//! | [`spec`] | the grid TOML, design expansion, validation with file:line:key errors |
-//! | [`keys`] | recipe key paths, aliases (`W`, `S`, `kv_heads`, `seed`, ...), design names |
+//! | `spec` | the grid TOML, design expansion, validation with file:line:key errors |
+//! | `keys` | recipe key paths, aliases (`W`, `S`, `kv_heads`, `seed`, ...), design names |
 //! | [`task`] | one design: recipe, training, sweeps, its `design.json` record |
 //! | [`slurm`] | `sbatch --array` + a dependent merge job, `status` from squeue/sacct, `--resume` |
 //! | [`run_array`] | `phaselens run EXP --slurm --shards N`: one experiment's shards as an array job + merge |
-//! | [`merge`] | every design's sweeps into long tables (polars), resumable |
+//! | `merge` | every design's sweeps into long tables (polars), resumable |
 //! | [`frontier`] | designs pooled over seeds: gap vs mean accuracy, CIs, the gap gate's verdict |
 //! | [`merged`] | the merged rows and the look-ups the figures and the report share |
-//! | [`figures`] | phase gap per design, accuracy-by-phase small multiples, seed variance, slots, bindings |
-//! | [`report`] | the designs side by side with the paper's numbers, what each learned |
+//! | `figures` | phase gap per design, accuracy-by-phase small multiples, seed variance, slots, bindings |
+//! | `report` | the designs side by side with the paper's numbers, what each learned |
 
-pub mod figures;
 pub mod frontier;
-pub mod keys;
-pub mod merge;
 pub mod merged;
-pub mod report;
+
+mod figures;
+mod keys;
+mod merge;
+mod report;
+mod spec;
+
+#[doc(hidden)] // `phaselens run EXP --slurm` (the CLI)
 pub mod run_array;
+#[doc(hidden)] // `phaselens grid --slurm` and `grid status` (the CLI)
 pub mod slurm;
-pub mod spec;
+#[doc(hidden)] // one design's recipe, training and sweeps: the CLI and tests/it
 pub mod task;
 
 use crate::error::{Error, Result};
 
 pub use merge::MergeSummary;
+#[doc(hidden)] // the alias table of `phaselens grid --help`
+pub use spec::aliases_help;
 pub use spec::{Design, EvalConfig, Grid, SlurmConfig};
 pub use task::{DesignRecord, GridOptions, check_sweeps, finished, run_design, write_recipes};
 
 /// Merge the designs' sweeps into the grid tables, then draw the figures, then write
-/// the report (in that order; see [`merge`](mod@merge), [`figures`], [`report`]).
+/// the report (in that order: `merge.rs`, `figures.rs`, `report.rs`).
 /// Returns what was written.
 pub fn merge(grid: &Grid, opts: &GridOptions) -> Result<MergeSummary> {
     let (mut out, m) = merge::merge_tables(grid, opts)?;

@@ -67,7 +67,7 @@ fn max_gap_pp(src: Source, g: &GridSection) -> Result<f64> {
     let pp = match v {
         toml::Value::Integer(i) => Ok(*i as f64),
         toml::Value::Float(f) => Ok(*f),
-        toml::Value::String(s) => crate::audit::config::parse_pp(s),
+        toml::Value::String(s) => crate::audit::parse_pp(s),
         other => Err(format!(
             "expected an amount in pp (5 or \"5pp\"), got {other}"
         )),
@@ -213,7 +213,9 @@ pub struct Design {
 pub struct Grid {
     /// The grid file.
     pub path: PathBuf,
+    /// The grid's name (its file stem; names its output folders).
     pub name: String,
+    /// What it is for (free text).
     pub description: String,
     /// `[grid] paper`: what the paper reports, for the report.
     pub paper: String,
@@ -221,10 +223,13 @@ pub struct Grid {
     pub base: PathBuf,
     /// Folder of the designs' recipes, models and checkpoints.
     pub dir: PathBuf,
+    /// Every design, in file order.
     pub designs: Vec<Design>,
     /// The key columns of the merged tables (every key some design sets), in file order.
     pub columns: Vec<String>,
+    /// `[eval]`: the sweeps of every design.
     pub eval: EvalConfig,
+    /// `[slurm]`: resources of the array tasks.
     pub slurm: SlurmConfig,
     /// `[grid] max_gap` (pp): the frontier's gate on the phase gap (docs/grid.md).
     pub max_gap_pp: f64,

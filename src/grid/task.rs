@@ -222,16 +222,21 @@ pub fn check_sweeps(grid: &Grid) -> Result<()> {
 /// `<data>/<design>/design.json`: written when a design is trained and swept.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DesignRecord {
+    /// The design's name.
     pub design: String,
+    /// Its index in the grid (file order).
     pub index: usize,
     /// The recipe's config hash (as in its checkpoints).
     pub config_hash: String,
+    /// Training steps done.
     pub steps: u64,
+    /// The last logged training loss.
     pub final_loss: Option<f64>,
     /// Mean batch accuracy of the last 50 steps.
     pub final_batch_accuracy: Option<f64>,
     /// The sweeps, by name.
     pub evals: Vec<String>,
+    /// The phaselens version that wrote it.
     pub phaselens_version: String,
 }
 

@@ -11,10 +11,10 @@
 //! assert!(!spec.is_empty());
 //! ```
 
-pub mod cache;
-pub mod point;
-pub mod spec;
+pub(crate) mod cache;
+pub(crate) mod point;
+pub(crate) mod spec;
 
 pub use cache::{Act, ActivationCache};
-pub use point::{HeadKind, HookPoint, PointPattern, PosCounts, Site, SiteInfo};
+pub use point::{HeadKind, HookPoint, PointPattern, PosCounts, Site, SiteInfo, markdown_table};
 pub use spec::{Action, HookRun, HookSpec, Intervention, RowScope, Scope};

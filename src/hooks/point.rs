@@ -16,38 +16,105 @@ pub use crate::output::schema::HeadKind;
 /// head or position scope restricts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Site {
+    /// `hook_embed`: token embeddings.
     Embed,
+    /// `hook_resid_pre`: residual stream entering the block.
     ResidPre,
+    /// `hook_resid_mid`: residual stream after attention, before the MLP.
     ResidMid,
+    /// `hook_resid_post`: residual stream leaving the block.
     ResidPost,
+    /// `attn.hook_q`: queries, after Q-norm, before RoPE.
     AttnQ,
+    /// `attn.hook_k`: raw per-token keys, after K-norm, before RoPE and before compression.
     AttnK,
+    /// `attn.hook_v`: raw per-token values, before compression.
     AttnV,
+    /// `attn.hook_z`: per-head attention output (pattern x values), before the output
+    /// projection (DeepSeek-V4: after the inverse RoPE of its rope slice).
     AttnZ,
+    /// `attn.hook_attn_scores`: attention logits (scaled q . k, the sink logit in the sink
+    /// slot) before masking and the softmax, key slots as in hook_pattern; invisible slots
+    /// (masked, not yet closed, not selected) hold -1e30, and stay invisible whatever an
+    /// intervention writes there. Touching this point runs the layer as one dense block,
+    /// like hook_pattern.
     AttnScores,
+    /// `attn.hook_pattern`: attention probabilities; key slots = [compressed entries...,
+    /// raw tokens..., sink (if any)].
     AttnPattern,
+    /// `attn.hook_result`: per-head contribution to the attention output (computed only
+    /// when requested).
     AttnResult,
+    /// `hook_attn_out`: attention sublayer output (DeepSeek-V4: before the mHC expansion
+    /// into the streams).
     AttnOut,
+    /// `hook_mlp_out`: MLP (or MoE: routed + shared experts) sublayer output.
     MlpOut,
+    /// `hook_final_norm`: final normalised residual fed to the LM head.
     FinalNorm,
+    /// `attn.compressor.hook_key_gate_logits`: compressor gate logits for keys, before the
+    /// softmax over each window's offsets, per-offset gate bias included (kvc: learned
+    /// gates only, uniform pooling has none; DeepSeek-V4: gate_proj(x) + position_bias,
+    /// shared by K and V; CSA entry 0's A-half offsets are -inf). Adding (rolled bias -
+    /// bias) here rolls the bias alone.
     KeyGateLogits,
+    /// `attn.compressor.hook_value_gate_logits`: compressor gate logits for values, before
+    /// the softmax (DeepSeek-V4: the same logits as hook_key_gate_logits unless one of them
+    /// is changed).
     ValueGateLogits,
+    /// `attn.compressor.hook_key_gate`: compressor pooling weights for keys: softmax over
+    /// the offsets of each window (DeepSeek-V4: vector gates shared by K and V; CSA offsets
+    /// 0..m = previous window's A half, m..2m = own window's B half).
     KeyGate,
+    /// `attn.compressor.hook_value_gate`: compressor pooling weights for values
+    /// (DeepSeek-V4: the same gates as hook_key_gate unless one of them is changed).
     ValueGate,
+    /// `attn.compressor.hook_compressed_k`: pooled (compressed) keys, before RoPE
+    /// (DeepSeek-V4: after the compressor's kv_norm).
     CompressedK,
+    /// `attn.compressor.hook_compressed_v`: pooled (compressed) values (DeepSeek-V4: after
+    /// kv_norm, before RoPE; K = V).
     CompressedV,
+    /// `attn.indexer.hook_scores`: lightning-indexer scores of each compressed entry,
+    /// before causal masking (DeepSeek-V4 CSA).
     IndexerScores,
+    /// `attn.indexer.hook_selected`: the indexer's choice per query (DeepSeek-V4 CSA): 1.0
+    /// = entry kept by the top-k of the closed entries, 0.0 = not. An intervention changes
+    /// what the query reads: values > 0.5 are read (any number of them), entries not yet
+    /// closed at the query stay unread; touching this point runs the layer as one dense
+    /// block.
     IndexerSelected,
+    /// `attn.indexer.hook_topk`: indices of the entries the indexer's top-k kept (before
+    /// any hook_selected intervention), in ascending order (as f32; -1 = none; capture
+    /// only); top-k rule: among equal scores the lower index wins.
     IndexerTopk,
+    /// `attn_hc.hook_pre`: mHC collapse weights of the attention sublayer (DeepSeek-V4):
+    /// input = sum_n pre\[n\] * stream n.
     HcPre,
+    /// `attn_hc.hook_post`: mHC expand weights of the attention sublayer: stream k gets
+    /// post\[k\] * output.
     HcPost,
+    /// `attn_hc.hook_comb`: mHC Sinkhorn-normalised stream mixing of the attention
+    /// sublayer, [from j, to k]: stream k += sum_j comb[j, k] * stream j.
     HcComb,
+    /// `mlp_hc.hook_pre`: mHC collapse weights of the MoE sublayer (DeepSeek-V4).
     MlpHcPre,
+    /// `mlp_hc.hook_post`: mHC expand weights of the MoE sublayer.
     MlpHcPost,
+    /// `mlp_hc.hook_comb`: mHC stream mixing of the MoE sublayer, [from j, to k].
     MlpHcComb,
+    /// `mlp.hook_router_scores`: MoE router scores after the scoring function, before the
+    /// score-correction bias (DeepSeek-V4).
     RouterScores,
+    /// `mlp.hook_router_weights`: weights of the chosen experts (normalised, times
+    /// routed_scaling_factor), aligned with hook_router_topk.
     RouterWeights,
+    /// `mlp.hook_router_topk`: experts chosen per token (as f32; capture only): score top-k
+    /// layers in ascending order, among equal scores the lower expert index wins; hash
+    /// layers: the tid2eid row.
     RouterTopk,
+    /// `hook_hc_head_pre`: final hyper-head collapse weights before the last norm
+    /// (DeepSeek-V4).
     HcHeadPre,
 }
 

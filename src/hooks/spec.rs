@@ -29,7 +29,9 @@ pub enum Action {
     /// Replace batch row `i` with row `perm[i]` of another run's activation at the same
     /// point (resample ablation).
     Resample {
+        /// The other run's cache.
         source: Arc<ActivationCache>,
+        /// The source row of each batch row.
         perm: Vec<usize>,
     },
     /// Multiply by a factor.
@@ -38,7 +40,12 @@ pub enum Action {
     Add(Act),
     /// Roll the activation by `shift` along `axis` (wrapping), e.g. shifting compressor
     /// gates across offsets (gate cycling: axis 2 of `hook_key_gate`).
-    Roll { axis: usize, shift: i64 },
+    Roll {
+        /// The axis.
+        axis: usize,
+        /// Positions to roll by, as `torch.roll` (element `i` moves to `i + shift`).
+        shift: i64,
+    },
 }
 
 /// Where, inside the point's tensor, an intervention applies. `None` = everywhere.

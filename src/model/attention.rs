@@ -197,6 +197,36 @@ pub fn attend(
     })
 }
 
+/// The queries a block's parts are built for: indices `i0..i1` of the computed
+/// positions, as one block of the blocked path, or (`dense`) as the one block of every
+/// query over the full key layout of the hook points.
+#[derive(Debug, Clone, Copy)]
+struct QueryBlock {
+    i0: usize,
+    i1: usize,
+    dense: bool,
+}
+
+impl QueryBlock {
+    /// Queries `i0..i1` of the blocked path.
+    fn blocked(i0: usize, i1: usize) -> Self {
+        QueryBlock {
+            i0,
+            i1,
+            dense: false,
+        }
+    }
+
+    /// Every one of `lq` queries, over the full key layout.
+    fn dense(lq: usize) -> Self {
+        QueryBlock {
+            i0: 0,
+            i1: lq,
+            dense: true,
+        }
+    }
+}
+
 /// The position of key slot `j` of batch row `r` in a raw part.
 type KeyPos<'a> = Box<dyn Fn(usize, usize) -> i64 + 'a>;
 
@@ -353,11 +383,12 @@ impl Geometry<'_> {
         }
     }
 
-    /// Raw keys for queries `i0..i1`: with shared positions and a window, each query's
-    /// own `window` keys (gathered, [`Geometry::raw_band`]); otherwise keys `lo..hi`
-    /// (shared positions or dense: a slice) or a band per row (`len` keys from each
-    /// row's own start, gathered). Visibility: `q - window < j <= q`, `j >= 0`.
-    fn raw(&self, q: &Tensor<4>, raw: &Raw, i0: usize, i1: usize, dense: bool) -> Part {
+    /// Raw keys for the block's queries `i0..i1`: with shared positions and a window,
+    /// each query's own `window` keys (gathered, [`Geometry::raw_band`]); otherwise keys
+    /// `lo..hi` (shared positions or dense: a slice) or a band per row (`len` keys from
+    /// each row's own start, gathered). Visibility: `q - window < j <= q`, `j >= 0`.
+    fn raw(&self, q: &Tensor<4>, raw: &Raw, block: QueryBlock) -> Part {
+        let QueryBlock { i0, i1, dense } = block;
         if let (Some(w), false, true) = (raw.window, dense, self.queries.shared()) {
             return self.raw_band(q, raw, w, i0, i1);
         }
@@ -448,20 +479,18 @@ impl Geometry<'_> {
         }
     }
 
-    /// Entries for queries `i0..i1`: those closed by the last query (all `n` when dense),
-    /// masked by closedness, and by the selector's choice when there is one (dense: as a
-    /// mask; blocked: the `k` kept entries of each query, gathered).
-    #[allow(clippy::too_many_arguments)]
+    /// Entries for the block's queries `i0..i1`: those closed by the last query (all `n`
+    /// when dense), masked by closedness, and by the selector's choice when there is one
+    /// (dense: as a mask; blocked: the `k` kept entries of each query, gathered).
     fn entries(
         &self,
         q: &Tensor<4>,
         e: &Entries,
         selector: Option<&mut dyn EntrySelector>,
-        i0: usize,
-        i1: usize,
-        dense: bool,
+        block: QueryBlock,
         hooks: &mut HookRun,
     ) -> Result<Option<Part>> {
+        let QueryBlock { i0, i1, dense } = block;
         let device = q.device();
         let n_all = e.k.dims()[1];
         let last = (0..self.b).map(|r| self.qpos(r, i1 - 1)).max().unwrap_or(0);
@@ -526,7 +555,7 @@ impl Geometry<'_> {
         keys: &mut Keys,
         hooks: &mut HookRun,
     ) -> Result<Tensor<4>> {
-        let parts = self.parts(&q, i0, i1, keys, false, hooks)?;
+        let parts = self.parts(&q, QueryBlock::blocked(i0, i1), keys, hooks)?;
         let elements: usize = parts.iter().map(|p| p.scores.shape().num_elements()).sum();
         LARGEST.with(|l| l.set(l.get().max(elements)));
         let (p, values) = softmax_parts(parts);
@@ -537,10 +566,8 @@ impl Geometry<'_> {
     fn parts(
         &self,
         q: &Tensor<4>,
-        i0: usize,
-        i1: usize,
+        block: QueryBlock,
         keys: &mut Keys,
-        dense: bool,
         hooks: &mut HookRun,
     ) -> Result<Vec<Part>> {
         let mut parts = Vec::with_capacity(3);
@@ -549,15 +576,15 @@ impl Geometry<'_> {
                 .selector
                 .as_mut()
                 .map(|s| &mut **s as &mut dyn EntrySelector);
-            if let Some(p) = self.entries(q, e, sel, i0, i1, dense, hooks)? {
+            if let Some(p) = self.entries(q, e, sel, block, hooks)? {
                 parts.push(p);
             }
         }
         if let Some(raw) = &keys.raw {
-            parts.push(self.raw(q, raw, i0, i1, dense));
+            parts.push(self.raw(q, raw, block));
         }
         if let Some(s) = &keys.sink {
-            parts.push(self.sink(s, i1 - i0));
+            parts.push(self.sink(s, block.i1 - block.i0));
         }
         Ok(parts)
     }
@@ -586,7 +613,7 @@ impl Geometry<'_> {
         hooks: &mut HookRun,
     ) -> Result<()> {
         let lq = self.queries.len();
-        let parts = self.parts(q, 0, lq, keys, true, hooks)?;
+        let parts = self.parts(q, QueryBlock::dense(lq), keys, hooks)?;
         let scores = scores_point(pattern);
         if hooks.touches(&scores) && !parts.is_empty() {
             // Captured only: the logits every slot shows (invisible ones at -1e30).
@@ -618,7 +645,7 @@ impl Geometry<'_> {
         hooks: &mut HookRun,
     ) -> Result<Tensor<4>> {
         let lq = self.queries.len();
-        let mut parts = self.parts(&q, 0, lq, keys, true, hooks)?;
+        let mut parts = self.parts(&q, QueryBlock::dense(lq), keys, hooks)?;
         let widths: Vec<usize> = parts.iter().map(|p| p.scores.dims()[3]).collect();
         let scores = scores_point(pattern);
         if hooks.touches(&scores) && !parts.is_empty() {

@@ -35,12 +35,20 @@ use crate::hooks::Act;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Queries {
     /// A plain forward: every position `0..len` of each of `rows` prompts.
-    All { rows: usize, len: usize },
+    All {
+        /// Prompts.
+        rows: usize,
+        /// Tokens per prompt.
+        len: usize,
+    },
     /// A suffix forward: row `r` computes positions `from[r] .. from[r] + len` of prompts
     /// of `total` tokens.
     Rows {
+        /// Each row's first computed position.
         from: Vec<usize>,
+        /// Positions computed per row.
         len: usize,
+        /// Tokens per prompt.
         total: usize,
     },
 }
@@ -112,8 +120,11 @@ impl Queries {
 /// the [`PrefixState`], at positions `from[r] .. from[r] + len`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Suffix {
+    /// Each batch row's prompt in the prefix state.
     pub rows: Vec<usize>,
+    /// Each batch row's first recomputed position.
     pub from: Vec<usize>,
+    /// Positions recomputed per row.
     pub len: usize,
 }
 
@@ -153,7 +164,7 @@ impl Suffix {
 /// What a base forward leaves behind so that later forwards of the same prompts can
 /// recompute only some positions ([`super::LanguageModel::forward_suffix`]): per layer,
 /// the named per-token tensors `[rows, len, ...]` the model passed through
-/// [`TokenFlow::full`] / [`TokenFlow::previous`].
+/// `TokenFlow::full` / `TokenFlow::previous`.
 #[derive(Debug, Clone)]
 pub struct PrefixState {
     arch: &'static str,
@@ -239,20 +250,22 @@ pub struct TokenFlow<'a> {
     mode: Mode<'a>,
 }
 
-// One per forward, moved never: the size difference of the variants costs nothing.
-#[allow(clippy::large_enum_variant)]
 enum Mode<'a> {
     Plain,
     Record(&'a mut PrefixState),
-    Suffix {
-        state: &'a PrefixState,
-        /// `[rows * total]`: each (row, position)'s index in `cat([state rows * total,
-        /// recomputed rows * len])`.
-        merge: Tensor<1, Int>,
-        /// `[rows * len]`: each computed position's predecessor in `cat([state rows *
-        /// total, recomputed rows * len, one zero row])`.
-        prev: Tensor<1, Int>,
-    },
+    /// Boxed: two index tensors, over a kilobyte beside the other variants' reference.
+    Suffix(Box<SuffixIndex<'a>>),
+}
+
+/// Where a suffix forward's rows come from.
+struct SuffixIndex<'a> {
+    state: &'a PrefixState,
+    /// `[rows * total]`: each (row, position)'s index in `cat([state rows * total,
+    /// recomputed rows * len])`.
+    merge: Tensor<1, Int>,
+    /// `[rows * len]`: each computed position's predecessor in `cat([state rows *
+    /// total, recomputed rows * len, one zero row])`.
+    prev: Tensor<1, Int>,
 }
 
 impl<'a> TokenFlow<'a> {
@@ -326,11 +339,11 @@ impl<'a> TokenFlow<'a> {
                 len,
                 total,
             },
-            mode: Mode::Suffix {
+            mode: Mode::Suffix(Box::new(SuffixIndex {
                 state,
                 merge: int_tensor(&merge, device),
                 prev: int_tensor(&prev, device),
-            },
+            })),
         })
     }
 
@@ -353,7 +366,8 @@ impl<'a> TokenFlow<'a> {
                 state.insert(layer, name, Act::new(new.clone()));
                 Ok(new)
             }
-            Mode::Suffix { state, merge, .. } => {
+            Mode::Suffix(s) => {
+                let SuffixIndex { state, merge, .. } = &**s;
                 let mut dims = new.dims();
                 dims[0] = self.queries.rows();
                 dims[1] = self.queries.total();
@@ -393,7 +407,8 @@ impl<'a> TokenFlow<'a> {
                     1,
                 ))
             }
-            Mode::Suffix { state, prev, .. } => {
+            Mode::Suffix(s) => {
+                let SuffixIndex { state, prev, .. } = &**s;
                 let device = new.device();
                 let rows = Tensor::cat(
                     vec![

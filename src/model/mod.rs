@@ -1,20 +1,35 @@
 //! Models. Every architecture speaks the same interface: `forward(tokens, &HookSpec)
 //! -> (logits, cache)`, plus `forward_from(layer, resid)` for batched interventions.
 
-pub mod attention;
-pub mod bench;
-pub mod deepseek_v4;
-pub mod diagnose;
-pub mod grad;
-pub mod kv_state;
+// The face: the items below, [`kvc`] (the controlled family) and [`placement`].
 pub mod kvc;
-pub mod layers;
-pub mod memory;
 pub mod placement;
+
+pub(crate) mod grad;
+pub(crate) mod kv_state;
+pub(crate) mod topk;
+
+#[doc(hidden)] // the layers of the models' public weight fields (`Linear`, `RmsNorm`, ...)
+pub mod layers;
+
+// Public for the CLI and tests/it, not part of the face:
+#[doc(hidden)] // the blocked attention core: tests/it set and read its block budget
+pub mod attention;
+#[doc(hidden)] // `phaselens bench forward`
+pub mod bench;
+#[doc(hidden)] // DeepSeek-V4 (load it with `load_model`); tests/it check its parts
+pub mod deepseek_v4;
+#[doc(hidden)] // the CLI's non-finite checks
+pub mod diagnose;
+#[doc(hidden)] // upfront memory checks: the CLI sets and prints them, tests/it compare them
+pub mod memory;
+#[doc(hidden)] // `phaselens plan`
 pub mod plan;
+#[doc(hidden)] // streaming safetensors reads and writes (the CLI, tests/it's fixtures)
 pub mod safetensors_io;
+#[doc(hidden)] // stored (BF16/FP8/FP4) weights; tests/it read its dequantisation budget
 pub mod stored;
-pub mod topk;
+#[doc(hidden)] // building a model from a checkpoint or random init (tests/it's tiny models)
 pub mod weights;
 
 use std::path::Path;
@@ -27,6 +42,7 @@ use crate::hooks::{Act, ActivationCache, HookSpec};
 
 pub use kv_state::{PrefixState, Queries, Suffix};
 pub use kvc::{KvcConfig, KvcModel};
+pub use stored::Residency;
 
 /// What a forward pass returns.
 #[derive(Debug)]
@@ -44,12 +60,18 @@ pub enum LayerKind {
     /// Causal attention over every raw token.
     Full,
     /// Sliding-window attention over the last `window` raw tokens.
-    Sliding { window: usize },
+    Sliding {
+        /// Raw tokens a query sees (itself included).
+        window: usize,
+    },
     /// Chunk-compressed attention: windows of `window` tokens every `stride` tokens,
     /// plus `local_tail` raw tokens. Phase = position mod `stride`.
     Compressed {
+        /// Tokens pooled into one entry.
         window: usize,
+        /// Tokens between the starts of consecutive entries.
         stride: usize,
+        /// Raw tokens beside the entries.
         local_tail: usize,
     },
 }
@@ -86,20 +108,30 @@ impl LayerKind {
 /// One layer's description.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerSpec {
+    /// Its attention geometry.
     pub kind: LayerKind,
+    /// Query heads.
     pub n_heads: usize,
+    /// Key/value heads.
     pub n_kv_heads: usize,
 }
 
 /// Static facts about a model that runners check experiments against.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelInfo {
+    /// The architecture (`model_type`: `phaselens-kvc`, `deepseek_v4`).
     pub arch: String,
+    /// Vocabulary size.
     pub vocab_size: usize,
+    /// Residual stream width.
     pub d_model: usize,
+    /// Query heads per layer.
     pub n_heads: usize,
+    /// Key/value heads per layer.
     pub n_kv_heads: usize,
+    /// Head width.
     pub d_head: usize,
+    /// Every layer, in order.
     pub layers: Vec<LayerSpec>,
 }
 

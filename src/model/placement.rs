@@ -43,10 +43,13 @@ pub struct Placement {
 /// A [`Placement`] with its devices opened.
 #[derive(Debug, Clone)]
 pub struct Placed {
+    /// The home device (embedding, head; inputs and captures live there).
     pub home: Device,
     /// Each layer's device.
     pub layers: Vec<Device>,
+    /// Routed experts kept with each layer (`None`: all).
     pub experts_on_device: Vec<Option<usize>>,
+    /// Where the other routed experts live.
     pub host: Device,
     /// The names, for messages.
     pub names: Vec<String>,
@@ -64,10 +67,14 @@ pub struct Placed {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PlacementConfig {
+    /// The devices (`cpu`, `tch-cuda:0`, ...).
     pub devices: Vec<String>,
+    /// The device index of each layer.
     pub layers: Vec<usize>,
+    /// Routed experts kept with each layer (the rest go to `host`).
     #[serde(default)]
     pub experts_on_device: Option<Vec<usize>>,
+    /// Where the other routed experts live (default: the host CPU).
     #[serde(default)]
     pub host: Option<String>,
 }
@@ -76,6 +83,7 @@ pub struct PlacementConfig {
 /// ([`Placement::split`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DevicesRequest {
+    /// The devices, the first one home.
     pub devices: Vec<DeviceSpec>,
     /// Bytes per device; `None`: equal shares of the model's bytes.
     pub memory: Option<Vec<f64>>,
@@ -397,6 +405,7 @@ pub struct PerDevice<T> {
 }
 
 impl<T> PerDevice<T> {
+    /// Nothing built yet.
     pub fn new() -> Self {
         PerDevice { items: Vec::new() }
     }

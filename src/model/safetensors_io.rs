@@ -568,7 +568,7 @@ pub fn write_safetensors(
     write_atomic(path, &bytes)
 }
 
-/// Write bytes to `path` atomically through [`crate::output::atomic`] (unique temp
+/// Write bytes to `path` atomically through `crate::output::atomic` (unique temp
 /// name beside it, fsync, rename, fsync of the directory): what checkpoints and model
 /// directories are written with, so a killed writer leaves the old file or the new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {

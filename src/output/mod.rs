@@ -4,26 +4,27 @@
 //! never leaves a truncated file behind and resume logic can trust whatever
 //! exists.
 //!
-//! | Submodule | Contents |
+//! | File | Contents (its public items are re-exported here) |
 //! |---|---|
-//! | [`table`] | [`Table`]: typed named columns + schema metadata, Arrow IPC read/write |
-//! | [`schema`] | the documented long and phase-accuracy schemas with typed rows (`docs/tables.md`) |
-//! | [`frame`] | polars: read a table as a DataFrame, Parquet copy, merge shards |
-//! | [`figure`] | heatmaps with colour bars, lines with CI bands, predicted-vs-observed, bar profiles, loss curves |
-//! | [`report`] | `report.md` / `report.html` with headline numbers, tables and figures |
-//! | [`atomic`] | the atomic write primitive; stale temporary files (listing and cleaning) |
-//! | [`lock`] | one run at a time per output folder (a lock file naming its process) |
-//! | [`name`] | what may name an output folder (`check_output_name`) |
+//! | `table` | [`Table`]: typed named columns + schema metadata, Arrow IPC read/write |
+//! | `schema` | the documented long and phase-accuracy schemas with typed rows (`docs/tables.md`) |
+//! | `frame` | polars: read a table as a DataFrame, Parquet copy, merge shards |
+//! | `figure` | heatmaps with colour bars, lines with CI bands, predicted-vs-observed, bar profiles, loss curves |
+//! | `report` | `report.md` / `report.html` with headline numbers, tables and figures |
+//! | `atomic` | the atomic write primitive; stale temporary files (listing and cleaning) |
+//! | `lock` | one run at a time per output folder (a lock file naming its process) |
+//! | `name` | what may name an output folder (`check_output_name`) |
 
-pub mod atomic;
-pub mod figure;
-pub mod frame;
-pub mod leftovers;
+pub(crate) mod atomic;
+pub(crate) mod figure;
+pub(crate) mod frame;
+pub(crate) mod leftovers;
+#[doc(hidden)] // tests/it hold a run's lock to check that a second run is refused
 pub mod lock;
-pub mod name;
-pub mod report;
-pub mod schema;
-pub mod table;
+pub(crate) mod name;
+pub(crate) mod report;
+pub(crate) mod schema;
+pub(crate) mod table;
 
 pub use atomic::{
     clean_stale_temps, committed_files, is_temp_name, write_atomic, write_bytes_atomic,

@@ -12,9 +12,9 @@
 //! | [`experiment`] | the experiment TOML (every key documented in docs/experiments.md) |
 //! | [`setup`] | organism / model directory, token space, prompt format, period; checks against the model |
 //! | [`patching`] | THE batched intervention routine (and its one-forward-per-cell reference) |
-//! | [`exec`], [`store`], [`progress`] | chunks with resume (atomic shard tables), progress with ETA |
-//! | [`rows`] | statistics (from [`crate::analysis`]) -> long-format rows |
-//! | [`heads`] | head cells, patching directions and head patch cells the patching kinds share |
+//! | `exec`, `store`, [`progress`] | chunks with resume (atomic shard tables), progress with ETA |
+//! | `rows` | statistics (from [`crate::analysis`]) -> long-format rows |
+//! | `heads` | head cells, patching directions and head patch cells the patching kinds share |
 //! | [`kinds`] | one file per experiment kind ([`Kind`]: settings, cells, rows, figures, report section) |
 //! | [`report`] | the report frame and figure helpers, from the tables alone |
 //! | [`bench`] | batched vs one-forward-per-cell throughput |

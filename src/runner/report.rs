@@ -1,10 +1,10 @@
 //! The report frame shared by every kind, and the figure helpers kinds draw with.
 //! Everything is drawn from an experiment's tables alone
 //! (`notebooks-data/<experiment>/*.arrow`), so `phaselens figures` redraws it without a
-//! model. Each kind draws its own figures and report section ([`Kind::figures`],
+//! model. Each kind draws its own figures and report section ([`Kind::figures`](crate::runner::Kind::figures),
 //! in its file under `runner/kinds/`); docs/experiments.md lists them.
 //!
-//! A report: title, description, summary, the kind's body ([`Kind::report`]: by default
+//! A report: title, description, summary, the kind's body ([`Kind::report`](crate::runner::Kind::report): by default
 //! the headline numbers, `accuracy_by_phase` and the kind's figures), how to read the
 //! tables, notes, and the experiment TOML stored in the tables.
 

@@ -91,9 +91,11 @@ impl Default for HaystackConfig {
 pub struct HaystackExample {
     /// Index into [`HaystackConfig::lengths`] and the length itself.
     pub length_index: usize,
+    /// The prompt length (tokens).
     pub length: usize,
     /// Index into [`HaystackConfig::depths`] and the requested depth.
     pub depth_index: usize,
+    /// The requested needle depth (a fraction of the haystack).
     pub depth: f64,
     /// Where the needle actually starts, as a fraction of the haystack.
     pub needle_depth: f64,

@@ -53,15 +53,28 @@ pub use vocab::{HfVocabConfig, SyntheticVocabConfig, TokenRange, TokenSpace, Tok
 pub enum TaskError {
     /// A config value is impossible or inconsistent; `field` is its name in the config.
     #[error("invalid task config: `{field}`: {reason}")]
-    Config { field: String, reason: String },
+    Config {
+        /// The field.
+        field: String,
+        /// Why it is impossible.
+        reason: String,
+    },
     /// A `tokenizer.json` could not be loaded.
     #[error("cannot load tokenizer {path}: {message}")]
-    TokenizerLoad { path: String, message: String },
+    TokenizerLoad {
+        /// The file.
+        path: String,
+        /// What the tokenizer library said.
+        message: String,
+    },
     /// The tokenizer failed on a piece of text.
     #[error("tokenizer failed on {what} {text:?}: {message}")]
     Tokenize {
+        /// What the text is (a key, a value, filler, ...).
         what: String,
+        /// The text.
         text: String,
+        /// What the tokenizer said.
         message: String,
     },
     /// The operation needs a Hugging Face tokenizer but the token space is synthetic.

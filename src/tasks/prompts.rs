@@ -42,6 +42,7 @@ pub struct Prompts {
     pub len: usize,
     /// Row-major `[n, len]`.
     pub tokens: Vec<u32>,
+    /// Each prompt's read positions and answers.
     pub targets: Vec<Target>,
     /// Partner prompt of each prompt, for the patching fill `Fill::Source`.
     pub source: Vec<Option<usize>>,
@@ -123,8 +124,11 @@ impl Prompts {
 /// Per prompt of a batch: which logical example, which phase, clean or corrupted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PromptMeta {
+    /// The logical example (the bootstrap's cluster).
     pub logical: u64,
+    /// The phase it is rendered at.
     pub phase: u32,
+    /// Whether it is the corrupted partner.
     pub corrupted: bool,
 }
 

@@ -7,11 +7,13 @@
 //! rename), so a run killed at any moment (even `kill -9`) resumes from the latest
 //! complete checkpoint and loses at most one interval.
 
+#[doc(hidden)] // `phaselens bench train` (the CLI) and its test in tests/it
 pub mod bench;
+#[doc(hidden)] // training's memory estimate: the CLI checks it, tests/it compare it to measurements
 pub mod memory;
-pub mod organism;
-pub mod schedule;
-pub mod step;
+mod organism;
+mod schedule;
+mod step;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -32,16 +34,21 @@ use crate::model::weights::{CheckpointSource, RandomInit, Vb, WeightSource};
 use crate::model::{KvcModel, LanguageModel, save_kvc};
 use crate::tasks::{IGNORE_INDEX, KvTrainSampler};
 
-pub use organism::{ModelConfig, OrganismFile, TrainConfig};
+pub use organism::{ModelConfig, OrganismFile, OrganismSection, TaskSection, TrainConfig};
 pub use schedule::lr_at;
+#[doc(hidden)] // one training step, shared with `phaselens bench train` (bench.rs)
 pub use step::{PhaseTimes, StepOutcome, Stepper, optimizer};
 
 /// One logged training step.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LogRow {
+    /// The step (0-based).
     pub step: u64,
+    /// Cross-entropy on the answer positions.
     pub loss: f64,
+    /// The learning rate.
     pub lr: f64,
+    /// Tokens trained on so far.
     pub tokens_seen: u64,
     /// Top-1 accuracy on the batch's answer positions.
     pub accuracy: f64,
@@ -50,31 +57,23 @@ pub struct LogRow {
 /// What a checkpoint's `meta.json` records.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CheckpointMeta {
+    /// Steps done.
     pub step: u64,
+    /// The last logged loss.
     pub loss: f64,
+    /// Tokens trained on so far.
     pub tokens_seen: u64,
+    /// [`config_hash`] of the recipe (a resume must match it).
     pub config_hash: String,
+    /// The phaselens version that wrote it.
     pub phaselens_version: String,
+    /// Every logged step.
     pub history: Vec<LogRow>,
-}
-
-/// Cross-entropy over the positions whose label is not [`IGNORE_INDEX`], and the
-/// top-1 accuracy there. `logits: [batch, pos, vocab]`, labels row-major `[batch, pos]`.
-pub fn answer_loss(logits: Tensor<3>, labels: &[i64]) -> (Tensor<1>, Tensor<1>) {
-    let [b, t, v] = logits.dims();
-    let device = logits.device();
-    let (idx, tgt) = answer_positions(labels);
-    let n = idx.len();
-    let rows = logits.reshape([b * t, v]).select(
-        0,
-        Tensor::<1, Int>::from_data(TensorData::new(idx, [n]), &device),
-    );
-    rows_loss(rows, tgt)
 }
 
 /// The flat indices (into row-major `[batch, pos]`) of the positions whose label is not
 /// [`IGNORE_INDEX`], and those labels.
-pub fn answer_positions(labels: &[i64]) -> (Vec<i64>, Vec<i64>) {
+pub(crate) fn answer_positions(labels: &[i64]) -> (Vec<i64>, Vec<i64>) {
     labels
         .iter()
         .enumerate()
@@ -85,7 +84,7 @@ pub fn answer_positions(labels: &[i64]) -> (Vec<i64>, Vec<i64>) {
 
 /// Mean cross-entropy and top-1 accuracy of `rows: [n, vocab]` logits against `targets`
 /// (`n` token ids).
-pub fn rows_loss(rows: Tensor<2>, targets: Vec<i64>) -> (Tensor<1>, Tensor<1>) {
+pub(crate) fn rows_loss(rows: Tensor<2>, targets: Vec<i64>) -> (Tensor<1>, Tensor<1>) {
     let n = targets.len();
     let device = rows.device();
     let tgt_t = Tensor::<2, Int>::from_data(TensorData::new(targets, [n, 1]), &device);
@@ -145,9 +144,13 @@ pub struct TrainOptions {
 /// The outcome of a run.
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
+    /// The checkpoint step the run resumed from (`None`: a fresh start).
     pub resumed_from: Option<u64>,
+    /// Steps done at the end.
     pub final_step: u64,
+    /// Every logged step.
     pub history: Vec<LogRow>,
+    /// The trained model folder.
     pub model_dir: PathBuf,
 }
 
@@ -186,7 +189,7 @@ type Open<'a> = &'a dyn Fn(&Path) -> Result<Box<dyn WeightSource>>;
 
 /// The recipe's training sampler, checked against `[model] vocab_size` and the
 /// machine's memory (the training estimate at the sampler's prompt length).
-pub fn training_sampler(path: &Path, file: &OrganismFile) -> Result<KvTrainSampler> {
+pub(crate) fn training_sampler(path: &Path, file: &OrganismFile) -> Result<KvTrainSampler> {
     let space = file
         .task
         .vocab
@@ -541,7 +544,12 @@ impl Meter<'_> {
 
 /// The loss curve as `loss.arrow` (columns `step, loss, lr, tokens_seen, accuracy`) and
 /// `loss.png` / `loss.svg` in `dir`.
-pub fn write_loss_curve(dir: &Path, name: &str, history: &[LogRow], hash: &str) -> Result<()> {
+pub(crate) fn write_loss_curve(
+    dir: &Path,
+    name: &str,
+    history: &[LogRow],
+    hash: &str,
+) -> Result<()> {
     use crate::output::{Table, loss_curve};
     let table = Table::new(format!("{name}-loss"))
         .with_metadata("phaselens.version", env!("CARGO_PKG_VERSION"))

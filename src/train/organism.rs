@@ -27,7 +27,9 @@ use crate::toml_file::parse_toml;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OrganismSection {
+    /// The organism's name.
     pub name: String,
+    /// What it is for (free text).
     #[serde(default)]
     pub description: String,
     /// Where the trained model directory goes (relative to the TOML's folder).
@@ -42,8 +44,10 @@ pub struct OrganismSection {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TaskSection {
+    /// The token space.
     #[serde(default)]
     pub vocab: TokenSpaceConfig,
+    /// The training task (prompt format, period, sampling).
     #[serde(default)]
     pub train: KvTrainConfig,
 }
@@ -174,11 +178,14 @@ pub const MAX_BATCH_SIZE: usize = 1 << 20;
 #[derive(Debug, Clone, Serialize)]
 #[serde(untagged)]
 pub enum ModelConfig {
+    /// The kvc family (`model_type = "phaselens-kvc"`).
     Kvc(KvcConfig),
     /// The config.json fields as written (saved verbatim with the trained model) and
     /// their resolved form.
     DeepseekV4 {
+        /// The fields as written.
         json: serde_json::Value,
+        /// Resolved (defaults filled in, validated).
         #[serde(skip)]
         resolved: Box<DeepseekV4Config>,
     },
@@ -197,9 +204,13 @@ impl ModelConfig {
 /// A whole organism file.
 #[derive(Debug, Clone, Serialize)]
 pub struct OrganismFile {
+    /// `[organism]`: name and folders.
     pub organism: OrganismSection,
+    /// `[model]`: the architecture and its configuration.
     pub model: ModelConfig,
+    /// `[task]`: vocabulary and training task.
     pub task: TaskSection,
+    /// `[train]`: steps, batch, optimiser, schedule.
     pub train: TrainConfig,
 }
 

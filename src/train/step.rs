@@ -75,6 +75,7 @@ pub struct PhaseTimes {
 }
 
 impl PhaseTimes {
+    /// Seconds of all four phases.
     pub fn total(&self) -> f64 {
         self.sample + self.forward + self.backward + self.optimizer
     }
@@ -91,16 +92,21 @@ impl PhaseTimes {
 /// What one step produced.
 #[derive(Debug, Clone, Copy)]
 pub struct StepOutcome {
+    /// Cross-entropy on the batch's answer positions.
     pub loss: f64,
     /// Top-1 accuracy on the batch's answer positions.
     pub accuracy: f64,
+    /// The step's learning rate.
     pub lr: f64,
+    /// Where the step's time went.
     pub times: PhaseTimes,
 }
 
 /// The parts of a training run every step reads.
 pub struct Stepper<'a> {
+    /// The batch sampler.
     pub sampler: &'a KvTrainSampler,
+    /// `[train]`.
     pub tc: &'a TrainConfig,
     /// The autodiff device.
     pub device: Device,

@@ -522,7 +522,7 @@ fn patch_heads_on_a_deepseek_v4_organism() {
         Cell {
             edit: Edit::Transform {
                 points: vec![HookPoint::block(2, Site::KeyGate)],
-                action: Action::Roll { axis: 2, shift: 1 },
+                action: Box::new(Action::Roll { axis: 2, shift: 1 }),
                 heads: None,
             },
             prompts: corrupted.clone(),

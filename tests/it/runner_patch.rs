@@ -198,7 +198,7 @@ fn batched_routine_equals_one_forward_per_cell() {
                     HookPoint::block(0, Site::KeyGate),
                     HookPoint::block(1, Site::ValueGate),
                 ],
-                action: Action::Roll { axis: 2, shift: 1 },
+                action: Box::new(Action::Roll { axis: 2, shift: 1 }),
                 heads: None,
             },
             prompts: clean.clone(),
@@ -336,7 +336,7 @@ fn suffix_path_equals_the_full_path() {
     let roll = Cell {
         edit: Edit::Transform {
             points: vec![HookPoint::block(0, Site::KeyGate)],
-            action: Action::Roll { axis: 2, shift: 1 },
+            action: Box::new(Action::Roll { axis: 2, shift: 1 }),
             heads: None,
         },
         prompts: clean,

@@ -84,6 +84,7 @@ pub enum CiMethod {
 }
 
 impl CiMethod {
+    /// The name in `grid_frontier.arrow`'s `ci_method` column.
     pub fn name(self) -> &'static str {
         match self {
             CiMethod::Sweep => "sweep",
@@ -104,6 +105,7 @@ pub enum Verdict {
 }
 
 impl Verdict {
+    /// The name in `grid_frontier.arrow`'s `verdict` column.
     pub fn name(self) -> &'static str {
         match self {
             Verdict::Pass => "pass",
@@ -140,31 +142,44 @@ impl Verdict {
 /// One point of the frontier: a design (its merged seeds) under one protocol.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FrontierRow {
+    /// The design's label (its grid name without the seed).
     pub design: String,
+    /// The padding protocol (`prefix`, `in-sequence`).
     pub protocol: String,
     /// The merged seeds (grid designs) behind the point, in grid order.
     pub members: Vec<String>,
     /// The design's seeds in the grid (merged or not).
     pub seeds_total: usize,
+    /// The phase period.
     pub period: i64,
+    /// Mean over seeds of each seed's mean accuracy over phases.
     pub mean_accuracy: f64,
     /// Sample sd over seeds; `None` for one seed.
     pub mean_sd: Option<f64>,
+    /// 95% CI of `mean_accuracy` (see [`CiMethod`]).
     pub mean_ci: (f64, f64),
+    /// Mean over seeds of each seed's phase gap (pp).
     pub gap_pp: f64,
+    /// Sample sd of the gap over seeds; `None` for one seed.
     pub gap_sd: Option<f64>,
+    /// 95% CI of `gap_pp` (see [`CiMethod`]).
     pub gap_ci: (f64, f64),
     /// Worst phase of the seed-mean profile and its accuracy.
     pub worst_phase: i64,
+    /// The worst phase's seed-mean accuracy.
     pub worst_accuracy: f64,
     /// Each seed's own worst phase, in member order.
     pub seed_worst_phases: Vec<i64>,
+    /// How the CIs were computed.
     pub ci_method: CiMethod,
+    /// The gap gate (pp, `[grid] max_gap`).
     pub gate_pp: f64,
+    /// [`Verdict::of_gap`] of `gap_ci` against `gate_pp`.
     pub verdict: Verdict,
 }
 
 impl FrontierRow {
+    /// Merged seeds behind the point.
     pub fn seeds(&self) -> usize {
         self.members.len()
     }

@@ -10,7 +10,7 @@
 //! window has closed, `w < (t + 1) / rate`, and (CSA) the indexer selected it. The
 //! attention itself is the shared blocked core ([`crate::model::attention`]); per-token
 //! state (keys, compressor and indexer projections) goes through
-//! [`crate::model::kv_state::TokenFlow`], so plain, recording and suffix forwards are
+//! `crate::model::kv_state::TokenFlow`, so plain, recording and suffix forwards are
 //! one code path.
 
 use burn::module::{Module, Param};
@@ -18,7 +18,7 @@ use burn::tensor::{Device, Tensor};
 
 use super::compressor::Compressor;
 use super::config::{AttnType, DeepseekV4Config};
-use super::indexer::{IndexSelector, Indexer};
+use super::indexer::{IndexQueries, IndexSelector, Indexer};
 use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
@@ -289,15 +289,13 @@ impl Attention {
         let kv = flow.full(layer, "index_kv", kv)?;
         let gate = flow.full(layer, "index_gate", gate)?;
         let starts = &tables.csa.as_ref().expect("CSA tables").1;
-        idx.selector(
-            layer,
-            (kv, gate),
+        let at = IndexQueries {
             x,
             q_res,
-            &tables.compress,
-            starts,
-            flow.queries(),
-        )
+            tables: &tables.compress,
+            queries: flow.queries(),
+        };
+        idx.selector(layer, (kv, gate), starts, at)
     }
 
     /// `z: [b, t, nh, dh]` -> the output `[b, t, d_model]`, through `hook_result`

@@ -1,6 +1,6 @@
 //! The lightning indexer of CSA layers: scores every closed compressed entry for every
 //! query, `score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) / sqrt(index_head_dim)`,
-//! and keeps the top `index_topk` closed entries ([`crate::model::topk`]: among equal
+//! and keeps the top `index_topk` closed entries (`crate::model::topk`: among equal
 //! scores the lower entry index wins). Its keys come from its own overlapping
 //! compressor at `index_head_dim` (same rate and layout as the layer's CSA compressor);
 //! its queries from the attention's low-rank query residual `q_res`; its head weights
@@ -10,6 +10,7 @@ use burn::module::Module;
 use burn::tensor::activation::relu;
 use burn::tensor::{Bool, Tensor};
 
+use super::config::DeepseekV4Config;
 use super::pooler::Pooler;
 use super::rope;
 use crate::error::Result;
@@ -44,18 +45,26 @@ pub struct Indexer {
     pub topk: usize,
 }
 
+/// The queries an index selection scores: the attention input `x` and the low-rank
+/// query residual `q_res` (`[b, lq, *]`) at the computed positions `queries`, with the
+/// compress RoPE tables there.
+pub struct IndexQueries<'a> {
+    /// `[b, lq, d_model]`, the attention input (for the head weights).
+    pub x: &'a Tensor<3>,
+    /// `[b, lq, q_lora_rank]`, the attention's query residual.
+    pub q_res: &'a Tensor<3>,
+    /// Compress RoPE tables at the computed positions.
+    pub tables: &'a RopeTables,
+    /// The computed positions of every row.
+    pub queries: &'a Queries,
+}
+
 impl Indexer {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        vb: &Vb,
-        d_model: usize,
-        q_lora_rank: usize,
-        n_heads: usize,
-        head_dim: usize,
-        rate: usize,
-        topk: usize,
-        eps: f64,
-    ) -> Result<Self> {
+    /// The indexer of a CSA layer of a `c` model under `vb` (`...compressor.indexer`).
+    pub fn new(vb: &Vb, c: &DeepseekV4Config) -> Result<Self> {
+        let (d_model, q_lora_rank) = (c.hidden_size, c.q_lora_rank);
+        let (n_heads, head_dim, topk) = (c.index_n_heads, c.index_head_dim, c.index_topk);
+        let (rate, eps) = (c.csa_rate, c.rms_norm_eps);
         Ok(Indexer {
             pooler: Pooler::new(vb, d_model, head_dim, rate, true, eps)?,
             q_b_proj: Linear::new(
@@ -78,21 +87,23 @@ impl Indexer {
         })
     }
 
-    /// The selector of one forward: index keys pooled from the per-token projections
-    /// `(kv, gate)` of every position (`[b, total, *]`, [`Pooler::project`]) and rotated
-    /// at the window starts `starts`; queries from `x, q_res: [b, lq, *]` at the computed
-    /// positions (`tokens`: compress RoPE tables there).
-    #[allow(clippy::too_many_arguments)]
+    /// The selector of layer `layer` in one forward: index keys pooled from the
+    /// per-token projections `(kv, gate)` of every position (`[b, total, *]`,
+    /// [`Pooler::project`]) and rotated at the window starts `starts`, scored for the
+    /// queries `at`.
     pub fn selector(
         &self,
         layer: usize,
         projections: (Tensor<3>, Tensor<3>),
-        x: &Tensor<3>,
-        q_res: &Tensor<3>,
-        tokens: &RopeTables,
         starts: &RopeTables,
-        queries: &Queries,
+        at: IndexQueries,
     ) -> Result<IndexSelector> {
+        let IndexQueries {
+            x,
+            q_res,
+            tables: tokens,
+            queries,
+        } = at;
         let [b, t, _] = x.dims();
         let (hi, di) = (self.n_heads, self.head_dim);
         let (w, values) = self
@@ -121,7 +132,7 @@ impl Indexer {
 /// The lightning indexer of one CSA layer in one forward, as the attention core's
 /// [`EntrySelector`]: `score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) /
 /// sqrt(index_head_dim)` over the closed entries, and the top `index_topk` of them
-/// ([`crate::model::topk`]).
+/// (`crate::model::topk`).
 pub struct IndexSelector {
     layer: usize,
     topk: usize,

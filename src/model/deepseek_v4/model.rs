@@ -12,7 +12,7 @@ use super::compressor::{Compressor, Pooler};
 use super::config::{AttnType, DeepseekV4Config, MODEL_TYPE};
 use super::indexer::Indexer;
 use super::mhc::{self, HyperConnection, HyperHead, Sublayer};
-use super::moe::{Moe, MoeDims};
+use super::moe::Moe;
 use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
 use crate::model::kv_state::{PrefixState, Queries, Suffix, TokenFlow};
@@ -670,13 +670,6 @@ impl crate::model::LanguageModel for DeepseekV4Model {
 /// Decoder layer `l` (attention `kind`) under `vl` (`model.layers.{l}`).
 fn decoder_layer(c: &DeepseekV4Config, vl: &Vb, l: usize, kind: AttnType) -> Result<DecoderLayer> {
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-    let dims = MoeDims {
-        d_model: h,
-        d_ff: c.moe_intermediate_size,
-        n_experts: c.n_routed_experts,
-        top_k: c.num_experts_per_tok,
-        vocab: c.vocab_size,
-    };
     let hc = |name: &str| {
         HyperConnection::new(
             &vl.pp(name),
@@ -689,15 +682,7 @@ fn decoder_layer(c: &DeepseekV4Config, vl: &Vb, l: usize, kind: AttnType) -> Res
     };
     Ok(DecoderLayer {
         self_attn: attention(c, &vl.pp("self_attn"), kind)?,
-        mlp: Moe::new(
-            &vl.pp("mlp"),
-            &dims,
-            c.mlp_layer_types[l],
-            c.scoring_func,
-            c.routed_scaling_factor,
-            c.swiglu_limit,
-            c.mlp_bias,
-        )?,
+        mlp: Moe::new(&vl.pp("mlp"), c, c.mlp_layer_types[l])?,
         input_layernorm: RmsNorm::new(&vl.pp("input_layernorm"), h, eps)?,
         post_attention_layernorm: RmsNorm::new(&vl.pp("post_attention_layernorm"), h, eps)?,
         attn_hc: hc("attn_hc")?,
@@ -751,16 +736,7 @@ fn compressor(c: &DeepseekV4Config, vc: &Vb, kind: AttnType) -> Result<Option<Co
         }),
         AttnType::Csa => Some(Compressor {
             pooler: Pooler::new(vc, h, dh, c.csa_rate, true, eps)?,
-            indexer: Some(Indexer::new(
-                &vc.pp("indexer"),
-                h,
-                c.q_lora_rank,
-                c.index_n_heads,
-                c.index_head_dim,
-                c.csa_rate,
-                c.index_topk,
-                eps,
-            )?),
+            indexer: Some(Indexer::new(&vc.pp("indexer"), c)?),
         }),
     })
 }

@@ -12,7 +12,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation::{sigmoid, silu, softmax, softplus};
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::config::{MlpType, ScoringFunc};
+use super::config::{DeepseekV4Config, MlpType, ScoringFunc};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::layers::{Linear, Weight, int_tensor, row_chunks};
@@ -156,38 +156,19 @@ pub struct Moe {
     pub limit: f64,
 }
 
-/// Sizes of a MoE block.
-pub struct MoeDims {
-    pub d_model: usize,
-    pub d_ff: usize,
-    pub n_experts: usize,
-    pub top_k: usize,
-    pub vocab: usize,
-}
-
 /// `down(silu(min(gate, L)) * clamp(up, -L, L))` given the two pre-activations.
 pub fn clamped_swiglu(gate: Tensor<2>, up: Tensor<2>, limit: f64) -> Tensor<2> {
     silu(gate.clamp_max(limit)) * up.clamp(-limit, limit)
 }
 
 impl Moe {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        vb: &Vb,
-        dims: &MoeDims,
-        kind: MlpType,
-        scoring: ScoringFunc,
-        scaling: f64,
-        limit: f64,
-        bias: bool,
-    ) -> Result<Self> {
-        let MoeDims {
-            d_model: h,
-            d_ff: i,
-            n_experts: e,
-            top_k: k,
-            vocab,
-        } = *dims;
+    /// The MoE block (routing `kind`) of a layer of a `c` model under `vb`
+    /// (`model.layers.{l}.mlp`).
+    pub fn new(vb: &Vb, c: &DeepseekV4Config, kind: MlpType) -> Result<Self> {
+        let (h, i, vocab) = (c.hidden_size, c.moe_intermediate_size, c.vocab_size);
+        let (e, k) = (c.n_routed_experts, c.num_experts_per_tok);
+        let (scoring, scaling) = (c.scoring_func, c.routed_scaling_factor);
+        let (limit, bias) = (c.swiglu_limit, c.mlp_bias);
         let vg = vb.pp("gate");
         let std = 1.0 / (h as f64).sqrt();
         let tid2eid = match kind {

@@ -17,17 +17,23 @@ use crate::model::weights::{Init, Vb};
 /// One attention layer.
 #[derive(Module, Debug)]
 pub struct Attention {
+    /// Query projection `W_Q` (`[n_heads * d_head, d_model]`).
     pub w_q: Linear,
+    /// Key projection `W_K` (`[n_kv_heads * d_head, d_model]`).
     pub w_k: Linear,
     /// Absent with `tied_kv`.
     pub w_v: Option<Linear>,
+    /// Output projection `W_O` (`[d_model, n_heads * d_head]`).
     pub w_o: Linear,
+    /// Per-head query RMSNorm (`qk_norm`).
     pub q_norm: Option<RmsNorm>,
+    /// Per-head key RMSNorm (`qk_norm`).
     pub k_norm: Option<RmsNorm>,
     /// Per-head sink logits `[n_heads]`.
     pub sink: Option<Param<Tensor<1>>>,
     /// Key-shift mix `mu` `[d_model]` (`key_shift = true`).
     pub key_shift: Option<Param<Tensor<1>>>,
+    /// The compressor (compressed attention only).
     pub compressor: Option<Compressor>,
 }
 
@@ -101,6 +107,30 @@ impl Tables {
     }
 }
 
+/// Layer `layer` of one forward of a `config` model, with the [`Tables`] every layer
+/// of the forward shares: where an attention layer runs.
+#[derive(Clone, Copy)]
+pub struct LayerAt<'a> {
+    /// The layer's index.
+    pub layer: usize,
+    /// The model's configuration.
+    pub config: &'a KvcConfig,
+    /// The forward's tables (on the layer's device).
+    pub tables: &'a Tables,
+}
+
+/// The attention's inputs ([`Attention::inputs`]); each is `None` when not asked for.
+pub struct Inputs {
+    /// `[b, lq, n_heads, d_head]`, through `hook_q`, not rotated.
+    pub q: Option<Tensor<4>>,
+    /// `[b, total, kv_heads, d_head]` of every position, through `hook_k`, not rotated.
+    pub k: Option<Tensor<4>>,
+    /// `[b, total, kv_heads, d_head]` of every position, through `hook_v`.
+    pub v: Option<Tensor<4>>,
+    /// The compressed entries (through `hook_compressed_k` / `_v`), rotated.
+    pub entries: Option<Entries>,
+}
+
 fn rope(x: Tensor<4>, t: &Option<RopeTables>) -> Tensor<4> {
     match t {
         Some(t) => apply_rope(x, t, RopeLayout::HalfSplit, false),
@@ -145,16 +175,19 @@ impl Attention {
     }
 
     /// `h: [b, lq, d]` at the positions `flow` computes -> `[b, lq, d]`.
-    pub fn forward(
+    pub(crate) fn forward(
         &self,
-        layer: usize,
+        at: LayerAt,
         h: Tensor<3>,
-        tables: &Tables,
-        c: &KvcConfig,
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
-        let (q, k, v, entries) = self.inputs(layer, h, tables, c, flow, hooks, Need::ALL)?;
+        let LayerAt {
+            layer,
+            config: c,
+            tables,
+        } = at;
+        let Inputs { q, k, v, entries } = self.inputs(at, h, Need::ALL, flow, hooks)?;
         let (Some(q), Some(k), Some(v)) = (q, k, v) else {
             return Err(Error::Other(format!(
                 "layer {layer}: the attention inputs were not all computed"
@@ -191,22 +224,17 @@ impl Attention {
     /// Everything between the layer's normalised input and what the attention core
     /// reads: edge attribution's local pass runs this alone, only the parts it `need`s
     /// (the forward: all; `None` for the others).
-    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
-    pub fn inputs(
+    pub(crate) fn inputs(
         &self,
-        layer: usize,
+        at: LayerAt,
         h: Tensor<3>,
-        tables: &Tables,
-        c: &KvcConfig,
+        need: Need,
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
-        need: Need,
-    ) -> Result<(
-        Option<Tensor<4>>,
-        Option<Tensor<4>>,
-        Option<Tensor<4>>,
-        Option<Entries>,
-    )> {
+    ) -> Result<Inputs> {
+        let LayerAt {
+            layer, config: c, ..
+        } = at;
         let [b, lq, _] = h.dims();
         let (nh, kvh, dh) = (c.n_heads, c.n_kv_heads, c.d_head());
         let q = if need.q {
@@ -219,7 +247,12 @@ impl Attention {
             None
         };
         if !(need.kv || need.entries) {
-            return Ok((q, None, None, None));
+            return Ok(Inputs {
+                q,
+                k: None,
+                v: None,
+                entries: None,
+            });
         }
         let key_input = match &self.key_shift {
             Some(mix) => {
@@ -242,27 +275,34 @@ impl Attention {
         let k = flow.full(layer, "k", k)?;
         let v = flow.full(layer, "v", v)?;
         let entries = if need.entries {
-            self.entries(layer, &h, &k, &v, tables, c, flow, hooks)?
+            self.entries(at, &h, (&k, &v), flow, hooks)?
         } else {
             None
         };
-        Ok((q, Some(k), Some(v), entries))
+        Ok(Inputs {
+            q,
+            k: Some(k),
+            v: Some(v),
+            entries,
+        })
     }
 
-    /// The compressed entries (pooled from the keys and values of every position), or
-    /// `None` when the layer does not compress or no window has closed.
-    #[allow(clippy::too_many_arguments)]
+    /// The compressed entries (pooled from the keys and values `(k, v)` of every
+    /// position, gated from `h`), or `None` when the layer does not compress or no
+    /// window has closed.
     fn entries(
         &self,
-        layer: usize,
+        at: LayerAt,
         h: &Tensor<3>,
-        k: &Tensor<4>,
-        v: &Tensor<4>,
-        tables: &Tables,
-        c: &KvcConfig,
+        (k, v): (&Tensor<4>, &Tensor<4>),
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Option<Entries>> {
+        let LayerAt {
+            layer,
+            config: c,
+            tables,
+        } = at;
         let (Some(comp), Some(windows), Some(cc)) =
             (&self.compressor, &tables.windows, &c.compression)
         else {

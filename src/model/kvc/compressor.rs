@@ -19,9 +19,11 @@ use crate::model::weights::{Init, Vb};
 pub struct Compressor {
     /// Key gate logits, `[kv_heads * g, d_model]` (g = 1 scalar, d_head vector).
     pub key_gate: Option<Linear>,
+    /// Value gate logits, as `key_gate`.
     pub value_gate: Option<Linear>,
     /// Per-offset key gate bias `[window, kv_heads]`.
     pub key_gate_bias: Option<Param<Tensor<2>>>,
+    /// Per-offset value gate bias `[window, kv_heads]`.
     pub value_gate_bias: Option<Param<Tensor<2>>>,
 }
 
@@ -81,7 +83,7 @@ impl Compressor {
 
     /// Per-token gate logits `[b, t, kvh, g]` of the key (or value) gate from
     /// `h: [b, t, d]`; `None` for uniform pooling.
-    pub fn gate_logits(&self, value: bool, h: &Tensor<3>, kvh: usize) -> Option<Tensor<4>> {
+    pub(crate) fn gate_logits(&self, value: bool, h: &Tensor<3>, kvh: usize) -> Option<Tensor<4>> {
         let gate = if value {
             &self.value_gate
         } else {
@@ -97,7 +99,7 @@ impl Compressor {
     /// gate weights `[b, n_entries, W, kvh, g]` (through the `hook_key_gate` /
     /// `hook_value_gate` point) made from the per-token gate logits `logits: [b, total,
     /// kvh, g]` ([`Compressor::gate_logits`]; `None`: uniform).
-    pub fn pool(
+    pub(crate) fn pool(
         &self,
         layer: usize,
         value: bool,

@@ -91,22 +91,31 @@ fn default_std() -> f64 {
 pub struct KvcConfig {
     /// Must be `"phaselens-kvc"`.
     pub model_type: String,
+    /// Vocabulary size.
     pub vocab_size: usize,
+    /// Residual stream width.
     pub d_model: usize,
+    /// Number of blocks.
     pub n_layers: usize,
+    /// Query heads per layer.
     pub n_heads: usize,
+    /// Key/value heads per layer (divides `n_heads`).
     pub n_kv_heads: usize,
     /// Head width; default `d_model / n_heads`.
     #[serde(default)]
     pub d_head: Option<usize>,
+    /// SwiGLU hidden width.
     pub d_ff: usize,
+    /// RMSNorm epsilon (default 1e-6).
     #[serde(default = "default_eps")]
     pub norm_eps: f64,
+    /// Which dimensions RoPE rotates.
     #[serde(default = "default_rope")]
     pub rope: RopeMode,
     /// Rotated dims when `rope = "partial"`.
     #[serde(default)]
     pub rope_dims: Option<usize>,
+    /// RoPE base (default 10000).
     #[serde(default = "default_theta")]
     pub rope_theta: f64,
     /// RMS-normalise queries and keys per head (learned scale).
@@ -127,6 +136,7 @@ pub struct KvcConfig {
     /// invariant, so it adds no phase structure. Default false (and not written then).
     #[serde(default, skip_serializing_if = "is_false")]
     pub key_shift: bool,
+    /// Full, sliding or compressed attention.
     pub attention: AttentionKind,
     /// Required when `attention = "compressed"`.
     #[serde(default)]

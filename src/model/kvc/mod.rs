@@ -21,12 +21,12 @@
 //! | `attention.rs` | one attention layer (projections, key shift, RoPE, the shared core) |
 //! | `model.rs` | the decoder and its `LanguageModel` implementation |
 
-pub mod attention;
-pub mod compressor;
-pub mod config;
-pub mod model;
+mod attention;
+mod compressor;
+mod config;
+mod model;
 
-pub use attention::{Attention, Need};
+pub use attention::Attention;
 pub use compressor::Compressor;
 pub use config::{AttentionKind, CompressionConfig, GateMode, KvcConfig, MODEL_TYPE, RopeMode};
 pub use model::{Block, KvcModel};

@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 
-use super::attention::{Attention, Need, Tables};
+use super::attention::{Attention, LayerAt, Need, Tables};
 use super::config::{AttentionKind, KvcConfig, MODEL_TYPE};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
@@ -20,20 +20,28 @@ use crate::model::{
 /// One pre-norm block.
 #[derive(Module, Debug)]
 pub struct Block {
+    /// RMSNorm before attention.
     pub attn_norm: RmsNorm,
+    /// The attention layer.
     pub attn: Attention,
+    /// RMSNorm before the MLP.
     pub mlp_norm: RmsNorm,
+    /// The SwiGLU MLP.
     pub mlp: SwiGlu,
 }
 
 /// A kvc model.
 #[derive(Module, Debug)]
 pub struct KvcModel {
+    /// Token embedding.
     pub embed: Embedding,
+    /// The blocks.
     pub blocks: Vec<Block>,
+    /// RMSNorm before the LM head.
     pub final_norm: RmsNorm,
     /// Absent with `tie_embeddings`.
     pub lm_head: Option<Linear>,
+    /// The configuration it was built from.
     #[module(skip)]
     pub config: KvcConfig,
 }
@@ -251,9 +259,12 @@ impl KvcModel {
             let tables = per_device.get(&here, |d| Tables::new(&self.config, flow.queries(), d));
             x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
             let h = block.attn_norm.forward(x.clone());
-            let a = block
-                .attn
-                .forward(l, h, tables, &self.config, flow, hooks)?;
+            let at = LayerAt {
+                layer: l,
+                config: &self.config,
+                tables,
+            };
+            let a = block.attn.forward(at, h, flow, hooks)?;
             let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
             x = x + a;
             x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
@@ -334,9 +345,12 @@ impl StreamModel for KvcModel {
                 let tables = Tables::new(&self.config, flow.queries(), &here);
                 let h = block.attn_norm.forward(to(x, &here));
                 let need = Need::touched(&hooks, l);
-                block
-                    .attn
-                    .inputs(l, h, &tables, &self.config, &mut flow, &mut hooks, need)?;
+                let at = LayerAt {
+                    layer: l,
+                    config: &self.config,
+                    tables: &tables,
+                };
+                block.attn.inputs(at, h, need, &mut flow, &mut hooks)?;
                 None
             }
             StreamPoint::Mlp(l) => {

@@ -212,6 +212,7 @@ pub fn render<S: FigureSpec>(base: impl AsRef<Path>, spec: &S) -> Result<FigureF
 ///
 /// # Errors
 /// As [`render`].
+#[cfg(test)]
 pub fn render_rgb<S: FigureSpec>(spec: &S) -> Result<Vec<u8>> {
     spec.validate()
         .map_err(|reason| FigureError::InvalidInput {

@@ -242,7 +242,7 @@ fn shift_edits(cfg: &GateCycling, unit: &Unit, biases: &[GateBias]) -> Vec<Edit>
         .map(|&d| match cfg.roll {
             Roll::Logits => Edit::Transform {
                 points: points.clone(),
-                action: Action::Roll { axis: 2, shift: d },
+                action: Box::new(Action::Roll { axis: 2, shift: d }),
                 heads: unit.heads.clone(),
             },
             Roll::Bias => Edit::TransformEach {

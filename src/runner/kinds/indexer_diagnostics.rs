@@ -11,7 +11,7 @@
 //! entry was closed but not kept there, a *read miss* when it was kept (the heads did
 //! not read it); prompts whose needle entry is not closed yet count as neither. How
 //! often the top-k decides anything at that query, and how often its boundary lies
-//! within float rounding ([`crate::model::topk::near_boundary`]).
+//! within float rounding (`crate::model::topk::near_boundary`).
 //!
 //! Causal check: `attn.indexer.hook_selected` (1.0 = kept) gets `Action::Add` of +1
 //! (force in) or -1 (force out) at the needle's entries, at every target position, in

@@ -6,7 +6,7 @@
 //!
 //! Adding a kind: write `kinds/<name>.rs` with a settings type that implements
 //! `Default`, `Serialize`, `Deserialize` and [`Kind`], declare it (`pub mod <name>;`)
-//! and register it (one `<name>::<Settings>,` line in the [`kinds!`] list) at the bottom
+//! and register it (one `<name>::<Settings>,` line in the `kinds!` list) at the bottom
 //! of this file. What several kinds need lives below them, never in another kind:
 //! [`HeadCell`] / `Direction` / `head_patch_cells` (runner/heads.rs), `PromptShards`
 //! (runner/exec.rs), `change_clusters` (runner/rows.rs), the NLD / relative-change

@@ -168,7 +168,6 @@ impl Fill {
 
 /// One intervention.
 #[derive(Debug, Clone)]
-#[allow(clippy::large_enum_variant)] // a few hundred cells per run; boxing buys nothing
 pub enum Edit {
     /// Replace the activation at `point` (a layer point), within `heads` (along the
     /// point's head axis; `None` = all) and `positions`, by `fill`.
@@ -182,7 +181,8 @@ pub enum Edit {
     /// compressor gates), within `heads`.
     Transform {
         points: Vec<HookPoint>,
-        action: Action,
+        /// Boxed: an action may hold a tensor (several hundred bytes).
+        action: Box<Action>,
         heads: Option<Vec<usize>>,
     },
     /// Apply its own action at each point during the forward (e.g. add each layer's
@@ -504,7 +504,7 @@ fn intervene_transform(mut spec: HookSpec, edit: &Edit, scope: &Scope) -> HookSp
             points,
             action,
             heads,
-        } => (points.iter().map(|p| (p, action)).collect(), heads),
+        } => (points.iter().map(|p| (p, &**action)).collect(), heads),
         Edit::TransformEach { actions, heads } => {
             (actions.iter().map(|(p, a)| (p, a)).collect(), heads)
         }
