@@ -6,7 +6,9 @@
 //! layer and expert count. At such widths the indexer's top-k boundary can fall among
 //! scores that differ only by float32 rounding, so the logits are compared with the
 //! reference's own selection forced through `hook_selected`; the unforced selection and
-//! how many choices lie within rounding of the boundary are reported.
+//! how many choices lie within rounding of the boundary are reported. The full-size
+//! variant (V4-Flash's real width at 4096+ tokens, opt-in, ignored) is
+//! `realwidth_full_matches_transformers_under_the_same_indexer_selection`, below.
 
 use std::path::{Path, PathBuf};
 

@@ -357,45 +357,25 @@ impl Attention {
     }
 
     /// Per-head contributions `[b, t, nh, d_model]` (the output projection is linear and
-    /// bias-free, so they sum to the attention output). Group by group: head `h` of
-    /// group `g` maps through `M_h = o_b[:, g] o_a[g, h]` (`[d_model, head_dim]`), built
-    /// for one group at a time (`o_a`'s rows of the group only, dequantised as stored;
-    /// `o_b` once), and each group's contributions are written into their heads of the
-    /// output: besides the output, one group's `M` (`d_model x n_heads / o_groups x
-    /// head_dim`) and its products are alive, never every head's `M` nor `o_b` expanded
-    /// per head.
+    /// bias-free, so they sum to the attention output).
     fn per_head(&self, z: Tensor<4>) -> Tensor<4> {
         let [b, t, nh, dh] = z.dims();
         let g = self.o_groups;
         let hpg = nh / g;
-        let [rows, in_g] = self.o_a_proj.weight.dims(); // [g * r, hpg * dh]
-        let r = rows / g;
+        let wa = self.o_a_proj.weight.val();
+        let r = wa.dims()[0] / g;
         let wb = self.o_b_proj.weight.val(); // [d, g * r]
         let d = wb.dims()[0];
-        let zh = z.swap_dims(0, 2).reshape([nh, t * b, dh]); // head h = group * hpg + j
-        let mut out = Tensor::<3>::empty([nh, t * b, d], &zh.device());
-        for gi in 0..g {
-            let a = match self.o_a_proj.weight.stored() {
-                Some(s) => s.gather_rows(0, &(gi * r..(gi + 1) * r).collect::<Vec<_>>()),
-                None => self
-                    .o_a_proj
-                    .weight
-                    .val()
-                    .slice([gi * r..(gi + 1) * r, 0..in_g]),
-            }; // [r, hpg * dh]
-            let m = wb
-                .clone()
-                .slice([0..d, gi * r..(gi + 1) * r])
-                .matmul(a) // [d, hpg * dh]
-                .reshape([d, hpg, dh])
-                .swap_dims(0, 1); // [hpg, d, dh]
-            let heads = gi * hpg..(gi + 1) * hpg;
-            let zg = zh.clone().slice([heads.clone(), 0..t * b, 0..dh]);
-            out = out.slice_assign(
-                [heads, 0..t * b, 0..d],
-                zg.matmul(m.swap_dims(1, 2)), // [hpg, t*b, d]
-            );
-        }
-        out.reshape([nh, t, b, d]).swap_dims(0, 2) // [b, t, nh, d]
+        let a = wa.reshape([g, r, hpg, dh]).swap_dims(1, 2); // [g, hpg, r, dh]
+        let bm = wb
+            .reshape([d, g, r])
+            .swap_dims(0, 1) // [g, d, r]
+            .reshape([g, 1, d, r])
+            .expand([g, hpg, d, r]);
+        let m = bm.matmul(a).reshape([nh, d, dh]); // head h = group * hpg + j
+        let zh = z.swap_dims(0, 2).reshape([nh, t * b, dh]); // [nh, t*b, dh]
+        zh.matmul(m.swap_dims(1, 2)) // [nh, t*b, d]
+            .reshape([nh, t, b, d])
+            .swap_dims(0, 2) // [b, t, nh, d]
     }
 }
