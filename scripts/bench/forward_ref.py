@@ -11,7 +11,12 @@ Pinned: torch 2.9.0, transformers 5.24.0 (tests/fixtures/deepseek_v4/requirement
         --tokens 1024,4096,16384 --threads 2 [--reps 1] [--max-gib 16]
 
 A length whose forward would need more memory than --max-gib (eager attention builds
-[T, T] masks and scores per layer) is reported as skipped, not run.
+[T, T] masks and scores per layer) is reported as skipped, not run. --query-chunk N runs
+the eager attention over N queries at a time (the same arithmetic per query; needed at
+real width, where [64 heads, T, T] f32 scores are 4 GiB per copy at 4096 tokens). A
+release checkpoint (FP8 / FP4) is dequantised to f32 by transformers on load. The peak
+resident set is the forward's (reset after loading, weights included); the loading peak
+is reported apart.
 """
 
 from __future__ import annotations
@@ -32,13 +37,48 @@ def peak_rss_bytes() -> int:
     return -1
 
 
-def one(model_dir: str, t: int, batch: int, reps: int, threads: int) -> dict:
+def chunk_queries(chunk: int) -> None:
+    """Run transformers' eager attention over `chunk` queries at a time (the same
+    arithmetic per query row; [heads, chunk, keys] scores instead of [heads, T, keys])."""
     import torch
-    from transformers import DeepseekV4ForCausalLM
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
+
+    eager = mod.eager_attention_forward
+
+    def eager_chunked(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        outs = []
+        for a in range(0, query.shape[-2], chunk):
+            m = attention_mask[:, :, a : a + chunk] if attention_mask is not None else None
+            outs.append(eager(module, query[:, :, a : a + chunk], key, value, m, scaling, dropout, **kw)[0])
+        return torch.cat(outs, dim=1), None
+
+    # DeepseekV4Attention looks its "eager" function up at call time.
+    mod.eager_attention_forward = eager_chunked
+
+
+def one(model_dir: str, t: int, batch: int, reps: int, threads: int, query_chunk: int) -> dict:
+    import torch
+    from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
     torch.set_num_threads(threads)
-    model = DeepseekV4ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    if query_chunk:
+        chunk_queries(query_chunk)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        quantized = "quantization_config" in json.load(f)
+    # A release checkpoint (FP8 / FP4): transformers' own dequantisation to f32 on load.
+    extra = {"quantization_config": FineGrainedFP8Config(dequantize=True, scale_fmt="ue8m0")} if quantized else {}
+    model = DeepseekV4ForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager", **extra
+    )
     model.eval()
+    load_peak = peak_rss_bytes()
+    # The peak of the forward alone (weights included), as `phaselens bench forward`
+    # measures it: reset VmHWM after loading (Linux clear_refs 5).
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
     vocab = model.config.vocab_size
     # The same ids as phaselens' model::bench::forward_sweep.
     ids = torch.tensor(
@@ -61,6 +101,8 @@ def one(model_dir: str, t: int, batch: int, reps: int, threads: int) -> dict:
         "seconds": s,
         "tokens_per_second": batch * t / s,
         "peak_rss_bytes": peak_rss_bytes(),
+        "load_peak_rss_bytes": load_peak,
+        "query_chunk": query_chunk,
     }
 
 
@@ -72,11 +114,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-gib", type=float, default=16.0)
+    ap.add_argument("--query-chunk", type=int, default=0,
+                    help="eager attention over this many queries at a time (0: all at once, as transformers)")
     ap.add_argument("--json")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one is not None:
-        print(json.dumps(one(a.model, a.one, a.batch, a.reps, a.threads)))
+        print(json.dumps(one(a.model, a.one, a.batch, a.reps, a.threads, a.query_chunk)))
         return
     with open(os.path.join(a.model, "config.json")) as f:
         cfg = json.load(f)
@@ -87,14 +131,15 @@ def main() -> None:
     rows = []
     for t in [int(x) for x in a.tokens.split(",")]:
         # Eager attention holds [batch, heads, T, T + entries] scores + mask (f32) at once.
-        need = 3 * a.batch * heads * t * t * 4 / 2**30
+        q_rows = min(a.query_chunk, t) if a.query_chunk else t
+        need = 3 * a.batch * heads * q_rows * t * 4 / 2**30
         if need > a.max_gib:
             print(f"| {t} | skipped: eager attention needs ~{need:.0f} GiB | | |")
             rows.append({"tokens": t, "skipped_gib": need})
             continue
         r = subprocess.run(
             [sys.executable, __file__, "--model", a.model, "--one", str(t), "--batch",
-             str(a.batch), "--reps", str(a.reps), "--threads", str(a.threads)],
+             str(a.batch), "--reps", str(a.reps), "--threads", str(a.threads), "--query-chunk", str(a.query_chunk)],
             capture_output=True, text=True,
         )
         if r.returncode != 0:

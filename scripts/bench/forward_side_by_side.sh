@@ -9,6 +9,8 @@
 # The reference runs up to REF_MAX_LEN tokens (default 16384; eager attention builds
 # [T, T] scores per layer). Needs the phaselens binary ($PHASELENS_BIN, default
 # target/debug/phaselens) and a python with torch 2.9.0 + transformers 5.24.0 ($PYTHON).
+# REF_QUERY_CHUNK=N runs the reference's eager attention over N queries at a time
+# (forward_ref.py --query-chunk; at real width its [64, T, T] scores do not fit otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=${1:?usage: $0 MODEL_DIR L1,L2,... [OUT] [REF_MAX_LEN]}
@@ -25,6 +27,7 @@ for t in ${lengths//,/ }; do
   "$bin" bench forward --model "$model" --tokens "$t" --reps 1 --json "$out/$name-$t-phaselens.json"
   if [ "$is_v4" = 1 ] && [ "$t" -le "$ref_max" ]; then
     "$py" scripts/bench/forward_ref.py --model "$model" --tokens "$t" --threads 2 \
+      --query-chunk "${REF_QUERY_CHUNK:-0}" \
       --json "$out/$name-$t-transformers.json" || echo "reference failed at $t tokens"
   fi
 done

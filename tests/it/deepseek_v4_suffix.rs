@@ -128,3 +128,58 @@ fn suffix_forward_equals_forward_from_at_its_positions() {
         }
     }
 }
+
+/// `forward_suffix_streams` over layers `l..e` gives the streams a whole suffix forward
+/// from `l` shows at `blocks.{e-1}.hook_resid_post`, with its captures, and refuses an
+/// empty or out-of-range span.
+#[test]
+fn suffix_streams_are_the_suffix_forwards_streams_after_the_last_layer() {
+    let device = Device::flex();
+    let m: DeepseekV4Model = deepseek_v4::load(&fixture("long"), &device).unwrap();
+    let r = SafetensorsReader::open(&fixture("long").join("reference.safetensors")).unwrap();
+    let (shape, ids) = r.read_i64("input_ids").unwrap();
+    let (b, t) = (shape[0], shape[1]);
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, t]), &device);
+    let n_layers = m.config.num_hidden_layers;
+    let mut spec = HookSpec::new();
+    for l in 0..n_layers {
+        spec = spec.capture_point(HookPoint::block(l, Site::ResidPre));
+    }
+    let (out, state) = m.forward_with_state(tokens, &spec).unwrap();
+    let sfx = Suffix {
+        rows: vec![b - 1],
+        from: vec![t - 9],
+        len: 9,
+    };
+    for start in 0..n_layers {
+        let resid = out
+            .cache
+            .get(&HookPoint::block(start, Site::ResidPre))
+            .unwrap()
+            .get::<4>()
+            .unwrap()
+            .slice_dim(0, b - 1..b)
+            .slice_dim(1, t - 9..t);
+        for end in start + 1..=n_layers {
+            let post = HookPoint::block(end - 1, Site::ResidPost);
+            let spec = HookSpec::new().capture_point(post);
+            let whole = m
+                .forward_suffix(start, &state, &sfx, resid.clone(), &spec)
+                .unwrap();
+            let want = whole.cache.get(&post).unwrap().to_vec();
+            let (x, cache) = m
+                .forward_suffix_streams(start..end, &state, &sfx, resid.clone(), &spec)
+                .unwrap();
+            assert_eq!(x.dims(), [1, 9, m.config.hc_mult, m.config.hidden_size]);
+            assert_eq!(vals(x), want, "layers {start}..{end}");
+            assert_eq!(cache.get(&post).unwrap().to_vec(), want);
+        }
+        for bad in [start..start, start..n_layers + 1] {
+            let e = m
+                .forward_suffix_streams(bad.clone(), &state, &sfx, resid.clone(), &spec)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("non-empty range"), "{bad:?}: {e}");
+        }
+    }
+}

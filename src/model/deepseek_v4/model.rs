@@ -14,7 +14,7 @@ use super::indexer::Indexer;
 use super::mhc::{self, HyperConnection, HyperHead, Sublayer};
 use super::moe::Moe;
 use crate::error::{Error, Result};
-use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
+use crate::hooks::{Act, ActivationCache, HookPoint, HookRun, HookSpec, Site};
 use crate::model::kv_state::{PrefixState, Queries, Suffix, TokenFlow};
 use crate::model::layers::{Embedding, Linear, RmsNorm};
 use crate::model::placement::{PerDevice, Placed, to};
@@ -234,9 +234,50 @@ impl DeepseekV4Model {
         resid: Tensor<4>,
         spec: &HookSpec,
     ) -> Result<ForwardOutput> {
+        let (mut flow, ids) = self.suffix_flow(start, state, suffix, &resid)?;
+        let mut hooks = spec.run();
+        self.run_layers(resid, start, &ids, &mut flow, &mut hooks)
+    }
+
+    /// [`DeepseekV4Model::forward_suffix`] through layers `start..end` only, without the
+    /// later layers and the LM head: the streams leaving layer `end - 1` at the suffix
+    /// positions (`[rows, len, hc_mult, d_model]`, what its `hook_resid_post` shows) and
+    /// the captures. Recomputing one layer's outputs query block by query block (e.g.
+    /// under a forced indexer selection, whose hook runs the layer as one dense block)
+    /// costs that layer only.
+    pub fn forward_suffix_streams(
+        &self,
+        layers: std::ops::Range<usize>,
+        state: &PrefixState,
+        suffix: &Suffix,
+        resid: Tensor<4>,
+        spec: &HookSpec,
+    ) -> Result<(Tensor<4>, ActivationCache)> {
+        let n_layers = self.model.layers.len();
+        if layers.start >= layers.end || layers.end > n_layers {
+            return Err(Error::Input(format!(
+                "layers {layers:?}: expected a non-empty range within 0..{n_layers}"
+            )));
+        }
+        let (mut flow, ids) = self.suffix_flow(layers.start, state, suffix, &resid)?;
+        let mut hooks = spec.run();
+        let home = self.model.embed_tokens.weight.device();
+        let x = self.run_blocks(resid, layers, &ids, &mut flow, &mut hooks)?;
+        Ok((to(x, &home), hooks.finish().to_device(&home)))
+    }
+
+    /// The token flow of a suffix forward from layer `start`, after checking the
+    /// residual's shape, and the token ids at the suffix positions (hash routing).
+    fn suffix_flow<'s>(
+        &self,
+        start: usize,
+        state: &'s PrefixState,
+        suffix: &Suffix,
+        resid: &Tensor<4>,
+    ) -> Result<(TokenFlow<'s>, Vec<i64>)> {
         let device = resid.device();
         let n_layers = self.model.layers.len();
-        let mut flow = TokenFlow::suffix(state, suffix, MODEL_TYPE, start, n_layers, &device)?;
+        let flow = TokenFlow::suffix(state, suffix, MODEL_TYPE, start, n_layers, &device)?;
         let c = &self.config;
         let want = [suffix.rows.len(), suffix.len, c.hc_mult, c.hidden_size];
         if resid.dims() != want {
@@ -262,8 +303,7 @@ impl DeepseekV4Model {
                     .copied()
             })
             .collect();
-        let mut hooks = spec.run();
-        self.run_layers(resid, start, &ids, &mut flow, &mut hooks)
+        Ok((flow, ids))
     }
 
     /// Forward from layer `start` given the streams entering it
@@ -379,17 +419,36 @@ impl DeepseekV4Model {
 
     fn run_layers(
         &self,
-        mut x: Tensor<4>,
+        x: Tensor<4>,
         start: usize,
         ids: &[i64],
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<ForwardOutput> {
+        let home = self.model.embed_tokens.weight.device();
+        let x = self.run_blocks(x, start..self.model.layers.len(), ids, flow, hooks)?;
+        let logits = self.head_logits(x, hooks)?;
+        Ok(ForwardOutput {
+            logits,
+            cache: hooks.finish().to_device(&home),
+        })
+    }
+
+    /// Layers `layers` over the streams `x` entering the first of them -> the streams
+    /// leaving the last (on its device).
+    fn run_blocks(
+        &self,
+        mut x: Tensor<4>,
+        layers: std::ops::Range<usize>,
+        ids: &[i64],
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<4>> {
         // A placed model: the streams move to each layer's device, per-forward tables
         // are built once per device, logits and captures come back home.
-        let home = self.model.embed_tokens.weight.device();
         let mut per_device = PerDevice::new();
-        for (l, layer) in self.model.layers.iter().enumerate().skip(start) {
+        let (start, n) = (layers.start, layers.len());
+        for (l, layer) in self.model.layers.iter().enumerate().skip(start).take(n) {
             let here = layer.input_layernorm.weight.val().device();
             x = to(x, &here);
             let tables = per_device.get(&here, |d| Tables::new(&self.config, flow.queries(), d));
@@ -416,11 +475,7 @@ impl DeepseekV4Model {
             x = mhc::expand(x, m, &hc);
             x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
         }
-        let logits = self.head_logits(x, hooks)?;
-        Ok(ForwardOutput {
-            logits,
-            cache: hooks.finish().to_device(&home),
-        })
+        Ok(x)
     }
 
     /// The streams after the last layer `[b, t, hc, d]` -> logits (on the home device):
