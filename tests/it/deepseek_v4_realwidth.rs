@@ -319,7 +319,7 @@ fn realwidth_full_matches_transformers_under_the_same_indexer_selection() {
                 Action::Replace(act),
                 Scope::all(),
             );
-        let suffix = phaselens::model::kv_state::Suffix {
+        let suffix = phaselens::model::Suffix {
             rows: vec![0],
             from: vec![from],
             len,
