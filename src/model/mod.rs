@@ -198,6 +198,25 @@ pub struct StreamRead {
     pub cache: ActivationCache,
 }
 
+/// The per-layer outputs a [`StreamModel`] method was given: one attention and one MLP
+/// (`mlp`: "MLP" or "MoE") output per layer (`unit`: "blocks" or "layers"), else an
+/// input error naming both counts.
+pub(crate) fn check_stream_outputs(
+    n_layers: usize,
+    (mlp, unit): (&str, &str),
+    attn_out: &[Tensor<3>],
+    mlp_out: &[Tensor<3>],
+) -> Result<()> {
+    if attn_out.len() != n_layers || mlp_out.len() != n_layers {
+        return Err(Error::Input(format!(
+            "{} attention and {} {mlp} outputs for {n_layers} {unit}",
+            attn_out.len(),
+            mlp_out.len()
+        )));
+    }
+    Ok(())
+}
+
 /// The residual stream as edge attribution sees it: what reads it at each point, and
 /// how it is made from the block outputs. With these, the direct-path derivative of
 /// every edge comes from local vector-Jacobian products (one per stream point, the

@@ -573,13 +573,7 @@ impl StreamModel for DeepseekV4Model {
         mlp_out: &[Tensor<3>],
     ) -> Result<Vec<Act>> {
         let nl = self.model.layers.len();
-        if attn_out.len() != nl || mlp_out.len() != nl {
-            return Err(Error::Input(format!(
-                "{} attention and {} MoE outputs for {nl} layers",
-                attn_out.len(),
-                mlp_out.len()
-            )));
-        }
+        crate::model::check_stream_outputs(nl, ("MoE", "layers"), attn_out, mlp_out)?;
         let home = self.model.embed_tokens.weight.device();
         let spec = HookSpec::new();
         let mut hooks = spec.run();
@@ -610,13 +604,7 @@ impl StreamModel for DeepseekV4Model {
         mlp_out: &[Tensor<3>],
     ) -> Result<Box<dyn StreamLinear + '_>> {
         let nl = self.model.layers.len();
-        if attn_out.len() != nl || mlp_out.len() != nl {
-            return Err(Error::Input(format!(
-                "{} attention and {} MoE outputs for {nl} layers",
-                attn_out.len(),
-                mlp_out.len()
-            )));
-        }
+        crate::model::check_stream_outputs(nl, ("MoE", "layers"), attn_out, mlp_out)?;
         let home = self.model.embed_tokens.weight.device();
         let [b, t, h] = embed.dims();
         let n = self.config.hc_mult;

@@ -384,13 +384,7 @@ impl StreamModel for KvcModel {
         mlp_out: &[Tensor<3>],
     ) -> Result<Vec<Act>> {
         let nl = self.blocks.len();
-        if attn_out.len() != nl || mlp_out.len() != nl {
-            return Err(Error::Input(format!(
-                "{} attention and {} MLP outputs for {nl} blocks",
-                attn_out.len(),
-                mlp_out.len()
-            )));
-        }
+        crate::model::check_stream_outputs(nl, ("MLP", "blocks"), attn_out, mlp_out)?;
         let mut x = embed;
         let mut out = Vec::with_capacity(2 * nl + 1);
         for (a, m) in attn_out.iter().zip(mlp_out) {
@@ -410,13 +404,7 @@ impl StreamModel for KvcModel {
         mlp_out: &[Tensor<3>],
     ) -> Result<Box<dyn StreamLinear + '_>> {
         let nl = self.blocks.len();
-        if attn_out.len() != nl || mlp_out.len() != nl {
-            return Err(Error::Input(format!(
-                "{} attention and {} MLP outputs for {nl} blocks",
-                attn_out.len(),
-                mlp_out.len()
-            )));
-        }
+        crate::model::check_stream_outputs(nl, ("MLP", "blocks"), attn_out, mlp_out)?;
         Ok(Box::new(AdditiveLinear { steps: 2 * nl }))
     }
 }
