@@ -212,10 +212,7 @@ pub fn path_cells(
     seed: u64,
 ) -> (Vec<Sender>, Vec<PathCell>, Vec<(usize, ReceiverNode)>) {
     let mut cand = path_candidates(graph);
-    if cand.len() > max {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xed6e);
-        cand.shuffle(&mut rng);
-        cand.truncate(max);
+    if seeded_sample(&mut cand, max, seed ^ 0xed6e) {
         cand.sort();
     }
     cells_of(graph, d, cand)
@@ -234,13 +231,21 @@ pub fn path_cells_of_senders(
     let mut ids: Vec<usize> = cand.iter().map(|c| c.0).collect();
     ids.sort();
     ids.dedup();
-    if ids.len() > max {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5e4d);
-        ids.shuffle(&mut rng);
-        ids.truncate(max);
+    if seeded_sample(&mut ids, max, seed ^ 0x5e4d) {
         cand.retain(|c| ids.contains(&c.0));
     }
     cells_of(graph, d, cand)
+}
+
+/// Keep a seeded random `max` of `items` when there are more (shuffled order); true
+/// when it sampled.
+fn seeded_sample<T>(items: &mut Vec<T>, max: usize, seed: u64) -> bool {
+    if items.len() <= max {
+        return false;
+    }
+    items.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+    items.truncate(max);
+    true
 }
 
 /// Every head -> later q / k / v edge, as (sender index, receiver), in graph order.
