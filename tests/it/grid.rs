@@ -464,7 +464,14 @@ fn the_shipped_grid_files_load() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let g = Grid::load(&repo.join("experiments/grids/paper.toml")).unwrap();
     let names: Vec<&str> = g.designs.iter().map(|d| d.name.as_str()).collect();
-    assert_eq!(names.len(), 11, "{names:?}");
+    assert_eq!(names.len(), 25, "{names:?}");
+    // Every design but the four-seed W8/S8 reference runs three seeds (0, 1, 2).
+    assert!(
+        names[4..]
+            .chunks(3)
+            .all(|c| c[1] == format!("{}-seed1", c[0]) && c[2] == format!("{}-seed2", c[0])),
+        "{names:?}"
+    );
     assert_eq!(
         &names[..4],
         ["w8s8-seed0", "w8s8-seed1", "w8s8-seed2", "w8s8-seed3"],

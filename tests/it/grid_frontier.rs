@@ -266,8 +266,12 @@ fn designs_group_over_seed_with_their_names_without_the_seed() {
     assert_eq!(groups[0].label, "w8s8");
     assert_eq!(groups[0].members.len(), 4);
     assert_eq!(groups.len(), 8);
-    assert!(groups[1..].iter().all(|g| g.members.len() == 1));
+    assert!(groups[1..].iter().all(|g| g.members.len() == 3));
     assert_eq!(groups[1].label, "w8s8-kv2");
+    assert_eq!(
+        groups[1].members,
+        ["w8s8-kv2", "w8s8-kv2-seed1", "w8s8-kv2-seed2"]
+    );
 }
 
 #[test]
