@@ -21,7 +21,7 @@ use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use super::kv_state::Queries;
 use super::layers::int_tensor;
 use super::topk::selected_indices;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 
 /// Raw per-token keys and values over every position of the prompts.
@@ -40,13 +40,18 @@ pub struct Entries {
     pub k: Tensor<4>,
     /// `[b, n, kv_heads, d_head]`.
     pub v: Tensor<4>,
-    /// Entry `i` becomes visible to the query at position `i * stride + close`.
+    /// Entry `i` becomes visible to the query at position `i * stride + close`
+    /// (`+ offsets[h]` for KV head `h`).
     pub stride: usize,
     pub close: usize,
+    /// Staggered windows: per KV head, where its windows start (the smallest 0); empty:
+    /// every head at 0. Only without a selector.
+    pub offsets: Vec<usize>,
 }
 
 impl Entries {
-    /// Entries visible to a query at position `q`.
+    /// Entries visible to a query at position `q` (for the head whose windows start at
+    /// 0, which sees the most).
     fn visible_at(&self, q: usize) -> usize {
         let n = self.k.dims()[1];
         if q < self.close {
@@ -244,8 +249,8 @@ struct Geometry<'q> {
 /// turn probabilities into output.
 struct Part {
     scores: Tensor<4>,
-    /// Visibility as an additive constant `[1 or b, 1, bq, n]`: 0 where visible,
-    /// [`HIDDEN`] where not (the same for every head).
+    /// Visibility as an additive constant `[1 or b, 1 or nh, bq, n]`: 0 where visible,
+    /// [`HIDDEN`] where not (the same for every head unless windows are staggered).
     bias: Tensor<4>,
     values: PartValues,
 }
@@ -500,12 +505,24 @@ impl Geometry<'_> {
         }
         let bq = i1 - i0;
         let rows = self.mask_rows();
+        let k = e.k.clone().slice_dim(1, 0..n);
+        let v = e.v.clone().slice_dim(1, 0..n);
+        if !e.offsets.is_empty() {
+            if selector.is_some() {
+                return Err(Error::Other(
+                    "staggered compression windows with an entry selector are not supported".into(),
+                ));
+            }
+            return Ok(Some(Part {
+                scores: self.shared_scores(q, k),
+                bias: self.staggered_bias(e, block, n),
+                values: PartValues::Shared(v),
+            }));
+        }
         let closed: Vec<bool> = (0..rows)
             .flat_map(|r| (i0..i1).map(move |i| (r, i)))
             .flat_map(|(r, i)| (0..n).map(move |c| c * e.stride + e.close <= self.qpos(r, i)))
             .collect();
-        let k = e.k.clone().slice_dim(1, 0..n);
-        let v = e.v.clone().slice_dim(1, 0..n);
         let Some(sel) = selector else {
             return Ok(Some(Part {
                 scores: self.shared_scores(q, k),
@@ -544,6 +561,31 @@ impl Geometry<'_> {
             bias: bias_from_mask(valid),
             values: PartValues::PerQuery(vg),
         }))
+    }
+
+    /// `[rows, nh, bq, n]` additive mask of staggered entries: query head `h` reads KV
+    /// head `h / group`, whose entry `c` closes at `c * stride + close + offsets[h /
+    /// group]`.
+    fn staggered_bias(&self, e: &Entries, block: QueryBlock, n: usize) -> Tensor<4> {
+        let QueryBlock { i0, i1, .. } = block;
+        let (rows, bq, g) = (self.mask_rows(), i1 - i0, self.group());
+        let mut v = Vec::with_capacity(rows * self.nh * bq * n);
+        for r in 0..rows {
+            for h in 0..self.nh {
+                let shift = e.close + e.offsets[h / g];
+                for i in i0..i1 {
+                    let q = self.qpos(r, i);
+                    v.extend((0..n).map(|c| {
+                        if c * e.stride + shift <= q {
+                            0.0
+                        } else {
+                            HIDDEN
+                        }
+                    }));
+                }
+            }
+        }
+        Tensor::from_data(TensorData::new(v, [rows, self.nh, bq, n]), &self.device)
     }
 
     /// One block of queries `i0..i1` (`q: [b, bq, nh, dh]`) -> `[b, bq, nh, dh]`.
@@ -702,16 +744,17 @@ fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
     // A sink is visible to every query: then no row can be empty.
     let has_sink = parts.iter().any(|p| matches!(p.values, PartValues::Sink));
     let rows = parts.iter().map(|p| p.bias.dims()[0]).max().unwrap_or(1);
+    let heads = parts.iter().map(|p| p.bias.dims()[1]).max().unwrap_or(1);
     let mut scores = Vec::with_capacity(parts.len());
     let mut biases = Vec::with_capacity(parts.len());
     let mut values = Vec::with_capacity(parts.len());
     for p in parts {
-        let [r, _, bq, n] = p.bias.dims();
+        let [r, h, bq, n] = p.bias.dims();
         scores.push(p.scores);
-        biases.push(if r == rows {
+        biases.push(if r == rows && h == heads {
             p.bias
         } else {
-            p.bias.expand([rows, 1, bq, n])
+            p.bias.expand([rows, heads, bq, n])
         });
         values.push(p.values);
     }
@@ -736,7 +779,7 @@ fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
 }
 
 /// Softmax over the last axis of `scores: [b, nh, bq, K]` plus the additive mask `bias:
-/// [1 or b, 1, bq, K]` (0 visible, [`HIDDEN`] not). With `check_empty`, rows with nothing
+/// [1 or b, 1 or nh, bq, K]` (0 visible, [`HIDDEN`] not). With `check_empty`, rows with nothing
 /// visible give all zeros instead of a uniform row (without it the caller knows every
 /// row sees a slot). The same numbers as a mask fill with [`HIDDEN`].
 fn biased_softmax(scores: Tensor<4>, bias: Tensor<4>, check_empty: bool) -> Tensor<4> {

@@ -252,7 +252,8 @@ fn designs_group_over_seed_with_their_names_without_the_seed() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let g = Grid::load(&repo.join("experiments/grids/mitigations.toml")).unwrap();
     let groups = design_groups(&g);
-    assert_eq!(groups.len(), 14);
+    assert_eq!(groups.len(), 16);
+    assert!(groups.iter().any(|g| g.label == "stagger-kv4"));
     assert_eq!(groups[0].label, "baseline");
     assert_eq!(
         groups[0].members,

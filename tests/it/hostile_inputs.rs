@@ -182,6 +182,21 @@ fn kvc_configs_reject_impossible_values() {
             Box::new(|v| v["compression"]["stride"] = 0.into()),
             "stride",
         ),
+        (
+            "window offsets: one for 2 KV heads".into(),
+            Box::new(|v| v["compression"]["window_offsets"] = serde_json::json!([0])),
+            "window_offsets",
+        ),
+        (
+            "window offset = stride".into(),
+            Box::new(|v| v["compression"]["window_offsets"] = serde_json::json!([0, 4])),
+            "window_offsets",
+        ),
+        (
+            "window offsets without 0".into(),
+            Box::new(|v| v["compression"]["window_offsets"] = serde_json::json!([1, 2])),
+            "window_offsets",
+        ),
         ("negative size".into(), set("d_ff", (-4).into()), "d_ff"),
         ("string size".into(), set("d_ff", "many".into()), "d_ff"),
         ("unknown key".into(), set("d_fff", 3.into()), "d_fff"),

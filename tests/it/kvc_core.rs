@@ -47,6 +47,7 @@ fn config(
             local_tail: tail,
             gate,
             gate_bias: true,
+            window_offsets: Vec::new(),
         }),
         init_std: 0.3,
     }
@@ -115,7 +116,23 @@ fn geometries() -> Vec<KvcConfig> {
         config(AttentionKind::Full, 0, 0, 0, GateMode::Scalar),
         shifted(config(AttentionKind::Full, 0, 0, 0, GateMode::Scalar)),
         shifted(config(AttentionKind::Compressed, 6, 3, 2, GateMode::Scalar)),
+        staggered(
+            config(AttentionKind::Compressed, 8, 4, 0, GateMode::Scalar),
+            &[0, 2],
+        ),
+        staggered(
+            config(AttentionKind::Compressed, 6, 3, 2, GateMode::Vector),
+            &[1, 0],
+        ),
     ]
+}
+
+/// KV head `h`'s windows start at `offsets[h]` (`compression.window_offsets`).
+fn staggered(mut c: KvcConfig, offsets: &[usize]) -> KvcConfig {
+    if let Some(cc) = c.compression.as_mut() {
+        cc.window_offsets = offsets.to_vec();
+    }
+    c
 }
 
 fn shifted(mut c: KvcConfig) -> KvcConfig {
@@ -208,8 +225,19 @@ fn causal_on_every_path() {
 
 #[test]
 fn entries_become_visible_exactly_when_their_window_closes() {
-    for (w, s) in [(4, 4), (8, 4), (6, 3)] {
-        let c = config(AttentionKind::Compressed, w, s, 0, GateMode::Scalar);
+    // (W, S, window start of each of the 2 KV heads; query heads 0-1 read KV head 0)
+    for (w, s, off) in [
+        (4, 4, [0, 0]),
+        (8, 4, [0, 0]),
+        (6, 3, [0, 0]),
+        (4, 4, [0, 3]),
+        (8, 4, [2, 0]),
+        (6, 3, [0, 1]),
+    ] {
+        let c = staggered(
+            config(AttentionKind::Compressed, w, s, 0, GateMode::Scalar),
+            &off,
+        );
         let m = build(&c, 2);
         let t = 23;
         let spec = HookSpec::new()
@@ -225,11 +253,11 @@ fn entries_become_visible_exactly_when_their_window_closes() {
             for q in 0..t {
                 for e in 0..n_entries {
                     let mass = v[(h * t + q) * (n_entries + 1) + e];
-                    let visible = e * s + w - 1 <= q;
+                    let visible = off[h / 2] + e * s + w - 1 <= q;
                     assert_eq!(
                         mass > 0.0,
                         visible,
-                        "w{w} s{s} head {h} query {q} entry {e}: {mass}"
+                        "w{w} s{s} offsets {off:?} head {h} query {q} entry {e}: {mass}"
                     );
                 }
                 let row: f32 = (0..=n_entries)
@@ -251,10 +279,23 @@ fn pooled_entries_equal_a_naive_loop() {
         config(AttentionKind::Compressed, 8, 4, 1, GateMode::Vector),
         config(AttentionKind::Compressed, 5, 5, 3, GateMode::Uniform),
         config(AttentionKind::Compressed, 6, 2, 0, GateMode::Uniform),
+        staggered(
+            config(AttentionKind::Compressed, 4, 4, 0, GateMode::Scalar),
+            &[0, 3],
+        ),
+        staggered(
+            config(AttentionKind::Compressed, 8, 4, 1, GateMode::Vector),
+            &[2, 0],
+        ),
+        staggered(
+            config(AttentionKind::Compressed, 5, 5, 0, GateMode::Uniform),
+            &[0, 4],
+        ),
     ] {
         let m = build(&c, 3);
         let cc = c.compression.clone().unwrap();
         let (w, s) = (cc.window, cc.stride);
+        let start = |hh: usize| cc.window_offsets.get(hh).copied().unwrap_or(0);
         let (t, kvh, dh, d) = (19, 2, 8, 32);
         let spec = HookSpec::new()
             .capture("blocks.1.hook_resid_pre")
@@ -317,7 +358,15 @@ fn pooled_entries_equal_a_naive_loop() {
                 };
                 for e in 0..n {
                     for hh in 0..kvh {
+                        // KV head hh's window e: tokens start(hh) + e s .. + w.
+                        let first = start(hh) + e * s;
                         for ch in 0..dh {
+                            let got = pooled[((b * n + e) * kvh + hh) * dh + ch];
+                            if first + w > t {
+                                // Not closed in this prompt: a zero slot.
+                                assert_eq!(got, 0.0, "{cc:?} value={value} b{b} e{e} h{hh}");
+                                continue;
+                            }
                             let gi = if g == 1 { 0 } else { ch };
                             // gate logits over the window's offsets
                             let logits: Vec<f32> = (0..w)
@@ -327,7 +376,7 @@ fn pooled_entries_equal_a_naive_loop() {
                                         let wt = host(lin.weight.dense().unwrap());
                                         let row = hh * g + gi;
                                         let mut acc: f32 = (0..d)
-                                            .map(|j| hnorm[e * s + o][j] * wt[row * d + j])
+                                            .map(|j| hnorm[first + o][j] * wt[row * d + j])
                                             .sum();
                                         if let Some(bp) = bias {
                                             acc += host(bp)[o * kvh + hh];
@@ -341,10 +390,9 @@ fn pooled_entries_equal_a_naive_loop() {
                             let z: f32 = ex.iter().sum();
                             let want: f32 = (0..w)
                                 .map(|o| {
-                                    ex[o] / z * raw[((b * t + e * s + o) * kvh + hh) * dh + ch]
+                                    ex[o] / z * raw[((b * t + first + o) * kvh + hh) * dh + ch]
                                 })
                                 .sum();
-                            let got = pooled[((b * n + e) * kvh + hh) * dh + ch];
                             assert!(
                                 (want - got).abs() < 1e-4 * (1.0 + want.abs()),
                                 "{:?} value={value} b{b} e{e} h{hh} c{ch}: {want} vs {got}",

@@ -272,6 +272,7 @@ impl Attention {
             v: c.values,
             stride: rate,
             close: rate - 1,
+            offsets: Vec::new(),
         }))
     }
 

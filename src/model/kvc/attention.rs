@@ -89,12 +89,18 @@ impl Tables {
             _ => at(&queries.positions()),
         };
         let windows = match (&c.compression, c.attention) {
-            (Some(cc), AttentionKind::Compressed) => Some(Windows::new(cc, total)),
+            (Some(cc), AttentionKind::Compressed) => Some(Windows::new(cc, total, c.n_kv_heads)),
             _ => None,
         };
         let entries = match (&c.compression, &windows) {
+            // Each entry rotated at its window's start: per (entry, KV head) when the
+            // heads' windows are staggered.
             (Some(cc), Some(w)) if w.n_entries > 0 => {
-                at(&(0..w.n_entries).map(|i| i * cc.stride).collect::<Vec<_>>())
+                let kvh = if cc.staggered() { c.n_kv_heads } else { 1 };
+                let pos: Vec<usize> = (0..w.n_entries)
+                    .flat_map(|i| (0..kvh).map(move |h| i * cc.stride + cc.offset(h)))
+                    .collect();
+                at(&pos)
             }
             _ => None,
         };
@@ -323,11 +329,23 @@ impl Attention {
         let ck = hooks.apply(HookPoint::block(layer, Site::CompressedK), ck)?;
         let cv = comp.pool(layer, true, value_gate, v.clone(), windows, hooks)?;
         let cv = hooks.apply(HookPoint::block(layer, Site::CompressedV), cv)?;
+        let k = if cc.staggered() {
+            // One table row per (entry, KV head).
+            let [b, n, kvh, dh] = ck.dims();
+            rope(ck.reshape([b, n * kvh, 1, dh]), &tables.entries).reshape([b, n, kvh, dh])
+        } else {
+            rope(ck, &tables.entries)
+        };
         Ok(Some(Entries {
-            k: rope(ck, &tables.entries),
+            k,
             v: cv,
             stride: cc.stride,
             close: cc.window - 1,
+            offsets: if cc.staggered() {
+                cc.window_offsets.clone()
+            } else {
+                Vec::new()
+            },
         }))
     }
 

@@ -4,14 +4,15 @@
 //! `uniform`: the mean).
 
 use burn::module::{Module, Param};
-use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
+use burn::tensor::{Tensor, TensorData};
 
 use super::config::{CompressionConfig, GateMode};
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::select_positions;
 use crate::model::layers::Linear;
+use crate::model::layers::int_tensor;
 use crate::model::weights::{Init, Vb};
 
 /// The compressor of one attention layer.
@@ -28,22 +29,75 @@ pub struct Compressor {
 }
 
 /// The windows of one prompt length: how many entries, and the token index of every
-/// (entry, offset).
+/// (entry, offset), per KV head when the heads' windows are staggered.
 pub struct Windows {
     pub n_entries: usize,
-    /// `n_entries * W` token positions, entry-major.
+    /// `n_entries * W` token positions, entry-major (every head's windows start at 0).
     idx: Vec<usize>,
+    /// Staggered window boundaries ([`CompressionConfig::window_offsets`]).
+    staggered: Option<Staggered>,
+}
+
+/// The windows of KV heads whose boundaries differ.
+struct Staggered {
+    kvh: usize,
+    /// Per (entry, offset, KV head), entry-major: the token position (clamped into the
+    /// prompt for windows that have not closed).
+    pos: Vec<usize>,
+    /// Per (entry, KV head): 1 where the head's window lies inside the prompt, else 0.
+    closed: Vec<f32>,
 }
 
 impl Windows {
-    /// Windows of `cc` over prompts of `total` tokens.
-    pub fn new(cc: &CompressionConfig, total: usize) -> Self {
+    /// Windows of `cc` over prompts of `total` tokens for `kvh` KV heads.
+    pub fn new(cc: &CompressionConfig, total: usize, kvh: usize) -> Self {
         let (w, s) = (cc.window, cc.stride);
         let n_entries = if total >= w { (total - w) / s + 1 } else { 0 };
         let idx: Vec<usize> = (0..n_entries)
             .flat_map(|i| (0..w).map(move |o| i * s + o))
             .collect();
-        Windows { n_entries, idx }
+        let staggered = cc.staggered().then(|| {
+            let mut pos = Vec::with_capacity(n_entries * w * kvh);
+            for i in 0..n_entries {
+                for o in 0..w {
+                    pos.extend((0..kvh).map(|h| (cc.offset(h) + i * s + o).min(total - 1)));
+                }
+            }
+            let closed = (0..n_entries)
+                .flat_map(|i| {
+                    (0..kvh).map(move |h| (cc.offset(h) + i * s + w <= total) as u8 as f32)
+                })
+                .collect();
+            Staggered { kvh, pos, closed }
+        });
+        Windows {
+            n_entries,
+            idx,
+            staggered,
+        }
+    }
+
+    /// Per-token `x: [b, total, kvh, c]` -> every window's tokens `[b, n, W, kvh, c]`
+    /// (each KV head's own windows when staggered).
+    fn gather(&self, x: Tensor<4>) -> Tensor<5> {
+        let [b, total, kvh, c] = x.dims();
+        let n = self.n_entries;
+        let w = self.idx.len() / n;
+        let Some(st) = &self.staggered else {
+            return select_positions(x, &self.idx).reshape([b, n, w, kvh, c]);
+        };
+        let rows: Vec<usize> = (0..b)
+            .flat_map(|r| {
+                st.pos
+                    .iter()
+                    .enumerate()
+                    .map(move |(j, &p)| (r * total + p) * kvh + j % kvh)
+            })
+            .collect();
+        let device = x.device();
+        x.reshape([b * total * kvh, c])
+            .select(0, int_tensor(&rows, &device))
+            .reshape([b, n, w, kvh, c])
     }
 }
 
@@ -111,9 +165,9 @@ impl Compressor {
         let [b, _, kvh, dh] = x.dims();
         let n = windows.n_entries;
         assert!(n > 0, "pool is called only when entries exist");
-        let idx = &windows.idx;
-        let w = idx.len() / n;
-        let xw = select_positions(x, idx).reshape([b, n, w, kvh, dh]);
+        let w = windows.idx.len() / n;
+        let device = x.device();
+        let xw = windows.gather(x);
         let (bias, site, logit_site) = if value {
             (
                 &self.value_gate_bias,
@@ -124,10 +178,9 @@ impl Compressor {
             (&self.key_gate_bias, Site::KeyGate, Site::KeyGateLogits)
         };
         let weights: Tensor<5> = match logits {
-            None => Tensor::full([b, n, w, kvh, 1], 1.0 / w as f32, &xw.device()),
+            None => Tensor::full([b, n, w, kvh, 1], 1.0 / w as f32, &device),
             Some(s) => {
-                let g = s.dims()[3];
-                let mut s = select_positions(s, idx).reshape([b, n, w, kvh, g]);
+                let mut s = windows.gather(s);
                 if let Some(bias) = bias {
                     s = s + bias.val().reshape([1, 1, w, kvh, 1]);
                 }
@@ -136,7 +189,15 @@ impl Compressor {
             }
         };
         let weights = hook_gates(hooks, HookPoint::block(layer, site), weights)?;
-        Ok((weights * xw).sum_dim(2).reshape([b, n, kvh, dh]))
+        let pooled = (weights * xw).sum_dim(2).reshape([b, n, kvh, dh]);
+        Ok(match &windows.staggered {
+            // A head's slot whose window has not closed holds a zero entry.
+            Some(st) => {
+                let closed = TensorData::new(st.closed.clone(), [1, n, st.kvh, 1]);
+                pooled * Tensor::from_data(closed, &device)
+            }
+            None => pooled,
+        })
     }
 }
 

@@ -61,6 +61,26 @@ pub struct CompressionConfig {
     /// Learned per-offset gate bias (separate for key and value gates).
     #[serde(default = "yes")]
     pub gate_bias: bool,
+    /// Staggered window boundaries: per KV head, where its windows start (each in
+    /// `0..stride`, the smallest 0). KV head `h` pools the windows that start at
+    /// `o_h + i S`, so a token sits at a different window offset for each head and some
+    /// head sees every phase mid-window. A head whose last window has not closed holds
+    /// a zero entry in that slot, which no query sees. Empty (the default, not
+    /// written): every head starts at 0.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub window_offsets: Vec<usize>,
+}
+
+impl CompressionConfig {
+    /// Window start of KV head `h` (0 unless [`CompressionConfig::window_offsets`]).
+    pub fn offset(&self, h: usize) -> usize {
+        self.window_offsets.get(h).copied().unwrap_or(0)
+    }
+
+    /// Whether KV heads start their windows at different offsets.
+    pub fn staggered(&self) -> bool {
+        self.window_offsets.iter().any(|&o| o > 0)
+    }
 }
 
 fn default_gate() -> GateMode {
@@ -277,8 +297,46 @@ impl KvcConfig {
                         format!("must be >= stride ({}), got {}", c.stride, c.window),
                     ));
                 }
+                self.validate_window_offsets(c)?;
             }
             _ => {}
+        }
+        Ok(())
+    }
+
+    /// `compression.window_offsets`: empty, or one offset per KV head in `0..stride`
+    /// with the smallest 0 (so the first window starts at the first token, and the
+    /// number of entry slots is the unstaggered one).
+    fn validate_window_offsets(&self, c: &CompressionConfig) -> Result<()> {
+        let o = &c.window_offsets;
+        if o.is_empty() {
+            return Ok(());
+        }
+        let field = "compression.window_offsets";
+        if o.len() != self.n_kv_heads {
+            return Err(Error::field(
+                field,
+                format!(
+                    "needs one offset per KV head (n_kv_heads = {}), got {}",
+                    self.n_kv_heads,
+                    o.len()
+                ),
+            ));
+        }
+        if let Some(&bad) = o.iter().find(|&&x| x >= c.stride) {
+            return Err(Error::field(
+                field,
+                format!(
+                    "each offset must be in 0..{} (the stride), got {bad}",
+                    c.stride
+                ),
+            ));
+        }
+        if !o.contains(&0) {
+            return Err(Error::field(
+                field,
+                format!("the smallest offset must be 0, got {o:?}"),
+            ));
         }
         Ok(())
     }
@@ -314,6 +372,7 @@ impl KvcConfig {
                 local_tail: 0,
                 gate: GateMode::Scalar,
                 gate_bias: true,
+                window_offsets: Vec::new(),
             }),
             init_std: 0.3,
         }
@@ -333,6 +392,7 @@ impl KvcConfig {
             local_tail,
             gate,
             gate_bias,
+            window_offsets: Vec::new(),
         });
         self
     }
