@@ -101,6 +101,30 @@ impl Act {
         }
     }
 
+    /// `acts` stacked along the batch (first) axis; their other axes must agree.
+    pub fn cat_batch(acts: &[Act]) -> Result<Act> {
+        let first = acts
+            .first()
+            .ok_or_else(|| Error::Other("no activations to concatenate".into()))?;
+        let rest = first
+            .shape
+            .get(1..)
+            .ok_or_else(|| Error::Other("scalar activation has no batch axis".into()))?;
+        let mut shape = first.shape.clone();
+        if let Some(a) = acts.iter().find(|a| a.shape.get(1..) != Some(rest)) {
+            return Err(Error::Other(format!(
+                "activations of shapes {:?} and {:?} cannot be stacked along the batch",
+                first.shape, a.shape
+            )));
+        }
+        shape[0] = acts.iter().map(|a| a.shape[0]).sum();
+        // Row-major: the flat values of a batch are its rows one after the other.
+        Ok(Act {
+            flat: Tensor::cat(acts.iter().map(|a| a.flat.clone()).collect(), 0),
+            shape,
+        })
+    }
+
     /// Rows `rows` of the batch (first) axis, in that order.
     pub fn select_batch(&self, rows: &[usize]) -> Result<Act> {
         let b = *self

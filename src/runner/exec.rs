@@ -128,11 +128,12 @@ impl<'a> Executor<'a> {
                     cache: Default::default(),
                     outcomes: patching::evaluate(self.model, &g.prompts, self.max_rows)?,
                     state: None,
+                    stages: Default::default(),
                 }
             } else {
-                base_run_for(self.model, &g.prompts, &cells_needed)?
+                base_run_for(self.model, &g.prompts, &cells_needed, self.max_rows)?
             };
-            self.stats.forwards += 1;
+            self.stats.forwards += 1 + b.stages.forwards;
             if base.is_none() {
                 self.store
                     .save(&base_key, std::slice::from_ref(&b.outcomes))?;
@@ -181,6 +182,31 @@ impl<'a> Executor<'a> {
             cells,
         })
     }
+}
+
+/// Every cell of `cells` on `prompts` without a store (no resume): the base run (with
+/// the cells' stages) and one forward per chunk of at most `max_rows` rows, as the
+/// executor runs them. Returns the base outcomes and, per cell, one per prompt.
+pub fn run_cells(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    cells: &[Cell],
+    max_rows: usize,
+    progress: &mut Progress,
+) -> Result<GroupResult> {
+    let base = base_run_for(model, prompts, cells, max_rows)?;
+    let mut out: Vec<Vec<Outcome>> = vec![Vec::new(); cells.len()];
+    for chunk in plan_chunks(cells, max_rows)? {
+        let res = run_chunk(model, prompts, &base, cells, &chunk)?;
+        for (&c, o) in chunk.iter().zip(res) {
+            out[c] = o;
+        }
+        progress.inc(chunk.len() as u64);
+    }
+    Ok(GroupResult {
+        base: base.outcomes.clone(),
+        cells: out,
+    })
 }
 
 /// The shard key of chunk `i` of group `group`.

@@ -334,7 +334,7 @@ fn local_pass_matches_replicas_on_kvc() {
 
 /// A tiny DeepSeek-V4: CSA (overlapping windows, indexer top-2 of 4 entries), HCA,
 /// sliding; two mHC streams; a hash-routed and two learned MoE layers.
-fn tiny_v4(seed: u64) -> phaselens::model::deepseek_v4::DeepseekV4Model {
+pub(crate) fn tiny_v4(seed: u64) -> phaselens::model::deepseek_v4::DeepseekV4Model {
     use phaselens::model::deepseek_v4::{DeepseekV4Config, DeepseekV4Model};
     use phaselens::model::weights::{RandomInit, Vb};
     let json = r#"{"model_type": "deepseek_v4", "vocab_size": 128, "hidden_size": 32,

@@ -3,160 +3,144 @@
 
 use std::sync::Arc;
 
-use crate::common::dev;
+use crate::common::max_rel;
 use crate::common::runner::*;
-use phaselens::hooks::{Action, HookPoint, HookSpec, Scope, Site};
 use phaselens::model::LanguageModel;
 use phaselens::output::{LONG_COLUMNS, LongRow, Table, read_long_rows, validate_columns};
 use phaselens::runner::kinds::patch_heads::Direction;
 use phaselens::runner::kinds::path_patching::{
-    PathCell, PathInput, Receiver, Sender, path_group, path_metric,
+    PathCell, PathInput, Receiver, Sender, path_group, path_metric, path_routine_cells,
 };
-use phaselens::runner::patching::{Positions, Prompts, Target, readout};
+use phaselens::runner::patching::{
+    ChunkPath, Positions, Prompts, base_run, captures_for, plan_chunks, plan_suffix,
+    run_cell_naive, run_chunk_with, run_stages,
+};
 use phaselens::runner::progress::Progress;
 use phaselens::runner::report::draw_all;
 use phaselens::runner::{ProgressMode, run_experiment};
+use phaselens::tasks::TokenSpace;
 
-/// Path patching of one cell with full forwards and the hooks' own actions:
-/// sender forward (sender from the partner, every other z / MLP output frozen),
-/// receiver forward (only the receiver's input slice replaced).
-fn reference(
-    model: &dyn LanguageModel,
-    prompts: &Prompts,
-    s: Sender,
-    r: Receiver,
-    d: Direction,
-) -> Vec<f32> {
-    let nl = model.info().n_layers();
-    let all: Vec<usize> = (0..4).collect();
-    let mut cap = HookSpec::new();
-    for l in 0..nl {
-        for site in [
-            Site::AttnZ,
-            Site::MlpOut,
-            Site::AttnQ,
-            Site::AttnK,
-            Site::AttnV,
-        ] {
-            cap = cap.capture_point(HookPoint::block(l, site));
-        }
-    }
-    let base = Arc::new(
-        model
-            .forward(prompts.tokens_of(&all, &dev()), &cap)
-            .unwrap()
-            .cache,
-    );
-    let rows: Vec<usize> = match d {
-        Direction::Denoise => vec![2, 3],
-        Direction::Noise => vec![0, 1],
-    };
-    let partners: Vec<usize> = rows.iter().map(|&p| (p + 2) % 4).collect();
-    let own = |spec: HookSpec, p: HookPoint| {
-        spec.intervene_point(
-            p,
-            Action::Resample {
-                source: base.clone(),
-                perm: rows.clone(),
-            },
-            Scope::all(),
-        )
-    };
-    let mut spec = HookSpec::new();
-    for l in s.layer..nl {
-        spec = own(spec, HookPoint::block(l, Site::AttnZ));
-        spec = own(spec, HookPoint::block(l, Site::MlpOut));
-    }
-    spec = spec.intervene_point(
-        HookPoint::block(s.layer, Site::AttnZ),
-        Action::Resample {
-            source: base.clone(),
-            perm: partners,
-        },
-        Scope::heads([s.head]),
-    );
-    let input = match r.input {
-        PathInput::Q => Site::AttnQ,
-        PathInput::K => Site::AttnK,
-        PathInput::V => Site::AttnV,
-    };
-    let ip = HookPoint::block(r.layer, input);
-    spec = spec.capture_point(ip);
-    let toks = prompts.tokens_of(&rows, &dev());
-    let sent = Arc::new(model.forward(toks.clone(), &spec).unwrap().cache);
-    let spec = HookSpec::new().intervene_point(ip, Action::Patch(sent), Scope::heads([r.head]));
-    let logits = model.forward(toks, &spec).unwrap().logits;
-    let targets: Vec<&Target> = rows.iter().map(|&p| &prompts.targets[p]).collect();
-    readout(logits, &targets)
-        .unwrap()
-        .iter()
-        .map(|o| o.ld)
-        .collect()
-}
-
-#[test]
-fn batched_path_patching_matches_full_forwards() {
-    let cfg = tiny(3, 4, 2, 4, 4);
-    let model = random_model(&cfg, 9);
-    let prompts = pair_prompts(12, 3);
-    let senders = vec![Sender { layer: 0, head: 1 }, Sender { layer: 1, head: 3 }];
+/// Senders in layers 0 and 1; per later layer a q, a k and a v receiver; both
+/// directions.
+fn paths_of(model: &dyn LanguageModel) -> (Vec<Sender>, Vec<PathCell>) {
+    let info = model.info();
+    let senders = vec![Sender { layer: 0, head: 1 }, Sender { layer: 1, head: 0 }];
     let mut cells = Vec::new();
-    for d in [Direction::Denoise, Direction::Noise] {
+    for direction in [Direction::Denoise, Direction::Noise] {
         for (si, s) in senders.iter().enumerate() {
-            for lr in s.layer + 1..3 {
-                for (input, head) in [(PathInput::Q, 2), (PathInput::K, 1), (PathInput::V, 0)] {
+            for layer in s.layer + 1..info.n_layers() {
+                let l = &info.layers[layer];
+                for (input, head) in [
+                    (PathInput::Q, l.n_heads - 1),
+                    (PathInput::K, 0),
+                    (PathInput::V, l.n_kv_heads - 1),
+                ] {
                     cells.push(PathCell {
                         sender: si,
-                        receiver: Receiver {
-                            layer: lr,
-                            head,
-                            input,
-                        },
-                        direction: d,
+                        receiver: Receiver { layer, head, input },
+                        direction,
                     });
                 }
             }
         }
     }
-    let mut progress = Progress::new(ProgressMode::Hidden, "test", "cells", cells.len() as u64);
-    // max_rows 4: chunks of two cells, so rows of different cells share a forward.
-    let (_, out) = path_group(
-        &model,
-        &prompts,
-        &senders,
-        &cells,
-        &Positions::All,
-        4,
-        &mut progress,
-    )
-    .unwrap();
-    let mut moved = 0;
-    for (c, o) in cells.iter().zip(&out) {
-        let want = reference(&model, &prompts, senders[c.sender], c.receiver, c.direction);
-        for (a, b) in o.iter().zip(&want) {
-            assert!(
-                (a.ld - b).abs() < 1e-4 * (1.0 + b.abs()),
-                "{c:?}: batched {} vs full forwards {b}",
-                a.ld
+    (senders, cells)
+}
+
+/// Path patching through the routine (`path_group`: batched stage and cell forwards,
+/// suffix forwards where the sender's positions allow) against the naive oracle (two
+/// plain forwards per cell with the hooks' own actions), at all, answer and final-band
+/// positions; at given positions also against the routine's every-position forwards.
+fn routine_equals_naive(model: &dyn LanguageModel, prompts: &Prompts, name: &str) {
+    let (senders, cells) = paths_of(model);
+    let n = prompts.n() / 2;
+    // 2n rows: chunks of two cells, stage forwards of two senders.
+    let max_rows = 2 * n;
+    for positions in [Positions::All, Positions::Answer, Positions::Final(3)] {
+        let what = format!("{name}, {positions:?}");
+        let routine = path_routine_cells(&senders, &cells, &positions, n);
+        let mut progress = Progress::new(ProgressMode::Hidden, "test", "cells", 0);
+        let (_, out) = path_group(
+            model,
+            prompts,
+            &senders,
+            &cells,
+            &positions,
+            max_rows,
+            &mut progress,
+        )
+        .unwrap();
+        let base = base_run(model, prompts, &captures_for(&routine).unwrap()).unwrap();
+        let got: Vec<f32> = out.iter().flatten().map(|o| o.ld).collect();
+        let mut want = Vec::new();
+        for c in &routine {
+            want.extend(
+                run_cell_naive(model, prompts, &base, c)
+                    .unwrap()
+                    .iter()
+                    .map(|o| o.ld),
             );
         }
-        // A path that moves the logit difference at all (the test is not vacuous).
-        let base_ld: Vec<f32> = reference(
-            &model,
-            &prompts,
-            Sender { layer: 2, head: 0 },
-            Receiver {
-                layer: 2,
-                head: 0,
-                input: PathInput::Q,
-            },
-            c.direction,
+        assert_eq!(got.len(), want.len(), "{what}");
+        let rel = max_rel(&got, &want);
+        assert!(rel <= 1e-5, "{what}: routine vs naive, max rel {rel}");
+        // The paths move the logit differences (the comparison is not vacuous).
+        let base_ld = routine
+            .iter()
+            .flat_map(|c| c.prompts.iter().map(|&p| base.outcomes[p].ld));
+        let moved = got
+            .iter()
+            .zip(base_ld)
+            .filter(|(a, b)| (*a - b).abs() > 1e-3)
+            .count();
+        assert!(
+            moved * 4 > got.len(),
+            "{what}: {moved} of {} moved",
+            got.len()
         );
-        if o.iter().zip(&base_ld).any(|(a, b)| (a.ld - b).abs() > 1e-3) {
-            moved += 1;
+        if positions == Positions::All {
+            continue;
         }
+        // At given positions every chunk runs as a suffix forward; every-position
+        // forwards (stages and chunks) give the same outcomes.
+        let chunks = plan_chunks(&routine, max_rows).unwrap();
+        for ch in &chunks {
+            assert!(plan_suffix(prompts, &routine, ch).is_some(), "{what}");
+        }
+        let mut full = base.clone();
+        full.stages = Arc::new(
+            run_stages(model, prompts, &base, &routine, max_rows, ChunkPath::Full).unwrap(),
+        );
+        let mut slow = Vec::new();
+        let mut fast = Vec::new();
+        for ch in &chunks {
+            let o = run_chunk_with(model, prompts, &full, &routine, ch, ChunkPath::Full).unwrap();
+            slow.extend(o.iter().flatten().map(|o| o.ld));
+            fast.extend(ch.iter().flat_map(|&c| out[c].iter().map(|o| o.ld)));
+        }
+        let rel = max_rel(&fast, &slow);
+        assert!(
+            rel <= 1e-5,
+            "{what}: suffix vs full forwards, max rel {rel}"
+        );
     }
-    assert!(moved > 0, "no path changed any logit difference");
+}
+
+#[test]
+fn path_patching_routine_equals_naive_on_kvc() {
+    let model = random_model(&tiny(3, 4, 2, 4, 4), 9);
+    let space = TokenSpace::default_synthetic();
+    let prompts = crate::runner_patch::tiny_prompts(&space, 3, 4);
+    routine_equals_naive(&model, &prompts, "kvc");
+}
+
+#[test]
+fn path_patching_routine_equals_naive_on_deepseek_v4() {
+    routine_equals_naive(
+        &crate::edges::tiny_v4(13),
+        &pair_prompts(16, 1),
+        "deepseek-v4",
+    );
 }
 
 fn rows(path: &std::path::Path) -> Vec<LongRow> {

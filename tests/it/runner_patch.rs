@@ -112,7 +112,11 @@ fn patching_every_head_of_a_one_layer_model_restores_clean() {
     }
 }
 
-fn tiny_prompts(space: &TokenSpace, r: u32, n: usize) -> phaselens::runner::patching::Prompts {
+pub(crate) fn tiny_prompts(
+    space: &TokenSpace,
+    r: u32,
+    n: usize,
+) -> phaselens::runner::patching::Prompts {
     let cfg = KvEvalConfig {
         prompt: KvPromptConfig {
             n_bindings: 8,

@@ -15,25 +15,30 @@
 //!    from the receiver's layer with only that slice replaced by its capture from step 1;
 //!    everything else is computed normally. Metric: the patch-heads NLD.
 //!
-//! Both steps are batched: one forward per sender layer (rows = senders x prompts) and one
-//! `forward_from` per chunk of cells of the same receiver layer.
+//! Both steps run in the patching routine every kind shares: a path is a cell whose
+//! [`Edit::FromStage`] replaces the receiver's slice from the sender's [`Stage`] (step
+//! 1, one stage per sender, shared by all its receivers). Step 1 runs one forward per
+//! chunk of senders of a layer (rows = senders x prompts), step 2 one per chunk of cells
+//! of a receiver layer; both as suffix forwards when the sender is patched at given
+//! positions (`answer`, `{ final = k }`); resume per chunk; the naive oracle
+//! ([`crate::runner::patching::run_cell_naive`]) runs a path as two plain forwards.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use burn::tensor::{Bool, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::effects::nld_of_sums;
 use crate::analysis::{Est, accuracy_clusters, per_phase};
-use crate::error::{Error, Result};
-use crate::hooks::{Act, Action, ActivationCache, HookPoint, HookSpec, Scope, Site};
+use crate::error::Result;
+use crate::hooks::{HookPoint, Site};
 use crate::model::LanguageModel;
 use crate::output::{HeadKind, HeatmapSpec, LongRow, heatmap};
 
-use super::super::exec::GroupResult;
+use super::super::exec::{Group, GroupResult, run_cells};
 use super::super::experiment::{Experiment, Selection};
 use super::super::heads::{Direction, nld_clusters};
-use super::super::patching::{Outcome, Positions, Prompts, Target, base_run, readout};
+use super::super::patching::{Cell, Edit, Fill, Outcome, Positions, Prompts, Stage};
 use super::super::progress::Progress;
 use super::super::report::{Figures, push, sym_range};
 use super::super::rows::baseline_rows;
@@ -184,306 +189,58 @@ fn resolve(exp: &Experiment, key: &str, sel: &Selection, n: usize) -> Result<Vec
     sel.resolve(n, key).map_err(|e| exp.err("path", key, e))
 }
 
-/// `base` rows `rows` with `[.., head, ..]` (axis 2) at `positions` per row taken from
-/// `fill` (the same rows): a host mask over `[rows, pos, head, 1]`.
-fn splice(
-    base: Tensor<4>,
-    fill: Tensor<4>,
-    heads: &[usize],
-    positions: &[Option<Vec<usize>>],
-) -> Result<Tensor<4>> {
-    let dims = base.dims();
-    let [r, t, h, _] = dims;
-    if positions.len() != r {
-        return Err(Error::Other(format!(
-            "path patching: {} position lists for {r} rows",
-            positions.len()
-        )));
+/// The stage every path of sender `s` replaces from: `s`'s `hook_z` at `positions`
+/// from the partner prompt, every `hook_z` (the sender's layer's included: its other
+/// heads) and every `hook_mlp_out` from `s`'s layer through layer `last` (the last
+/// receiver layer) frozen to the prompt's own base values. One stage for all the
+/// sender's receivers, so that they share its forwards.
+fn sender_stage(s: Sender, positions: &Positions, last: usize) -> Stage {
+    let mut freeze = Vec::new();
+    for l in s.layer..=last {
+        freeze.push(HookPoint::block(l, Site::AttnZ));
+        freeze.push(HookPoint::block(l, Site::MlpOut));
     }
-    let mut mask = vec![false; r * t * h];
-    for (row, pos) in positions.iter().enumerate() {
-        let all: Vec<usize>;
-        let pos: &[usize] = match pos {
-            Some(p) => p,
-            None => {
-                all = (0..t).collect();
-                &all
-            }
-        };
-        for &p in pos {
-            for &q in heads {
-                if p >= t || q >= h {
-                    return Err(Error::Other(format!(
-                        "path patching: position {p} / head {q} outside [{t}, {h}]"
-                    )));
-                }
-                mask[(row * t + p) * h + q] = true;
-            }
-        }
-    }
-    let mask = Tensor::<4, Bool>::from_data(TensorData::new(mask, [r, t, h, 1]), &base.device())
-        .expand(dims);
-    Ok(base.mask_where(mask, fill))
-}
-
-fn act4(cache: &ActivationCache, p: &HookPoint, rows: &[usize]) -> Result<Tensor<4>> {
-    cache
-        .get(p)
-        .ok_or_else(|| Error::hook(p.to_string(), "not captured by the base run"))?
-        .select_batch(rows)?
-        .get::<4>()
-}
-
-fn act_rows(cache: &ActivationCache, p: &HookPoint, rows: &[usize]) -> Result<Act> {
-    cache
-        .get(p)
-        .ok_or_else(|| Error::hook(p.to_string(), "not captured by the base run"))?
-        .select_batch(rows)
-}
-
-/// Base captures of a group: every hook_z and hook_mlp_out from the first sender layer on,
-/// the residual entering sender and receiver layers, the receivers' inputs.
-fn base_captures(first: usize, last: usize) -> Vec<HookPoint> {
-    let mut caps = Vec::new();
-    for l in first..=last {
-        caps.push(HookPoint::block(l, Site::AttnZ));
-        caps.push(HookPoint::block(l, Site::MlpOut));
-        caps.push(HookPoint::block(l, Site::ResidPre));
-        for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
-            caps.push(HookPoint::block(l, s));
-        }
-    }
-    caps
-}
-
-/// Captures of the receivers' inputs per (direction, sender): point -> activation.
-type SenderCaptures = BTreeMap<(&'static str, usize), BTreeMap<HookPoint, Act>>;
-
-/// One prompt batch's path patching: the cells and the base run they start from.
-struct PathRun<'a> {
-    model: &'a dyn LanguageModel,
-    prompts: &'a Prompts,
-    senders: &'a [Sender],
-    cells: &'a [PathCell],
-    positions: &'a Positions,
-    max_rows: usize,
-    cache: &'a ActivationCache,
-    /// The last receiver layer.
-    last: usize,
-}
-
-impl PathRun<'_> {
-    /// The receiving prompts of a direction: the corrupted ones for denoising, the clean
-    /// ones for noising.
-    fn receiving(&self, d: Direction) -> Vec<usize> {
-        let (n2, n) = (self.prompts.n(), self.prompts.n() / 2);
-        match d {
-            Direction::Denoise => (n..n2).collect(),
-            Direction::Noise => (0..n).collect(),
-        }
-    }
-
-    /// Step 1: per direction and sender layer, rows = senders x receiving prompts;
-    /// captures of the receivers' inputs per (direction, sender).
-    fn sender_captures(&self) -> Result<SenderCaptures> {
-        let mut dirs: Vec<Direction> = self.cells.iter().map(|c| c.direction).collect();
-        dirs.dedup();
-        dirs.sort_by_key(|d| d.metric());
-        dirs.dedup();
-        let mut captured = SenderCaptures::new();
-        for &d in &dirs {
-            let recv = self.receiving(d);
-            let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-            for (si, s) in self.senders.iter().enumerate() {
-                if self
-                    .cells
-                    .iter()
-                    .any(|c| c.sender == si && c.direction == d)
-                {
-                    by_layer.entry(s.layer).or_default().push(si);
-                }
-            }
-            for (ls, list) in by_layer {
-                let per_chunk = (self.max_rows / recv.len().max(1)).max(1);
-                for chunk in list.chunks(per_chunk) {
-                    self.sender_forward(d, ls, chunk, &recv, &mut captured)?;
-                }
-            }
-        }
-        Ok(captured)
-    }
-
-    /// One sender forward from layer `ls` for the senders `chunk` over the receiving
-    /// prompts `recv`; its captures of the later layers' q / k / v go to `captured`.
-    fn sender_forward(
-        &self,
-        d: Direction,
-        ls: usize,
-        chunk: &[usize],
-        recv: &[usize],
-        captured: &mut SenderCaptures,
-    ) -> Result<()> {
-        let rows: Vec<usize> = chunk.iter().flat_map(|_| recv.iter().copied()).collect();
-        let tokens = self.prompts.tokens_of(&rows, &self.model.device());
-        let resid = act_rows(self.cache, &HookPoint::block(ls, Site::ResidPre), &rows)?;
-        let spec = self.sender_spec(ls, chunk, recv, &rows)?;
-        let out = self.model.forward_from(tokens, ls, &resid, &spec)?;
-        let k = recv.len();
-        for (ci, &si) in chunk.iter().enumerate() {
-            let sel: Vec<usize> = (ci * k..(ci + 1) * k).collect();
-            let mut m = BTreeMap::new();
-            for l in ls + 1..=self.last {
-                for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
-                    let p = HookPoint::block(l, s);
-                    let a = out.cache.get(&p).ok_or_else(|| {
-                        Error::hook(
-                            p.to_string(),
-                            "the sender forward did not produce this activation",
-                        )
-                    })?;
-                    m.insert(p, a.select_batch(&sel)?);
-                }
-            }
-            captured.insert((d.metric(), si), m);
-        }
-        Ok(())
-    }
-
-    /// The hooks of a sender forward: at the sender's layer the base z with each row's
-    /// sender head from the partner; every other hook_z and every MLP output from that
-    /// layer on frozen; the later layers' q / k / v captured.
-    fn sender_spec(
-        &self,
-        ls: usize,
-        chunk: &[usize],
-        recv: &[usize],
-        rows: &[usize],
-    ) -> Result<HookSpec> {
-        let (cache, n2) = (self.cache, self.prompts.n());
-        let partner = |p: usize| (p + n2 / 2) % n2;
-        let mut spec = HookSpec::new();
-        // The sender's layer: base z with each row's sender head from the partner.
-        let zp = HookPoint::block(ls, Site::AttnZ);
-        let base_z = act4(cache, &zp, rows)?;
-        let partner_rows: Vec<usize> = rows.iter().map(|&p| partner(p)).collect();
-        let fill = act4(cache, &zp, &partner_rows)?;
-        let mut blocks = Vec::new();
-        let k = recv.len();
-        for (ci, &si) in chunk.iter().enumerate() {
-            let b = base_z.clone().slice_dim(0, ci * k..(ci + 1) * k);
-            let f = fill.clone().slice_dim(0, ci * k..(ci + 1) * k);
-            let pos: Vec<Option<Vec<usize>>> = recv
-                .iter()
-                .map(|&p| self.positions.resolve(&self.prompts.targets[p].positions))
-                .collect();
-            blocks.push(splice(b, f, &[self.senders[si].head], &pos)?);
-        }
-        spec = spec.intervene_point(
-            zp,
-            Action::Replace(Act::new(Tensor::cat(blocks, 0))),
-            Scope::all(),
-        );
-        // Freeze every other hook_z and every MLP output from the sender's layer on.
-        for l in ls..=self.last {
-            if l > ls {
-                let p = HookPoint::block(l, Site::AttnZ);
-                spec = spec.intervene_point(
-                    p,
-                    Action::Replace(act_rows(cache, &p, rows)?),
-                    Scope::all(),
-                );
-            }
-            let p = HookPoint::block(l, Site::MlpOut);
-            spec =
-                spec.intervene_point(p, Action::Replace(act_rows(cache, &p, rows)?), Scope::all());
-        }
-        for l in ls + 1..=self.last {
-            for s in [Site::AttnQ, Site::AttnK, Site::AttnV] {
-                spec = spec.capture_point(HookPoint::block(l, s));
-            }
-        }
-        Ok(spec)
-    }
-
-    /// Step 2: per receiver layer, chunks of cells; rows = cells x receiving prompts.
-    /// One outcome per receiving prompt of every cell.
-    fn receiver_outcomes(
-        &self,
-        captured: &SenderCaptures,
-        progress: &mut Progress,
-    ) -> Result<Vec<Vec<Outcome>>> {
-        let k = self.prompts.n() / 2;
-        let mut results: Vec<Vec<Outcome>> = vec![Vec::new(); self.cells.len()];
-        let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for (i, c) in self.cells.iter().enumerate() {
-            by_layer.entry(c.receiver.layer).or_default().push(i);
-        }
-        for (lr, list) in by_layer {
-            let per_chunk = (self.max_rows / k.max(1)).max(1);
-            for chunk in list.chunks(per_chunk) {
-                let o = self.receiver_forward(lr, chunk, captured)?;
-                for (ci, &c) in chunk.iter().enumerate() {
-                    results[c] = o[ci * k..(ci + 1) * k].to_vec();
-                }
-                progress.inc(chunk.len() as u64);
-            }
-        }
-        Ok(results)
-    }
-
-    /// One receiver forward from layer `lr` for the cells `chunk`: each cell's receiver
-    /// slice replaced by its capture from the sender forward; the outcomes of its rows.
-    fn receiver_forward(
-        &self,
-        lr: usize,
-        chunk: &[usize],
-        captured: &SenderCaptures,
-    ) -> Result<Vec<Outcome>> {
-        let (cells, k) = (self.cells, self.prompts.n() / 2);
-        let rows: Vec<usize> = chunk
-            .iter()
-            .flat_map(|&c| self.receiving(cells[c].direction))
-            .collect();
-        let tokens = self.prompts.tokens_of(&rows, &self.model.device());
-        let resid = act_rows(self.cache, &HookPoint::block(lr, Site::ResidPre), &rows)?;
-        let mut spec = HookSpec::new();
-        let inputs: Vec<PathInput> = {
-            let mut v: Vec<PathInput> = chunk.iter().map(|&c| cells[c].receiver.input).collect();
-            v.sort();
-            v.dedup();
-            v
-        };
-        for input in inputs {
-            let p = HookPoint::block(lr, input.site());
-            let mut blocks = Vec::new();
-            for (ci, &c) in chunk.iter().enumerate() {
-                let cell = &cells[c];
-                let b = act4(self.cache, &p, &rows[ci * k..(ci + 1) * k])?;
-                if cell.receiver.input != input {
-                    blocks.push(b);
-                    continue;
-                }
-                let fill = captured[&(cell.direction.metric(), cell.sender)]
-                    .get(&p)
-                    .ok_or_else(|| Error::hook(p.to_string(), "no capture of the sender forward"))?
-                    .get::<4>()?;
-                blocks.push(splice(b, fill, &[cell.receiver.head], &vec![None; k])?);
-            }
-            spec = spec.intervene_point(
-                p,
-                Action::Replace(Act::new(Tensor::cat(blocks, 0))),
-                Scope::all(),
-            );
-        }
-        let out = self.model.forward_from(tokens, lr, &resid, &spec)?;
-        let targets: Vec<&Target> = rows.iter().map(|&p| &self.prompts.targets[p]).collect();
-        readout(out.logits, &targets)
+    Stage {
+        point: HookPoint::block(s.layer, Site::AttnZ),
+        heads: Some(vec![s.head]),
+        positions: positions.clone(),
+        fill: Fill::Source,
+        freeze,
     }
 }
 
-/// Evaluate path cells on one prompt batch (clean `0..n`, corrupted partners `n..2n`).
-/// Returns the base outcomes (every prompt) and, per cell, one outcome per receiving
-/// prompt (the corrupted prompts for denoising, the clean ones for noising).
+/// The patching routine's cells of `cells` on a batch of `n` clean then `n` corrupted
+/// prompts, in order: per path, the receiver's input slice (q: a query head of
+/// `hook_q`; k, v: a KV head of `hook_k` / `hook_v`; every position) replaced from its
+/// sender's stage ([`sender_stage`]) over the receiving prompts of its direction.
+pub fn path_routine_cells(
+    senders: &[Sender],
+    cells: &[PathCell],
+    positions: &Positions,
+    n: usize,
+) -> Vec<Cell> {
+    let last = cells.iter().map(|c| c.receiver.layer).max().unwrap_or(0);
+    let stages: Vec<Arc<Stage>> = senders
+        .iter()
+        .map(|&s| Arc::new(sender_stage(s, positions, last)))
+        .collect();
+    cells
+        .iter()
+        .map(|c| Cell {
+            edit: Edit::FromStage {
+                stage: stages[c.sender].clone(),
+                point: HookPoint::block(c.receiver.layer, c.receiver.input.site()),
+                heads: Some(vec![c.receiver.head]),
+            },
+            prompts: c.direction.receivers(n),
+        })
+        .collect()
+}
+
+/// Evaluate path cells on one prompt batch (clean `0..n`, corrupted partners `n..2n`)
+/// through the patching routine, without a store. Returns the base outcomes (every
+/// prompt) and, per cell, one outcome per receiving prompt (the corrupted prompts for
+/// denoising, the clean ones for noising).
 pub fn path_group(
     model: &dyn LanguageModel,
     prompts: &Prompts,
@@ -493,22 +250,9 @@ pub fn path_group(
     max_rows: usize,
     progress: &mut Progress,
 ) -> Result<(Vec<Outcome>, Vec<Vec<Outcome>>)> {
-    let first = senders.iter().map(|s| s.layer).min().unwrap_or(0);
-    let last = cells.iter().map(|c| c.receiver.layer).max().unwrap_or(0);
-    let base = base_run(model, prompts, &base_captures(first, last))?;
-    let run = PathRun {
-        model,
-        prompts,
-        senders,
-        cells,
-        positions,
-        max_rows,
-        cache: &base.cache,
-        last,
-    };
-    let captured = run.sender_captures()?;
-    let results = run.receiver_outcomes(&captured, progress)?;
-    Ok((base.outcomes.clone(), results))
+    let routine = path_routine_cells(senders, cells, positions, prompts.n() / 2);
+    let r = run_cells(model, prompts, &routine, max_rows, progress)?;
+    Ok((r.base, r.cells))
 }
 
 /// The senders and the path cells of a run: per direction, sender, later receiver layer,
@@ -571,33 +315,23 @@ fn select_paths(cfg: &PathPatching, ctx: &Ctx) -> Result<Paths> {
     Ok(Paths { senders, cells })
 }
 
-/// Every phase group's prompt metadata and outcomes (from the store, or computed and
-/// stored).
+/// Every phase group's prompt metadata and outcomes, through the patching routine
+/// (resume per chunk of cells).
 fn path_groups(
     cfg: &PathPatching,
     ctx: &mut Ctx,
     paths: &Paths,
 ) -> Result<(Vec<Vec<PromptMeta>>, Vec<GroupResult>)> {
-    let cells = &paths.cells;
     let set = ctx.eval_set()?;
     let assign = if ctx.task.prompt.assign {
         ctx.task.space.assign().len()
     } else {
         0
     };
-    let phases = ctx.task.phases.clone();
-    let mut progress = Progress::new(
-        ctx.opts.progress,
-        &format!("{} path-patching", ctx.mref.name),
-        "cells",
-        (cells.len() * phases.len()) as u64,
-    );
-    let t0 = std::time::Instant::now();
     let mut metas = Vec::new();
-    let mut results = Vec::new();
-    for &r in &phases {
+    let mut groups = Vec::new();
+    for &r in &ctx.task.phases {
         let ex = ctx.examples(&set, r);
-        let n = ex.len();
         let (prompts, meta) = paired_prompts(
             &ex,
             &ctx.task.space,
@@ -605,38 +339,14 @@ fn path_groups(
             ctx.task.prompt.key_len,
             ctx.task.seed,
         )?;
-        let key = format!("p{r}-path");
-        let mut expected = vec![n; cells.len()];
-        expected.push(2 * n);
-        let res = match ctx.store.load(&key, &expected)? {
-            Some(mut v) => {
-                progress.skip(cells.len() as u64);
-                ctx.stats.cells_resumed += cells.len() as u64;
-                let base = v.pop().expect("the base vector was expected");
-                GroupResult { base, cells: v }
-            }
-            None => {
-                let (base, out) = path_group(
-                    ctx.model,
-                    &prompts,
-                    &paths.senders,
-                    cells,
-                    &cfg.positions,
-                    ctx.max_rows,
-                    &mut progress,
-                )?;
-                let mut save = out.clone();
-                save.push(base.clone());
-                ctx.store.save(&key, &save)?;
-                ctx.stats.cells_computed += cells.len() as u64;
-                GroupResult { base, cells: out }
-            }
-        };
+        groups.push(Group {
+            key: format!("p{r}"),
+            prompts,
+            cells: path_routine_cells(&paths.senders, &paths.cells, &cfg.positions, ex.len()),
+        });
         metas.push(meta);
-        results.push(res);
     }
-    progress.finish();
-    ctx.stats.seconds += t0.elapsed().as_secs_f64();
+    let results = ctx.execute(&format!("{} path-patching", ctx.mref.name), &groups)?;
     Ok((metas, results))
 }
 

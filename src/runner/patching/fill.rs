@@ -3,11 +3,39 @@
 
 use super::*;
 
+/// What a row of a merged replacement takes: a [`Fill`], its own base value (a
+/// stage's freezes), or its value under a stage ([`Edit::FromStage`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum RowFill<'a> {
+    Own,
+    Fill(Fill),
+    Stage(&'a Stage),
+}
+
+/// The replacements of a point are installed one per key, in this order: the rows'
+/// own values first (freezes), fills on top; every stage fill in one value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum FillKey {
+    Own,
+    Fill(Fill),
+    Stage,
+}
+
+impl RowFill<'_> {
+    pub(super) fn key(&self) -> FillKey {
+        match self {
+            RowFill::Own => FillKey::Own,
+            RowFill::Fill(f) => FillKey::Fill(*f),
+            RowFill::Stage(_) => FillKey::Stage,
+        }
+    }
+}
+
 /// Per row of a merged replacement: which prompt, which fill, which heads and positions.
 pub(super) struct RowEdit<'a> {
     pub(super) row: usize,
     pub(super) prompt: usize,
-    pub(super) fill: Fill,
+    pub(super) fill: RowFill<'a>,
     pub(super) heads: Option<&'a [usize]>,
     pub(super) positions: Option<Vec<usize>>,
 }

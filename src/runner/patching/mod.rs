@@ -25,15 +25,21 @@
 //!      Positions may differ per row (the answer position moves with prefix padding).
 //!    - a [`Edit::Transform`] (e.g. `Action::Roll` on the compressor gates) is applied
 //!      inside the forward through the hook mechanism, scoped to its rows.
+//!    - a [`Edit::FromStage`] (path patching) replaces a point by its capture in an
+//!      earlier stage's forward of the same prompt: a [`Stage`] is one replacement
+//!      plus freezes (points held at the prompt's own base values). [`run_stages`]
+//!      (called by [`base_run_for`]) runs each distinct stage once per prompt, batched
+//!      per start layer like the chunks; the chunk then takes the capture as a fill.
 //! 4. The logits are read only at each prompt's target positions ([`Outcome`]).
 //!
 //! Files: this one (the types, the base run, the chunk plan and [`run_chunk`]),
-//! `fill.rs` (fill values), `suffix.rs` (suffix plans), `naive.rs` (the oracle).
+//! `fill.rs` (fill values), `stage.rs` (two-stage edits), `suffix.rs` (suffix plans),
+//! `naive.rs` (the oracle).
 //!
 //! [`run_cell_naive`] evaluates one cell the slow, obvious way (a full forward per
-//! cell with the hooks' own `Patch`/`Zero`/`Mean`/`Resample` actions); it is the
-//! reference the batched path is tested against and the baseline of
-//! `phaselens bench patching`.
+//! cell, two for a stage edit, with the hooks' own `Patch`/`Zero`/`Mean`/`Resample`
+//! actions); it is the reference the batched path is tested against and the baseline
+//! of `phaselens bench patching`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -49,19 +55,24 @@ use crate::model::{LanguageModel, PrefixState, Suffix};
 
 mod fill;
 mod naive;
+mod stage;
 mod suffix;
 
 /// The prompt batch the routine runs on (built in [`crate::tasks::prompts`]).
 pub use crate::tasks::prompts::{Prompts, Target};
-use fill::{RowEdit, act_at, check_edit_positions, edits_scope, fill_value_act, group_mean};
+use fill::{
+    FillKey, RowEdit, RowFill, act_at, check_edit_positions, edits_scope, fill_value_act,
+    group_mean,
+};
 pub use naive::run_cell_naive;
+pub use stage::{Stage, StageCaptures, run_stages};
 pub use suffix::{ChunkPath, plan_suffix};
 use suffix::{slice_positions, suffix_edit};
 
 /// Which query positions an edit touches, per prompt. `{ final = 0 }` (a band of no
 /// positions: every cell would read as "no effect") is rejected where it is parsed, in
 /// experiment files and `bench patching --positions` alike ([`Positions::parse`]).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", try_from = "PositionsRepr")]
 pub enum Positions {
     /// Every position (TransformerLens' "all positions" patching).
@@ -191,24 +202,25 @@ pub enum Edit {
         actions: Vec<(HookPoint, Action)>,
         heads: Option<Vec<usize>>,
     },
+    /// A two-stage edit (path patching): replace the activation at `point` (a layer
+    /// point), within `heads` and at every position, by its value in a forward of the
+    /// same prompt under `stage` (an earlier stage's capture). Cells sharing a stage
+    /// share its forwards ([`run_stages`]).
+    FromStage {
+        stage: Arc<Stage>,
+        point: HookPoint,
+        heads: Option<Vec<usize>>,
+    },
 }
 
 impl Edit {
     /// The block the batched forward starts at.
     pub fn start_layer(&self) -> Result<usize> {
-        let layer = |p: &HookPoint| {
-            p.layer.ok_or_else(|| {
-                Error::hook(
-                    p.to_string(),
-                    "interventions of the batched routine target block points (blocks.{l}.*)",
-                )
-            })
-        };
         match self {
-            Edit::Replace { point, .. } => layer(point),
-            Edit::Transform { points, .. } => Self::first_layer(points.iter(), layer),
+            Edit::Replace { point, .. } | Edit::FromStage { point, .. } => block_layer(point),
+            Edit::Transform { points, .. } => Self::first_layer(points.iter(), block_layer),
             Edit::TransformEach { actions, .. } => {
-                Self::first_layer(actions.iter().map(|(p, _)| p), layer)
+                Self::first_layer(actions.iter().map(|(p, _)| p), block_layer)
             }
         }
     }
@@ -227,6 +239,16 @@ impl Edit {
         }
         Ok(m)
     }
+}
+
+/// The layer of a block point (`blocks.{l}.*`).
+fn block_layer(p: &HookPoint) -> Result<usize> {
+    p.layer.ok_or_else(|| {
+        Error::hook(
+            p.to_string(),
+            "interventions of the batched routine target block points (blocks.{l}.*)",
+        )
+    })
 }
 
 /// One variant of the forward pass applied to some of the prompts.
@@ -254,6 +276,9 @@ pub struct Base {
     pub cache: Arc<ActivationCache>,
     pub outcomes: Vec<Outcome>,
     pub state: Option<Arc<PrefixState>>,
+    /// The captures of the stages the cells' [`Edit::FromStage`] edits replace from
+    /// ([`run_stages`]; empty without such cells).
+    pub stages: Arc<StageCaptures>,
 }
 
 /// The points a base run must capture so that `cells` can run.
@@ -261,8 +286,15 @@ pub fn captures_for(cells: &[Cell]) -> Result<Vec<HookPoint>> {
     let mut pts = std::collections::BTreeSet::new();
     for c in cells {
         pts.insert(HookPoint::block(c.edit.start_layer()?, Site::ResidPre));
-        if let Edit::Replace { point, .. } = &c.edit {
-            pts.insert(*point);
+        match &c.edit {
+            Edit::Replace { point, .. } => {
+                pts.insert(*point);
+            }
+            Edit::FromStage { stage, point, .. } => {
+                pts.insert(*point);
+                pts.extend(stage.reads()?);
+            }
+            _ => {}
         }
     }
     Ok(pts.into_iter().collect())
@@ -335,10 +367,25 @@ pub fn base_run(
 
 /// [`base_run`] for `cells`: captures what they read, and keeps the prefix state only
 /// when some cell can run as a suffix forward (it holds every layer's per-token keys
-/// and values: no need to keep them for "all"-position edits or transforms).
-pub fn base_run_for(model: &dyn LanguageModel, prompts: &Prompts, cells: &[Cell]) -> Result<Base> {
-    let keep = cells.iter().any(suffix_edit);
-    base_run_with(model, prompts, &captures_for(cells)?, keep)
+/// and values: no need to keep them for "all"-position edits or transforms); then
+/// the forwards of the cells' stages ([`run_stages`], `max_rows` rows at a time).
+pub fn base_run_for(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    cells: &[Cell],
+    max_rows: usize,
+) -> Result<Base> {
+    let keep = cells.iter().any(|c| suffix_edit(c).is_some());
+    let mut base = base_run_with(model, prompts, &captures_for(cells)?, keep)?;
+    base.stages = Arc::new(run_stages(
+        model,
+        prompts,
+        &base,
+        cells,
+        max_rows,
+        ChunkPath::Auto,
+    )?);
+    Ok(base)
 }
 
 /// [`base_run`], keeping the prefix state only when `keep_state`.
@@ -383,6 +430,7 @@ pub fn base_run_with(
         cache: Arc::new(out.cache),
         outcomes,
         state: state.map(Arc::new),
+        stages: Default::default(),
     })
 }
 
@@ -499,7 +547,7 @@ fn chunk_rows(cells: &[Cell], chunk: &[usize]) -> Result<ChunkRows> {
 /// edit's heads; a [`Edit::Replace`] installs nothing.
 fn intervene_transform(mut spec: HookSpec, edit: &Edit, scope: &Scope) -> HookSpec {
     let (actions, heads): (Vec<(&HookPoint, &Action)>, _) = match edit {
-        Edit::Replace { .. } => return spec,
+        Edit::Replace { .. } | Edit::FromStage { .. } => return spec,
         Edit::Transform {
             points,
             action,
@@ -543,9 +591,25 @@ fn chunk_edits<'c>(
                     list.push(RowEdit {
                         row,
                         prompt,
-                        fill: *fill,
+                        fill: RowFill::Fill(*fill),
                         heads: heads.as_deref(),
                         positions: positions.resolve(&prompts.targets[prompt].positions),
+                    });
+                }
+            }
+            Edit::FromStage {
+                stage,
+                point,
+                heads,
+            } => {
+                let list = per_point.entry(*point).or_default();
+                for row in cell_rows.clone() {
+                    list.push(RowEdit {
+                        row,
+                        prompt: rows.row_prompt[row],
+                        fill: RowFill::Stage(stage),
+                        heads: heads.as_deref(),
+                        positions: None,
                     });
                 }
             }
@@ -563,7 +627,8 @@ fn chunk_edits<'c>(
 
 /// Add to `spec` one `Action::Replace` per point and fill of the merged replace
 /// edits: the fill's value over every row (sliced to the suffix when the chunk runs
-/// as one), scoped to the rows that take it.
+/// as one), scoped to the rows that take it. Per point, the rows' own values
+/// (freezes) go first, so that a fill at the same point lands on top of them.
 fn install_replacements(
     mut spec: HookSpec,
     per_point: &BTreeMap<HookPoint, Vec<RowEdit>>,
@@ -575,16 +640,31 @@ fn install_replacements(
     for (point, edits) in per_point {
         let base_act = act_at(&base.cache, point)?;
         check_edit_positions(point, base_act, edits)?;
-        let mut fills: Vec<Fill> = edits.iter().map(|e| e.fill).collect();
+        let mut fills: Vec<FillKey> = edits.iter().map(|e| e.fill.key()).collect();
         fills.sort();
         fills.dedup();
         for fill in fills {
-            let of_fill: Vec<&RowEdit> = edits.iter().filter(|e| e.fill == fill).collect();
-            let mut value = fill_value_act(point, fill, base_act, prompts, row_prompt, &of_fill)?;
+            let of_fill: Vec<&RowEdit> = edits.iter().filter(|e| e.fill.key() == fill).collect();
+            let mut value = match fill {
+                FillKey::Own => base_act.select_batch(row_prompt)?,
+                FillKey::Fill(f) => {
+                    fill_value_act(point, f, base_act, prompts, row_prompt, &of_fill)?
+                }
+                FillKey::Stage => base.stages.value(point, base_act, row_prompt, &of_fill)?,
+            };
             if let Some(sfx) = suffix {
                 value = slice_positions(&value, &sfx.from, sfx.len)?;
             }
-            let scope = edits_scope(&of_fill, suffix);
+            // Every row at every head and position (a stage's freezes): no mask.
+            let whole = of_fill.len() == row_prompt.len()
+                && of_fill
+                    .iter()
+                    .all(|e| e.heads.is_none() && e.positions.is_none());
+            let scope = if whole {
+                Scope::all()
+            } else {
+                edits_scope(&of_fill, suffix)
+            };
             spec = spec.intervene_point(*point, Action::Replace(value), scope);
         }
     }

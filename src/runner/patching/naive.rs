@@ -76,25 +76,23 @@ pub(super) fn naive_action(
     })
 }
 
-/// Evaluate one cell with a full forward of its prompts and the hooks' own actions
-/// (the unbatched reference; `base` must hold the activations the fill reads).
-pub fn run_cell_naive(
-    model: &dyn LanguageModel,
+/// The hooks' own actions of a one-forward edit over `rows`, added to `spec` (a
+/// replacement: one intervention per bucket of rows that share their positions and,
+/// for means, their group).
+fn naive_spec(
+    mut spec: HookSpec,
     prompts: &Prompts,
     base: &Base,
-    cell: &Cell,
-) -> Result<Vec<Outcome>> {
-    let device = model.device();
-    let rows = &cell.prompts;
-    let mut spec = HookSpec::new();
-    match &cell.edit {
+    rows: &[usize],
+    edit: &Edit,
+) -> Result<HookSpec> {
+    match edit {
         Edit::Replace {
             point,
             heads,
             positions,
             fill,
         } => {
-            // Rows with the same positions (and group, for means) share one intervention.
             for ((pos, g), members) in naive_buckets(prompts, rows, positions, *fill) {
                 let scope = Scope {
                     batch: Some(members),
@@ -105,9 +103,55 @@ pub fn run_cell_naive(
                 let action = naive_action(*fill, point, g, prompts, base, rows)?;
                 spec = spec.intervene_point(*point, action, scope);
             }
+            Ok(spec)
         }
-        edit => spec = intervene_transform(spec, edit, &Scope::all()),
+        Edit::FromStage { .. } => Err(Error::Other(
+            "a stage edit takes two forwards (run_cell_naive)".into(),
+        )),
+        edit => Ok(intervene_transform(spec, edit, &Scope::all())),
     }
+}
+
+/// Evaluate one cell with full forwards of its prompts and the hooks' own actions
+/// (the unbatched reference; `base` must hold the activations the fill reads). A
+/// [`Edit::FromStage`] takes two: the stage's (its freezes as `Resample` from each
+/// prompt's own base row, then its replacement), capturing the point, and the cell's,
+/// patching that capture in within the cell's heads.
+pub fn run_cell_naive(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    base: &Base,
+    cell: &Cell,
+) -> Result<Vec<Outcome>> {
+    let device = model.device();
+    let rows = &cell.prompts;
+    let spec = match &cell.edit {
+        Edit::FromStage {
+            stage,
+            point,
+            heads,
+        } => {
+            let mut first = HookSpec::new();
+            for f in &stage.freeze {
+                let own = Action::Resample {
+                    source: base.cache.clone(),
+                    perm: rows.clone(),
+                };
+                first = first.intervene_point(*f, own, Scope::all());
+            }
+            let first =
+                naive_spec(first, prompts, base, rows, &stage.edit())?.capture_point(*point);
+            let sent = model
+                .forward(prompts.tokens_of(rows, &device), &first)?
+                .cache;
+            let scope = Scope {
+                heads: heads.clone(),
+                ..Scope::all()
+            };
+            HookSpec::new().intervene_point(*point, Action::Patch(Arc::new(sent)), scope)
+        }
+        edit => naive_spec(HookSpec::new(), prompts, base, rows, edit)?,
+    };
     let out = model.forward(prompts.tokens_of(rows, &device), &spec)?;
     let targets: Vec<&Target> = rows.iter().map(|&p| &prompts.targets[p]).collect();
     readout(out.logits, &targets)

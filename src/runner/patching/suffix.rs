@@ -13,66 +13,69 @@ pub enum ChunkPath {
     Full,
 }
 
-/// Whether a cell's edit can run as a suffix forward: it replaces a per-token
-/// activation at given positions (not "all").
-pub(super) fn suffix_edit(cell: &Cell) -> bool {
-    matches!(
-        &cell.edit,
-        Edit::Replace { point, positions, .. }
-            if point.site.info().per_token && *positions != Positions::All
-    )
+/// Where a cell's change to the forward starts, if it can run as a suffix forward:
+/// the positions of a replacement of a per-token activation at given positions (not
+/// "all"); for a [`Edit::FromStage`] of a per-token activation, the positions of its
+/// stage's edit (by causality its capture equals the base run's before the first
+/// of them, [`Stage::suffix_positions`]).
+pub(super) fn suffix_edit(cell: &Cell) -> Option<&Positions> {
+    match &cell.edit {
+        Edit::Replace {
+            point, positions, ..
+        } if point.site.info().per_token && *positions != Positions::All => Some(positions),
+        Edit::FromStage { stage, point, .. } if point.site.info().per_token => {
+            stage.suffix_positions()
+        }
+        _ => None,
+    }
 }
 
 /// The positions a chunk (rows in cell order) must recompute, if it can run as a
-/// suffix forward ([`run_chunk`]): every edit
-/// replaces a per-token activation at given positions (not "all") of the start layer.
+/// suffix forward ([`run_chunk`]): every cell's change starts at given positions
+/// ([`suffix_edit`]: a replacement of a per-token activation at given positions, not
+/// "all", or a stage fill whose stage edits such positions).
 /// Row `r` then needs positions from its first edited or read position to its last
 /// read one (edits after the last read position cannot reach the logits read). The
 /// suffix length is the longest of those spans; shorter rows start earlier (their extra
 /// positions are recomputed unchanged). `None` when an edit does not qualify or the
 /// suffix would cover more than half of the prompt (no gain).
 pub fn plan_suffix(prompts: &Prompts, cells: &[Cell], chunk: &[usize]) -> Option<Suffix> {
-    let row_prompt: Vec<usize> = chunk
-        .iter()
-        .flat_map(|&c| cells[c].prompts.iter().copied())
-        .collect();
-    let mut first = Vec::with_capacity(row_prompt.len());
+    let mut rows = Vec::new();
     for &c in chunk {
-        let Edit::Replace { positions, .. } = &cells[c].edit else {
-            return None;
-        };
-        if !suffix_edit(&cells[c]) {
-            return None;
-        }
-        for &p in &cells[c].prompts {
-            let targets = &prompts.targets[p].positions;
-            let edited = positions.resolve(targets)?;
-            let lo = edited
-                .iter()
-                .chain(targets)
-                .copied()
-                .min()
-                .expect("a prompt has a target position");
-            first.push(lo);
-        }
+        let positions = suffix_edit(&cells[c])?;
+        rows.extend(cells[c].prompts.iter().map(|&p| (p, positions)));
     }
-    let last: Vec<usize> = row_prompt
-        .iter()
-        .map(|&p| {
-            *prompts.targets[p]
-                .positions
+    span_suffix(prompts, &rows)
+}
+
+/// The suffix of rows `(prompt, edited positions)` (see [`plan_suffix`]).
+pub(super) fn span_suffix(prompts: &Prompts, rows: &[(usize, &Positions)]) -> Option<Suffix> {
+    let mut first = Vec::with_capacity(rows.len());
+    let mut last = Vec::with_capacity(rows.len());
+    for &(p, positions) in rows {
+        let targets = &prompts.targets[p].positions;
+        let edited = positions.resolve(targets)?;
+        let lo = edited
+            .iter()
+            .chain(targets)
+            .copied()
+            .min()
+            .expect("a prompt has a target position");
+        first.push(lo);
+        last.push(
+            *targets
                 .iter()
                 .max()
-                .expect("a prompt has a target position")
-        })
-        .collect();
+                .expect("a prompt has a target position"),
+        );
+    }
     // first <= the smallest target <= last, so every span is at least one position.
     let len = last.iter().zip(&first).map(|(&l, &f)| l + 1 - f).max()?;
     if 2 * len > prompts.len {
         return None;
     }
     Some(Suffix {
-        rows: row_prompt,
+        rows: rows.iter().map(|&(p, _)| p).collect(),
         from: last.iter().map(|&l| l + 1 - len).collect(),
         len,
     })
@@ -103,4 +106,35 @@ pub(super) fn slice_positions(act: &Act, from: &[usize], len: usize) -> Result<A
     let mut out = shape;
     out[1] = len;
     act.reshaped(view)?.select_batch(&idx)?.reshaped(out)
+}
+
+/// The inverse of [`slice_positions`]: `full: [rows, t, ...]` with positions
+/// `from[r] .. from[r] + len` of each row taken from `part: [rows, len, ...]`.
+pub(super) fn unslice_positions(full: &Act, part: &Act, from: &[usize], len: usize) -> Result<Act> {
+    let shape = full.shape().to_vec();
+    if shape.len() < 2 || shape[0] != from.len() || part.shape().get(1) != Some(&len) {
+        return Err(Error::Other(format!(
+            "cannot put positions of an activation of shape {:?} into one of shape {shape:?}",
+            part.shape()
+        )));
+    }
+    let (b, t) = (shape[0], shape[1]);
+    let mut idx = Vec::with_capacity(b * t);
+    for (r, &f) in from.iter().enumerate() {
+        idx.extend((0..t).map(|p| {
+            if (f..f + len).contains(&p) {
+                b * t + r * len + p - f
+            } else {
+                r * t + p
+            }
+        }));
+    }
+    // Rows of the [b * t, ...] views are (row, position) pairs: the full rows, then
+    // the recomputed ones.
+    let mut view = shape.clone();
+    view.splice(0..2, [b * t]);
+    let mut part_view = view.clone();
+    part_view[0] = b * len;
+    let both = Act::cat_batch(&[full.reshaped(view)?, part.reshaped(part_view)?])?;
+    both.select_batch(&idx)?.reshaped(shape)
 }
