@@ -259,19 +259,18 @@ struct Part {
 /// any finite attention score, so its probability is exactly 0 (as with a mask fill).
 const HIDDEN: f32 = -1.0e30;
 
-/// `[rows, 1, bq, n]` additive mask from host visibility (row-major `[rows, bq, n]`).
+/// `[rows, heads, bq, n]` additive mask from host visibility (row-major, that shape;
+/// `heads` is 1 unless visibility differs per head).
 fn bias_from_host(
     visible: &[bool],
-    rows: usize,
-    bq: usize,
-    n: usize,
+    [rows, heads, bq, n]: [usize; 4],
     device: &Device,
 ) -> Tensor<4> {
     let v: Vec<f32> = visible
         .iter()
         .map(|&s| if s { 0.0 } else { HIDDEN })
         .collect();
-    Tensor::from_data(TensorData::new(v, [rows, 1, bq, n]), device)
+    Tensor::from_data(TensorData::new(v, [rows, heads, bq, n]), device)
 }
 
 /// `[b, bq, n]` visibility computed on the device -> `[b, 1, bq, n]` additive mask.
@@ -454,7 +453,7 @@ impl Geometry<'_> {
         }
         Part {
             scores: self.shared_scores(q, k),
-            bias: bias_from_host(&visible, rows, bq, n, &device),
+            bias: bias_from_host(&visible, [rows, 1, bq, n], &device),
             values: PartValues::Shared(v),
         }
     }
@@ -479,7 +478,7 @@ impl Geometry<'_> {
         let gather = |x: &Tensor<4>| select_positions(x.clone(), &idx).reshape([b, bq, w, kvh, dh]);
         Part {
             scores: self.per_query_scores(q, gather(&raw.k)),
-            bias: bias_from_host(&visible, 1, bq, w, &device),
+            bias: bias_from_host(&visible, [1, 1, bq, w], &device),
             values: PartValues::PerQuery(gather(&raw.v)),
         }
     }
@@ -505,31 +504,36 @@ impl Geometry<'_> {
         }
         let bq = i1 - i0;
         let rows = self.mask_rows();
+        // Closedness `[rows, heads, bq, n]`: per query head with staggered windows (head
+        // `h` reads KV head `h / group`, whose windows start `offsets[h / group]` later),
+        // else one for every head.
+        let (heads, g) = if e.offsets.is_empty() {
+            (1, 1)
+        } else {
+            (self.nh, self.group())
+        };
+        let closed: Vec<bool> = (0..rows)
+            .flat_map(|r| (0..heads).map(move |h| (r, h)))
+            .flat_map(|(r, h)| {
+                let shift = e.close + e.offsets.get(h / g).copied().unwrap_or(0);
+                (i0..i1)
+                    .flat_map(move |i| (0..n).map(move |c| c * e.stride + shift <= self.qpos(r, i)))
+            })
+            .collect();
         let k = e.k.clone().slice_dim(1, 0..n);
         let v = e.v.clone().slice_dim(1, 0..n);
-        if !e.offsets.is_empty() {
-            if selector.is_some() {
-                return Err(Error::Other(
-                    "staggered compression windows with an entry selector are not supported".into(),
-                ));
-            }
-            return Ok(Some(Part {
-                scores: self.shared_scores(q, k),
-                bias: self.staggered_bias(e, block, n),
-                values: PartValues::Shared(v),
-            }));
-        }
-        let closed: Vec<bool> = (0..rows)
-            .flat_map(|r| (i0..i1).map(move |i| (r, i)))
-            .flat_map(|(r, i)| (0..n).map(move |c| c * e.stride + e.close <= self.qpos(r, i)))
-            .collect();
         let Some(sel) = selector else {
             return Ok(Some(Part {
                 scores: self.shared_scores(q, k),
-                bias: bias_from_host(&closed, rows, bq, n, &device),
+                bias: bias_from_host(&closed, [rows, heads, bq, n], &device),
                 values: PartValues::Shared(v),
             }));
         };
+        if heads > 1 {
+            return Err(Error::Other(
+                "staggered compression windows with an entry selector are not supported".into(),
+            ));
+        }
         let closed =
             Tensor::<1, Bool>::from_data(TensorData::new(closed, [rows * bq * n]), &device)
                 .reshape([rows, bq, n])
@@ -561,31 +565,6 @@ impl Geometry<'_> {
             bias: bias_from_mask(valid),
             values: PartValues::PerQuery(vg),
         }))
-    }
-
-    /// `[rows, nh, bq, n]` additive mask of staggered entries: query head `h` reads KV
-    /// head `h / group`, whose entry `c` closes at `c * stride + close + offsets[h /
-    /// group]`.
-    fn staggered_bias(&self, e: &Entries, block: QueryBlock, n: usize) -> Tensor<4> {
-        let QueryBlock { i0, i1, .. } = block;
-        let (rows, bq, g) = (self.mask_rows(), i1 - i0, self.group());
-        let mut v = Vec::with_capacity(rows * self.nh * bq * n);
-        for r in 0..rows {
-            for h in 0..self.nh {
-                let shift = e.close + e.offsets[h / g];
-                for i in i0..i1 {
-                    let q = self.qpos(r, i);
-                    v.extend((0..n).map(|c| {
-                        if c * e.stride + shift <= q {
-                            0.0
-                        } else {
-                            HIDDEN
-                        }
-                    }));
-                }
-            }
-        }
-        Tensor::from_data(TensorData::new(v, [rows, self.nh, bq, n]), &self.device)
     }
 
     /// One block of queries `i0..i1` (`q: [b, bq, nh, dh]`) -> `[b, bq, nh, dh]`.

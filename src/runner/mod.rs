@@ -215,12 +215,7 @@ fn open_store(
     // whose settings a later check rejects cannot cost another run its finished work.
     let shard_root = data_dir.join("shards");
     let store = store::Store::open(&shard_root, &hash, fresh)?;
-    // Folders of other settings that hold no shard (a run stopped by a check before
-    // any compute) are not worth a note.
-    let others: Vec<_> = store::other_settings(&shard_root, &hash)
-        .into_iter()
-        .filter(|(_, n)| *n > 0)
-        .collect();
+    let others = store::other_settings(&shard_root, &hash);
     if !others.is_empty() {
         let n: usize = others.iter().map(|(_, n)| n).sum();
         let n = format!(

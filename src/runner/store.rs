@@ -37,8 +37,9 @@ pub struct Store {
     part: Option<(usize, usize)>,
 }
 
-/// The shard folders of other settings under `root` (and shards of the layout before
-/// per-hash folders, directly in `root`): `(folder or file, number of shards)`.
+/// The shard folders of other settings under `root` that hold shards (and shards of the
+/// layout before per-hash folders, directly in `root`): `(folder or file, number of
+/// shards)`.
 pub fn other_settings(root: &Path, hash: &str) -> Vec<(PathBuf, usize)> {
     let mut out = Vec::new();
     let Ok(entries) = std::fs::read_dir(root) else {
@@ -49,8 +50,12 @@ pub fn other_settings(root: &Path, hash: &str) -> Vec<(PathBuf, usize)> {
         let p = e.path();
         if p.is_dir() {
             if e.file_name().to_string_lossy() != hash {
+                // A folder without a shard (a run stopped by a check before any
+                // compute) holds no work.
                 let n = crate::output::committed_files(&p, "arrow").map_or(0, |v| v.len());
-                out.push((p, n));
+                if n > 0 {
+                    out.push((p, n));
+                }
             }
         } else if !crate::output::is_temp_name(&e.file_name().to_string_lossy())
             && p.extension().is_some_and(|x| x == "arrow")

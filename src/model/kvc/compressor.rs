@@ -41,9 +41,10 @@ pub struct Windows {
 /// The windows of KV heads whose boundaries differ.
 struct Staggered {
     kvh: usize,
-    /// Per (entry, offset, KV head), entry-major: the token position (clamped into the
+    /// Per (entry, offset, KV head), entry-major: the row `position * kvh + head` of
+    /// one prompt's `[total * kvh]` (position, head) rows (positions clamped into the
     /// prompt for windows that have not closed).
-    pos: Vec<usize>,
+    rows: Vec<usize>,
     /// Per (entry, KV head): 1 where the head's window lies inside the prompt, else 0.
     closed: Vec<f32>,
 }
@@ -57,10 +58,12 @@ impl Windows {
             .flat_map(|i| (0..w).map(move |o| i * s + o))
             .collect();
         let staggered = cc.staggered().then(|| {
-            let mut pos = Vec::with_capacity(n_entries * w * kvh);
+            let mut rows = Vec::with_capacity(n_entries * w * kvh);
             for i in 0..n_entries {
                 for o in 0..w {
-                    pos.extend((0..kvh).map(|h| (cc.offset(h) + i * s + o).min(total - 1)));
+                    rows.extend(
+                        (0..kvh).map(|h| (cc.offset(h) + i * s + o).min(total - 1) * kvh + h),
+                    );
                 }
             }
             let closed = (0..n_entries)
@@ -68,7 +71,7 @@ impl Windows {
                     (0..kvh).map(move |h| (cc.offset(h) + i * s + w <= total) as u8 as f32)
                 })
                 .collect();
-            Staggered { kvh, pos, closed }
+            Staggered { kvh, rows, closed }
         });
         Windows {
             n_entries,
@@ -87,12 +90,7 @@ impl Windows {
             return select_positions(x, &self.idx).reshape([b, n, w, kvh, c]);
         };
         let rows: Vec<usize> = (0..b)
-            .flat_map(|r| {
-                st.pos
-                    .iter()
-                    .enumerate()
-                    .map(move |(j, &p)| (r * total + p) * kvh + j % kvh)
-            })
+            .flat_map(|r| st.rows.iter().map(move |&j| r * total * kvh + j))
             .collect();
         let device = x.device();
         x.reshape([b * total * kvh, c])
