@@ -224,6 +224,19 @@ impl PrefixState {
         self.layers.len()
     }
 
+    /// Bytes (f32) of the largest layer's recorded tensors: what a suffix forward
+    /// merges over every position one layer at a time.
+    pub fn max_layer_bytes(&self) -> f64 {
+        self.layers
+            .iter()
+            .map(|m| {
+                m.values()
+                    .map(|a| 4.0 * a.shape().iter().product::<usize>() as f64)
+                    .sum::<f64>()
+            })
+            .fold(0.0, f64::max)
+    }
+
     fn insert(&mut self, layer: usize, name: &'static str, act: Act) {
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, BTreeMap::new);

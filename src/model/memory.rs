@@ -13,7 +13,7 @@
 //! [`HARD_LIMIT_BYTES`] are refused always (no machine has them, and the size
 //! arithmetic of the model code stays far from overflow).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
 use crate::model::ModelInfo;
@@ -26,6 +26,15 @@ pub const OVERRIDE_ENV: &str = "PHASELENS_NO_MEMORY_CHECK";
 
 static OVERRIDE: AtomicBool = AtomicBool::new(false);
 
+/// A cap on the bytes the checks allow, set by the library ([`set_budget`]); 0 = none.
+static BUDGET: AtomicU64 = AtomicU64::new(0);
+
+/// Cap the memory the checks allow for the rest of the process (`None`: no cap beyond
+/// `MemAvailable` and [`BUDGET_ENV`]), e.g. the share of a machine a notebook may take.
+pub fn set_budget(bytes: Option<f64>) {
+    BUDGET.store(bytes.map_or(0, |b| b.max(1.0) as u64), Ordering::Relaxed);
+}
+
 /// Skip the comparison with available memory for the rest of the process (what
 /// `--no-memory-check` sets).
 pub fn set_override(on: bool) {
@@ -37,12 +46,40 @@ fn overridden() -> bool {
         || std::env::var(OVERRIDE_ENV).is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
+/// The environment variable that caps the memory the checks allow (a size such as
+/// `8GiB`): on a machine shared with other jobs, the share this run may take.
+pub const BUDGET_ENV: &str = "PHASELENS_MEMORY_BUDGET";
+
 /// `MemAvailable` in bytes, when the platform says.
 pub fn available_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kb.checked_mul(1024)
+}
+
+/// The bytes a check may allow and where that number comes from: the smallest of
+/// `MemAvailable`, [`BUDGET_ENV`] and [`set_budget`]'s cap. A malformed budget is an
+/// error naming it.
+pub fn budget() -> Result<Option<(f64, String)>> {
+    let mut limits: Vec<(f64, String)> = Vec::new();
+    if let Some(b) = available_bytes() {
+        limits.push((b as f64, "available (MemAvailable)".into()));
+    }
+    if let Ok(v) = std::env::var(BUDGET_ENV)
+        && !v.trim().is_empty()
+    {
+        let b = parse_bytes(&v).map_err(|e| Error::Input(format!("{BUDGET_ENV}: {e}")))?;
+        limits.push((b, format!("allowed by {BUDGET_ENV}={}", v.trim())));
+    }
+    let cap = BUDGET.load(Ordering::Relaxed);
+    if cap > 0 {
+        limits.push((
+            cap as f64,
+            "allowed by the library's memory budget (set_budget)".into(),
+        ));
+    }
+    Ok(limits.into_iter().min_by(|a, b| a.0.total_cmp(&b.0)))
 }
 
 /// Bytes in words: `37.3 GiB`.
@@ -74,17 +111,49 @@ pub fn check(what: &str, keys: &str, bytes: f64) -> Result<()> {
     if overridden() {
         return Ok(());
     }
-    if let Some(avail) = available_bytes()
-        && bytes > avail as f64
+    if let Some((avail, source)) = budget()?
+        && bytes > avail
     {
         return Err(Error::Memory(format!(
-            "{what} would need about {} but this machine has {} available (MemAvailable): \
+            "{what} would need about {} but this machine has {} {source}: \
              lower {keys}, or set {OVERRIDE_ENV}=1 (--no-memory-check) to try anyway",
             human(bytes),
-            human(avail as f64)
+            human(avail)
         )));
     }
     Ok(())
+}
+
+/// Parse `141GiB`, `80GB`, `1.5TiB`, `512MiB` or a plain byte count.
+pub fn parse_bytes(s: &str) -> std::result::Result<f64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|ch: char| !(ch.is_ascii_digit() || ch == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}`: expected a size like 141GiB, 80GB or 512MiB"))?;
+    let k = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024f64,
+        "mib" => 1024f64.powi(2),
+        "gib" => 1024f64.powi(3),
+        "tib" => 1024f64.powi(4),
+        "kb" | "k" => 1e3,
+        "mb" | "m" => 1e6,
+        "gb" | "g" => 1e9,
+        "tb" | "t" => 1e12,
+        u => {
+            return Err(format!(
+                "`{s}`: unknown unit `{u}` (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ));
+        }
+    };
+    if !(v * k).is_finite() || v <= 0.0 {
+        return Err(format!("`{s}`: a size must be positive"));
+    }
+    Ok(v * k)
 }
 
 /// Bytes of the activations of one forward over `rows x len` tokens on a model like

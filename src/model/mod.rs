@@ -131,8 +131,16 @@ pub struct ModelInfo {
     pub n_kv_heads: usize,
     /// Head width.
     pub d_head: usize,
+    /// Parallel residual streams (DeepSeek-V4's `hc_mult`; 1 for a plain residual):
+    /// `hook_resid_*` holds `streams x d_model` values per token.
+    #[serde(default = "one_stream")]
+    pub streams: usize,
     /// Every layer, in order.
     pub layers: Vec<LayerSpec>,
+}
+
+fn one_stream() -> usize {
+    1
 }
 
 impl ModelInfo {

@@ -910,37 +910,7 @@ impl Plan {
     }
 }
 
-/// Parse `141GiB`, `80GB`, `1.5TiB`, `512MiB` or a plain byte count.
-pub fn parse_bytes(s: &str) -> std::result::Result<f64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|ch: char| !(ch.is_ascii_digit() || ch == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}`: expected a size like 141GiB, 80GB or 512MiB"))?;
-    let k = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kib" => 1024f64,
-        "mib" => 1024f64.powi(2),
-        "gib" => 1024f64.powi(3),
-        "tib" => 1024f64.powi(4),
-        "kb" | "k" => 1e3,
-        "mb" | "m" => 1e6,
-        "gb" | "g" => 1e9,
-        "tb" | "t" => 1e12,
-        u => {
-            return Err(format!(
-                "`{s}`: unknown unit `{u}` (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
-            ));
-        }
-    };
-    if !(v * k).is_finite() || v <= 0.0 {
-        return Err(format!("`{s}`: a size must be positive"));
-    }
-    Ok(v * k)
-}
+pub use super::memory::parse_bytes;
 
 // ---------------------------------------------------------------------------------------
 // Configs

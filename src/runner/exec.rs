@@ -6,7 +6,9 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::model::LanguageModel;
 
-use super::patching::{self, Base, Cell, Outcome, Prompts, base_run_for, plan_chunks, run_chunk};
+use super::patching::{
+    self, Base, Cell, Outcome, Prompts, base_run_for, budget, plan_chunks, run_chunk,
+};
 use super::progress::{Progress, ProgressMode};
 use super::store::Store;
 
@@ -57,6 +59,9 @@ pub struct Executor<'a> {
     pub model: &'a dyn LanguageModel,
     pub store: &'a Store,
     pub max_rows: usize,
+    /// The settings that size a group's forwards, named in a memory error (e.g.
+    /// "[experiment] max_rows in exp/x.toml").
+    pub memory_keys: String,
     pub progress: &'a mut Progress,
     pub stats: ExecStats,
 }
@@ -123,6 +128,30 @@ impl<'a> Executor<'a> {
                 .iter()
                 .flat_map(|&i| chunks[i].iter().map(|&c| g.cells[c].clone()))
                 .collect();
+            // The missing chunks as indices into `cells_needed`.
+            let mut next = 0;
+            let chunks_needed: Vec<Vec<usize>> = missing
+                .iter()
+                .map(|&i| {
+                    let c: Vec<usize> = (next..next + chunks[i].len()).collect();
+                    next += chunks[i].len();
+                    c
+                })
+                .collect();
+            let info = self.model.info();
+            let check = |base: Option<&Base>| {
+                budget::check_group(
+                    &info,
+                    &g.prompts,
+                    &cells_needed,
+                    &chunks_needed,
+                    base,
+                    &self.memory_keys,
+                )
+            };
+            if !cells_needed.is_empty() {
+                check(None)?;
+            }
             let b: Base = if cells_needed.is_empty() {
                 Base {
                     cache: Default::default(),
@@ -142,6 +171,9 @@ impl<'a> Executor<'a> {
                 }
             }
             base = Some(b.outcomes.clone());
+            if !cells_needed.is_empty() {
+                check(Some(&b))?;
+            }
             for i in missing {
                 let out = run_chunk(self.model, &g.prompts, &b, &g.cells, &chunks[i])?;
                 self.stats.forwards += 1;
@@ -194,9 +226,17 @@ pub fn run_cells(
     max_rows: usize,
     progress: &mut Progress,
 ) -> Result<GroupResult> {
+    let chunks = plan_chunks(cells, max_rows)?;
+    let info = model.info();
+    let keys = format!(
+        "max_rows ({max_rows}) or the prompt length ({})",
+        prompts.len
+    );
+    budget::check_group(&info, prompts, cells, &chunks, None, &keys)?;
     let base = base_run_for(model, prompts, cells, max_rows)?;
+    budget::check_group(&info, prompts, cells, &chunks, Some(&base), &keys)?;
     let mut out: Vec<Vec<Outcome>> = vec![Vec::new(); cells.len()];
-    for chunk in plan_chunks(cells, max_rows)? {
+    for chunk in chunks {
         let res = run_chunk(model, prompts, &base, cells, &chunk)?;
         for (&c, o) in chunk.iter().zip(res) {
             out[c] = o;

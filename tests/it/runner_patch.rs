@@ -450,3 +450,57 @@ fn checks_name_the_key_before_compute() {
         "{e}"
     );
 }
+
+/// The memory check counts a suffix chunk as its rows x the suffix length (plus one
+/// layer's state over every position), not `max_rows` full-length rows: a budget below
+/// what the old rule asked for lets answer-position patching run with many rows per
+/// chunk, and a budget below the base run's captures is refused naming the keys.
+#[test]
+fn memory_check_counts_suffix_chunks_by_their_positions() {
+    use phaselens::model::memory::{forward_bytes, set_budget};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let model = phaselens::model::load_model(&d.join("tiny"), &Default::default()).unwrap();
+    let (info, weights) = (model.info(), 4.0 * model.n_params().unwrap() as f64);
+    let text = format!(
+        "{}\n[patch]\npositions = \"answer\"\n",
+        PATCH.replace("bootstrap_reps = 50", "bootstrap_reps = 50\nmax_rows = 256")
+    );
+    let exp = experiment(d, "mem.toml", &text);
+    let o = opts(d);
+    // A budget that holds the weights but not a base run of 8-token prompts: the upfront
+    // check names the forward's size and the keys.
+    let small = forward_bytes(&info, 16, 8);
+    assert!(small > 2.0 * weights, "{small} vs {weights}");
+    set_budget(Some(small));
+    let e = run_experiment(&exp, &o).unwrap_err().to_string();
+    assert!(
+        e.contains("set_budget") && e.contains("n_logical") && e.contains("a forward over 16 x"),
+        "{e}"
+    );
+    let len: usize = e
+        .split(" x ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no prompt length in: {e}"));
+    // The base run: 16 prompts (8 logical, clean and corrupted) at full length.
+    let base = forward_bytes(&info, 16, len);
+    // What the old rule asked for: max_rows full-length rows.
+    let old = forward_bytes(&info, 256, len);
+    // Just above the base forward alone: the base run's captures do not fit.
+    set_budget(Some(base * 1.01));
+    let e = run_experiment(&exp, &o).unwrap_err().to_string();
+    assert!(
+        e.contains("base run") && e.contains("max_rows (256)") && e.contains("mem.toml"),
+        "{e}"
+    );
+    // Half of the old ask: enough for the base run with its captures and for chunks of
+    // 256 suffix rows of a few positions each.
+    assert!(old / 2.0 > 4.0 * base, "{old} vs {base}");
+    set_budget(Some(old / 2.0));
+    let s = run_experiment(&exp, &o).unwrap();
+    assert_eq!(s.stats.cells_computed, 4 * 2 * 2 * 6);
+    set_budget(None);
+}

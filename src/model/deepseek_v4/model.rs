@@ -149,6 +149,7 @@ impl DeepseekV4Model {
             n_heads: c.num_attention_heads,
             n_kv_heads: 1,
             d_head: c.head_dim,
+            streams: c.hc_mult,
             layers: c
                 .layer_types
                 .iter()

@@ -93,6 +93,7 @@ impl KvcModel {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
             d_head: c.d_head(),
+            streams: 1,
             layers: (0..c.n_layers)
                 .map(|_| LayerSpec {
                     kind: kind.clone(),

@@ -212,11 +212,12 @@ impl<'a> Ctx<'a> {
 
     /// Check the experiment against the model for prompts of `prompt_len` tokens;
     /// warnings are printed and kept for the report.
-    /// The memory check assumes a patching group's largest forward: its base run over
-    /// every prompt (clean and corrupted), or a chunk of `max_rows` rows.
+    /// The memory check assumes a patching group's base run over every prompt (clean
+    /// and corrupted); the executor checks each group's base run with its captures and
+    /// its chunks (suffix forwards of a few positions, or full forwards of `max_rows`
+    /// rows) again before computing them ([`crate::runner::patching::budget`]).
     pub fn preflight(&mut self, prompt_len: usize) -> Result<()> {
-        let rows = (2 * self.task.n_logical).max(self.max_rows);
-        self.preflight_rows(prompt_len, rows)
+        self.preflight_rows(prompt_len, 2 * self.task.n_logical)
     }
 
     /// [`Ctx::preflight`] for kinds that only evaluate prompts (no cells): the executor
@@ -264,6 +265,12 @@ impl<'a> Ctx<'a> {
             model: self.model,
             store: self.store,
             max_rows: self.max_rows,
+            memory_keys: format!(
+                "[experiment] max_rows ({}) or [task] n_logical ({}) in {}",
+                self.max_rows,
+                self.task.n_logical,
+                self.exp.path.display()
+            ),
             progress: &mut progress,
             stats: ExecStats::default(),
         };

@@ -34,7 +34,7 @@
 //!
 //! Files: this one (the types, the base run, the chunk plan and [`run_chunk`]),
 //! `fill.rs` (fill values), `stage.rs` (two-stage edits), `suffix.rs` (suffix plans),
-//! `naive.rs` (the oracle).
+//! `budget.rs` (the memory check of a group's forwards), `naive.rs` (the oracle).
 //!
 //! [`run_cell_naive`] evaluates one cell the slow, obvious way (a full forward per
 //! cell, two for a stage edit, with the hooks' own `Patch`/`Zero`/`Mean`/`Resample`
@@ -53,6 +53,7 @@ use crate::hooks::{
 };
 use crate::model::{LanguageModel, PrefixState, Suffix};
 
+pub mod budget;
 mod fill;
 mod naive;
 mod stage;

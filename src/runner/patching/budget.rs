@@ -1,0 +1,195 @@
+//! Memory of a group's forwards, checked before each is computed: the base run (its
+//! forward, the captures the cells read, the prefix state) and each chunk (a suffix
+//! forward of a few positions over the base run's state, or a full `forward_from`).
+//!
+//! A chunk that runs as a suffix forward costs its rows times the suffix length, not
+//! the prompt length, plus one layer's per-token state merged over every position
+//! (`TokenFlow::full`: the state's rows and the chunk's, one layer at a time). Before
+//! the base run that state is estimated from the model's keys and values; after it, the
+//! recorded state's own size is used.
+
+use crate::error::Result;
+use crate::hooks::{HookPoint, Site};
+use crate::model::{ModelInfo, PrefixState, memory};
+
+use super::suffix::plan_suffix;
+use super::{Base, Cell, Prompts, captures_for};
+
+/// Values per token of a capture of `point` (f32), from the model's widths. Sites
+/// that are not per-token vectors (attention scores and patterns: one row of at most
+/// `len` keys per head) are bounded by their largest shape.
+pub fn capture_width(info: &ModelInfo, point: &HookPoint, len: usize) -> f64 {
+    let (d, h, kv, dh) = (
+        info.d_model as f64,
+        info.n_heads as f64,
+        info.n_kv_heads as f64,
+        info.d_head as f64,
+    );
+    let streams = info.streams.max(1) as f64;
+    match point.site {
+        Site::ResidPre | Site::ResidMid | Site::ResidPost => streams * d,
+        Site::AttnQ | Site::AttnZ => h * dh,
+        Site::AttnK | Site::AttnV => kv * dh,
+        Site::AttnResult => h * d,
+        Site::AttnScores | Site::AttnPattern => h * (len as f64 + 1.0),
+        _ => d,
+    }
+}
+
+/// Bytes of the captures `points` over `rows x len` tokens.
+pub fn captures_bytes(info: &ModelInfo, points: &[HookPoint], rows: usize, len: usize) -> f64 {
+    let tokens = rows as f64 * len as f64;
+    points
+        .iter()
+        .map(|p| 4.0 * tokens * capture_width(info, p, len))
+        .sum()
+}
+
+/// Per-token bytes of the largest layer's state, estimated from the model's keys and
+/// values (what a suffix forward merges one layer at a time) before a state exists.
+fn estimated_layer_state_per_token(info: &ModelInfo) -> f64 {
+    info.layers
+        .iter()
+        .map(|l| 4.0 * 2.0 * l.n_kv_heads as f64 * info.d_head as f64)
+        .fold(0.0, f64::max)
+}
+
+/// Per-token bytes of the largest layer of a recorded state.
+fn layer_state_per_token(state: &PrefixState) -> f64 {
+    let tokens = (state.rows() * state.len()).max(1) as f64;
+    state.max_layer_bytes() / tokens
+}
+
+/// Bytes of the base run of `cells` over `prompts`: one forward of every prompt, the
+/// captures the cells read, and (when a cell can run as a suffix forward) the state.
+pub fn base_bytes(info: &ModelInfo, prompts: &Prompts, cells: &[Cell]) -> Result<f64> {
+    let (n, len) = (prompts.n(), prompts.len);
+    let captures = captures_bytes(info, &captures_for(cells)?, n, len);
+    Ok(memory::forward_bytes(info, n, len) + captures)
+}
+
+/// What a chunk costs and why: bytes, rows, and the positions each row computes.
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkSize {
+    pub bytes: f64,
+    pub rows: usize,
+    /// Positions each row computes (the suffix length, or the prompt length).
+    pub positions: usize,
+    pub suffix: bool,
+}
+
+/// The size of chunk `chunk` of `cells` (indices) on `prompts`: a suffix forward when
+/// the base run kept a state (`state`: the recorded one, or `Some(None)` before the base
+/// run when it will keep one) and the chunk's edits allow it.
+pub fn chunk_size(
+    info: &ModelInfo,
+    prompts: &Prompts,
+    cells: &[Cell],
+    chunk: &[usize],
+    state: Option<Option<&PrefixState>>,
+) -> ChunkSize {
+    let rows: usize = chunk.iter().map(|&c| cells[c].prompts.len()).sum();
+    let suffix = state.and_then(|s| plan_suffix(prompts, cells, chunk).map(|sfx| (s, sfx)));
+    let (positions, merged) = match &suffix {
+        Some((s, sfx)) => {
+            let per_token = s.map_or_else(
+                || estimated_layer_state_per_token(info),
+                layer_state_per_token,
+            );
+            let state_rows = s.map_or(prompts.n(), PrefixState::rows);
+            let merged = per_token * ((state_rows + rows) * prompts.len) as f64;
+            (sfx.len, merged)
+        }
+        None => (prompts.len, 0.0),
+    };
+    // The replaced points' fill tensors, over the chunk's rows and computed positions.
+    let fills: f64 = chunk
+        .iter()
+        .filter_map(|&c| match &cells[c].edit {
+            super::Edit::Replace { point, .. } | super::Edit::FromStage { point, .. } => {
+                Some(*point)
+            }
+            _ => None,
+        })
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .map(|p| captures_bytes(info, &[p], rows, positions))
+        .sum();
+    ChunkSize {
+        bytes: memory::forward_bytes(info, rows, positions) + merged + fills,
+        rows,
+        positions,
+        suffix: suffix.is_some(),
+    }
+}
+
+/// The largest chunk of `chunks` (by bytes).
+pub fn largest_chunk(
+    info: &ModelInfo,
+    prompts: &Prompts,
+    cells: &[Cell],
+    chunks: &[Vec<usize>],
+    state: Option<Option<&PrefixState>>,
+) -> Option<ChunkSize> {
+    chunks
+        .iter()
+        .map(|c| chunk_size(info, prompts, cells, c, state))
+        .max_by(|a, b| a.bytes.total_cmp(&b.bytes))
+}
+
+/// Refuse a group whose base run, or whose largest chunk next to the base run's
+/// captures and state, cannot fit (before the base run: `base = None`, the state
+/// estimated; after it: the base run's own captures and state, already allocated, so
+/// only the chunk is compared with what is left). `keys` names what to lower.
+pub fn check_group(
+    info: &ModelInfo,
+    prompts: &Prompts,
+    cells: &[Cell],
+    chunks: &[Vec<usize>],
+    base: Option<&Base>,
+    keys: &str,
+) -> Result<()> {
+    let keeps_state = cells
+        .iter()
+        .any(|c| super::suffix::suffix_edit(c).is_some());
+    let state = match base {
+        None => keeps_state.then_some(None),
+        Some(b) => b.state.as_deref().map(Some),
+    };
+    let (n, len) = (prompts.n(), prompts.len);
+    if base.is_none() {
+        let bytes = base_bytes(info, prompts, cells)?;
+        memory::check(
+            &format!("the base run ({n} x {len} tokens with its captures)"),
+            keys,
+            bytes,
+        )?;
+    }
+    let Some(c) = largest_chunk(info, prompts, cells, chunks, state) else {
+        return Ok(());
+    };
+    // Before the base run, its captures stay alive next to every chunk.
+    let held = if base.is_none() {
+        captures_bytes(info, &captures_for(cells)?, n, len)
+            + if keeps_state {
+                estimated_layer_state_per_token(info) * info.n_layers() as f64 * (n * len) as f64
+            } else {
+                0.0
+            }
+    } else {
+        0.0
+    };
+    let how = if c.suffix {
+        format!("a suffix forward of {} positions per row", c.positions)
+    } else {
+        format!("a full forward of {} tokens per row", c.positions)
+    };
+    memory::check(
+        &format!(
+            "a patching chunk of {} rows ({how}, next to the base run's captures)",
+            c.rows
+        ),
+        keys,
+        c.bytes + held,
+    )
+}
