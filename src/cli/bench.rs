@@ -408,6 +408,9 @@ fn empty_dispatch(device: &Device, layers: usize, base: f64) -> Result<()> {
     Ok(())
 }
 
+/// The size of the dense product whose rate `bench forward` reports a forward against.
+const GEMM_N: usize = 1024;
+
 /// `bench forward --model DIR --tokens ...`: tokens/s and peak RSS per length.
 fn length_sweep(b: ForwardBench) -> Result<()> {
     use anyhow::Context;
@@ -444,13 +447,17 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
         b.reps,
         b.device
     );
+    let gemm = phaselens::model::bench::gemm_gflops(&device, GEMM_N, 5);
     println!(
-        "| tokens | s / forward | tokens/s | peak RSS MiB | RSS before MiB | weights MiB | one layer K/V MiB | logits MiB |"
+        "dense f32 GEMM on this device: {gemm:.1} GFLOP/s (1024 x 1024 x 1024, median of 5): the reference of the last column"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| tokens | s / forward | tokens/s | peak RSS MiB | RSS before MiB | weights MiB | one layer K/V MiB | logits MiB | matmul GFLOP / forward | GFLOP/s | of GEMM rate |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let points = forward_sweep(model.as_ref(), &b.tokens, b.batch, b.reps, |p| {
         println!(
-            "| {} | {:.3} | {:.0} | {} | {} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {:.3} | {:.0} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% |",
             p.tokens,
             p.seconds,
             p.tokens_per_second,
@@ -461,7 +468,11 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
             mib(p.weights_bytes),
             mib(p.kv_layer_bytes),
             mib(p.logits_bytes),
+            p.matmul_flops as f64 / 1e9,
+            p.matmul_gflops,
+            100.0 * p.matmul_gflops / gemm,
         );
+        p.gemm_gflops = Some(gemm);
     })?;
     if let Some(path) = &b.json {
         let text = serde_json::to_string_pretty(&points)?;

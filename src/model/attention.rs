@@ -23,6 +23,7 @@ use super::layers::int_tensor;
 use super::topk::selected_indices;
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
+use crate::model::flops::Mm;
 
 /// Raw per-token keys and values over every position of the prompts.
 pub struct Raw {
@@ -340,7 +341,7 @@ impl Geometry<'_> {
         let (kvh, g, dh) = (self.kvh, self.group(), self.dh);
         let qh = q.clone().swap_dims(1, 2).reshape([b, kvh, g * bq, dh]);
         let kt = k.swap_dims(1, 2).swap_dims(2, 3); // [b, kvh, dh, n]
-        qh.matmul(kt).reshape([b, self.nh, bq, n]) * self.scale
+        qh.mm(kt).reshape([b, self.nh, bq, n]) * self.scale
     }
 
     /// `[b, bq, n, kvh, dh]` per-query keys -> scores `[b, nh, bq, n]`.
@@ -352,7 +353,7 @@ impl Geometry<'_> {
             .reshape([b * bq, n, kvh, dh])
             .swap_dims(1, 2)
             .swap_dims(2, 3); // [b*bq, kvh, dh, n]
-        qh.matmul(kt).reshape([b, bq, self.nh, n]).swap_dims(1, 2) * self.scale
+        qh.mm(kt).reshape([b, bq, self.nh, n]).swap_dims(1, 2) * self.scale
     }
 
     /// Probabilities `p: [b, nh, bq, n]` times the part's values -> `[b, bq, nh, dh]`.
@@ -363,14 +364,14 @@ impl Geometry<'_> {
             PartValues::Sink => None,
             PartValues::Shared(v) => Some(
                 p.reshape([b, kvh, g * bq, n])
-                    .matmul(v.swap_dims(1, 2)) // [b, kvh, n, dh]
+                    .mm(v.swap_dims(1, 2)) // [b, kvh, n, dh]
                     .reshape([b, self.nh, bq, dh])
                     .swap_dims(1, 2),
             ),
             PartValues::PerQuery(v) => Some(
                 p.swap_dims(1, 2)
                     .reshape([b * bq, kvh, g, n])
-                    .matmul(v.reshape([b * bq, n, kvh, dh]).swap_dims(1, 2))
+                    .mm(v.reshape([b * bq, n, kvh, dh]).swap_dims(1, 2))
                     .reshape([b, bq, self.nh, dh]),
             ),
         }

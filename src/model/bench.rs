@@ -32,6 +32,31 @@ pub struct LengthPoint {
     pub kv_layer_bytes: u64,
     /// Logits returned by the forward, `batch x tokens x vocab` f32.
     pub logits_bytes: u64,
+    /// Matrix-product FLOPs one forward executed ([`super::flops`]: every product of
+    /// the model code, masked attention blocks included; elementwise work not counted).
+    pub matmul_flops: u64,
+    /// `matmul_flops / seconds` in GFLOP/s.
+    pub matmul_gflops: f64,
+    /// The device's dense GEMM rate ([`gemm_gflops`]) when the caller measured it.
+    pub gemm_gflops: Option<f64>,
+}
+
+/// The device's dense f32 matrix-product rate in GFLOP/s: the median of `reps` products
+/// of two `n x n` matrices (after one warm-up), the reference a forward's
+/// [`LengthPoint::matmul_gflops`] is a fraction of.
+pub fn gemm_gflops(device: &burn::tensor::Device, n: usize, reps: usize) -> f64 {
+    use super::flops::Mm;
+    let a = Tensor::<2>::ones([n, n], device) * 0.5;
+    let b = Tensor::<2>::ones([n, n], device) * 0.25;
+    let run = || {
+        let t0 = Instant::now();
+        let _ = a.clone().mm(b.clone()).into_data();
+        t0.elapsed().as_secs_f64()
+    };
+    run();
+    let mut times: Vec<f64> = (0..reps.max(1)).map(|_| run()).collect();
+    times.sort_by(f64::total_cmp);
+    2.0 * (n as f64).powi(3) / times[times.len() / 2] / 1e9
 }
 
 /// `(VmRSS, VmHWM)` of this process in bytes (Linux), if available.
@@ -83,7 +108,7 @@ pub fn forward_sweep(
     lengths: &[usize],
     batch: usize,
     reps: usize,
-    mut progress: impl FnMut(&LengthPoint),
+    mut progress: impl FnMut(&mut LengthPoint),
 ) -> Result<Vec<LengthPoint>> {
     if reps == 0 || batch == 0 || lengths.is_empty() || lengths.contains(&0) {
         return Err(Error::Input(format!(
@@ -115,12 +140,16 @@ pub fn forward_sweep(
         let base = rss().map(|r| r.0);
         let reset = reset_peak_rss();
         let mut times = Vec::with_capacity(reps);
+        let mut flops = 0;
         for _ in 0..reps {
-            times.push(run(tokens.clone())?);
+            super::flops::start();
+            let t = run(tokens.clone());
+            flops = super::flops::stop();
+            times.push(t?);
         }
         times.sort_by(f64::total_cmp);
         let seconds = times[times.len() / 2];
-        let point = LengthPoint {
+        let mut point = LengthPoint {
             tokens: t,
             batch,
             seconds,
@@ -130,8 +159,11 @@ pub fn forward_sweep(
             weights_bytes,
             kv_layer_bytes: kv_layer_bytes(model, t) * batch as u64,
             logits_bytes: (batch * t * info.vocab_size * 4) as u64,
+            matmul_flops: flops,
+            matmul_gflops: flops as f64 / seconds / 1e9,
+            gemm_gflops: None,
         };
-        progress(&point);
+        progress(&mut point);
         out.push(point);
     }
     Ok(out)

@@ -8,6 +8,7 @@ use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use super::stored::StoredWeight;
 use super::weights::{Init, Vb};
 use crate::error::Result;
+use crate::model::flops::Mm;
 
 /// A weight matrix: a trainable f32 parameter (training, random init, f32 checkpoints)
 /// or a checkpoint's matrix kept as stored ([`StoredWeight`]: BF16 / FP8 / FP4 bytes in
@@ -48,7 +49,7 @@ impl Weight {
     /// whole when larger.
     pub fn matmul_t(&self, x: Tensor<2>) -> Tensor<2> {
         match self {
-            Weight::Dense(p) => x.matmul(p.val().transpose()),
+            Weight::Dense(p) => x.mm(p.val().transpose()),
             Weight::Stored(s) => s.matmul_t(0, x),
         }
     }

@@ -21,6 +21,8 @@ pub mod bench;
 pub mod deepseek_v4;
 #[doc(hidden)] // the CLI's non-finite checks
 pub mod diagnose;
+/// Matrix-product FLOPs counted while benchmarking.
+pub mod flops;
 #[doc(hidden)] // upfront memory checks: the CLI sets and prints them, tests/it compare them
 pub mod memory;
 #[doc(hidden)] // `phaselens plan`

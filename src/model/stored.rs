@@ -23,6 +23,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use super::safetensors_io::{StDtype, decode_floats, f8_e8m0_to_f32};
+use crate::model::flops::Mm;
 
 /// Columns per FP4 scale (transformers' `sf_gran_k = 32`).
 pub const FP4_GROUP: usize = 32;
@@ -399,7 +400,7 @@ impl StoredWeight {
         let m = &self.matrices[i];
         let block = block_rows(m.cols());
         let product =
-            |r0: usize, r1: usize, x: Tensor<2>| x.matmul(self.rows_tensor(i, r0, r1).transpose());
+            |r0: usize, r1: usize, x: Tensor<2>| x.mm(self.rows_tensor(i, r0, r1).transpose());
         if rows.len() <= block {
             return product(rows.start, rows.end, x);
         }

@@ -242,6 +242,7 @@ fn bench_forward_takes_weights() {
     let model = fixture("realwidth_ci");
     let model = model.to_str().unwrap();
     let mut bytes = Vec::new();
+    let mut flops = Vec::new();
     for w in ["stored", "f32"] {
         let json = dir.path().join(format!("{w}.json"));
         let out = phaselens(&[
@@ -264,9 +265,25 @@ fn bench_forward_takes_weights() {
         let j: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         bytes.push(j[0]["weights_bytes"].as_u64().unwrap());
+        flops.push(j[0]["matmul_flops"].as_u64().unwrap());
+        assert!(j[0]["gemm_gflops"].as_f64().unwrap() > 0.0, "{j}");
+        assert!(
+            out.stdout.windows(12).any(|w| w == b"of GEMM rate"),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
     }
-    eprintln!("bench forward weights bytes, stored vs f32: {bytes:?}");
+    eprintln!("bench forward weights bytes, stored vs f32: {bytes:?}; matmul FLOPs {flops:?}");
     assert!(bytes[1] > 2 * bytes[0], "{bytes:?}");
+    // The same products either way (stored weights multiply in row blocks), and at
+    // least the LM head's 2 x tokens x hidden x vocab.
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(std::path::Path::new(model).join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let head = 2 * 16 * cfg["hidden_size"].as_u64().unwrap() * cfg["vocab_size"].as_u64().unwrap();
+    assert_eq!(flops[0], flops[1]);
+    assert!(flops[0] > head, "{flops:?} vs the head's {head}");
     let out = phaselens(&["bench", "forward", "--model", model, "--weights", "bf16"]);
     let e = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{e}");

@@ -23,6 +23,7 @@ use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::{Entries, EntrySelector, Keys, Raw, attend};
+use crate::model::flops::Mm;
 use crate::model::kv_state::{Queries, TokenFlow};
 use crate::model::layers::{Linear, RmsNorm, RopeTables, rms_normalize};
 
@@ -349,7 +350,7 @@ impl Attention {
         let y = z
             .reshape([b * t, g, in_g])
             .swap_dims(0, 1)
-            .matmul(wa) // [g, bt, r]
+            .mm(wa) // [g, bt, r]
             .swap_dims(0, 1)
             .reshape([b, t, g * r]);
         self.o_b_proj.forward(y)
@@ -371,9 +372,9 @@ impl Attention {
             .swap_dims(0, 1) // [g, d, r]
             .reshape([g, 1, d, r])
             .expand([g, hpg, d, r]);
-        let m = bm.matmul(a).reshape([nh, d, dh]); // head h = group * hpg + j
+        let m = bm.mm(a).reshape([nh, d, dh]); // head h = group * hpg + j
         let zh = z.swap_dims(0, 2).reshape([nh, t * b, dh]); // [nh, t*b, dh]
-        zh.matmul(m.swap_dims(1, 2)) // [nh, t*b, d]
+        zh.mm(m.swap_dims(1, 2)) // [nh, t*b, d]
             .reshape([nh, t, b, d])
             .swap_dims(0, 2) // [b, t, nh, d]
     }

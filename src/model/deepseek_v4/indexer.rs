@@ -16,6 +16,7 @@ use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::EntrySelector;
+use crate::model::flops::Mm;
 use crate::model::kv_state::Queries;
 use crate::model::layers::{Linear, RopeTables, int_tensor};
 use crate::model::topk::{selected_indices, topk_mask};
@@ -188,7 +189,7 @@ impl EntrySelector for IndexSelector {
             .slice_dim(1, i0..i1)
             .reshape([b, bq * hi, di]);
         let keys = self.keys.clone().slice_dim(1, 0..n_vis);
-        let dots = relu(q.matmul(keys.swap_dims(1, 2))) * (1.0 / (di as f64).sqrt());
+        let dots = relu(q.mm(keys.swap_dims(1, 2))) * (1.0 / (di as f64).sqrt());
         let w = self.weights.clone().slice_dim(1, i0..i1);
         let scores = (dots.reshape([b, bq, hi, n_vis]) * w.reshape([b, bq, hi, 1]))
             .sum_dim(2)

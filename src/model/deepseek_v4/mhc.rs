@@ -15,6 +15,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
+use crate::model::flops::Mm;
 use crate::model::layers::rms_normalize;
 use crate::model::weights::{Init, Vb};
 
@@ -84,7 +85,7 @@ impl HyperConnection {
     fn mix(&self, x: &Tensor<4>) -> Tensor<2> {
         let [b, t, n, d] = x.dims();
         rms_normalize(x.clone().reshape([b * t, n * d]), self.norm_eps)
-            .matmul(self.fn_weight.val().transpose())
+            .mm(self.fn_weight.val().transpose())
     }
 
     /// The pre (`[bt, N]`), post (`[bt, N]`) and comb (`[bt, N, N]`, `[from j, to k]`)
@@ -169,11 +170,11 @@ impl HyperConnection {
             .reshape([1, nd, m]);
         let xp = xf
             .clone()
-            .matmul(p.clone().reshape([nd, m]))
+            .mm(p.clone().reshape([nd, m]))
             .reshape([bt, 1, m]);
         let u = s.clone() * p
             - (s.clone() * s.clone() * s / nd as f64) * xf.clone().reshape([bt, nd, 1]) * xp;
-        let k = u.matmul(jac.swap_dims(1, 2));
+        let k = u.mm(jac.swap_dims(1, 2));
         let out2 = out.reshape([bt, 1, d]);
         let x3 = x.clone().reshape([bt, n, 1, d]);
         let mut rows = Vec::with_capacity(m);
@@ -275,13 +276,13 @@ impl HcLinear {
         let c = rows / b;
         // [c, bt, N d] -> [bt, N d, c]: per token, one column per block.
         let a = adj.reshape([c, bt, n * d]).permute([1, 2, 0]);
-        let weights = self.k.clone().matmul(self.w.clone().matmul(a.clone()));
+        let weights = self.k.clone().mm(self.w.clone().mm(a.clone()));
         let a = a.reshape([bt, n, d * c]);
-        let direct = self.comb.clone().matmul(a.clone()).reshape([bt, n * d, c]);
+        let direct = self.comb.clone().mm(a.clone()).reshape([bt, n * d, c]);
         let g_out = self
             .post
             .clone()
-            .matmul(a)
+            .mm(a)
             .reshape([bt, d, c])
             .permute([2, 0, 1])
             .reshape([rows, t, d]);
@@ -315,7 +316,7 @@ fn mix_streams(x: Tensor<4>, out: Tensor<3>, post: Tensor<3>, comb: Tensor<4>) -
     let mixed = comb
         .reshape([b * t, n, n])
         .swap_dims(1, 2)
-        .matmul(x.reshape([b * t, n, d]))
+        .mm(x.reshape([b * t, n, d]))
         .reshape([b, t, n, d]);
     post.reshape([b, t, n, 1]) * out.reshape([b, t, 1, d]) + mixed
 }
@@ -354,7 +355,7 @@ impl HyperHead {
     pub fn forward(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
         let [b, t, n, d] = x.dims();
         let flat = rms_normalize(x.clone().reshape([b * t, n * d]), self.norm_eps);
-        let mix = flat.matmul(self.hc_fn.val().transpose());
+        let mix = flat.mm(self.hc_fn.val().transpose());
         let pre =
             sigmoid(mix * self.hc_scale.val().reshape([1, 1]) + self.hc_base.val().reshape([1, n]))
                 + self.hc_eps;

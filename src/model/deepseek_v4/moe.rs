@@ -15,6 +15,7 @@ use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 use super::config::{DeepseekV4Config, MlpType, ScoringFunc};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
+use crate::model::flops::Mm;
 use crate::model::layers::{Linear, Weight, int_tensor, row_chunks};
 use crate::model::placement::to;
 use crate::model::stored::StoredWeight;
@@ -398,7 +399,7 @@ impl Moe {
                         let w_down = bank.down_proj.expert(j).transpose();
                         let d_ff = w_down.dims()[0];
                         row_chunks(rows, |rows| {
-                            swiglu(rows.matmul(w_gu.clone()), d_ff).matmul(w_down.clone())
+                            swiglu(rows.mm(w_gu.clone()), d_ff).mm(w_down.clone())
                         })
                     }
                 };

@@ -10,6 +10,7 @@ use super::config::{AttentionKind, KvcConfig};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::{Entries, Keys, Raw, attend};
+use crate::model::flops::Mm;
 use crate::model::kv_state::{Queries, TokenFlow};
 use crate::model::layers::{Linear, RmsNorm, RopeLayout, RopeTables, apply_rope, rope_inv_freq};
 use crate::model::weights::{Init, Vb};
@@ -359,7 +360,7 @@ impl Attention {
             let d = self.w_o.d_out();
             let wo = self.w_o.weight.val().reshape([d, nh, dh]).swap_dims(0, 1); // [nh, d, dh]
             let zh = z.clone().swap_dims(0, 2).reshape([nh, lq * b, dh]);
-            let r = zh.matmul(wo.swap_dims(1, 2)); // [nh, lq*b, d]
+            let r = zh.mm(wo.swap_dims(1, 2)); // [nh, lq*b, d]
             let r = r.reshape([nh, lq, b, d]).swap_dims(0, 2); // [b, lq, nh, d]
             let intervened = hooks
                 .spec()
