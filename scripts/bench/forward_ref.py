@@ -8,7 +8,7 @@ its own.
 Pinned: torch 2.9.0, transformers 5.24.0 (tests/fixtures/deepseek_v4/requirements.txt).
 
     python scripts/bench/forward_ref.py --model experiments/organisms/v4pro-mini \
-        --tokens 1024,4096,16384 --threads 2 [--reps 1] [--max-gib 16]
+        --tokens 1024,4096,16384 --threads 2 [--reps 1] [--max-gib 16] [--last-logits]
 
 A length whose forward would need more memory than --max-gib (eager attention builds
 [T, T] masks and scores per layer) is reported as skipped, not run. --query-chunk N runs
@@ -56,7 +56,7 @@ def chunk_queries(chunk: int) -> None:
     mod.eager_attention_forward = eager_chunked
 
 
-def one(model_dir: str, t: int, batch: int, reps: int, threads: int, query_chunk: int) -> dict:
+def one(model_dir: str, t: int, batch: int, reps: int, threads: int, query_chunk: int, last_logits: bool) -> dict:
     import torch
     from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
@@ -85,12 +85,15 @@ def one(model_dir: str, t: int, batch: int, reps: int, threads: int, query_chunk
         [[((r * t + i) * 2654435761) % vocab for i in range(t)] for r in range(batch)]
     )
     times = []
+    # --last-logits: only the last position through the LM head (a prefill), as
+    # `phaselens bench forward --last-logits`.
+    keep = {"logits_to_keep": 1} if last_logits else {}
     with torch.no_grad():
         if reps > 1:
-            model(ids)
+            model(ids, **keep)
         for _ in range(reps):
             t0 = time.perf_counter()
-            out = model(ids).logits
+            out = model(ids, **keep).logits
             _ = out.numpy()
             times.append(time.perf_counter() - t0)
     times.sort()
@@ -103,6 +106,7 @@ def one(model_dir: str, t: int, batch: int, reps: int, threads: int, query_chunk
         "peak_rss_bytes": peak_rss_bytes(),
         "load_peak_rss_bytes": load_peak,
         "query_chunk": query_chunk,
+        "last_logits": last_logits,
     }
 
 
@@ -116,11 +120,13 @@ def main() -> None:
     ap.add_argument("--max-gib", type=float, default=16.0)
     ap.add_argument("--query-chunk", type=int, default=0,
                     help="eager attention over this many queries at a time (0: all at once, as transformers)")
+    ap.add_argument("--last-logits", action="store_true",
+                    help="only the last position's logits (logits_to_keep=1), as phaselens' --last-logits")
     ap.add_argument("--json")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one is not None:
-        print(json.dumps(one(a.model, a.one, a.batch, a.reps, a.threads, a.query_chunk)))
+        print(json.dumps(one(a.model, a.one, a.batch, a.reps, a.threads, a.query_chunk, a.last_logits)))
         return
     with open(os.path.join(a.model, "config.json")) as f:
         cfg = json.load(f)
@@ -139,7 +145,8 @@ def main() -> None:
             continue
         r = subprocess.run(
             [sys.executable, __file__, "--model", a.model, "--one", str(t), "--batch",
-             str(a.batch), "--reps", str(a.reps), "--threads", str(a.threads), "--query-chunk", str(a.query_chunk)],
+             str(a.batch), "--reps", str(a.reps), "--threads", str(a.threads), "--query-chunk", str(a.query_chunk)]
+            + (["--last-logits"] if a.last_logits else []),
             capture_output=True, text=True,
         )
         if r.returncode != 0:

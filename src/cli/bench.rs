@@ -196,6 +196,10 @@ pub struct ForwardBench {
     /// Write the length sweep as JSON.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+    /// With --model: compute only each row's last-position logits (a prefill), not the
+    /// `tokens x vocab` logits of every position (8.5 GB at 16K tokens and 129,280 words).
+    #[arg(long, requires = "model")]
+    pub last_logits: bool,
     #[arg(long, default_value_t = 1, value_parser = super::run::at_least_one)]
     pub batch: usize,
     /// Timed repetitions per variant (after one warm-up).
@@ -436,7 +440,16 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
     let mib = |x: u64| x as f64 / (1 << 20) as f64;
     let info = model.info();
     for &t in &b.tokens {
-        phaselens::model::memory::check_forward(&info, b.batch, t, "--tokens / --batch")?;
+        let mut bytes = phaselens::model::memory::forward_bytes(&info, b.batch, t);
+        if b.last_logits {
+            // Only each row's last position goes through the LM head.
+            bytes -= 4.0 * (b.batch * (t - 1) * info.vocab_size) as f64;
+        }
+        phaselens::model::memory::check(
+            &format!("a forward over {} x {t} tokens", b.batch),
+            "--tokens / --batch",
+            bytes,
+        )?;
     }
     println!(
         "{name}: {} ({} layers, d_model {}), batch {}, {} rep(s) per length (median), device {}",
@@ -455,25 +468,32 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
         "| tokens | s / forward | tokens/s | peak RSS MiB | RSS before MiB | weights MiB | one layer K/V MiB | logits MiB | matmul GFLOP / forward | GFLOP/s | of GEMM rate |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let points = forward_sweep(model.as_ref(), &b.tokens, b.batch, b.reps, |p| {
-        println!(
-            "| {} | {:.3} | {:.0} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% |",
-            p.tokens,
-            p.seconds,
-            p.tokens_per_second,
-            p.peak_rss_bytes
-                .map_or("n/a".into(), |x| format!("{:.0}", mib(x))),
-            p.base_rss_bytes
-                .map_or("n/a".into(), |x| format!("{:.0}", mib(x))),
-            mib(p.weights_bytes),
-            mib(p.kv_layer_bytes),
-            mib(p.logits_bytes),
-            p.matmul_flops as f64 / 1e9,
-            p.matmul_gflops,
-            100.0 * p.matmul_gflops / gemm,
-        );
-        p.gemm_gflops = Some(gemm);
-    })?;
+    let points = forward_sweep(
+        model.as_ref(),
+        &b.tokens,
+        b.batch,
+        b.reps,
+        b.last_logits,
+        |p| {
+            println!(
+                "| {} | {:.3} | {:.0} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% |",
+                p.tokens,
+                p.seconds,
+                p.tokens_per_second,
+                p.peak_rss_bytes
+                    .map_or("n/a".into(), |x| format!("{:.0}", mib(x))),
+                p.base_rss_bytes
+                    .map_or("n/a".into(), |x| format!("{:.0}", mib(x))),
+                mib(p.weights_bytes),
+                mib(p.kv_layer_bytes),
+                mib(p.logits_bytes),
+                p.matmul_flops as f64 / 1e9,
+                p.matmul_gflops,
+                100.0 * p.matmul_gflops / gemm,
+            );
+            p.gemm_gflops = Some(gemm);
+        },
+    )?;
     if let Some(path) = &b.json {
         let text = serde_json::to_string_pretty(&points)?;
         phaselens::output::write_bytes_atomic(path, format!("{text}\n").as_bytes())

@@ -30,8 +30,11 @@ pub struct LengthPoint {
     /// KV head plus the compressed entries (kvc: `T/S` per KV head; DeepSeek-V4: one
     /// shared K = V head, its CSA/HCA entries).
     pub kv_layer_bytes: u64,
-    /// Logits returned by the forward, `batch x tokens x vocab` f32.
+    /// Logits returned by the forward, `batch x tokens x vocab` f32 (`batch x vocab`
+    /// with `last_logits`: only each row's last position goes through the LM head).
     pub logits_bytes: u64,
+    /// Whether only the last position's logits were computed.
+    pub last_logits: bool,
     /// Matrix-product FLOPs one forward executed ([`super::flops`]: every product of
     /// the model code, masked attention blocks included; elementwise work not counted).
     pub matmul_flops: u64,
@@ -102,12 +105,14 @@ pub fn kv_layer_bytes(model: &dyn LanguageModel, t: usize) -> u64 {
 }
 
 /// Time `reps` forwards (after one warm-up when `reps > 1`) of `batch` rows of `t`
-/// deterministic pseudo-random tokens, for every `t` of `lengths`.
+/// deterministic pseudo-random tokens, for every `t` of `lengths`; with `last_logits`
+/// the LM head runs at each row's last position only ([`LanguageModel::forward_logit_rows`]).
 pub fn forward_sweep(
     model: &dyn LanguageModel,
     lengths: &[usize],
     batch: usize,
     reps: usize,
+    last_logits: bool,
     mut progress: impl FnMut(&mut LengthPoint),
 ) -> Result<Vec<LengthPoint>> {
     if reps == 0 || batch == 0 || lengths.is_empty() || lengths.contains(&0) {
@@ -128,10 +133,17 @@ pub fn forward_sweep(
             .map(|i| ((i as u64).wrapping_mul(2_654_435_761) % info.vocab_size as u64) as i64)
             .collect();
         let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [batch, t]), &device);
+        // Each row's last position (a prefill that reads the next-token logits).
+        let last: Vec<i64> = (0..batch).map(|r| (r * t + t - 1) as i64).collect();
+        let last = Tensor::<1, Int>::from_data(TensorData::new(last, [batch]), &device);
         let run = |tokens: Tensor<2, Int>| -> Result<f64> {
             let t0 = Instant::now();
-            let logits = model.forward(tokens, &HookSpec::new())?.logits;
-            let _ = logits.into_data();
+            if last_logits {
+                let _ = model.forward_logit_rows(tokens, last.clone())?.into_data();
+            } else {
+                let logits = model.forward(tokens, &HookSpec::new())?.logits;
+                let _ = logits.into_data();
+            }
             Ok(t0.elapsed().as_secs_f64())
         };
         if reps > 1 {
@@ -158,7 +170,8 @@ pub fn forward_sweep(
             base_rss_bytes: base,
             weights_bytes,
             kv_layer_bytes: kv_layer_bytes(model, t) * batch as u64,
-            logits_bytes: (batch * t * info.vocab_size * 4) as u64,
+            logits_bytes: (batch * if last_logits { 1 } else { t } * info.vocab_size * 4) as u64,
+            last_logits,
             matmul_flops: flops,
             matmul_gflops: flops as f64 / seconds / 1e9,
             gemm_gflops: None,

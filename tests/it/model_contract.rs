@@ -235,6 +235,28 @@ fn check_contract(name: &str, m: &dyn LanguageModel, rows: &[Vec<i64>], extra: &
         }
     }
 
+    // (d) logits at chosen positions only (training's read-out, `bench forward
+    // --last-logits`) are those rows of the plain forward's logits
+    let picks: Vec<i64> = vec![(t - 1) as i64, 0, (b * t - 1) as i64, (t + t / 2) as i64];
+    let k = picks.len();
+    let got = m
+        .forward_logit_rows(
+            tokens(&all, t),
+            Tensor::<1, Int>::from_data(TensorData::new(picks.clone(), [k]), &m.device()),
+        )
+        .unwrap_or_else(|e| panic!("{name}: forward_logit_rows: {e}"));
+    let v = dims[2];
+    assert_eq!(got.dims(), [k, v], "{name}");
+    let got = got.into_data().try_to_vec::<f32>().unwrap();
+    for (i, &flat) in picks.iter().enumerate() {
+        let (r, p) = (flat as usize / t, flat as usize % t);
+        let e = rel(&got[i * v..(i + 1) * v], positions(&full, dims, r, p, 1));
+        assert!(
+            e <= TOL,
+            "{name}: forward_logit_rows at row {r}, position {p} differs by {e:.3e}"
+        );
+    }
+
     // (c) batch-row independence: each row alone, and the rows reversed after another row
     for (r, row) in all.iter().enumerate() {
         let (got, _) = logits(m, &[row], t);

@@ -479,6 +479,34 @@ impl DeepseekV4Model {
         Ok(x)
     }
 
+    /// Logits at the flat positions `rows` (indices into `[batch * pos]`) only: every
+    /// layer over every position, then the hyper-head collapse, final norm and LM head
+    /// over those rows alone (`[rows, vocab]`; at 129,280 words the full logits of a
+    /// 16K-token prompt would be 8.5 GB).
+    pub fn forward_logit_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        rows: Tensor<1, Int>,
+    ) -> Result<Tensor<2>> {
+        let ids = self.token_ids(&tokens)?;
+        let [b, t] = tokens.dims();
+        let spec = HookSpec::new();
+        let mut hooks = spec.run();
+        let x = self.streams(tokens, &mut hooks)?;
+        let n = self.model.layers.len();
+        let x = self.run_blocks(x, 0..n, &ids, &mut TokenFlow::plain(b, t), &mut hooks)?;
+        let [_, _, hc, d] = x.dims();
+        let k = rows.dims()[0];
+        let here = x.device();
+        let picked = x
+            .reshape([b * t, hc, d])
+            .select(0, to(rows, &here))
+            .reshape([1, k, hc, d]);
+        let logits = self.head_logits(picked, &mut hooks)?;
+        let v = logits.dims()[2];
+        Ok(logits.reshape([k, v]))
+    }
+
     /// The streams after the last layer `[b, t, hc, d]` -> logits (on the home device):
     /// hyper-head collapse, final norm (`hook_final_norm`), LM head.
     fn head_logits(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
@@ -690,6 +718,13 @@ impl crate::model::LanguageModel for DeepseekV4Model {
         spec: &HookSpec,
     ) -> Result<ForwardOutput> {
         DeepseekV4Model::forward_from(self, tokens, start, resid.get::<4>()?, spec)
+    }
+    fn forward_logit_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        rows: Tensor<1, Int>,
+    ) -> Result<Tensor<2>> {
+        DeepseekV4Model::forward_logit_rows(self, tokens, rows)
     }
     fn forward_with_state(
         &self,
