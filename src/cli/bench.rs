@@ -440,11 +440,9 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
     let mib = |x: u64| x as f64 / (1 << 20) as f64;
     let info = model.info();
     for &t in &b.tokens {
-        let mut bytes = phaselens::model::memory::forward_bytes(&info, b.batch, t);
-        if b.last_logits {
-            // Only each row's last position goes through the LM head.
-            bytes -= 4.0 * (b.batch * (t - 1) * info.vocab_size) as f64;
-        }
+        // With --last-logits only each row's last position goes through the LM head.
+        let logit_len = if b.last_logits { 1 } else { t };
+        let bytes = phaselens::model::memory::forward_bytes_logits(&info, b.batch, t, logit_len);
         phaselens::model::memory::check(
             &format!("a forward over {} x {t} tokens", b.batch),
             "--tokens / --batch",

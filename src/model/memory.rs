@@ -157,16 +157,28 @@ pub fn parse_bytes(s: &str) -> std::result::Result<f64, String> {
 }
 
 /// Bytes of the activations of one forward over `rows x len` tokens on a model like
-/// `info` (blocked attention: linear in the length): the logits, a dozen residual-sized
-/// tensors per token alive at once, and the per-layer keys and values.
+/// `info` (blocked attention: linear in the length): a dozen residual-sized tensors per
+/// token alive at once inside the layers, or at the end the streams leaving the last
+/// layer, the final hidden state and the logits (the layers' activations are freed by
+/// then, so the larger of the two counts), plus the per-layer keys and values.
 pub fn forward_bytes(info: &ModelInfo, rows: usize, len: usize) -> f64 {
+    forward_bytes_logits(info, rows, len, len)
+}
+
+/// [`forward_bytes`] when only `logit_len` positions per row go through the LM head
+/// (e.g. 1: a prefill that reads the next-token logits).
+pub fn forward_bytes_logits(info: &ModelInfo, rows: usize, len: usize, logit_len: usize) -> f64 {
     let tokens = rows as f64 * len as f64;
+    let d = info.d_model as f64;
     let kv: f64 = info
         .layers
         .iter()
         .map(|l| 2.0 * l.n_kv_heads as f64 * info.d_head as f64)
         .sum();
-    tokens * 4.0 * (info.vocab_size as f64 + 12.0 * info.d_model as f64 + kv)
+    let layers = tokens * 12.0 * d;
+    let head = tokens * info.streams.max(1) as f64 * d
+        + rows as f64 * logit_len.min(len) as f64 * (info.vocab_size as f64 + d);
+    4.0 * (layers.max(head) + tokens * kv)
 }
 
 /// Refuse a forward over `rows x len` tokens that cannot fit; `keys` names its source.

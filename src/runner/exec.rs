@@ -59,9 +59,9 @@ pub struct Executor<'a> {
     pub model: &'a dyn LanguageModel,
     pub store: &'a Store,
     pub max_rows: usize,
-    /// The settings that size a group's forwards, named in a memory error (e.g.
-    /// "[experiment] max_rows in exp/x.toml").
-    pub memory_keys: String,
+    /// The settings that size a group's base run and its chunks, named in a memory
+    /// error (e.g. "[task] n_logical in exp/x.toml", "[experiment] max_rows in ...").
+    pub memory_keys: (String, String),
     pub progress: &'a mut Progress,
     pub stats: ExecStats,
 }
@@ -146,7 +146,7 @@ impl<'a> Executor<'a> {
                     &cells_needed,
                     &chunks_needed,
                     base,
-                    &self.memory_keys,
+                    (&self.memory_keys.0, &self.memory_keys.1),
                 )
             };
             if !cells_needed.is_empty() {
@@ -228,13 +228,12 @@ pub fn run_cells(
 ) -> Result<GroupResult> {
     let chunks = plan_chunks(cells, max_rows)?;
     let info = model.info();
-    let keys = format!(
-        "max_rows ({max_rows}) or the prompt length ({})",
-        prompts.len
-    );
-    budget::check_group(&info, prompts, cells, &chunks, None, &keys)?;
+    let base_keys = format!("the prompts ({} x {} tokens)", prompts.n(), prompts.len);
+    let chunk_keys = format!("max_rows ({max_rows})");
+    let keys = (base_keys.as_str(), chunk_keys.as_str());
+    budget::check_group(&info, prompts, cells, &chunks, None, keys)?;
     let base = base_run_for(model, prompts, cells, max_rows)?;
-    budget::check_group(&info, prompts, cells, &chunks, Some(&base), &keys)?;
+    budget::check_group(&info, prompts, cells, &chunks, Some(&base), keys)?;
     let mut out: Vec<Vec<Outcome>> = vec![Vec::new(); cells.len()];
     for chunk in chunks {
         let res = run_chunk(model, prompts, &base, cells, &chunk)?;

@@ -451,6 +451,15 @@ fn checks_name_the_key_before_compute() {
     );
 }
 
+/// `mem.toml` of the test below, patching at every position.
+fn exp_all(d: &std::path::Path) -> std::path::PathBuf {
+    let text = format!(
+        "{}\n[patch]\npositions = \"all\"\n",
+        PATCH.replace("bootstrap_reps = 50", "bootstrap_reps = 50\nmax_rows = 256")
+    );
+    experiment(d, "mem-all.toml", &text)
+}
+
 /// The memory check counts a suffix chunk as its rows x the suffix length (plus one
 /// layer's state over every position), not `max_rows` full-length rows: a budget below
 /// what the old rule asked for lets answer-position patching run with many rows per
@@ -493,14 +502,23 @@ fn memory_check_counts_suffix_chunks_by_their_positions() {
     set_budget(Some(base * 1.01));
     let e = run_experiment(&exp, &o).unwrap_err().to_string();
     assert!(
-        e.contains("base run") && e.contains("max_rows (256)") && e.contains("mem.toml"),
+        e.contains("base run") && e.contains("n_logical (8)") && e.contains("mem.toml"),
         "{e}"
     );
-    // Half of the old ask: enough for the base run with its captures and for chunks of
-    // 256 suffix rows of a few positions each.
-    assert!(old / 2.0 > 4.0 * base, "{old} vs {base}");
-    set_budget(Some(old / 2.0));
+    // Three base forwards: enough for the base run with its captures and for chunks of
+    // 96 suffix rows (12 cells x 8 prompts per layer) of a few positions each, a fifth
+    // of what the old rule asked for.
+    let budget = forward_bytes(&info, 48, len);
+    assert!(old > 5.0 * budget, "{old} vs {budget}");
+    set_budget(Some(budget));
     let s = run_experiment(&exp, &o).unwrap();
     assert_eq!(s.stats.cells_computed, 4 * 2 * 2 * 6);
+    // The same budget with cells patched at every position: their chunks run as full
+    // forwards of 96 rows, twice the budget, and the error names max_rows.
+    let e = run_experiment(&exp_all(d), &o).unwrap_err().to_string();
+    assert!(
+        e.contains("patching chunk") && e.contains("max_rows (256)") && e.contains("full forward"),
+        "{e}"
+    );
     set_budget(None);
 }

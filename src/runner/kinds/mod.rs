@@ -265,11 +265,17 @@ impl<'a> Ctx<'a> {
             model: self.model,
             store: self.store,
             max_rows: self.max_rows,
-            memory_keys: format!(
-                "[experiment] max_rows ({}) or [task] n_logical ({}) in {}",
-                self.max_rows,
-                self.task.n_logical,
-                self.exp.path.display()
+            memory_keys: (
+                format!(
+                    "[task] n_logical ({}) or the prompt length in {}",
+                    self.task.n_logical,
+                    self.exp.path.display()
+                ),
+                format!(
+                    "[experiment] max_rows ({}) in {}",
+                    self.max_rows,
+                    self.exp.path.display()
+                ),
             ),
             progress: &mut progress,
             stats: ExecStats::default(),

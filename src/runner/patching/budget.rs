@@ -140,14 +140,15 @@ pub fn largest_chunk(
 /// Refuse a group whose base run, or whose largest chunk next to the base run's
 /// captures and state, cannot fit (before the base run: `base = None`, the state
 /// estimated; after it: the base run's own captures and state, already allocated, so
-/// only the chunk is compared with what is left). `keys` names what to lower.
+/// only the chunk is compared with what is left). `keys` names what to lower: the
+/// base run's size (`keys.0`: the prompts) and the chunks' (`keys.1`: rows per forward).
 pub fn check_group(
     info: &ModelInfo,
     prompts: &Prompts,
     cells: &[Cell],
     chunks: &[Vec<usize>],
     base: Option<&Base>,
-    keys: &str,
+    keys: (&str, &str),
 ) -> Result<()> {
     let keeps_state = cells
         .iter()
@@ -161,7 +162,7 @@ pub fn check_group(
         let bytes = base_bytes(info, prompts, cells)?;
         memory::check(
             &format!("the base run ({n} x {len} tokens with its captures)"),
-            keys,
+            keys.0,
             bytes,
         )?;
     }
@@ -189,7 +190,7 @@ pub fn check_group(
             "a patching chunk of {} rows ({how}, next to the base run's captures)",
             c.rows
         ),
-        keys,
+        keys.1,
         c.bytes + held,
     )
 }
