@@ -68,7 +68,7 @@ use fill::{
 pub use naive::run_cell_naive;
 pub use stage::{Stage, StageCaptures, run_stages};
 pub use suffix::{ChunkPath, plan_suffix};
-use suffix::{slice_positions, suffix_edit};
+use suffix::{slice_positions, suffix_edit, take_positions};
 
 /// Which query positions an edit touches, per prompt. `{ final = 0 }` (a band of no
 /// positions: every cell would read as "no effect") is rejected where it is parsed, in
@@ -626,6 +626,58 @@ fn chunk_edits<'c>(
     (per_point, spec)
 }
 
+/// Bytes of full-length rows a suffix chunk builds at once before slicing them to its
+/// positions (a fill's value, one block of rows at a time).
+const SLICE_BLOCK_BYTES: usize = 256 << 20;
+
+/// `value(rows, edits)` (`[rows, len, ...]` over every position) sliced to each row's
+/// suffix positions, computed a block of rows at a time so that no more than
+/// [`SLICE_BLOCK_BYTES`] of full-length rows exist at once: at 8K tokens one row of a
+/// DeepSeek-V4-Flash `hook_z` is 1 GiB, and a chunk holds dozens.
+fn sliced_rows(
+    base_act: &Act,
+    row_prompt: &[usize],
+    edits: &[&RowEdit],
+    sfx: &Suffix,
+    value: impl Fn(&[usize], &[&RowEdit]) -> Result<Act>,
+) -> Result<Act> {
+    let per_row = 4 * base_act.shape()[1..].iter().product::<usize>();
+    let block = (SLICE_BLOCK_BYTES / per_row.max(1)).max(1);
+    sliced_rows_by(block, row_prompt, edits, sfx, value)
+}
+
+/// [`sliced_rows`] `block` rows at a time.
+fn sliced_rows_by(
+    block: usize,
+    row_prompt: &[usize],
+    edits: &[&RowEdit],
+    sfx: &Suffix,
+    value: impl Fn(&[usize], &[&RowEdit]) -> Result<Act>,
+) -> Result<Act> {
+    let mut parts = Vec::new();
+    for start in (0..row_prompt.len()).step_by(block) {
+        let end = (start + block).min(row_prompt.len());
+        let local: Vec<RowEdit> = edits
+            .iter()
+            .filter(|e| (start..end).contains(&e.row))
+            .map(|e| RowEdit {
+                row: e.row - start,
+                prompt: e.prompt,
+                fill: e.fill,
+                heads: e.heads,
+                positions: e.positions.clone(),
+            })
+            .collect();
+        let refs: Vec<&RowEdit> = local.iter().collect();
+        let full = value(&row_prompt[start..end], &refs)?;
+        parts.push(slice_positions(&full, &sfx.from[start..end], sfx.len)?);
+    }
+    if parts.len() == 1 {
+        return Ok(parts.pop().expect("one part"));
+    }
+    Act::cat_batch(&parts)
+}
+
 /// Add to `spec` one `Action::Replace` per point and fill of the merged replace
 /// edits: the fill's value over every row (sliced to the suffix when the chunk runs
 /// as one), scoped to the rows that take it. Per point, the rows' own values
@@ -646,16 +698,17 @@ fn install_replacements(
         fills.dedup();
         for fill in fills {
             let of_fill: Vec<&RowEdit> = edits.iter().filter(|e| e.fill.key() == fill).collect();
-            let mut value = match fill {
-                FillKey::Own => base_act.select_batch(row_prompt)?,
-                FillKey::Fill(f) => {
-                    fill_value_act(point, f, base_act, prompts, row_prompt, &of_fill)?
+            let value = |rows: &[usize], edits: &[&RowEdit]| -> Result<Act> {
+                match fill {
+                    FillKey::Own => base_act.select_batch(rows),
+                    FillKey::Fill(f) => fill_value_act(point, f, base_act, prompts, rows, edits),
+                    FillKey::Stage => base.stages.value(point, base_act, rows, edits),
                 }
-                FillKey::Stage => base.stages.value(point, base_act, row_prompt, &of_fill)?,
             };
-            if let Some(sfx) = suffix {
-                value = slice_positions(&value, &sfx.from, sfx.len)?;
-            }
+            let value = match suffix {
+                None => value(row_prompt, &of_fill)?,
+                Some(sfx) => sliced_rows(base_act, row_prompt, &of_fill, sfx, value)?,
+            };
             // Every row at every head and position (a stage's freezes): no mask.
             let whole = of_fill.len() == row_prompt.len()
                 && of_fill
@@ -700,8 +753,7 @@ pub fn run_chunk_with(
     let rows = chunk_rows(cells, chunk)?;
     let (start, row_prompt) = (rows.start, &rows.row_prompt);
     let device = model.device();
-    let resid =
-        act_at(&base.cache, &HookPoint::block(start, Site::ResidPre))?.select_batch(row_prompt)?;
+    let resid_all = act_at(&base.cache, &HookPoint::block(start, Site::ResidPre))?;
     let tokens = prompts.tokens_of(row_prompt, &device);
     let (per_point, spec) = chunk_edits(prompts, cells, chunk, &rows);
     let suffix = match (path, &base.state) {
@@ -711,12 +763,15 @@ pub fn run_chunk_with(
     let spec = install_replacements(spec, &per_point, base, prompts, row_prompt, suffix.as_ref())?;
     let outcomes = match (&suffix, &base.state) {
         (Some(sfx), Some(state)) => {
-            let resid = slice_positions(&resid, &sfx.from, sfx.len)?;
+            // Each row's suffix positions straight from the base run's prompts, never
+            // its whole prompt per row.
+            let resid = take_positions(resid_all, row_prompt, &sfx.from, sfx.len)?;
             let out = model.forward_suffix(start, state, sfx, &resid, &spec)?;
             let shifted = suffix_targets(prompts, row_prompt, sfx);
             readout(out.logits, &shifted.iter().collect::<Vec<_>>())?
         }
         _ => {
+            let resid = resid_all.select_batch(row_prompt)?;
             let out = model.forward_from(tokens, start, &resid, &spec)?;
             let targets: Vec<&Target> = row_prompt.iter().map(|&p| &prompts.targets[p]).collect();
             readout(out.logits, &targets)?
@@ -732,6 +787,64 @@ pub fn run_chunk_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Slicing a block of rows at a time gives the rows of slicing them all at once,
+    /// with each block's edits renumbered to its rows.
+    #[test]
+    fn sliced_rows_in_blocks_equal_one_block() {
+        let device = Default::default();
+        let values: Vec<f32> = (0..3 * 6 * 2).map(|v| v as f32).collect();
+        let base = Act::from_vec(values, vec![3, 6, 2], &device).unwrap();
+        let row_prompt = [0, 1, 2, 1, 0];
+        let edited = [
+            RowEdit {
+                row: 1,
+                prompt: 1,
+                fill: RowFill::Own,
+                heads: None,
+                positions: None,
+            },
+            RowEdit {
+                row: 4,
+                prompt: 0,
+                fill: RowFill::Own,
+                heads: None,
+                positions: None,
+            },
+        ];
+        let edits: Vec<&RowEdit> = edited.iter().collect();
+        // Edited rows take prompt 2's values (a stand-in for a partner fill).
+        let value = |rows: &[usize], edits: &[&RowEdit]| -> Result<Act> {
+            let mut idx = rows.to_vec();
+            for e in edits {
+                idx[e.row] = 2;
+            }
+            base.select_batch(&idx)
+        };
+        let sfx = Suffix {
+            rows: row_prompt.to_vec(),
+            from: vec![0, 3, 1, 2, 4],
+            len: 2,
+        };
+        let all = sliced_rows_by(99, &row_prompt, &edits, &sfx, value).unwrap();
+        assert_eq!(all.shape(), &[5, 2, 2]);
+        for block in [1, 2, 3] {
+            let got = sliced_rows_by(block, &row_prompt, &edits, &sfx, value).unwrap();
+            assert_eq!(got.to_vec(), all.to_vec(), "block {block}");
+        }
+        // Row 1 (edited) reads prompt 2 at positions 3..5; row 3 its own prompt 1.
+        let v = all.to_vec();
+        assert_eq!(&v[4..8], &[(2 * 12 + 6) as f32, 31.0, 32.0, 33.0]);
+        assert_eq!(&v[12..16], &[(12 + 4) as f32, 17.0, 18.0, 19.0]);
+        assert_eq!(
+            take_positions(&base, &row_prompt, &sfx.from, 2)
+                .unwrap()
+                .to_vec(),
+            slice_positions(&base.select_batch(&row_prompt).unwrap(), &sfx.from, 2)
+                .unwrap()
+                .to_vec()
+        );
+    }
 
     #[test]
     fn positions_resolve() {

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use super::suffix::{span_suffix, unslice_positions};
+use super::suffix::{span_suffix, take_positions, unslice_positions};
 use super::*;
 
 /// The earlier stage of a two-stage edit: one forward of a prompt (from the first
@@ -253,11 +253,10 @@ impl StageForward<'_> {
         for p in &points {
             spec = spec.capture_point(*p);
         }
-        let resid = act_at(&base.cache, &HookPoint::block(start, Site::ResidPre))?
-            .select_batch(&row_prompt)?;
+        let resid_all = act_at(&base.cache, &HookPoint::block(start, Site::ResidPre))?;
         let (cache, sfx) = match (&suffix, &base.state) {
             (Some(sfx), Some(state)) => {
-                let resid = slice_positions(&resid, &sfx.from, sfx.len)?;
+                let resid = take_positions(resid_all, &row_prompt, &sfx.from, sfx.len)?;
                 let o = self
                     .model
                     .forward_suffix(start, state, sfx, &resid, &spec)?;
@@ -265,6 +264,7 @@ impl StageForward<'_> {
             }
             _ => {
                 let tokens = prompts.tokens_of(&row_prompt, &self.model.device());
+                let resid = resid_all.select_batch(&row_prompt)?;
                 let o = self.model.forward_from(tokens, start, &resid, &spec)?;
                 (o.cache, None)
             }

@@ -108,6 +108,35 @@ pub(super) fn slice_positions(act: &Act, from: &[usize], len: usize) -> Result<A
     act.reshaped(view)?.select_batch(&idx)?.reshaped(out)
 }
 
+/// Positions `from[r] .. from[r] + len` of prompt `rows[r]` of `act: [prompts, t, ...]`
+/// for every row: `[rows, len, ...]`, what `slice_positions(select_batch(rows))` gives,
+/// without building any row at full length.
+pub(super) fn take_positions(act: &Act, rows: &[usize], from: &[usize], len: usize) -> Result<Act> {
+    let shape = act.shape().to_vec();
+    if shape.len() < 2 || rows.len() != from.len() {
+        return Err(Error::Other(format!(
+            "cannot take per-row positions of an activation of shape {shape:?}"
+        )));
+    }
+    let (n, t) = (shape[0], shape[1]);
+    let mut idx = Vec::with_capacity(rows.len() * len);
+    for (&p, &f) in rows.iter().zip(from) {
+        if p >= n || f + len > t {
+            return Err(Error::Other(format!(
+                "prompt {p} positions {f}..{} out of range ({n} prompts of {t})",
+                f + len
+            )));
+        }
+        idx.extend((f..f + len).map(|q| p * t + q));
+    }
+    let mut view = shape.clone();
+    view.splice(0..2, [n * t]);
+    let mut out = shape;
+    out[0] = rows.len();
+    out[1] = len;
+    act.reshaped(view)?.select_batch(&idx)?.reshaped(out)
+}
+
 /// The inverse of [`slice_positions`]: `full: [rows, t, ...]` with positions
 /// `from[r] .. from[r] + len` of each row taken from `part: [rows, len, ...]`.
 pub(super) fn unslice_positions(full: &Act, part: &Act, from: &[usize], len: usize) -> Result<Act> {
