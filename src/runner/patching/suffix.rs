@@ -83,29 +83,15 @@ pub(super) fn span_suffix(prompts: &Prompts, rows: &[(usize, &Positions)]) -> Op
 
 /// Positions `from[r] .. from[r] + len` (axis 1) of each row of `act`.
 pub(super) fn slice_positions(act: &Act, from: &[usize], len: usize) -> Result<Act> {
-    let shape = act.shape().to_vec();
-    if shape.len() < 2 || shape[0] != from.len() {
+    let b = act.shape().first().copied().unwrap_or(0);
+    if act.shape().len() < 2 || b != from.len() {
         return Err(Error::Other(format!(
-            "cannot take per-row positions of an activation of shape {shape:?}"
+            "cannot take per-row positions of an activation of shape {:?}",
+            act.shape()
         )));
     }
-    let (b, t) = (shape[0], shape[1]);
-    let mut idx = Vec::with_capacity(b * len);
-    for (r, &f) in from.iter().enumerate() {
-        if f + len > t {
-            return Err(Error::Other(format!(
-                "positions {f}..{} out of range 0..{t}",
-                f + len
-            )));
-        }
-        idx.extend((f..f + len).map(|p| r * t + p));
-    }
-    // Rows of the [b * t, ...] view are (row, position) pairs.
-    let mut view = shape.clone();
-    view.splice(0..2, [b * t]);
-    let mut out = shape;
-    out[1] = len;
-    act.reshaped(view)?.select_batch(&idx)?.reshaped(out)
+    let rows: Vec<usize> = (0..b).collect();
+    take_positions(act, &rows, from, len)
 }
 
 /// Positions `from[r] .. from[r] + len` of prompt `rows[r]` of `act: [prompts, t, ...]`
