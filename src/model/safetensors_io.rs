@@ -565,7 +565,39 @@ pub fn write_safetensors(
         path: path.to_path_buf(),
         message: e.to_string(),
     })?;
-    write_atomic(path, &bytes)
+    write_atomic(path, &sorted_header(bytes))
+}
+
+/// The same file with its JSON header's keys in sorted order: the metadata arrive as a
+/// `HashMap`, whose order changes from one map to the next, so two writes of the same
+/// tensors could differ in their header bytes. The header keeps its length (padded with
+/// spaces, as the format pads it); the data offsets are unchanged.
+fn sorted_header(bytes: Vec<u8>) -> Vec<u8> {
+    let Some(n) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+    else {
+        return bytes;
+    };
+    let Some(Ok(header)) = bytes
+        .get(8..8 + n)
+        .map(serde_json::from_slice::<serde_json::Value>)
+    else {
+        return bytes;
+    };
+    // serde_json's objects are sorted by key (no `preserve_order`).
+    let Ok(mut text) = serde_json::to_string(&header) else {
+        return bytes;
+    };
+    if text.len() > n {
+        return bytes;
+    }
+    text.extend(std::iter::repeat_n(' ', n - text.len()));
+    let mut out = Vec::with_capacity(bytes.len());
+    out.extend_from_slice(&bytes[..8]);
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    out
 }
 
 /// Write bytes to `path` atomically through `crate::output::atomic` (unique temp
@@ -577,6 +609,37 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    /// The same tensors and metadata give the same bytes on every write (the metadata's
+    /// `HashMap` order does not reach the file), and the file reads back.
+    #[test]
+    fn writes_are_byte_identical_whatever_the_metadata_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = BTreeMap::new();
+        t.insert(
+            "w".to_string(),
+            OwnedTensor {
+                shape: vec![2, 3],
+                data: TensorValues::F32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+            },
+        );
+        let mut first: Option<Vec<u8>> = None;
+        for i in 0..16 {
+            let mut meta = HashMap::new();
+            for k in ["format", "producer", "a", "b", "c"] {
+                meta.insert(k.to_string(), format!("{k}-value"));
+            }
+            let p = dir.path().join(format!("{i}.safetensors"));
+            write_safetensors(&p, &t, Some(meta)).unwrap();
+            let bytes = std::fs::read(&p).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            assert_eq!(st.tensor("w").unwrap().shape(), &[2, 3]);
+            match &first {
+                None => first = Some(bytes),
+                Some(f) => assert_eq!(f, &bytes, "write {i}"),
+            }
+        }
+    }
+
     use super::*;
 
     #[test]
