@@ -60,14 +60,6 @@ fn layer_state_per_token(state: &PrefixState) -> f64 {
     state.max_layer_bytes() / tokens
 }
 
-/// Bytes of the base run of `cells` over `prompts`: one forward of every prompt, the
-/// captures the cells read, and (when a cell can run as a suffix forward) the state.
-pub fn base_bytes(info: &ModelInfo, prompts: &Prompts, cells: &[Cell]) -> Result<f64> {
-    let (n, len) = (prompts.n(), prompts.len);
-    let captures = captures_bytes(info, &captures_for(cells)?, n, len);
-    Ok(memory::forward_bytes(info, n, len) + captures)
-}
-
 /// What a chunk costs and why: bytes, rows, and the positions each row computes.
 #[derive(Debug, Clone, Copy)]
 pub struct ChunkSize {
@@ -150,35 +142,32 @@ pub fn check_group(
     base: Option<&Base>,
     keys: (&str, &str),
 ) -> Result<()> {
-    let keeps_state = cells
-        .iter()
-        .any(|c| super::suffix::suffix_edit(c).is_some());
+    let keeps_state = super::suffix::keeps_state(cells);
     let state = match base {
         None => keeps_state.then_some(None),
         Some(b) => b.state.as_deref().map(Some),
     };
     let (n, len) = (prompts.n(), prompts.len);
-    if base.is_none() {
-        let bytes = base_bytes(info, prompts, cells)?;
+    // Before the base run: its forward next to the captures the cells read (which then
+    // stay alive next to every chunk, with the state when one is kept).
+    let held = if base.is_none() {
+        let captures = captures_bytes(info, &captures_for(cells)?, n, len);
         memory::check(
             &format!("the base run ({n} x {len} tokens with its captures)"),
             keys.0,
-            bytes,
+            memory::forward_bytes(info, n, len) + captures,
         )?;
-    }
-    let Some(c) = largest_chunk(info, prompts, cells, chunks, state) else {
-        return Ok(());
-    };
-    // Before the base run, its captures stay alive next to every chunk.
-    let held = if base.is_none() {
-        captures_bytes(info, &captures_for(cells)?, n, len)
-            + if keeps_state {
-                estimated_layer_state_per_token(info) * info.n_layers() as f64 * (n * len) as f64
-            } else {
-                0.0
-            }
+        let state = if keeps_state {
+            estimated_layer_state_per_token(info) * info.n_layers() as f64 * (n * len) as f64
+        } else {
+            0.0
+        };
+        captures + state
     } else {
         0.0
+    };
+    let Some(c) = largest_chunk(info, prompts, cells, chunks, state) else {
+        return Ok(());
     };
     let how = if c.suffix {
         format!("a suffix forward of {} positions per row", c.positions)

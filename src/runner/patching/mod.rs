@@ -68,7 +68,7 @@ use fill::{
 pub use naive::run_cell_naive;
 pub use stage::{Stage, StageCaptures, run_stages};
 pub use suffix::{ChunkPath, plan_suffix};
-use suffix::{slice_positions, suffix_edit, take_positions};
+use suffix::{slice_positions, take_positions};
 
 /// Which query positions an edit touches, per prompt. `{ final = 0 }` (a band of no
 /// positions: every cell would read as "no effect") is rejected where it is parsed, in
@@ -376,7 +376,7 @@ pub fn base_run_for(
     cells: &[Cell],
     max_rows: usize,
 ) -> Result<Base> {
-    let keep = cells.iter().any(|c| suffix_edit(c).is_some());
+    let keep = suffix::keeps_state(cells);
     let mut base = base_run_with(model, prompts, &captures_for(cells)?, keep)?;
     base.stages = Arc::new(run_stages(
         model,

@@ -81,6 +81,12 @@ pub(super) fn span_suffix(prompts: &Prompts, rows: &[(usize, &Positions)]) -> Op
     })
 }
 
+/// Whether a base run for `cells` keeps the prefix state: some cell can run as a suffix
+/// forward ([`suffix_edit`]).
+pub(super) fn keeps_state(cells: &[Cell]) -> bool {
+    cells.iter().any(|c| suffix_edit(c).is_some())
+}
+
 /// Positions `from[r] .. from[r] + len` (axis 1) of each row of `act`.
 pub(super) fn slice_positions(act: &Act, from: &[usize], len: usize) -> Result<Act> {
     let b = act.shape().first().copied().unwrap_or(0);
