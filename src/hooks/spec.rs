@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
 
 use super::cache::{Act, ActivationCache};
 use super::point::{HookPoint, PointPattern};
@@ -132,6 +132,7 @@ pub struct Intervention {
 pub struct HookSpec {
     captures: Vec<PointPattern>,
     interventions: Vec<Intervention>,
+    window: Option<std::ops::Range<usize>>,
 }
 
 impl HookSpec {
@@ -151,6 +152,48 @@ impl HookSpec {
         self.captures
             .push(PointPattern::new(&point.to_string()).expect("a HookPoint's name is valid"));
         self
+    }
+
+    /// Captures of per-token points (the residual stream, q / k / v / z, per-head
+    /// results, sublayer outputs: `[batch, pos, ...]`) keep only token positions
+    /// `positions` (`[batch, positions.len(), ...]`, a copy: the forward's full
+    /// activation is freed as usual). Other points are captured whole. Interventions
+    /// are unaffected. The patching runner's base run uses it when every cell runs as a
+    /// suffix forward, which reads the base run at those positions only.
+    pub fn capture_window(mut self, positions: std::ops::Range<usize>) -> Self {
+        self.window = Some(positions);
+        self
+    }
+
+    /// The positions per-token captures keep ([`capture_window`](Self::capture_window);
+    /// `None`: every position).
+    pub fn window(&self) -> Option<&std::ops::Range<usize>> {
+        self.window.as_ref()
+    }
+
+    /// What a capture of `point` stores: `x`, or its window of positions (per-token
+    /// points, [`capture_window`](Self::capture_window)).
+    fn kept<const D: usize>(&self, point: &HookPoint, x: Tensor<D>) -> Result<Act> {
+        let info = point.site.info();
+        match &self.window {
+            Some(w) if info.per_token && info.pos_axis == Some(1) && D >= 2 => {
+                let t = x.dims()[1];
+                if w.start >= w.end || w.end > t {
+                    return Err(Error::hook(
+                        point.to_string(),
+                        format!(
+                            "capture window {}..{} is not within the {t} positions of the activation",
+                            w.start, w.end
+                        ),
+                    ));
+                }
+                // `select` copies: a narrowed view would keep the whole buffer alive.
+                let idx =
+                    Tensor::<1, Int>::arange(w.start as i64..w.end as i64, &x.device());
+                Ok(Act::new(x.select(1, idx)))
+            }
+            _ => Ok(Act::new(x)),
+        }
     }
 
     /// Add an intervention on every point matching `target`.
@@ -244,7 +287,8 @@ impl<'a> HookRun<'a> {
             }
         }
         if self.spec.captures_point(&point) {
-            self.cache.insert(point, Act::new(x.clone()));
+            let act = self.spec.kept(&point, x.clone())?;
+            self.cache.insert(point, act);
         }
         Ok(x)
     }
@@ -253,7 +297,12 @@ impl<'a> HookRun<'a> {
     /// top-k choices), if it is captured.
     pub fn record<const D: usize>(&mut self, point: HookPoint, x: impl FnOnce() -> Tensor<D>) {
         if !self.spec.is_empty() && self.spec.captures_point(&point) {
-            self.cache.insert(point, Act::new(x()));
+            // Recorded points (indexer choices, router top-k) are not per-token stream
+            // points, so no window applies; were one refused, the capture would be
+            // missing, which its reader reports.
+            if let Ok(act) = self.spec.kept(&point, x()) {
+                self.cache.insert(point, act);
+            }
         }
     }
 

@@ -158,6 +158,7 @@ impl<'a> Executor<'a> {
                     outcomes: patching::evaluate(self.model, &g.prompts, self.max_rows)?,
                     state: None,
                     stages: Default::default(),
+                    window: None,
                 }
             } else {
                 base_run_for(self.model, &g.prompts, &cells_needed, self.max_rows)?

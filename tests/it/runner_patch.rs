@@ -498,13 +498,20 @@ fn memory_check_counts_suffix_chunks_by_their_positions() {
     let base = forward_bytes(&info, 16, len);
     // What the old rule asked for: max_rows full-length rows.
     let old = forward_bytes(&info, 256, len);
-    // Just above the base forward alone: the base run's captures do not fit.
+    // Just above the base forward alone: the captures of cells patched at every
+    // position (every position of hook_z and hook_resid_pre) do not fit; those of
+    // answer-position cells (a window of positions, Base::window) do, and their suffix
+    // chunks too: that run completes within the same budget (its own experiment file,
+    // so that the run below computes its cells again).
     set_budget(Some(base * 1.01));
-    let e = run_experiment(&exp, &o).unwrap_err().to_string();
+    let e = run_experiment(&exp_all(d), &o).unwrap_err().to_string();
     assert!(
-        e.contains("base run") && e.contains("n_logical (8)") && e.contains("mem.toml"),
+        e.contains("base run") && e.contains("n_logical (8)") && e.contains("mem-all.toml"),
         "{e}"
     );
+    let windowed = experiment(d, "mem-window.toml", &text);
+    let s = run_experiment(&windowed, &o).unwrap();
+    assert_eq!(s.stats.cells_computed, 4 * 2 * 2 * 6);
     // Three base forwards: enough for the base run with its captures and for chunks of
     // 96 suffix rows (12 cells x 8 prompts per layer) of a few positions each, a fifth
     // of what the old rule asked for.
@@ -521,4 +528,129 @@ fn memory_check_counts_suffix_chunks_by_their_positions() {
         "{e}"
     );
     set_budget(None);
+}
+
+/// Values of `act: [b, t, ...]` at positions `w` of every row.
+fn window_of(act: &phaselens::hooks::Act, w: &std::ops::Range<usize>) -> Vec<f32> {
+    let s = act.shape();
+    let per: usize = s[2..].iter().product();
+    let v = act.to_vec();
+    (0..s[0])
+        .flat_map(|b| v[(b * s[1] + w.start) * per..(b * s[1] + w.end) * per].to_vec())
+        .collect()
+}
+
+/// A base run whose cells all run as suffix forwards keeps its per-token captures at
+/// the suffixes' positions only (`Base::window`), and its chunks give exactly the
+/// outcomes of a base run that captured every position: kvc with compression, kvc with
+/// full attention and DeepSeek-V4. A chunk that needs every position is refused on it.
+#[test]
+fn windowed_base_run_gives_the_outcomes_of_a_whole_one() {
+    use phaselens::model::LanguageModel;
+    use phaselens::runner::patching::{base_run_for, budget, capture_window};
+    let space = TokenSpace::default_synthetic();
+    let kvc_prompts = tiny_prompts(&space, 1, 6);
+    let kvc = random_model(&tiny(3, 4, 2, 4, 4), 3);
+    let mut full_cfg = tiny(3, 4, 2, 4, 4);
+    full_cfg.attention = phaselens::model::kvc::AttentionKind::Full;
+    full_cfg.compression = None;
+    let full = random_model(&full_cfg, 4);
+    let v4 = crate::edges::tiny_v4(13);
+    let v4_prompts = pair_prompts(40, 1);
+    let models: [(&str, &dyn LanguageModel, &phaselens::runner::patching::Prompts); 3] = [
+        ("kvc", &kvc, &kvc_prompts),
+        ("kvc full attention", &full, &kvc_prompts),
+        ("deepseek-v4", &v4, &v4_prompts),
+    ];
+    for (name, model, prompts) in models {
+        let n = prompts.n() / 2;
+        let clean: Vec<usize> = (0..n).collect();
+        let corrupted: Vec<usize> = (n..2 * n).collect();
+        let mut cells = Vec::new();
+        for l in 0..3 {
+            for (site, heads) in [
+                (Site::AttnZ, Some(vec![l % 2])),
+                (Site::ResidPre, None),
+                (Site::MlpOut, None),
+            ] {
+                for (positions, fill, rows) in [
+                    (Positions::Answer, Fill::Source, &corrupted),
+                    (Positions::Final(3), Fill::Mean, &clean),
+                    (Positions::Final(2), Fill::Zero, &corrupted),
+                ] {
+                    cells.push(Cell {
+                        edit: Edit::Replace {
+                            point: HookPoint::block(l, site),
+                            heads: heads.clone(),
+                            positions,
+                            fill,
+                        },
+                        prompts: rows.clone(),
+                    });
+                }
+            }
+        }
+        let whole = base_run(model, prompts, &captures_for(&cells).unwrap()).unwrap();
+        assert!(whole.window.is_none(), "{name}");
+        let windowed = base_run_for(model, prompts, &cells, 48).unwrap();
+        let w = windowed.window.clone().unwrap_or_else(|| panic!("{name}: no window"));
+        assert_eq!(Some(w.clone()), capture_window(prompts, &cells), "{name}");
+        assert!(2 * w.len() < prompts.len, "{name}: window {w:?} of {}", prompts.len);
+        assert_eq!(windowed.cache.len(), whole.cache.len(), "{name}");
+        for (p, act) in windowed.cache.iter() {
+            let all = whole.cache.get(p).unwrap();
+            assert!(p.site.info().per_token, "{name}: {p}");
+            let mut want = all.shape().to_vec();
+            want[1] = w.len();
+            assert_eq!(act.shape(), want.as_slice(), "{name}: {p}");
+            assert_eq!(act.to_vec(), window_of(all, &w), "{name}: {p}");
+        }
+        let mut moved = 0;
+        for ch in plan_chunks(&cells, 8).unwrap() {
+            let a = run_chunk(model, prompts, &whole, &cells, &ch).unwrap();
+            let b = run_chunk(model, prompts, &windowed, &cells, &ch).unwrap();
+            for ((&c, a), b) in ch.iter().zip(&a).zip(&b) {
+                for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                    assert_eq!(
+                        (x.correct, x.ld.to_bits()),
+                        (y.correct, y.ld.to_bits()),
+                        "{name}: cell {c} row {i}: {} vs {}",
+                        x.ld,
+                        y.ld
+                    );
+                    if (x.ld - windowed.outcomes[cells[c].prompts[i]].ld).abs() > 1e-3 {
+                        moved += 1;
+                    }
+                }
+            }
+        }
+        assert!(moved > cells.len(), "{name}: the edits changed too little: {moved}");
+        // The memory check counts the window, not every position.
+        let info = model.info();
+        let pts = captures_for(&cells).unwrap();
+        let (rows, len) = (prompts.n(), prompts.len);
+        let kept = budget::base_captures_bytes(&info, &pts, rows, len, Some(w.len()));
+        let all = budget::base_captures_bytes(&info, &pts, rows, len, None);
+        assert!(
+            (kept * len as f64 - all * w.len() as f64).abs() < 1e-6 * all * w.len() as f64,
+            "{name}: {kept} vs {all}"
+        );
+        // A cell that reads every position cannot run on the windowed base run.
+        let every = Cell {
+            edit: Edit::Replace {
+                point: HookPoint::block(0, Site::AttnZ),
+                heads: None,
+                positions: Positions::All,
+                fill: Fill::Zero,
+            },
+            prompts: clean.clone(),
+        };
+        let err = run_chunk(model, prompts, &windowed, &[every], &[0])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("kept positions {}..{}", w.start, w.end)),
+            "{name}: {err}"
+        );
+    }
 }

@@ -45,6 +45,27 @@ pub fn captures_bytes(info: &ModelInfo, points: &[HookPoint], rows: usize, len: 
         .sum()
 }
 
+/// Bytes of a base run's captures `points` over `rows x len` tokens when its per-token
+/// captures keep `window` positions only ([`super::capture_window`]; `None`: all).
+pub fn base_captures_bytes(
+    info: &ModelInfo,
+    points: &[HookPoint],
+    rows: usize,
+    len: usize,
+    window: Option<usize>,
+) -> f64 {
+    points
+        .iter()
+        .map(|p| {
+            let kept = match window {
+                Some(w) if p.site.info().per_token => w,
+                _ => len,
+            };
+            4.0 * rows as f64 * kept as f64 * capture_width(info, p, len)
+        })
+        .sum()
+}
+
 /// Per-token bytes of the largest layer's state, estimated from the model's keys and
 /// values (what a suffix forward merges one layer at a time) before a state exists.
 fn estimated_layer_state_per_token(info: &ModelInfo) -> f64 {
@@ -151,7 +172,11 @@ pub fn check_group(
     // Before the base run: its forward next to the captures the cells read (which then
     // stay alive next to every chunk, with the state when one is kept).
     let held = if base.is_none() {
-        let captures = captures_bytes(info, &captures_for(cells)?, n, len);
+        // The per-token captures keep only the suffixes' positions when every cell
+        // runs as one (a model without a suffix forward reruns the base run whole,
+        // which this does not count: every model here has one).
+        let window = super::capture_window(prompts, cells).map(|w| w.len());
+        let captures = base_captures_bytes(info, &captures_for(cells)?, n, len, window);
         memory::check(
             &format!("the base run ({n} x {len} tokens with its captures)"),
             keys.0,

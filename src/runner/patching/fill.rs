@@ -145,8 +145,14 @@ pub(super) fn fill_value_act(
 
 /// Position scopes of the patching routine count tokens: an edit at given positions
 /// needs a point whose position axis counts tokens (the `sites!` table's fact), and
-/// the positions must lie in the prompt.
-pub(super) fn check_edit_positions(point: &HookPoint, base: &Act, edits: &[RowEdit]) -> Result<()> {
+/// the positions must lie in the prompt: below `bound` (the prompt length) when the
+/// base run's captures hold a window of positions, else below their own length.
+pub(super) fn check_edit_positions(
+    point: &HookPoint,
+    base: &Act,
+    edits: &[RowEdit],
+    bound: Option<usize>,
+) -> Result<()> {
     let info = point.site.info();
     for e in edits {
         let Some(pos) = &e.positions else { continue };
@@ -156,7 +162,7 @@ pub(super) fn check_edit_positions(point: &HookPoint, base: &Act, edits: &[RowEd
                 "positions other than \"all\" need a point indexed by token position",
             ));
         };
-        let n = base.shape().get(axis).copied().unwrap_or(0);
+        let n = bound.unwrap_or_else(|| base.shape().get(axis).copied().unwrap_or(0));
         if let Some(p) = pos.iter().find(|&&p| p >= n) {
             return Err(Error::hook(
                 point.to_string(),

@@ -67,7 +67,7 @@ use fill::{
 };
 pub use naive::run_cell_naive;
 pub use stage::{Stage, StageCaptures, run_stages};
-pub use suffix::{ChunkPath, plan_suffix};
+pub use suffix::{ChunkPath, capture_window, plan_suffix};
 use suffix::{slice_positions, take_positions};
 
 /// Which query positions an edit touches, per prompt. `{ final = 0 }` (a band of no
@@ -280,6 +280,10 @@ pub struct Base {
     /// The captures of the stages the cells' [`Edit::FromStage`] edits replace from
     /// ([`run_stages`]; empty without such cells).
     pub stages: Arc<StageCaptures>,
+    /// The token positions its per-token captures hold (`None`: every position): a
+    /// base run whose cells all run as suffix forwards keeps only the positions they
+    /// read ([`base_run_for`]).
+    pub window: Option<std::ops::Range<usize>>,
 }
 
 /// The points a base run must capture so that `cells` can run.
@@ -370,6 +374,10 @@ pub fn base_run(
 /// when some cell can run as a suffix forward (it holds every layer's per-token keys
 /// and values: no need to keep them for "all"-position edits or transforms); then
 /// the forwards of the cells' stages ([`run_stages`], `max_rows` rows at a time).
+/// When every cell runs as a suffix forward, the per-token captures keep only the
+/// positions the suffixes read ([`suffix::capture_window`]; at 8K tokens of
+/// DeepSeek-V4-Flash width, every position of `hook_z` and `hook_resid_pre` of three
+/// layers is ~9 GiB, the answer positions a few MiB).
 pub fn base_run_for(
     model: &dyn LanguageModel,
     prompts: &Prompts,
@@ -377,7 +385,13 @@ pub fn base_run_for(
     max_rows: usize,
 ) -> Result<Base> {
     let keep = suffix::keeps_state(cells);
-    let mut base = base_run_with(model, prompts, &captures_for(cells)?, keep)?;
+    let captures = captures_for(cells)?;
+    let window = suffix::capture_window(prompts, cells);
+    let mut base = base_run_windowed(model, prompts, &captures, keep, window.clone())?;
+    if window.is_some() && base.state.is_none() {
+        // The model has no suffix forward: its chunks read every position.
+        base = base_run_with(model, prompts, &captures, keep)?;
+    }
     base.stages = Arc::new(run_stages(
         model,
         prompts,
@@ -396,12 +410,27 @@ pub fn base_run_with(
     captures: &[HookPoint],
     keep_state: bool,
 ) -> Result<Base> {
+    base_run_windowed(model, prompts, captures, keep_state, None)
+}
+
+/// [`base_run_with`], the per-token captures kept at positions `window` only
+/// ([`HookSpec::capture_window`]; `None`: every position).
+pub fn base_run_windowed(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    captures: &[HookPoint],
+    keep_state: bool,
+    window: Option<std::ops::Range<usize>>,
+) -> Result<Base> {
     prompts.check()?;
     let device = model.device();
     let all: Vec<usize> = (0..prompts.n()).collect();
     let mut spec = HookSpec::new();
     for p in captures {
         spec = spec.capture_point(*p);
+    }
+    if let Some(w) = &window {
+        spec = spec.capture_window(w.clone());
     }
     let tokens = prompts.tokens_of(&all, &device);
     let (out, state) = if keep_state {
@@ -432,6 +461,7 @@ pub fn base_run_with(
         outcomes,
         state: state.map(Arc::new),
         stages: Default::default(),
+        window,
     })
 }
 
@@ -690,9 +720,13 @@ fn install_replacements(
     row_prompt: &[usize],
     suffix: Option<&Suffix>,
 ) -> Result<HookSpec> {
+    // Suffix positions as indices into the base run's captures (which may hold a
+    // window of positions only, `Base::window`).
+    let local = suffix.map(|s| windowed_suffix(base, s)).transpose()?;
     for (point, edits) in per_point {
         let base_act = act_at(&base.cache, point)?;
-        check_edit_positions(point, base_act, edits)?;
+        let bound = base.window.as_ref().map(|_| prompts.len);
+        check_edit_positions(point, base_act, edits, bound)?;
         let mut fills: Vec<FillKey> = edits.iter().map(|e| e.fill.key()).collect();
         fills.sort();
         fills.dedup();
@@ -705,7 +739,7 @@ fn install_replacements(
                     FillKey::Stage => base.stages.value(point, base_act, rows, edits),
                 }
             };
-            let value = match suffix {
+            let value = match &local {
                 None => value(row_prompt, &of_fill)?,
                 Some(sfx) => sliced_rows(base_act, row_prompt, &of_fill, sfx, value)?,
             };
@@ -723,6 +757,32 @@ fn install_replacements(
         }
     }
     Ok(spec)
+}
+
+/// `sfx` with its positions counted from the start of the base run's capture window
+/// (`Base::window`; unchanged without one). A window that does not hold the suffix is
+/// an error (the window was planned for other cells).
+fn windowed_suffix(base: &Base, sfx: &Suffix) -> Result<Suffix> {
+    let Some(w) = &base.window else {
+        return Ok(sfx.clone());
+    };
+    let mut from = Vec::with_capacity(sfx.from.len());
+    for &f in &sfx.from {
+        if f < w.start || f + sfx.len > w.end {
+            return Err(Error::Other(format!(
+                "suffix positions {f}..{} lie outside the base run's capture window {}..{}",
+                f + sfx.len,
+                w.start,
+                w.end
+            )));
+        }
+        from.push(f - w.start);
+    }
+    Ok(Suffix {
+        rows: sfx.rows.clone(),
+        from,
+        len: sfx.len,
+    })
 }
 
 /// The targets of the rows of a suffix forward, their positions relative to each
@@ -760,12 +820,21 @@ pub fn run_chunk_with(
         (ChunkPath::Auto, Some(_)) => plan_suffix(prompts, cells, chunk),
         _ => None,
     };
+    if let (Some(w), None) = (&base.window, &suffix) {
+        return Err(Error::Other(format!(
+            "the base run kept positions {}..{} of its captures only, and this chunk does \
+             not run as a suffix forward (give its cells a base run of their own: \
+             base_run_for)",
+            w.start, w.end
+        )));
+    }
     let spec = install_replacements(spec, &per_point, base, prompts, row_prompt, suffix.as_ref())?;
     let outcomes = match (&suffix, &base.state) {
         (Some(sfx), Some(state)) => {
             // Each row's suffix positions straight from the base run's prompts, never
             // its whole prompt per row.
-            let resid = take_positions(resid_all, row_prompt, &sfx.from, sfx.len)?;
+            let local = windowed_suffix(base, sfx)?;
+            let resid = take_positions(resid_all, row_prompt, &local.from, sfx.len)?;
             let out = model.forward_suffix(start, state, sfx, &resid, &spec)?;
             let shifted = suffix_targets(prompts, row_prompt, sfx);
             readout(out.logits, &shifted.iter().collect::<Vec<_>>())?

@@ -81,6 +81,30 @@ pub(super) fn span_suffix(prompts: &Prompts, rows: &[(usize, &Positions)]) -> Op
     })
 }
 
+/// The token positions a base run for `cells` must capture per-token activations at,
+/// when every chunk of them runs as a suffix forward: `None` when some cell cannot
+/// ([`suffix_edit`]), reads a stage's captures (path patching keeps every position), or
+/// the suffixes would not save anything.
+///
+/// The suffix of all the cells' rows together has the longest span `L`; a chunk's own
+/// suffix is at most `L` long and ends at each row's last read position, so it starts
+/// no earlier than that row's start in the joint suffix and ends no later: the joint
+/// suffix's positions, from its earliest start to its latest end, hold every chunk's.
+pub fn capture_window(prompts: &Prompts, cells: &[Cell]) -> Option<std::ops::Range<usize>> {
+    let mut rows = Vec::new();
+    for c in cells {
+        if matches!(c.edit, Edit::FromStage { .. }) {
+            return None;
+        }
+        let positions = suffix_edit(c)?;
+        rows.extend(c.prompts.iter().map(|&p| (p, positions)));
+    }
+    let joint = span_suffix(prompts, &rows)?;
+    let start = *joint.from.iter().min()?;
+    let end = joint.from.iter().max()? + joint.len;
+    (end - start < prompts.len).then_some(start..end)
+}
+
 /// Whether a base run for `cells` keeps the prefix state: some cell can run as a suffix
 /// forward ([`suffix_edit`]).
 pub(super) fn keeps_state(cells: &[Cell]) -> bool {
