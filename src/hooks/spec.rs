@@ -188,8 +188,7 @@ impl HookSpec {
                     ));
                 }
                 // `select` copies: a narrowed view would keep the whole buffer alive.
-                let idx =
-                    Tensor::<1, Int>::arange(w.start as i64..w.end as i64, &x.device());
+                let idx = Tensor::<1, Int>::arange(w.start as i64..w.end as i64, &x.device());
                 Ok(Act::new(x.select(1, idx)))
             }
             _ => Ok(Act::new(x)),

@@ -557,7 +557,11 @@ fn windowed_base_run_gives_the_outcomes_of_a_whole_one() {
     let full = random_model(&full_cfg, 4);
     let v4 = crate::edges::tiny_v4(13);
     let v4_prompts = pair_prompts(40, 1);
-    let models: [(&str, &dyn LanguageModel, &phaselens::runner::patching::Prompts); 3] = [
+    let models: [(
+        &str,
+        &dyn LanguageModel,
+        &phaselens::runner::patching::Prompts,
+    ); 3] = [
         ("kvc", &kvc, &kvc_prompts),
         ("kvc full attention", &full, &kvc_prompts),
         ("deepseek-v4", &v4, &v4_prompts),
@@ -593,9 +597,16 @@ fn windowed_base_run_gives_the_outcomes_of_a_whole_one() {
         let whole = base_run(model, prompts, &captures_for(&cells).unwrap()).unwrap();
         assert!(whole.window.is_none(), "{name}");
         let windowed = base_run_for(model, prompts, &cells, 48).unwrap();
-        let w = windowed.window.clone().unwrap_or_else(|| panic!("{name}: no window"));
+        let w = windowed
+            .window
+            .clone()
+            .unwrap_or_else(|| panic!("{name}: no window"));
         assert_eq!(Some(w.clone()), capture_window(prompts, &cells), "{name}");
-        assert!(2 * w.len() < prompts.len, "{name}: window {w:?} of {}", prompts.len);
+        assert!(
+            2 * w.len() < prompts.len,
+            "{name}: window {w:?} of {}",
+            prompts.len
+        );
         assert_eq!(windowed.cache.len(), whole.cache.len(), "{name}");
         for (p, act) in windowed.cache.iter() {
             let all = whole.cache.get(p).unwrap();
@@ -624,7 +635,10 @@ fn windowed_base_run_gives_the_outcomes_of_a_whole_one() {
                 }
             }
         }
-        assert!(moved > cells.len(), "{name}: the edits changed too little: {moved}");
+        assert!(
+            moved > cells.len(),
+            "{name}: the edits changed too little: {moved}"
+        );
         // The memory check counts the window, not every position.
         let info = model.info();
         let pts = captures_for(&cells).unwrap();
