@@ -84,6 +84,29 @@ fn main() -> Result<()> {
         clean_run.cache.len()
     );
 
+    // 1b. The same captures at the read position only: `capture_window` copies that
+    //     position out of each per-token activation as it is captured, so the whole
+    //     ones are freed with the forward (what the patching runner's base run does at
+    //     long context, where every position of hook_z is gigabytes).
+    let narrow = HookSpec::new()
+        .capture("blocks.*.attn.hook_z")?
+        .capture_window(pos..pos + 1);
+    let narrow_run = model.forward(row(clean, &device), &narrow)?;
+    let (whole, kept) = (
+        clean_run.cache.get_name("blocks.0.attn.hook_z")?,
+        narrow_run.cache.get_name("blocks.0.attn.hook_z")?,
+    );
+    let per: usize = whole.shape()[2..].iter().product();
+    let same = kept.to_vec() == whole.to_vec()[pos * per..(pos + 1) * per];
+    println!(
+        "hook_z of layer 0 windowed to position {pos}: shape {:?} of {:?}, equal to the whole capture there: {same}",
+        kept.shape(),
+        whole.shape()
+    );
+    if !same {
+        return Err(Error::Other("the windowed capture differs".into()));
+    }
+
     // 2. Zero-ablate head 0 of the last layer on the clean prompt.
     let last = info.layers.len() - 1;
     let z = format!("blocks.{last}.attn.hook_z");
