@@ -254,6 +254,35 @@ fn batched_routine_equals_one_forward_per_cell() {
     }
 }
 
+/// A replacement's positions, fill and the prompts it applies to.
+type Variant<'a> = (Positions, Fill, &'a Vec<usize>);
+
+/// Replacement cells: for every layer `l < layers`, every `(site, heads)` of `sites(l)`
+/// and every variant.
+fn replace_cells(
+    layers: usize,
+    sites: impl Fn(usize) -> Vec<(Site, Option<Vec<usize>>)>,
+    variants: &[Variant],
+) -> Vec<Cell> {
+    let mut cells = Vec::new();
+    for l in 0..layers {
+        for (site, heads) in sites(l) {
+            for (positions, fill, rows) in variants {
+                cells.push(Cell {
+                    edit: Edit::Replace {
+                        point: HookPoint::block(l, site),
+                        heads: heads.clone(),
+                        positions: positions.clone(),
+                        fill: *fill,
+                    },
+                    prompts: (*rows).clone(),
+                });
+            }
+        }
+    }
+    cells
+}
+
 #[test]
 fn suffix_path_equals_the_full_path() {
     let space = TokenSpace::default_synthetic();
@@ -266,36 +295,27 @@ fn suffix_path_equals_the_full_path() {
     full_cfg.compression = None;
     for cfg in [tiny(3, 4, 2, 4, 4), tiny(3, 4, 2, 8, 4), full_cfg] {
         let model = random_model(&cfg, 3);
-        let mut cells = Vec::new();
-        for l in 0..3 {
-            for (site, heads) in [
-                (Site::AttnZ, Some(vec![l % 4])),
-                (Site::AttnZ, Some(vec![0, 1])),
-                (Site::AttnOut, None),
-                (Site::ResidPre, None),
-                (Site::MlpOut, None),
-                (Site::AttnV, Some(vec![1])),
-                (Site::AttnResult, Some(vec![2])),
-            ] {
-                for (positions, fill, rows) in [
-                    (Positions::Answer, Fill::Source, &corrupted),
-                    (Positions::Answer, Fill::Source, &clean),
-                    (Positions::Final(3), Fill::Mean, &clean),
-                    (Positions::Answer, Fill::Zero, &corrupted),
-                    (Positions::Final(2), Fill::Resample, &corrupted),
-                ] {
-                    cells.push(Cell {
-                        edit: Edit::Replace {
-                            point: HookPoint::block(l, site),
-                            heads: heads.clone(),
-                            positions,
-                            fill,
-                        },
-                        prompts: rows.clone(),
-                    });
-                }
-            }
-        }
+        let cells = replace_cells(
+            3,
+            |l| {
+                vec![
+                    (Site::AttnZ, Some(vec![l % 4])),
+                    (Site::AttnZ, Some(vec![0, 1])),
+                    (Site::AttnOut, None),
+                    (Site::ResidPre, None),
+                    (Site::MlpOut, None),
+                    (Site::AttnV, Some(vec![1])),
+                    (Site::AttnResult, Some(vec![2])),
+                ]
+            },
+            &[
+                (Positions::Answer, Fill::Source, &corrupted),
+                (Positions::Answer, Fill::Source, &clean),
+                (Positions::Final(3), Fill::Mean, &clean),
+                (Positions::Answer, Fill::Zero, &corrupted),
+                (Positions::Final(2), Fill::Resample, &corrupted),
+            ],
+        );
         let base = base_run(&model, &prompts, &captures_for(&cells).unwrap()).unwrap();
         assert!(
             base.state.is_some(),
@@ -570,30 +590,21 @@ fn windowed_base_run_gives_the_outcomes_of_a_whole_one() {
         let n = prompts.n() / 2;
         let clean: Vec<usize> = (0..n).collect();
         let corrupted: Vec<usize> = (n..2 * n).collect();
-        let mut cells = Vec::new();
-        for l in 0..3 {
-            for (site, heads) in [
-                (Site::AttnZ, Some(vec![l % 2])),
-                (Site::ResidPre, None),
-                (Site::MlpOut, None),
-            ] {
-                for (positions, fill, rows) in [
-                    (Positions::Answer, Fill::Source, &corrupted),
-                    (Positions::Final(3), Fill::Mean, &clean),
-                    (Positions::Final(2), Fill::Zero, &corrupted),
-                ] {
-                    cells.push(Cell {
-                        edit: Edit::Replace {
-                            point: HookPoint::block(l, site),
-                            heads: heads.clone(),
-                            positions,
-                            fill,
-                        },
-                        prompts: rows.clone(),
-                    });
-                }
-            }
-        }
+        let cells = replace_cells(
+            3,
+            |l| {
+                vec![
+                    (Site::AttnZ, Some(vec![l % 2])),
+                    (Site::ResidPre, None),
+                    (Site::MlpOut, None),
+                ]
+            },
+            &[
+                (Positions::Answer, Fill::Source, &corrupted),
+                (Positions::Final(3), Fill::Mean, &clean),
+                (Positions::Final(2), Fill::Zero, &corrupted),
+            ],
+        );
         let whole = base_run(model, prompts, &captures_for(&cells).unwrap()).unwrap();
         assert!(whole.window.is_none(), "{name}");
         let windowed = base_run_for(model, prompts, &cells, 48).unwrap();
