@@ -254,6 +254,20 @@ fn batched_routine_equals_one_forward_per_cell() {
     }
 }
 
+/// Layer 0's hook_z zeroed at every position of `prompts` (a cell that never runs as a
+/// suffix forward).
+fn zero_every_position(prompts: &[usize]) -> Cell {
+    Cell {
+        edit: Edit::Replace {
+            point: HookPoint::block(0, Site::AttnZ),
+            heads: None,
+            positions: Positions::All,
+            fill: Fill::Zero,
+        },
+        prompts: prompts.to_vec(),
+    }
+}
+
 /// A replacement's positions, fill and the prompts it applies to.
 type Variant<'a> = (Positions, Fill, &'a Vec<usize>);
 
@@ -347,15 +361,7 @@ fn suffix_path_equals_the_full_path() {
         assert!(moved > cells.len(), "the edits changed too little: {moved}");
     }
     // "All positions" and transforms keep the full path.
-    let all = Cell {
-        edit: Edit::Replace {
-            point: HookPoint::block(0, Site::AttnZ),
-            heads: None,
-            positions: Positions::All,
-            fill: Fill::Zero,
-        },
-        prompts: clean.clone(),
-    };
+    let all = zero_every_position(&clean);
     assert!(plan_suffix(&prompts, &[all], &[0]).is_none());
     let roll = Cell {
         edit: Edit::Transform {
@@ -661,15 +667,7 @@ fn windowed_base_run_gives_the_outcomes_of_a_whole_one() {
             "{name}: {kept} vs {all}"
         );
         // A cell that reads every position cannot run on the windowed base run.
-        let every = Cell {
-            edit: Edit::Replace {
-                point: HookPoint::block(0, Site::AttnZ),
-                heads: None,
-                positions: Positions::All,
-                fill: Fill::Zero,
-            },
-            prompts: clean.clone(),
-        };
+        let every = zero_every_position(&clean);
         let err = run_chunk(model, prompts, &windowed, &[every], &[0])
             .unwrap_err()
             .to_string();
