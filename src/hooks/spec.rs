@@ -165,12 +165,6 @@ impl HookSpec {
         self
     }
 
-    /// The positions per-token captures keep ([`capture_window`](Self::capture_window);
-    /// `None`: every position).
-    pub fn window(&self) -> Option<&std::ops::Range<usize>> {
-        self.window.as_ref()
-    }
-
     /// What a capture of `point` stores: `x`, or its window of positions (per-token
     /// points, [`capture_window`](Self::capture_window)).
     fn kept<const D: usize>(&self, point: &HookPoint, x: Tensor<D>) -> Result<Act> {

@@ -145,28 +145,22 @@ pub(super) fn fill_value_act(
 
 /// Position scopes of the patching routine count tokens: an edit at given positions
 /// needs a point whose position axis counts tokens (the `sites!` table's fact), and
-/// the positions must lie in the prompt: below `bound` (the prompt length) when the
-/// base run's captures hold a window of positions, else below their own length.
-pub(super) fn check_edit_positions(
-    point: &HookPoint,
-    base: &Act,
-    edits: &[RowEdit],
-    bound: Option<usize>,
-) -> Result<()> {
+/// the positions must lie in the prompt (`len` tokens; the base run's captures may
+/// hold a window of them only, `Base::window`).
+pub(super) fn check_edit_positions(point: &HookPoint, len: usize, edits: &[RowEdit]) -> Result<()> {
     let info = point.site.info();
     for e in edits {
         let Some(pos) = &e.positions else { continue };
-        let Some(axis) = info.pos_axis.filter(|_| positions_allowed(point)) else {
+        if info.pos_axis.filter(|_| positions_allowed(point)).is_none() {
             return Err(Error::hook(
                 point.to_string(),
                 "positions other than \"all\" need a point indexed by token position",
             ));
-        };
-        let n = bound.unwrap_or_else(|| base.shape().get(axis).copied().unwrap_or(0));
-        if let Some(p) = pos.iter().find(|&&p| p >= n) {
+        }
+        if let Some(p) = pos.iter().find(|&&p| p >= len) {
             return Err(Error::hook(
                 point.to_string(),
-                format!("position {p} out of range 0..{n}"),
+                format!("position {p} out of range 0..{len}"),
             ));
         }
     }

@@ -725,8 +725,7 @@ fn install_replacements(
     let local = suffix.map(|s| windowed_suffix(base, s)).transpose()?;
     for (point, edits) in per_point {
         let base_act = act_at(&base.cache, point)?;
-        let bound = base.window.as_ref().map(|_| prompts.len);
-        check_edit_positions(point, base_act, edits, bound)?;
+        check_edit_positions(point, prompts.len, edits)?;
         let mut fills: Vec<FillKey> = edits.iter().map(|e| e.fill.key()).collect();
         fills.sort();
         fills.dedup();
