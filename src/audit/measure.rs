@@ -206,6 +206,7 @@ impl Env<'_> {
             device: Some(self.device_spec.clone()),
             devices: None,
             weights: None,
+            dtype: None,
             shard: None,
             progress: self.progress,
             figures: false,

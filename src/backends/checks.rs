@@ -388,6 +388,7 @@ fn run_patching(root: &Path, scratch: &Path, spec: &DeviceSpec) -> Result<BTreeM
             device: Some(spec.clone()),
             devices: None,
             weights: None,
+            dtype: None,
             shard: None,
             progress: ProgressMode::Hidden,
             figures: false,

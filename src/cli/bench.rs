@@ -193,6 +193,10 @@ pub struct ForwardBench {
         requires = "model"
     )]
     pub weights: phaselens::model::stored::Residency,
+    /// Compute dtype of the matrix products: `f32`, or `bf16` (bf16 operands, f32 sums,
+    /// bf16 result; the rest f32). The GEMM-rate reference is measured in it too.
+    #[arg(long, value_name = "f32|bf16", default_value = "f32")]
+    pub dtype: phaselens::model::ComputeDtype,
     /// Write the length sweep as JSON.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -305,6 +309,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn forward(b: ForwardBench) -> Result<()> {
+    b.dtype
+        .check_device(&b.device.device()?, &b.device.to_string())
+        .map_err(anyhow::Error::msg)?;
+    let _compute = phaselens::model::precision::scoped(b.dtype);
     if b.model.is_some() || b.tokens.len() > 1 {
         return length_sweep(b);
     }
@@ -450,17 +458,19 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
         )?;
     }
     println!(
-        "{name}: {} ({} layers, d_model {}), batch {}, {} rep(s) per length (median), device {}",
+        "{name}: {} ({} layers, d_model {}), batch {}, {} rep(s) per length (median), device {}, compute dtype {}",
         info.arch,
         info.layers.len(),
         info.d_model,
         b.batch,
         b.reps,
-        b.device
+        b.device,
+        b.dtype
     );
     let gemm = phaselens::model::bench::gemm_gflops(&device, GEMM_N, 5);
     println!(
-        "dense f32 GEMM on this device: {gemm:.1} GFLOP/s (1024 x 1024 x 1024, median of 5): the reference of the last column"
+        "dense {} GEMM on this device: {gemm:.1} GFLOP/s (1024 x 1024 x 1024, median of 5): the reference of the last column",
+        b.dtype
     );
     println!(
         "| tokens | s / forward | tokens/s | peak RSS MiB | RSS before MiB | weights MiB | one layer K/V MiB | logits MiB | matmul GFLOP / forward | GFLOP/s | of GEMM rate |"

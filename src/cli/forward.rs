@@ -47,6 +47,10 @@ pub struct ForwardArgs {
     /// dequantised where used) or `f32` (dequantised on load, 4 bytes per weight).
     #[arg(long, value_name = "stored|f32", default_value = "stored")]
     pub weights: phaselens::model::stored::Residency,
+    /// Compute dtype of the matrix products: `f32` (parity with transformers' f32
+    /// forward) or `bf16` (bf16 operands, f32 sums, bf16 result; the rest f32).
+    #[arg(long, value_name = "f32|bf16", default_value = "f32")]
+    pub dtype: phaselens::model::ComputeDtype,
     /// Skip the comparison of the memory estimate (weights, the forward's activations)
     /// with the machine's available memory (also PHASELENS_NO_MEMORY_CHECK=1).
     #[arg(long)]
@@ -94,6 +98,10 @@ pub fn run(args: ForwardArgs) -> Result<()> {
         phaselens::model::memory::set_override(true);
     }
     let device = args.device.device()?;
+    args.dtype
+        .check_device(&device, &args.device.to_string())
+        .map_err(anyhow::Error::msg)?;
+    let _compute = phaselens::model::precision::scoped(args.dtype);
     let model = load_model_with(&args.model, &device, args.weights)
         .with_context(|| format!("loading model {}", args.model.display()))?;
     let info = model.info();

@@ -51,6 +51,11 @@ pub struct RunArgs {
     /// Overrides `[model] weights`; default stored.
     #[arg(long, value_name = "stored|f32")]
     pub weights: Option<phaselens::model::stored::Residency>,
+    /// Compute dtype of the matrix products: `f32`, or `bf16` (bf16 operands, f32 sums,
+    /// bf16 result; the rest f32: torch.autocast's semantics). Overrides `[model] dtype`;
+    /// default f32, which gives parity with transformers' f32 forward.
+    #[arg(long, value_name = "f32|bf16")]
+    pub dtype: Option<phaselens::model::ComputeDtype>,
     /// Compute only part I of N of the run's shards (`--shard 0/4` .. `3/4`, e.g. one
     /// per array task of any scheduler) and write no tables; parts run at once, each
     /// loading the model once. A run without --shard then loads every part's shards and
@@ -120,6 +125,9 @@ fn submit_slurm(a: &RunArgs, parts: usize) -> Result<()> {
     if let Some(w) = &a.weights {
         device_args.extend(["--weights".to_string(), w.to_string()]);
     }
+    if let Some(d) = &a.dtype {
+        device_args.extend(["--dtype".to_string(), d.to_string()]);
+    }
     if a.no_memory_check {
         device_args.push("--no-memory-check".to_string());
     }
@@ -177,6 +185,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             })
             .transpose()?,
         weights: a.weights,
+        dtype: a.dtype,
         shard: a.shard,
         progress: if a.plain {
             ProgressMode::Plain

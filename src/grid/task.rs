@@ -384,6 +384,7 @@ fn sweep_design(
         device: Some(opts.device.clone()),
         devices: None,
         weights: None,
+        dtype: None,
         shard: None,
         progress: opts.progress,
         figures: false,

@@ -35,6 +35,8 @@ pub struct LengthPoint {
     pub logits_bytes: u64,
     /// Whether only the last position's logits were computed.
     pub last_logits: bool,
+    /// The compute dtype of the matrix products ([`super::precision`]).
+    pub dtype: super::precision::ComputeDtype,
     /// Matrix-product FLOPs one forward executed ([`super::flops`]: every product of
     /// the model code, masked attention blocks included; elementwise work not counted).
     pub matmul_flops: u64,
@@ -44,7 +46,8 @@ pub struct LengthPoint {
     pub gemm_gflops: Option<f64>,
 }
 
-/// The device's dense f32 matrix-product rate in GFLOP/s: the median of `reps` products
+/// The device's dense matrix-product rate in GFLOP/s, in the compute dtype
+/// ([`super::precision`]): the median of `reps` products
 /// of two `n x n` matrices (after one warm-up), the reference a forward's
 /// [`LengthPoint::matmul_gflops`] is a fraction of.
 pub fn gemm_gflops(device: &burn::tensor::Device, n: usize, reps: usize) -> f64 {
@@ -172,6 +175,7 @@ pub fn forward_sweep(
             kv_layer_bytes: kv_layer_bytes(model, t) * batch as u64,
             logits_bytes: (batch * if last_logits { 1 } else { t } * info.vocab_size * 4) as u64,
             last_logits,
+            dtype: super::precision::compute(),
             matmul_flops: flops,
             matmul_gflops: flops as f64 / seconds / 1e9,
             gemm_gflops: None,

@@ -3,20 +3,25 @@
 //! the device's dense-GEMM rate). Every product of the model code goes through
 //! [`Mm::mm`]; a product of `[.., m, k] x [.., k, n]` over `batch` broadcast matrices
 //! counts `2 * batch * m * k * n`. Elementwise work (norms, softmax, RoPE, gathers) is not
-//! counted. Off by default: one relaxed atomic load per product.
+//! counted. Off by default: one relaxed atomic load per product. The product is computed
+//! in the thread's compute dtype ([`super::precision`]).
 //!
 //! A leaf: the model files call it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
+
+use super::precision::{ComputeDtype, compute};
 
 static COUNTING: AtomicBool = AtomicBool::new(false);
 static FLOPS: AtomicU64 = AtomicU64::new(0);
 
 /// A counted matrix product.
 pub trait Mm {
-    /// `self.matmul(rhs)`, counted while [`start`] is in effect.
+    /// `self.matmul(rhs)`, counted while [`start`] is in effect, in the compute dtype
+    /// ([`super::precision::compute`]): with bf16 both operands are rounded to bf16 and
+    /// the product (f32 sums, rounded to bf16) comes back as f32.
     fn mm(self, rhs: Self) -> Self;
 }
 
@@ -25,7 +30,13 @@ impl<const D: usize> Mm for Tensor<D> {
         if COUNTING.load(Ordering::Relaxed) {
             FLOPS.fetch_add(product_flops(&self.dims(), &rhs.dims()), Ordering::Relaxed);
         }
-        self.matmul(rhs)
+        match compute() {
+            ComputeDtype::F32 => self.matmul(rhs),
+            ComputeDtype::Bf16 => self
+                .cast(DType::BF16)
+                .matmul(rhs.cast(DType::BF16))
+                .cast(DType::F32),
+        }
     }
 }
 

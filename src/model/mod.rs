@@ -27,6 +27,8 @@ pub mod flops;
 pub mod memory;
 #[doc(hidden)] // `phaselens plan`
 pub mod plan;
+/// The compute dtype of the matrix products (`--dtype f32|bf16`).
+pub mod precision;
 #[doc(hidden)] // streaming safetensors reads and writes (the CLI, tests/it's fixtures)
 pub mod safetensors_io;
 #[doc(hidden)] // stored (BF16/FP8/FP4) weights; tests/it read its dequantisation budget
@@ -44,6 +46,7 @@ use crate::hooks::{Act, ActivationCache, HookSpec};
 
 pub use kv_state::{PrefixState, Queries, Suffix};
 pub use kvc::{KvcConfig, KvcModel};
+pub use precision::ComputeDtype;
 pub use stored::Residency;
 
 /// What a forward pass returns.

@@ -22,6 +22,7 @@ use burn::module::{
 use burn::tensor::{Device, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
+use super::precision::ComputeDtype;
 use super::safetensors_io::{StDtype, decode_floats, f8_e8m0_to_f32};
 use crate::model::flops::Mm;
 
@@ -375,15 +376,24 @@ impl StoredWeight {
     /// Matrix `i` dequantised into a transient tensor `[rows, cols]` on the device.
     pub fn matrix(&self, i: usize) -> Tensor<2> {
         let m = &self.matrices[i];
-        self.rows_tensor(i, 0, m.rows())
+        self.rows_tensor(i, 0, m.rows(), ComputeDtype::F32)
     }
 
-    /// Rows `r0..r1` of matrix `i`, dequantised into a transient tensor on the device.
-    fn rows_tensor(&self, i: usize, r0: usize, r1: usize) -> Tensor<2> {
+    /// Rows `r0..r1` of matrix `i`, dequantised into a transient tensor on the device in
+    /// `dtype`: bf16 (2 bytes per value) rounds as a cast of the f32 values does.
+    fn rows_tensor(&self, i: usize, r0: usize, r1: usize, dtype: ComputeDtype) -> Tensor<2> {
         let m = &self.matrices[i];
         note_dequant((r1 - r0) * m.cols());
         let v = m.rows_f32(r0, r1);
-        Tensor::from_data(TensorData::new(v, [r1 - r0, m.cols()]), &self.device)
+        let shape = [r1 - r0, m.cols()];
+        let data = match dtype {
+            ComputeDtype::F32 => TensorData::new(v, shape),
+            ComputeDtype::Bf16 => {
+                let h: Vec<half::bf16> = v.into_iter().map(half::bf16::from_f32).collect();
+                TensorData::new(h, shape)
+            }
+        };
+        Tensor::from_data(data, &self.device)
     }
 
     /// `x: [n, cols] -> x W_i^T: [n, rows]` with `W_i` matrix `i`, dequantised in blocks
@@ -399,8 +409,12 @@ impl StoredWeight {
     pub fn matmul_t_rows(&self, i: usize, rows: std::ops::Range<usize>, x: Tensor<2>) -> Tensor<2> {
         let m = &self.matrices[i];
         let block = block_rows(m.cols());
-        let product =
-            |r0: usize, r1: usize, x: Tensor<2>| x.mm(self.rows_tensor(i, r0, r1).transpose());
+        // Blocks are dequantised in the compute dtype their product takes (bf16: half the
+        // transient bytes).
+        let dtype = super::precision::compute();
+        let product = |r0: usize, r1: usize, x: Tensor<2>| {
+            x.mm(self.rows_tensor(i, r0, r1, dtype).transpose())
+        };
         if rows.len() <= block {
             return product(rows.start, rows.end, x);
         }

@@ -187,6 +187,10 @@ pub struct ModelSection {
     /// `--weights` overrides it.
     #[serde(default)]
     pub weights: Option<crate::model::stored::Residency>,
+    /// `dtype = "f32" | "bf16"`: the compute dtype of the matrix products
+    /// (`crate::model::precision`; default f32); `--dtype` overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<crate::model::ComputeDtype>,
 }
 
 /// `[task]`: the prompts. Every key defaults to the organism's recipe.

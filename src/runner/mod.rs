@@ -64,6 +64,9 @@ pub struct RunOptions {
     /// `--weights stored|f32`: how BF16 / FP8 / FP4 checkpoint weights are held
     /// (overrides `[model] weights`; default stored).
     pub weights: Option<crate::model::stored::Residency>,
+    /// `--dtype f32|bf16`: the compute dtype of the matrix products (overrides
+    /// `[model] dtype`; default f32; [`crate::model::precision`]).
+    pub dtype: Option<crate::model::ComputeDtype>,
     /// `--shard i/N`: compute only part `i` of `N` of the run's shards and write no
     /// tables; a run without it then loads every part's shards (the merge).
     pub shard: Option<(usize, usize)>,
@@ -81,6 +84,7 @@ impl Default for RunOptions {
             device: None,
             devices: None,
             weights: None,
+            dtype: None,
             shard: None,
             progress: ProgressMode::Auto,
             figures: true,
@@ -132,8 +136,12 @@ pub fn write_long_table(
 }
 
 /// The settings that determine the computed outcomes (for the run hash).
-fn settings_for_hash(exp: &Experiment) -> serde_json::Value {
+fn settings_for_hash(exp: &Experiment, dtype: crate::model::ComputeDtype) -> serde_json::Value {
     let mut f = exp.file.clone();
+    // The effective compute dtype, whether from the file or `--dtype`: bf16 results
+    // never resume f32 shards. f32 leaves the key out (the hashes of runs before
+    // `dtype` existed stay valid).
+    f.model.dtype = (dtype != crate::model::ComputeDtype::F32).then_some(dtype);
     f.experiment.description.clear();
     f.experiment.bootstrap_reps = 0;
     f.experiment.seed = 0;
@@ -150,6 +158,39 @@ fn device_of(exp: &Experiment, opts: &RunOptions) -> Result<DeviceSpec> {
             .map_err(|e| exp.err("model", "device", e))?,
         (None, None) => DeviceSpec::Cpu,
     })
+}
+
+/// `--dtype`, else `[model] dtype`, else f32; an error when a device of the run
+/// (`--device` or every device of `--devices`) cannot compute in it.
+fn compute_dtype_of(
+    exp: &Experiment,
+    opts: &RunOptions,
+    spec: &DeviceSpec,
+    device: &burn::tensor::Device,
+) -> Result<crate::model::ComputeDtype> {
+    let dtype = opts.dtype.or(exp.file.model.dtype).unwrap_or_default();
+    let refuse = |m: String| match opts.dtype {
+        Some(_) => crate::error::Error::Other(m),
+        None => exp.err("model", "dtype", m),
+    };
+    match &opts.devices {
+        Some(req) => {
+            for d in &req.devices {
+                dtype
+                    .check_device(&d.device()?, &d.to_string())
+                    .map_err(refuse)?;
+            }
+        }
+        None => dtype
+            .check_device(device, &spec.to_string())
+            .map_err(refuse)?,
+    }
+    if dtype != crate::model::ComputeDtype::F32 {
+        eprintln!(
+            "note: compute dtype {dtype}: matrix products take {dtype} operands (f32 sums, {dtype} result); norms, softmax and the residual stream stay f32"
+        );
+    }
+    Ok(dtype)
 }
 
 /// Add one model's notes (tagged with the model when there are several), counters and
@@ -208,9 +249,10 @@ fn open_store(
     models: &[setup::ModelRef],
     data_dir: &Path,
     fresh: bool,
+    dtype: crate::model::ComputeDtype,
 ) -> Result<store::Store> {
     let dirs: Vec<&Path> = models.iter().map(|m| m.dir.as_path()).collect();
-    let hash = store::run_hash(&settings_for_hash(exp), &dirs);
+    let hash = store::run_hash(&settings_for_hash(exp, dtype), &dirs);
     // Shards live per settings hash and are never deleted by a run (store.rs): a run
     // whose settings a later check rejects cannot cost another run its finished work.
     let shard_root = data_dir.join("shards");
@@ -270,6 +312,9 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     }
     let device_spec = device_of(&exp, opts)?;
     let device = device_spec.device()?;
+    let dtype = compute_dtype_of(&exp, opts, &device_spec, &device)?;
+    // Every product of this run (on this thread) in that dtype.
+    let _compute = crate::model::precision::scoped(dtype);
     let data_dir = opts.data_root.join(&name);
     let report_dir = opts.reports_root.join(&name);
     // Declared before the lock, so the lock file goes first and a refused run's
@@ -284,7 +329,7 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
         )?,
         None => lock_and_clean(&name, &data_dir, &report_dir)?,
     };
-    let store = open_store(&exp, &models, &data_dir, opts.fresh)?.with_part(opts.shard);
+    let store = open_store(&exp, &models, &data_dir, opts.fresh, dtype)?.with_part(opts.shard);
     let mut tables: Vec<(String, Vec<LongRow>)> = Vec::new();
     let mut stats = ExecStats::default();
     for mref in &models {

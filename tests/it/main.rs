@@ -31,6 +31,7 @@ mod memory_estimates;
 mod model_contract;
 mod organism_v4;
 mod placement;
+mod precision;
 mod recipes;
 mod run_shards;
 mod runner_kinds;

@@ -9,7 +9,7 @@ use phaselens::runner::{RunOptions, run_experiment};
 
 use crate::common::runner::*;
 
-const PATCH: &str = r#"
+pub(crate) const PATCH: &str = r#"
 [experiment]
 kind = "patch-heads"
 bootstrap_reps = 30

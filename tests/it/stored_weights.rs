@@ -15,7 +15,7 @@ use phaselens::model::deepseek_v4::{self, DeepseekV4Model};
 use phaselens::model::safetensors_io::SafetensorsReader;
 use phaselens::model::stored::{Residency, take_largest_dequant, with_dequant_budget};
 
-use crate::common::vals;
+use crate::common::{phaselens, vals};
 use crate::deepseek_v4_parity::{read_raw, write_raw};
 
 fn fixture(name: &str) -> PathBuf {
@@ -224,13 +224,6 @@ fn a_malformed_scale_is_named_with_stored_weights_as_with_f32() {
         s.contains("layers.2.ffn.experts.1.w1.scale") && s.contains("dtype I8"),
         "{s}"
     );
-}
-
-fn phaselens(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_phaselens"))
-        .args(args)
-        .output()
-        .unwrap()
 }
 
 /// `bench forward --model DIR --weights stored|f32`: the model is held so (the sweep's

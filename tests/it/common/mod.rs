@@ -46,3 +46,18 @@ pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     let m = b.iter().fold(0f32, |m, x| m.max(x.abs()));
     max_diff(a, b) / m
 }
+
+/// A DeepSeek-V4 parity fixture folder (tests/fixtures/deepseek_v4/NAME).
+pub fn v4_fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/deepseek_v4")
+        .join(name)
+}
+
+/// Run the built `phaselens` binary with `args` and wait for it.
+pub fn phaselens(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_phaselens"))
+        .args(args)
+        .output()
+        .unwrap()
+}
