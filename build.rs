@@ -7,6 +7,10 @@
 //! The folder is the one torch-sys links against: `$LIBTORCH/lib` when `LIBTORCH` is set,
 //! else (with `LIBTORCH_USE_PYTORCH=1`) the `lib/` folder of the `torch` package that the
 //! active Python (`python` in a virtualenv, `python3` otherwise) imports.
+//!
+//! Also: the git commit the build comes from, as `PHASELENS_GIT_COMMIT` (`unknown` outside
+//! a git checkout), which trainings record in `training.json` and their checkpoints'
+//! `meta.json`. The script reruns when HEAD moves.
 
 use std::env;
 use std::path::PathBuf;
@@ -14,6 +18,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    git_commit();
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_USE_PYTORCH");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
@@ -58,4 +63,34 @@ fn libtorch_lib_dir() -> Option<PathBuf> {
     }
     let lib = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
     lib.is_dir().then_some(lib)
+}
+
+/// `PHASELENS_GIT_COMMIT`: `git rev-parse HEAD` of the source folder, rerun when HEAD or
+/// the branch it names moves.
+fn git_commit() {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = git(&["rev-parse", "HEAD"]);
+    if let Some(dir) = git(&["rev-parse", "--absolute-git-dir"]) {
+        let dir = PathBuf::from(dir);
+        println!("cargo:rerun-if-changed={}", dir.join("HEAD").display());
+        println!(
+            "cargo:rerun-if-changed={}",
+            dir.join("packed-refs").display()
+        );
+        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            println!("cargo:rerun-if-changed={}", dir.join(branch).display());
+        }
+    }
+    println!(
+        "cargo:rustc-env=PHASELENS_GIT_COMMIT={}",
+        commit.as_deref().unwrap_or("unknown")
+    );
 }

@@ -67,6 +67,10 @@ pub struct CheckpointMeta {
     pub config_hash: String,
     /// The phaselens version that wrote it.
     pub phaselens_version: String,
+    /// The source commit of the binary that wrote it (`unknown` outside a git checkout;
+    /// absent in checkpoints written before it was recorded).
+    #[serde(default)]
+    pub phaselens_commit: Option<String>,
     /// Every logged step.
     pub history: Vec<LogRow>,
 }
@@ -472,6 +476,7 @@ impl<M: Module + LanguageModel> Training<'_, M> {
             tokens_seen: row.tokens_seen,
             config_hash: self.hash.clone(),
             phaselens_version: env!("CARGO_PKG_VERSION").into(),
+            phaselens_commit: Some(env!("PHASELENS_GIT_COMMIT").into()),
             history: history.to_vec(),
         };
         save_checkpoint(
@@ -502,6 +507,10 @@ impl<M: Module + LanguageModel> Training<'_, M> {
             "final_loss": history.last().map(|r| r.loss),
             "config_hash": self.hash,
             "phaselens_version": env!("CARGO_PKG_VERSION"),
+            // The source commit of the binary that finished the training (build.rs):
+            // trainings of one recipe by different commits can differ (numeric changes
+            // grow over thousands of steps).
+            "phaselens_commit": env!("PHASELENS_GIT_COMMIT"),
         });
         write_atomic(
             &out.join("training.json"),

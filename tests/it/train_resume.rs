@@ -99,6 +99,24 @@ fn resumed_run_equals_uninterrupted_run() {
     )
     .unwrap();
     assert_eq!(meta["steps"], 6);
+    // The binary's source commit (build.rs; 40 hex digits in a git checkout), in the
+    // model's training.json and in the checkpoints' meta.json.
+    let commit = env!("PHASELENS_GIT_COMMIT");
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 40 && commit.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{commit}"
+    );
+    assert_eq!(meta["phaselens_commit"], commit);
+    let last = std::fs::read_dir(b.path().join("run/checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("meta.json").exists())
+        .max()
+        .unwrap();
+    let ckpt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(last.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(ckpt["phaselens_commit"], commit, "{}", last.display());
     // the loss curve, as a table and a figure, next to the checkpoints and the model
     for f in [
         "run/loss.arrow",
