@@ -106,6 +106,7 @@ fn run<M: Module + LanguageModel>(
         sampler: &sampler,
         tc,
         device: ad.clone(),
+        distill: file.distill_layers(),
     };
     let mut model = build(&Vb::new(&RandomInit { seed: tc.seed }, &ad))?;
     let mut optim = optimizer(tc);

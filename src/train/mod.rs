@@ -9,6 +9,7 @@
 
 #[doc(hidden)] // `phaselens bench train` (the CLI) and its test in tests/it
 pub mod bench;
+pub mod distill;
 #[doc(hidden)] // training's memory estimate: the CLI checks it, tests/it compare it to measurements
 pub mod memory;
 mod organism;
@@ -52,6 +53,9 @@ pub struct LogRow {
     pub tokens_seen: u64,
     /// Top-1 accuracy on the batch's answer positions.
     pub accuracy: f64,
+    /// The indexer distillation loss (`[train] indexer_distill`; absent without it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub indexer_kl: Option<f64>,
 }
 
 /// What a checkpoint's `meta.json` records.
@@ -257,6 +261,7 @@ fn train_model<M: Module + LanguageModel>(
         sampler: &sampler,
         tc,
         device: ad.clone(),
+        distill: file.distill_layers(),
     };
     let (model, history) = t.train_steps(begin, &stepper, total, tokens_per_step, opts)?;
     let final_step = total.max(start);
@@ -417,6 +422,7 @@ impl<M: Module + LanguageModel> Training<'_, M> {
                 lr: out.lr,
                 tokens_seen,
                 accuracy: out.accuracy,
+                indexer_kl: out.indexer_kl,
             };
             history.push(row);
             let (e, tps) = meter.tick(&row);
@@ -577,6 +583,19 @@ pub(crate) fn write_loss_curve(
             t.with_column(
                 "accuracy",
                 history.iter().map(|r| r.accuracy).collect::<Vec<f64>>(),
+            )
+        })
+        .and_then(|t| {
+            // Only for trainings with indexer distillation (NaN on rows before it).
+            if history.iter().all(|r| r.indexer_kl.is_none()) {
+                return Ok(t);
+            }
+            t.with_column(
+                "indexer_kl",
+                history
+                    .iter()
+                    .map(|r| r.indexer_kl.unwrap_or(f64::NAN))
+                    .collect::<Vec<f64>>(),
             )
         })
         .map_err(|e| Error::Other(format!("loss table: {e}")))?;

@@ -86,6 +86,18 @@ pub struct TrainConfig {
     /// keep their config hash.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init: Option<PathBuf>,
+    /// Weight of the lightning-indexer distillation loss (DeepSeek-V4 CSA layers;
+    /// `super::distill`): each CSA layer's indexer is trained towards the main
+    /// attention's distribution over the entries it selected, with its inputs detached,
+    /// so this loss trains the indexers alone. 0 (the default): no distillation, and
+    /// then the indexer gets no gradient at all (its top-k passes none). Not serialised
+    /// when 0, so recipes without it keep their config hash.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub indexer_distill: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 impl Default for TrainConfig {
@@ -103,6 +115,7 @@ impl Default for TrainConfig {
             checkpoint_every: 250,
             keep_checkpoints: 2,
             init: None,
+            indexer_distill: 0.0,
         }
     }
 }
@@ -132,6 +145,13 @@ impl TrainConfig {
         finite("weight_decay", self.weight_decay as f64)?;
         finite("beta2", self.beta2 as f64)?;
         finite("grad_clip", self.grad_clip as f64)?;
+        finite("indexer_distill", self.indexer_distill)?;
+        if self.indexer_distill < 0.0 {
+            return Err(format!(
+                "indexer_distill must be >= 0 (a loss weight), got {}",
+                self.indexer_distill
+            ));
+        }
         if self.lr <= 0.0 {
             return Err(format!("lr must be > 0, got {}", self.lr));
         }
@@ -310,7 +330,30 @@ impl OrganismFile {
         f.train
             .validate()
             .map_err(|m| bad(format!("[train] {m}")))?;
+        if f.train.indexer_distill > 0.0 && f.distill_layers().is_empty() {
+            return Err(bad(format!(
+                "[train] indexer_distill = {}: the model has no lightning indexer to distil (a DeepSeek-V4 \"compressed_sparse_attention\" layer)",
+                f.train.indexer_distill
+            )));
+        }
         Ok(f)
+    }
+
+    /// The layers whose indexers `[train] indexer_distill` trains: the CSA layers of a
+    /// DeepSeek-V4 model when the weight is above 0, else none.
+    pub fn distill_layers(&self) -> Vec<usize> {
+        match &self.model {
+            ModelConfig::DeepseekV4 { resolved, .. } if self.train.indexer_distill > 0.0 => {
+                resolved
+                    .layer_types
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| **t == crate::model::deepseek_v4::config::AttnType::Csa)
+                    .map(|(i, _)| i)
+                    .collect()
+            }
+            _ => Vec::new(),
+        }
     }
 
     fn base(path: &Path) -> PathBuf {

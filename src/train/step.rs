@@ -94,6 +94,8 @@ impl PhaseTimes {
 pub struct StepOutcome {
     /// Cross-entropy on the batch's answer positions.
     pub loss: f64,
+    /// The indexer distillation loss (`[train] indexer_distill`), when trained.
+    pub indexer_kl: Option<f64>,
     /// Top-1 accuracy on the batch's answer positions.
     pub accuracy: f64,
     /// The step's learning rate.
@@ -110,6 +112,9 @@ pub struct Stepper<'a> {
     pub tc: &'a TrainConfig,
     /// The autodiff device.
     pub device: Device,
+    /// The CSA layers whose indexers `[train] indexer_distill` trains (empty: none;
+    /// [`super::distill`]).
+    pub distill: Vec<usize>,
 }
 
 impl Stepper<'_> {
@@ -137,19 +142,36 @@ impl Stepper<'_> {
         let (idx, targets) = answer_positions(&labels);
         let n = idx.len();
         let rows = Tensor::<1, Int>::from_data(TensorData::new(idx, [n]), &self.device);
-        // The LM head at the answer positions only (the loss reads nothing else).
-        let logits = model.forward_logit_rows(tokens.clone(), rows)?;
-        let (loss, acc) = rows_loss(logits, targets);
-        let loss_v = loss.clone().into_scalar::<f32>() as f64;
+        let (logits, kl) = if self.distill.is_empty() {
+            // The LM head at the answer positions only (the loss reads nothing else).
+            (model.forward_logit_rows(tokens.clone(), rows)?, None)
+        } else {
+            // A plain forward capturing what the indexer distillation reads.
+            let out = model.forward(tokens.clone(), &super::distill::spec(&self.distill))?;
+            let [b, t, v] = out.logits.dims();
+            let logits = out.logits.reshape([b * t, v]).select(0, rows);
+            (
+                logits,
+                Some(super::distill::indexer_kl(&out.cache, &self.distill)?),
+            )
+        };
+        let (ce, acc) = rows_loss(logits, targets);
+        // The logged loss is the answer-token cross-entropy, with or without distillation.
+        let loss_v = ce.clone().into_scalar::<f32>() as f64;
+        let indexer_kl = kl.as_ref().map(|k| k.clone().into_scalar::<f32>() as f64);
+        let loss = match kl {
+            Some(k) => ce + k * self.tc.indexer_distill,
+            None => ce,
+        };
         let accuracy = acc.into_scalar::<f32>() as f64;
         let t2 = Instant::now();
-        if !loss_v.is_finite() {
+        if !loss_v.is_finite() || indexer_kl.is_some_and(|k| !k.is_finite()) {
             // Before the step: the weights that produced it are still there to diagnose.
             return Err(crate::model::diagnose::non_finite_error(
                 &model,
                 tokens,
                 &format!(
-                    "training loss became {loss_v} at step {step} (lower [train] lr, now {})",
+                    "training loss became {loss_v} (indexer distillation {indexer_kl:?}) at step {step} (lower [train] lr, now {})",
                     self.tc.lr
                 ),
             ));
@@ -170,6 +192,7 @@ impl Stepper<'_> {
             model,
             StepOutcome {
                 loss: loss_v,
+                indexer_kl,
                 accuracy,
                 lr,
                 times,

@@ -26,6 +26,7 @@ mod grid_slurm_states;
 mod hostile_cli;
 mod hostile_inputs;
 mod house;
+mod indexer_distill;
 mod kvc_core;
 mod memory_estimates;
 mod model_contract;

@@ -287,6 +287,11 @@ impl Attention {
         tables: &Tables,
         flow: &mut TokenFlow,
     ) -> Result<IndexSelector> {
+        // The indexer reads its inputs detached. Its top-k passes no gradient to the
+        // rest of the model anyway, so this changes no value and no gradient of the
+        // main loss; it keeps the distillation loss (`[train] indexer_distill`) from
+        // training anything but the indexer, as DeepSeek trains it.
+        let (x, q_res) = (&x.clone().detach(), &q_res.clone().detach());
         let (kv, gate) = idx.pooler.project(x);
         let kv = flow.full(layer, "index_kv", kv)?;
         let gate = flow.full(layer, "index_gate", gate)?;
