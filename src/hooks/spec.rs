@@ -154,6 +154,20 @@ impl HookSpec {
         self
     }
 
+    /// Also capture every site of `sites` at every layer of `layers`.
+    pub fn capture_sites(
+        mut self,
+        layers: impl IntoIterator<Item = usize>,
+        sites: &[super::point::Site],
+    ) -> Self {
+        for l in layers {
+            for &s in sites {
+                self = self.capture_point(HookPoint::block(l, s));
+            }
+        }
+        self
+    }
+
     /// Captures of per-token points (the residual stream, q / k / v / z, per-head
     /// results, sublayer outputs: `[batch, pos, ...]`) keep only token positions
     /// `positions` (`[batch, positions.len(), ...]`, a copy: the forward's full

@@ -30,17 +30,14 @@ use crate::hooks::{ActivationCache, HookPoint, HookSpec, Site};
 
 /// The captures the loss reads, for the CSA layers `layers`.
 pub fn spec(layers: &[usize]) -> HookSpec {
-    let mut spec = HookSpec::new();
-    for &l in layers {
-        for site in [
+    HookSpec::new().capture_sites(
+        layers.iter().copied(),
+        &[
             Site::IndexerScores,
             Site::IndexerSelected,
             Site::AttnPattern,
-        ] {
-            spec = spec.capture_point(HookPoint::block(l, site));
-        }
-    }
-    spec
+        ],
+    )
 }
 
 /// The distillation loss over `layers` from a forward's `cache` (captured with

@@ -208,17 +208,14 @@ type ForcedShape = (usize, SlotLayout, Vec<usize>);
 
 /// Capture the indexer's scores, top-k and selection at every layer of `layers`.
 fn capture_spec(layers: &[(usize, usize, usize)]) -> HookSpec {
-    let mut spec = HookSpec::new();
-    for &(l, _, _) in layers {
-        for s in [
+    HookSpec::new().capture_sites(
+        layers.iter().map(|&(l, _, _)| l),
+        &[
             Site::IndexerScores,
             Site::IndexerTopk,
             Site::IndexerSelected,
-        ] {
-            spec = spec.capture_point(HookPoint::block(l, s));
-        }
-    }
-    spec
+        ],
+    )
 }
 
 /// What one layer of the clean run says about each row: (kept?, rank of the needle's
