@@ -1,4 +1,4 @@
-//! Cache activations, zero-ablate one head, patch one head at one position from a
+//! Cache activations (also windowed to one position, and the forward in bf16), zero-ablate one head, patch one head at one position from a
 //! corrupted run, and sweep every layer x head x position (TransformerLens'
 //! `get_act_patch_attn_head_out_by_pos`), through the library face.
 //!
@@ -105,6 +105,19 @@ fn main() -> Result<()> {
     );
     if !same {
         return Err(Error::Other("the windowed capture differs".into()));
+    }
+
+    // 1c. The clean forward again with the matrix products in bf16 (bf16 operands, f32
+    //     sums; the rest f32: `--dtype bf16`), for this thread while the closure runs.
+    let bf16_logits =
+        phaselens::model::precision::with_compute(phaselens::model::ComputeDtype::Bf16, || {
+            model.forward(row(clean, &device), &HookSpec::new())
+        })?
+        .logits;
+    let ld_bf16 = logit_diffs(bf16_logits, pos, good, bad)?[0];
+    println!("LD clean with bf16 matrix products: {ld_bf16:.3} (f32: {ld_clean:.3})");
+    if !ld_bf16.is_finite() {
+        return Err(Error::Other("the bf16 forward is not finite".into()));
     }
 
     // 2. Zero-ablate head 0 of the last layer on the clean prompt.

@@ -44,14 +44,6 @@ impl ComputeDtype {
         }
     }
 
-    /// Bytes per value of a product's operand.
-    pub fn bytes(self) -> usize {
-        match self {
-            ComputeDtype::F32 => 4,
-            ComputeDtype::Bf16 => 2,
-        }
-    }
-
     /// An error unless `device`'s backend computes in this dtype. WGSL has no bf16, so
     /// wgpu refuses it. The message names the device and what to use instead.
     pub fn check_device(self, device: &Device, device_name: &str) -> Result<(), String> {
