@@ -45,6 +45,108 @@ pub trait WeightSource: Send + Sync {
         let _ = (name, shape);
         Ok(None)
     }
+    /// The shape the source stores parameter `name` in, when it stores one (a file);
+    /// `None` for generated values or an unknown name.
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let _ = name;
+        None
+    }
+}
+
+/// A tensor [`Tiled`] tiled: (name, stored shape, built shape).
+pub type TiledTensor = (String, Vec<usize>, Vec<usize>);
+
+/// A source whose matching parameters are tiled along their first axis: a parameter
+/// named by a pattern (the full name, or a suffix after a `.`) and requested with `k`
+/// times the rows `inner` stores (the other axes equal) gets the stored rows repeated
+/// `k` times, row `i` = stored row `i mod r`. Everything else passes through, so a
+/// shape that is not a multiple still fails with `inner`'s error. [`Tiled::tiled`]
+/// lists what was tiled.
+pub struct Tiled<'a> {
+    inner: &'a dyn WeightSource,
+    patterns: Vec<String>,
+    tiled: Mutex<Vec<TiledTensor>>,
+    matched: Mutex<BTreeSet<String>>,
+}
+
+impl<'a> Tiled<'a> {
+    /// Tile the parameters of `inner` that `patterns` name.
+    pub fn new(inner: &'a dyn WeightSource, patterns: &[String]) -> Self {
+        Tiled {
+            inner,
+            patterns: patterns.to_vec(),
+            tiled: Mutex::new(Vec::new()),
+            matched: Mutex::new(BTreeSet::new()),
+        }
+    }
+
+    fn pattern_of(&self, name: &str) -> Option<&str> {
+        self.patterns
+            .iter()
+            .find(|p| name == p.as_str() || name.ends_with(&format!(".{p}")))
+            .map(String::as_str)
+    }
+
+    /// The tensors tiled so far: (name, stored shape, built shape).
+    pub fn tiled(&self) -> Vec<TiledTensor> {
+        self.tiled.lock().expect("tile log").clone()
+    }
+
+    /// The patterns that matched no requested parameter (a misspelt name).
+    pub fn unmatched(&self) -> Vec<String> {
+        let m = self.matched.lock().expect("tile log");
+        self.patterns
+            .iter()
+            .filter(|p| !m.contains(*p))
+            .cloned()
+            .collect()
+    }
+}
+
+impl WeightSource for Tiled<'_> {
+    fn float(&self, name: &str, shape: &[usize], init: Init) -> Result<Vec<f32>> {
+        if let Some(p) = self.pattern_of(name) {
+            self.matched.lock().expect("tile log").insert(p.to_string());
+            if let Some(found) = self.inner.shape(name) {
+                let tileable = found.len() == shape.len()
+                    && !found.is_empty()
+                    && found[1..] == shape[1..]
+                    && found[0] > 0
+                    && shape[0] > found[0]
+                    && shape[0].is_multiple_of(found[0]);
+                if tileable {
+                    let v = self.inner.float(name, &found, init)?;
+                    let k = shape[0] / found[0];
+                    let mut out = Vec::with_capacity(v.len() * k);
+                    for _ in 0..k {
+                        out.extend_from_slice(&v);
+                    }
+                    self.tiled.lock().expect("tile log").push((
+                        name.to_string(),
+                        found,
+                        shape.to_vec(),
+                    ));
+                    return Ok(out);
+                }
+            }
+        }
+        self.inner.float(name, shape, init)
+    }
+
+    fn int(&self, name: &str, shape: &[usize], init: &dyn Fn(usize) -> i64) -> Result<Vec<i64>> {
+        self.inner.int(name, shape, init)
+    }
+
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<StoredMatrix>>> {
+        if self.pattern_of(name).is_some() {
+            return Ok(None);
+        }
+        self.inner.stored(name, shape)
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.inner.shape(name)
+    }
 }
 
 /// A var builder: a source, a name prefix and a device.
@@ -383,6 +485,12 @@ impl WeightSource for CheckpointSource {
         crate::model::safetensors_io::check_finite(&self.reader.path_of(&fname), &fname, &v)?;
         self.mark_used(&fname);
         Ok(v)
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.reader
+            .entry(&self.file_name(name))
+            .map(|e| e.shape.clone())
     }
 
     fn int(&self, name: &str, shape: &[usize], _init: &dyn Fn(usize) -> i64) -> Result<Vec<i64>> {

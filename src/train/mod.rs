@@ -31,7 +31,7 @@ use crate::error::{Error, Result, ResultExt};
 use crate::model::deepseek_v4::DeepseekV4Model;
 use crate::model::deepseek_v4::V4Checkpoint;
 use crate::model::safetensors_io::write_atomic;
-use crate::model::weights::{CheckpointSource, RandomInit, Vb, WeightSource};
+use crate::model::weights::{CheckpointSource, RandomInit, Tiled, Vb, WeightSource};
 use crate::model::{KvcModel, LanguageModel, save_kvc};
 use crate::tasks::{IGNORE_INDEX, KvTrainSampler};
 
@@ -317,13 +317,27 @@ impl<M: Module + LanguageModel> Training<'_, M> {
                     let src = (self.open)(&init).context_with(|| {
                         format!("{}: [train] init = {}", self.path.display(), init.display())
                     })?;
-                    (self.build)(&Vb::new(src.as_ref(), ad)).context_with(|| {
+                    let tile = &self.file.train.init_tile;
+                    let tiled = Tiled::new(src.as_ref(), tile);
+                    let model = (self.build)(&Vb::new(&tiled, ad)).context_with(|| {
                         format!(
                             "{}: [train] init = {}: its weights do not fit [model]",
                             self.path.display(),
                             init.display()
                         )
-                    })?
+                    })?;
+                    if let Some(p) = tiled.unmatched().first() {
+                        return Err(Error::Config {
+                            path: self.path.to_path_buf(),
+                            message: format!(
+                                "[train] init_tile: `{p}` names no parameter of the model"
+                            ),
+                        });
+                    }
+                    for (name, from, to) in tiled.tiled() {
+                        eprintln!("init: tiled `{name}` {from:?} -> {to:?}");
+                    }
+                    model
                 }
                 None => (self.build)(&Vb::new(
                     &RandomInit {

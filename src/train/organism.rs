@@ -86,6 +86,16 @@ pub struct TrainConfig {
     /// keep their config hash.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init: Option<PathBuf>,
+    /// Parameters of `init` that may be tiled along their first axis when the recipe's
+    /// `[model]` asks for a multiple of the stored rows: each entry names a parameter or
+    /// a name suffix after a `.` (`"position_bias"` matches every compressor's and
+    /// indexer's `position_bias`). Row `i` of the new tensor is row `i mod r` of the
+    /// stored one, so a compressor trained at rate `r` starts a rate `k r` model with
+    /// its per-offset biases repeated `k` times (a warm start; the pooled windows still
+    /// differ). Needs `init`. Default: none (every tensor must fit exactly). Not
+    /// serialised when empty, so recipes without it keep their config hash.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub init_tile: Vec<String>,
     /// Weight of the lightning-indexer distillation loss (DeepSeek-V4 CSA layers;
     /// `super::distill`): each CSA layer's indexer is trained towards the main
     /// attention's distribution over the entries it selected, with its inputs detached,
@@ -115,6 +125,7 @@ impl Default for TrainConfig {
             checkpoint_every: 250,
             keep_checkpoints: 2,
             init: None,
+            init_tile: Vec::new(),
             indexer_distill: 0.0,
         }
     }
@@ -146,6 +157,17 @@ impl TrainConfig {
         finite("beta2", self.beta2 as f64)?;
         finite("grad_clip", self.grad_clip as f64)?;
         finite("indexer_distill", self.indexer_distill)?;
+        if !self.init_tile.is_empty() && self.init.is_none() {
+            return Err(format!(
+                "init_tile = {:?} needs `init` (a trained model whose tensors are tiled)",
+                self.init_tile
+            ));
+        }
+        if let Some(bad) = self.init_tile.iter().find(|p| p.is_empty()) {
+            return Err(format!(
+                "init_tile: an empty name ({bad:?}) matches nothing"
+            ));
+        }
         if self.indexer_distill < 0.0 {
             return Err(format!(
                 "indexer_distill must be >= 0 (a loss weight), got {}",

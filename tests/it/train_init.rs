@@ -162,3 +162,116 @@ fn inner_pad_min_bounds_the_haystack_from_below() {
     let err = KvTrainSampler::new(&space, bad).unwrap_err().to_string();
     assert!(err.contains("inner_pad_min"), "{err}");
 }
+
+/// The shipped v4pro-mini recipe (HCA rate 8) with HCA rate `hca`, one step at a
+/// near-zero learning rate from the shipped weights, plus `extra` `[train]` lines.
+fn v4_recipe(dir: &Path, name: &str, hca: usize, extra: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments/organisms");
+    let text = std::fs::read_to_string(root.join("v4pro-mini.toml")).unwrap();
+    let text: String = text
+        .lines()
+        .map(|l| match l.split('=').next().unwrap_or("").trim() {
+            "compress_rates" => format!(
+                "compress_rates = {{ compressed_sparse_attention = 4, heavily_compressed_attention = {hca} }}"
+            ),
+            "name" => format!("name = \"{name}\"\nrun_dir = \"run-{name}\""),
+            "steps" => format!(
+                "steps = 1\ninit = {:?}\n{extra}",
+                root.join("v4pro-mini").to_str().unwrap()
+            ),
+            "batch_size" => "batch_size = 2".into(),
+            "lr" => "lr = 1e-12".into(),
+            "warmup_steps" => "warmup_steps = 1".into(),
+            "checkpoint_every" => "checkpoint_every = 1".into(),
+            "init" => String::new(),
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn float_weights(dir: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let r = SafetensorsReader::open(&dir.join("model.safetensors")).unwrap();
+    r.names()
+        .filter_map(|n| r.read_f32(n).ok().map(|v| (n.to_string(), v)))
+        .collect()
+}
+
+#[test]
+fn init_tile_starts_a_higher_compression_rate_from_the_tiled_weights() {
+    let d = tempfile::tempdir().unwrap();
+    let shipped = float_weights(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments/organisms/v4pro-mini"),
+    );
+
+    // HCA rate 16 from the rate-8 organism: without init_tile the shapes do not fit,
+    // and the error names the key, the tensor and both shapes.
+    let plain = v4_recipe(d.path(), "plain", 16, "");
+    let o = train(&plain);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("[train] init"), "{err}");
+    assert!(
+        err.contains("position_bias") && err.contains("[8, "),
+        "{err}"
+    );
+
+    // A pattern that names nothing is refused; init_tile without init is refused.
+    let typo = v4_recipe(d.path(), "typo", 8, "init_tile = [\"positon_bias\"]");
+    let o = train(&typo);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("positon_bias"), "{err}");
+    let lone = d.path().join("lone.toml");
+    let text = std::fs::read_to_string(&typo).unwrap();
+    let text: String = text
+        .lines()
+        .filter(|l| !l.starts_with("init ="))
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&lone, text).unwrap();
+    let o = train(&lone);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("init_tile") && err.contains("needs `init`"),
+        "{err}"
+    );
+
+    // With it: every HCA compressor's position_bias is the stored one twice over, row
+    // i = row i mod 8, and every other tensor is the shipped one.
+    let tiled = v4_recipe(d.path(), "tiled", 16, "init_tile = [\"position_bias\"]");
+    let o = train(&tiled);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let got = float_weights(&d.path().join("tiled"));
+    assert_eq!(got.len(), shipped.len());
+    let mut n_tiled = 0;
+    for (name, (shape, v)) in &got {
+        let (s_shape, s_v) = &shipped[name];
+        let close = |a: f32, b: f32| (a - b).abs() <= 1e-6;
+        if shape == s_shape {
+            assert!(v.iter().zip(s_v).all(|(a, b)| close(*a, *b)), "{name}");
+            continue;
+        }
+        n_tiled += 1;
+        assert!(name.ends_with("compressor.position_bias"), "{name}");
+        assert_eq!(shape[0], 2 * s_shape[0], "{name}");
+        assert_eq!(shape[1..], s_shape[1..], "{name}");
+        let row = s_shape[1];
+        for i in 0..shape[0] {
+            let (a, b) = (
+                &v[i * row..(i + 1) * row],
+                &s_v[(i % 8) * row..(i % 8 + 1) * row],
+            );
+            assert!(
+                a.iter().zip(b).all(|(x, y)| close(*x, *y)),
+                "{name} row {i}"
+            );
+        }
+        assert!(err.contains(&format!("init: tiled `{name}`")), "{err}");
+    }
+    // The three HCA layers of the V4-Pro schedule.
+    assert_eq!(n_tiled, 3, "{err}");
+}

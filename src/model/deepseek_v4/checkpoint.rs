@@ -717,6 +717,11 @@ impl WeightSource for V4Checkpoint {
         Err(self.missing(name, ""))
     }
 
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let key = self.names.get(name)?;
+        self.reader.entry(key).map(|e| e.shape.clone())
+    }
+
     /// With [`Residency::Stored`]: block-scaled FP8, packed FP4 and BF16 / F16 matrices
     /// and routed-expert stacks as their file bytes (others, and [`Residency::F32`]:
     /// `None`, read by [`WeightSource::float`]).
