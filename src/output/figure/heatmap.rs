@@ -106,8 +106,11 @@ impl FigureSpec for HeatmapSpec {
         let root = if self.title.is_empty() {
             root.clone()
         } else {
-            root.titled(&self.title, (FONT, TITLE_SIZE).into_font())
-                .map_err(de)?
+            root.titled(
+                &self.title,
+                (FONT, title_size(&self.title, w, TITLE_SIZE)).into_font(),
+            )
+            .map_err(de)?
         };
         let (main, bar) = root.split_horizontally(w.saturating_sub(170));
         let rows = self.matrix.len();

@@ -87,6 +87,22 @@ const TITLE_SIZE: u32 = 28;
 const DESC_SIZE: u32 = 22;
 const LABEL_SIZE: u32 = 17;
 
+/// The title font size for `title` on a figure `width` px wide: `base`, shrunk a point
+/// at a time (to 12 at the least) until the measured text fits with 16 px to spare on
+/// each side, so a long model name never pushes a title past the figure's edges.
+pub(crate) fn title_size(title: &str, width: u32, base: u32) -> u32 {
+    let room = width.saturating_sub(32);
+    let mut size = base;
+    while size > 12 {
+        let font = FontDesc::new(FontFamily::SansSerif, f64::from(size), FontStyle::Normal);
+        match font.box_size(title) {
+            Ok((w, _)) if w > room => size -= 1,
+            _ => break,
+        }
+    }
+    size
+}
+
 /// Checks that a sans-serif font can be loaded and measured.
 ///
 /// # Errors
@@ -130,8 +146,9 @@ fn numeric_chart<'a, DB: DrawingBackend>(
     (x_label, y_label): (&str, &str),
 ) -> std::result::Result<ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>, String>
 {
+    let size = title_size(caption.0, root.dim_in_pixel().0, caption.1);
     let mut chart = ChartBuilder::on(root)
-        .caption(caption.0, (FONT, caption.1))
+        .caption(caption.0, (FONT, size))
         .margin(16)
         .x_label_area_size(70)
         .y_label_area_size(90)

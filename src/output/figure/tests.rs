@@ -420,3 +420,22 @@ fn error_scatter_draws_labelled_points_and_refuses_empty_data() {
     };
     assert!(error_scatter(dir.path().join("range"), &bad_range).is_err());
 }
+
+#[test]
+fn long_titles_shrink_to_fit_the_figure() {
+    let measure = |t: &str, size: u32| {
+        FontDesc::new(FontFamily::SansSerif, f64::from(size), FontStyle::Normal)
+            .box_size(t)
+            .unwrap()
+            .0
+    };
+    // The long-context report's heatmap title with a long model name, on the 800 px
+    // wide heatmap: too wide at 28 pt, fitted below it.
+    let long = "v4pro-h16-2048, prefix padding: phase x prompt length, pooled over needle depths";
+    assert!(measure(long, TITLE_SIZE) > 800 - 32);
+    let size = title_size(long, 800, TITLE_SIZE);
+    assert!((12..TITLE_SIZE).contains(&size), "{size}");
+    assert!(measure(long, size) <= 800 - 32, "{size}");
+    // A short title keeps the house size.
+    assert_eq!(title_size("loss", 800, TITLE_SIZE), TITLE_SIZE);
+}
