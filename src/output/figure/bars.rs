@@ -48,13 +48,7 @@ impl FigureSpec for BarProfileSpec {
         let n = self.values.len();
         let ys = self.y_range();
         let mut chart = ChartBuilder::on(root)
-            .caption(
-                &self.title,
-                (
-                    FONT,
-                    title_size(&self.title, root.dim_in_pixel().0, TITLE_SIZE),
-                ),
-            )
+            .caption(&self.title, title_font(&self.title, root))
             .margin(16)
             .x_label_area_size(70)
             .y_label_area_size(90)

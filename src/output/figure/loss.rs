@@ -63,13 +63,7 @@ impl FigureSpec for LossCurveSpec {
         let xs = padded_range(pts.iter().map(|p| p.0), 0.02, (0.0, 1.0));
         let ys = padded_range(pts.iter().map(|p| p.1), 0.06, (0.0, 1.0));
         let mut chart = ChartBuilder::on(root)
-            .caption(
-                &self.title,
-                (
-                    FONT,
-                    title_size(&self.title, root.dim_in_pixel().0, TITLE_SIZE),
-                ),
-            )
+            .caption(&self.title, title_font(&self.title, root))
             .margin(16)
             .x_label_area_size(70)
             .y_label_area_size(90)

@@ -103,6 +103,14 @@ pub(crate) fn title_size(title: &str, width: u32, base: u32) -> u32 {
     size
 }
 
+/// The house title font for `title` on `root`, fitted to its width ([`title_size`]).
+fn title_font<DB: DrawingBackend>(
+    title: &str,
+    root: &DrawingArea<DB, Shift>,
+) -> (&'static str, u32) {
+    (FONT, title_size(title, root.dim_in_pixel().0, TITLE_SIZE))
+}
+
 /// Checks that a sans-serif font can be loaded and measured.
 ///
 /// # Errors
