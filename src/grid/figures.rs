@@ -511,6 +511,9 @@ fn frontier_figure(grid: &Grid, m: &Merged, p: &str, dir: &Path) -> Result<Optio
         return Ok(None);
     }
     let gate = grid.max_gap_pp;
+    // One seed count for every point goes in the title, not on every label.
+    let seeds = rows[0].seeds();
+    let same_seeds = rows.iter().all(|r| r.seeds() == seeds);
     let series = [
         (Verdict::Pass, format!("pass: gap CI <= {gate} pp"), 2),
         (Verdict::Inconclusive, "inconclusive".to_string(), 1),
@@ -524,7 +527,7 @@ fn frontier_figure(grid: &Grid, m: &Merged, p: &str, dir: &Path) -> Result<Optio
             .iter()
             .filter(|r| r.verdict == v)
             .map(|r| ErrorPoint {
-                label: if r.seeds() > 1 {
+                label: if r.seeds() > 1 && !same_seeds {
                     format!("{} ({} seeds)", r.design, r.seeds())
                 } else {
                     r.design.clone()
@@ -543,8 +546,13 @@ fn frontier_figure(grid: &Grid, m: &Merged, p: &str, dir: &Path) -> Result<Optio
     let spec = ErrorScatterSpec {
         series,
         title: format!(
-            "{}: phase gap vs mean accuracy ({p} padding, final query; mean over seeds, 95% CI)",
-            grid.name
+            "{}: phase gap vs mean accuracy ({p} padding, final query; {}, 95% CI)",
+            grid.name,
+            match (same_seeds, seeds) {
+                (true, 1) => "one seed".to_string(),
+                (true, n) => format!("mean over {n} seeds"),
+                (false, _) => "mean over seeds".to_string(),
+            }
         ),
         x_label: "phase gap (pp, best - worst phase)".into(),
         y_label: "mean accuracy over phases".into(),

@@ -439,3 +439,42 @@ fn long_titles_shrink_to_fit_the_figure() {
     // A short title keeps the house size.
     assert_eq!(title_size("loss", 800, TITLE_SIZE), TITLE_SIZE);
 }
+
+#[test]
+fn frontier_labels_overlap_nothing_and_stay_inside_the_plot() {
+    use super::errorbars::{Rect, place_labels};
+    let overlaps = |a: Rect, b: Rect| a.0 < b.2 && b.0 < a.2 && a.1 < b.3 && b.1 < a.3;
+    // A cluster like the mitigation grid's: 8 points within 40 x 20 px, one at the
+    // right edge, one at the top, long labels, a legend in the upper right.
+    let mut at: Vec<(i32, i32)> = (0..8).map(|i| (700 + 5 * i, 500 + (i % 3) * 7)).collect();
+    at.push((985, 300));
+    at.push((400, 105));
+    let sizes: Vec<(u32, u32)> = (0..at.len()).map(|i| (110 + 10 * i as u32, 18)).collect();
+    let area = (100, 100, 1000, 760);
+    let legend = (800, 100, 1000, 180);
+    let placed = place_labels(&at, &sizes, &[legend], area);
+    assert_eq!(placed.len(), at.len());
+    let rects: Vec<Rect> = placed
+        .iter()
+        .zip(&sizes)
+        .map(|(&(x, y), &(w, h))| (x, y, x + w as i32, y + h as i32))
+        .collect();
+    for (i, &r) in rects.iter().enumerate() {
+        assert!(
+            r.0 >= area.0 && r.1 >= area.1 && r.2 <= area.2 && r.3 <= area.3,
+            "label {i} at {r:?} leaves the plot"
+        );
+        assert!(!overlaps(r, legend), "label {i} at {r:?} covers the legend");
+        for (j, &o) in rects.iter().enumerate().skip(i + 1) {
+            assert!(!overlaps(r, o), "labels {i} {r:?} and {j} {o:?} overlap");
+        }
+        for (j, &(x, y)) in at.iter().enumerate() {
+            let m = (x - 7, y - 7, x + 7, y + 7);
+            assert!(!overlaps(r, m), "label {i} at {r:?} covers marker {j}");
+        }
+    }
+    // Deterministic; an uncrowded point keeps its label right above it.
+    assert_eq!(place_labels(&at, &sizes, &[legend], area), placed);
+    let lone = place_labels(&[(300, 400)], &[(80, 18)], &[], area);
+    assert_eq!(lone, vec![(310, 372)]);
+}
