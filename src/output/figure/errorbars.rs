@@ -167,7 +167,10 @@ impl ErrorScatterSpec {
     ) -> DrawResult {
         let font = TextStyle::from((FONT, LABEL_SIZE).into_font());
         let pts: Vec<&ErrorPoint> = self.points().collect();
-        let at: Vec<(i32, i32)> = pts.iter().map(|p| chart.backend_coord(&(p.x, p.y))).collect();
+        let at: Vec<(i32, i32)> = pts
+            .iter()
+            .map(|p| chart.backend_coord(&(p.x, p.y)))
+            .collect();
         let sizes = pts
             .iter()
             .map(|p| root.estimate_text_size(&p.label, &font).map_err(de))
@@ -195,8 +198,11 @@ impl ErrorScatterSpec {
                     px + (dx / d * f64::from(MARKER)) as i32,
                     py + (dy / d * f64::from(MARKER)) as i32,
                 );
-                root.draw(&PathElement::new(vec![from, (nx, ny)], grey.stroke_width(1)))
-                    .map_err(de)?;
+                root.draw(&PathElement::new(
+                    vec![from, (nx, ny)],
+                    grey.stroke_width(1),
+                ))
+                .map_err(de)?;
             }
             // A light box keeps the label readable over error bars and the grid.
             root.draw(&Rectangle::new(
@@ -229,7 +235,12 @@ impl ErrorScatterSpec {
             w = w.max(root.estimate_text_size(n, font).map_err(de)?.0 as i32);
         }
         let rows = names.len() as i32;
-        Ok((right - w - 70, top, right, top + rows * (LABEL_SIZE as i32 + 12) + 24))
+        Ok((
+            right - w - 70,
+            top,
+            right,
+            top + rows * (LABEL_SIZE as i32 + 12) + 24,
+        ))
     }
 }
 
@@ -260,7 +271,14 @@ pub(crate) fn place_labels(
     let g = MARKER + 3;
     let markers: Vec<Rect> = at
         .iter()
-        .map(|&(x, y)| (x - MARKER - 1, y - MARKER - 1, x + MARKER + 1, y + MARKER + 1))
+        .map(|&(x, y)| {
+            (
+                x - MARKER - 1,
+                y - MARKER - 1,
+                x + MARKER + 1,
+                y + MARKER + 1,
+            )
+        })
         .collect();
     // Crowded first: more neighbours within 120 px.
     let mut order: Vec<usize> = (0..at.len()).collect();
