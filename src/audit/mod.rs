@@ -102,7 +102,8 @@ fn plain_name(s: &str) -> String {
     if n.is_empty() { "model".into() } else { n }
 }
 
-/// `MODEL`: a model directory (config.json + safetensors) or an organism recipe.
+/// `MODEL`: a model directory (config.json + safetensors), an organism recipe, or a
+/// folder holding a recipe as `recipe.toml` (a grid design's folder).
 pub fn resolve_target(model: &Path) -> Result<Target> {
     let is_toml = model.extension().is_some_and(|e| e == "toml");
     if is_toml {
@@ -129,8 +130,14 @@ pub fn resolve_target(model: &Path) -> Result<Target> {
         )));
     }
     if !model.join("config.json").exists() {
+        // A grid design's folder (`experiments/grids/<grid>/<design>/`) or any folder
+        // holding its recipe as `recipe.toml`: audit the model that recipe trains.
+        let recipe = model.join("recipe.toml");
+        if recipe.is_file() {
+            return resolve_target(&recipe);
+        }
         return Err(Error::Input(format!(
-            "{} is not a model folder: it has no config.json (a model folder holds config.json and model.safetensors)",
+            "{} is not a model folder: it has no config.json (a model folder holds config.json and model.safetensors; give a model folder, an organism recipe .toml, or a grid design's folder with its recipe.toml)",
             model.display()
         )));
     }

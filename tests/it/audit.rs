@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use crate::common::runner::{organism, tiny};
-use phaselens::audit::{AuditConfig, AuditRequest, run_audit};
+use phaselens::audit::{AuditConfig, AuditRequest, resolve_target, run_audit};
 use phaselens::device::DeviceSpec;
 use phaselens::runner::ProgressMode;
 
@@ -304,4 +304,23 @@ fn without_gates_the_audit_measures_and_exits_0_and_a_toml_sets_the_gates() {
         "{}",
         stderr(&o)
     );
+}
+
+#[test]
+fn a_grid_design_folder_is_audited_through_its_recipe() {
+    // The README's `phaselens audit experiments/grids/mitigations/<design>-seed0`.
+    let design = repo().join("experiments/grids/mitigations/w9s8-kv2-seed0");
+    let t = resolve_target(&design).unwrap();
+    assert_eq!(t.name, "w9s8-kv2-seed0");
+    assert_eq!(t.dir, design.join("model"));
+    assert_eq!(t.organism.as_deref(), Some(design.join("recipe.toml").as_path()));
+    // A design folder whose model is not trained yet says how to train it.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(design.join("recipe.toml"), dir.path().join("recipe.toml")).unwrap();
+    let e = resolve_target(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("not trained yet") && e.contains("phaselens train"), "{e}");
+    // An empty folder names what a model argument can be.
+    let empty = tempfile::tempdir().unwrap();
+    let e = resolve_target(empty.path()).unwrap_err().to_string();
+    assert!(e.contains("no config.json") && e.contains("recipe.toml"), "{e}");
 }
