@@ -313,14 +313,23 @@ fn a_grid_design_folder_is_audited_through_its_recipe() {
     let t = resolve_target(&design).unwrap();
     assert_eq!(t.name, "w9s8-kv2-seed0");
     assert_eq!(t.dir, design.join("model"));
-    assert_eq!(t.organism.as_deref(), Some(design.join("recipe.toml").as_path()));
+    assert_eq!(
+        t.organism.as_deref(),
+        Some(design.join("recipe.toml").as_path())
+    );
     // A design folder whose model is not trained yet says how to train it.
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(design.join("recipe.toml"), dir.path().join("recipe.toml")).unwrap();
     let e = resolve_target(dir.path()).unwrap_err().to_string();
-    assert!(e.contains("not trained yet") && e.contains("phaselens train"), "{e}");
+    assert!(
+        e.contains("not trained yet") && e.contains("phaselens train"),
+        "{e}"
+    );
     // An empty folder names what a model argument can be.
     let empty = tempfile::tempdir().unwrap();
     let e = resolve_target(empty.path()).unwrap_err().to_string();
-    assert!(e.contains("no config.json") && e.contains("recipe.toml"), "{e}");
+    assert!(
+        e.contains("no config.json") && e.contains("recipe.toml"),
+        "{e}"
+    );
 }
