@@ -239,14 +239,20 @@ pub fn grid_json(dir: &Path, name: &str) -> Result<Value> {
             designs.push(d.clone());
         }
     }
+    let frontier = frontier_json(dir)?;
+    let mut tables = vec!["grid.arrow"];
+    if frontier.as_array().is_some_and(|a| !a.is_empty()) {
+        tables.push("grid_frontier.arrow");
+    }
     Ok(json!({
         "view": "grid",
         "experiment": name,
         "kind": "grid",
-        "tables": ["grid.arrow"],
+        "tables": tables,
         "designs": designs,
         "grid_cells": cells,
         "summary": summary_json(dir)?,
+        "frontier": frontier,
         "maps": [],
         "series": [],
         "scalars": {},
@@ -279,6 +285,71 @@ fn summary_json(dir: &Path) -> Result<Value> {
                 worst[i],
                 opt(mean[i])
             ]))
+            .collect::<Vec<_>>()
+    ))
+}
+
+/// `grid_frontier.arrow` (`grid_frontier/v1`): per pooled design x protocol, `[design,
+/// protocol, seeds, seeds_total, members, mean, mean_sd, mean_lo, mean_hi, gap_pp,
+/// gap_sd, gap_lo, gap_hi, worst_phase, worst_accuracy, verdict, max_gap_pp]`; empty
+/// without the table (a grid merged before frontiers existed).
+fn frontier_json(dir: &Path) -> Result<Value> {
+    let path = dir.join("grid_frontier.arrow");
+    if !path.exists() {
+        return Ok(json!([]));
+    }
+    let t = Table::read_arrow(&path)?;
+    let s = |c: &str| t.utf8(c).map(<[Option<String>]>::to_vec);
+    let f = |c: &str| t.float64(c).map(<[Option<f64>]>::to_vec);
+    let i = |c: &str| t.int64(c).map(<[Option<i64>]>::to_vec);
+    let (design, protocol, members, verdict) =
+        (s("design")?, s("protocol")?, s("members")?, s("verdict")?);
+    let (seeds, total, worst) = (i("seeds")?, i("seeds_total")?, i("worst_phase")?);
+    let cols = [
+        "mean_accuracy",
+        "mean_accuracy_sd",
+        "mean_ci_lo",
+        "mean_ci_hi",
+        "phase_gap_pp",
+        "phase_gap_sd",
+        "gap_ci_lo",
+        "gap_ci_hi",
+        "worst_accuracy",
+        "max_gap_pp",
+    ];
+    let num: Vec<Vec<Option<f64>>> = cols
+        .iter()
+        .map(|c| f(c))
+        .collect::<std::result::Result<_, _>>()?;
+    Ok(json!(
+        (0..t.num_rows())
+            .map(|r| {
+                let v = |k: usize| opt(num[k][r]);
+                json!([
+                    design[r],
+                    protocol[r],
+                    seeds[r],
+                    total[r],
+                    members[r]
+                        .as_deref()
+                        .unwrap_or("")
+                        .split(',')
+                        .filter(|m| !m.is_empty())
+                        .collect::<Vec<_>>(),
+                    v(0),
+                    v(1),
+                    v(2),
+                    v(3),
+                    v(4),
+                    v(5),
+                    v(6),
+                    v(7),
+                    worst[r],
+                    v(8),
+                    verdict[r],
+                    v(9)
+                ])
+            })
             .collect::<Vec<_>>()
     ))
 }

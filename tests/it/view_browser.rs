@@ -262,6 +262,56 @@ fn the_paper_grid_has_a_design_by_phase_viewer() {
     );
 }
 
+#[test]
+fn the_mitigation_grid_viewer_lists_every_pooled_design_with_its_verdicts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = repo().join("notebooks-data");
+    let site = view_grid("mitigations", &opts(&data, tmp.path())).unwrap();
+    let res = selftest(&site);
+    assert_passed(&res, "grid mitigations");
+    let names = check_names(&res);
+    for want in [
+        "the frontier has one row per pooled design",
+        "clicking a pooled design draws each seed's accuracy by phase",
+    ] {
+        assert!(names.iter().any(|n| n == want), "{want}: {names:?}");
+    }
+    // The verdicts on the page are the table's, design by design and protocol by
+    // protocol, in the table's order.
+    let t = Table::read_arrow(data.join("grids/mitigations/grid_frontier.arrow")).unwrap();
+    let (d, p, v) = (
+        t.utf8("design").unwrap(),
+        t.utf8("protocol").unwrap(),
+        t.utf8("verdict").unwrap(),
+    );
+    let mut want: Vec<(String, String, String)> = (0..t.num_rows())
+        .map(|i| {
+            (
+                d[i].clone().unwrap(),
+                p[i].clone().unwrap(),
+                v[i].clone().unwrap(),
+            )
+        })
+        .collect();
+    let mut got: Vec<(String, String, String)> = res["frontier"]
+        .as_array()
+        .expect("the self-test reports the frontier's verdicts")
+        .iter()
+        .map(|r| {
+            let s = |k: usize| r[k].as_str().unwrap().to_string();
+            (s(0), s(1), s(2))
+        })
+        .collect();
+    assert_eq!(got.len(), want.len());
+    want.sort();
+    got.sort();
+    assert_eq!(got, want);
+    assert!(
+        got.iter()
+            .any(|r| r.0 == "stagger-kv4" && r.2 == "inconclusive")
+    );
+}
+
 /// Copy the long tables of a committed experiment (not its exemplars) into `root/name`.
 fn copy_tables(name: &str, root: &Path) -> PathBuf {
     let src = repo().join("notebooks-data").join(name);

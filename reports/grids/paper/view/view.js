@@ -27,7 +27,7 @@
     if (a !== 0 && (a < 1e-3 || a >= 1e4)) return v.toExponential(2);
     return v.toFixed(d);
   }
-  function ci(lo, hi) { return (lo === null || hi === null) ? '' : ' [' + fmt(lo) + ', ' + fmt(hi) + ']'; }
+  function ci(lo, hi, d) { return (lo === null || hi === null || lo === undefined || hi === undefined) ? '' : ' [' + fmt(lo, d) + ', ' + fmt(hi, d) + ']'; }
 
   // ---------- tooltip ----------
   function tip(ev, text) {
@@ -147,6 +147,7 @@
     var cells = (D.grid_cells || []).filter(function (c) { return c[2] === 'final'; });
     var protos = []; cells.forEach(function (c) { if (protos.indexOf(c[1]) < 0) protos.push(c[1]); });
     if (!cells.length) { host.appendChild(el('p', { 'class': 'empty' }, 'The grid table has no final-query rows yet (no design swept).')); return; }
+    gridFrontier(host);
     protos.forEach(function (pr) {
       var phases = []; cells.forEach(function (c) { if (c[1] === pr && phases.indexOf(c[5]) < 0) phases.push(c[5]); });
       phases.sort(function (a, b) { return a - b; });
@@ -172,12 +173,65 @@
           r.appendChild(td);
         });
         var sm = (D.summary || []).filter(function (x) { return x[0] === d && x[1] === pr; })[0];
-        r.appendChild(el('th', {}, sm ? fmt(sm[2], 1) + ci(sm[3], sm[4]) : ''));
+        r.appendChild(el('th', {}, sm ? fmt(sm[2], 1) + ci(sm[3], sm[4], 1) : ''));
         tb.appendChild(r);
       });
       box.appendChild(tb); host.appendChild(box);
     });
     host.appendChild(el('div', { id: 'grid-design' }));
+  }
+  // The designs pooled over seeds (grid_frontier.arrow): per protocol mean accuracy and
+  // phase gap (mean +- sd over seeds, 95% CI), worst phase and the gate's verdict; a
+  // click draws the design's seeds' accuracy by phase.
+  function gridFrontier(host) {
+    var rows = D.frontier || [];
+    if (!rows.length) return;
+    var designs = [], protos = [];
+    rows.forEach(function (r) { if (designs.indexOf(r[0]) < 0) designs.push(r[0]); if (protos.indexOf(r[1]) < 0) protos.push(r[1]); });
+    var gate = rows[0][16];
+    var box = el('div', { 'class': 'map', id: 'frontier' });
+    box.appendChild(el('h3', {}, 'designs pooled over seeds: mean accuracy and phase gap of the final query (mean \u00b1 sd over seeds, 95% CI); verdict against the ' + fmt(gate, 1) + ' pp gate; click a design for its seeds\u2019 accuracy by phase'));
+    var tb = el('table', { 'class': 'frontier' }), top = el('tr'), tr = el('tr');
+    top.appendChild(el('th', { colspan: 2 }));
+    tr.appendChild(el('th', {}, 'design'));
+    tr.appendChild(el('th', {}, 'seeds'));
+    protos.forEach(function (pr) {
+      top.appendChild(el('th', { colspan: 4, 'class': 'group' }, pr + ' padding'));
+      ['mean acc', 'gap pp', 'worst (acc)', 'verdict'].forEach(function (h) { tr.appendChild(el('th', { 'class': 'col' }, h)); });
+    });
+    tb.appendChild(top); tb.appendChild(tr);
+    var pm = function (v, sd, d) { return fmt(v, d) + (sd !== null && sd !== undefined ? ' \u00b1 ' + fmt(sd, d) : ''); };
+    designs.forEach(function (d) {
+      var r = el('tr', { 'class': 'frontier-row', 'data-design': d });
+      var first = rows.filter(function (x) { return x[0] === d; })[0];
+      r.appendChild(el('th', {}, d));
+      r.appendChild(el('td', {}, first[2] + (first[3] > first[2] ? ' of ' + first[3] : '')));
+      protos.forEach(function (pr) {
+        var x = rows.filter(function (y) { return y[0] === d && y[1] === pr; })[0];
+        if (!x) { for (var k = 0; k < 4; k++) r.appendChild(el('td', { 'class': 'missing' }, '')); return; }
+        var sd = x[2] > 1;
+        r.appendChild(el('td', {}, pm(x[5], sd ? x[6] : null, 2) + ci(x[7], x[8], 2)));
+        r.appendChild(el('td', {}, pm(x[9], sd ? x[10] : null, 1) + ci(x[11], x[12], 1)));
+        r.appendChild(el('td', {}, x[13] === null ? 'n/a' : x[13] + ' (' + fmt(x[14], 2) + ')'));
+        r.appendChild(el('td', { 'class': 'verdict verdict-' + x[15], 'data-protocol': pr }, x[15]));
+      });
+      r.addEventListener('click', function () { gridSeeds(d, protos[0]); });
+      tb.appendChild(r);
+    });
+    box.appendChild(tb);
+    host.appendChild(box);
+  }
+  function gridSeeds(d, pr) {
+    var host = $('grid-design'); host.textContent = '';
+    var f = (D.frontier || []).filter(function (x) { return x[0] === d && x[1] === pr; })[0];
+    var members = f ? f[4] : [d];
+    var series = members.map(function (m) {
+      return { metric: 'accuracy', label: m, points: (D.grid_cells || []).filter(function (c) { return c[0] === m && c[1] === pr && c[2] === 'final'; })
+        .map(function (c) { return [c[5], c[6], c[7], c[8], c[9]]; }).sort(function (a, b) { return a[0] - b[0]; }) };
+    }).filter(function (s) { return s.points.length; });
+    host.appendChild(el('h3', {}, d + ' (' + pr + ' padding): accuracy by phase of each seed, 95% Wilson bands'));
+    if (!series.length) { host.appendChild(el('p', { 'class': 'empty' }, 'No merged seed of ' + d + ' has ' + pr + ' rows.')); return; }
+    lineChart(host, series, { y0: 0, y1: 1, worst: true });
   }
   function gridDesign(d, pr) {
     var host = $('grid-design'); host.textContent = '';
@@ -557,6 +611,21 @@
         var gc = document.querySelector('td.cell[data-design]');
         check('grid has design x phase cells', !!gc, document.querySelectorAll('td.cell[data-design]').length);
         if (gc) { fire(gc, 'click'); check('clicking a design draws its accuracy by phase', document.querySelectorAll('#grid-design .phase-pt').length > 0); }
+        if (D.frontier && D.frontier.length) {
+          var fr = document.querySelectorAll('#frontier tr.frontier-row');
+          var fd = []; D.frontier.forEach(function (x) { if (fd.indexOf(x[0]) < 0) fd.push(x[0]); });
+          check('the frontier has one row per pooled design', fr.length === fd.length, fr.length + ' of ' + fd.length);
+          res.frontier = [];
+          fr.forEach(function (tr) {
+            tr.querySelectorAll('td.verdict').forEach(function (v) { res.frontier.push([tr.getAttribute('data-design'), v.getAttribute('data-protocol'), v.textContent]); });
+          });
+          if (fr.length) {
+            var f0 = D.frontier.filter(function (x) { return x[0] === fr[0].getAttribute('data-design'); })[0];
+            fire(fr[0], 'click');
+            var lines = document.querySelectorAll('#grid-design .phase-pt').length;
+            check('clicking a pooled design draws each seed\'s accuracy by phase', lines > 0 && document.querySelector('#grid-design h3').textContent.indexOf(f0[0] + ' (') === 0, lines);
+          }
+        }
       }
       var cell = null;
       document.querySelectorAll('td.cell[data-value]').forEach(function (td) { if (!cell && td.getAttribute('data-value') !== 'NaN') cell = td; });
