@@ -23,6 +23,8 @@ pub mod deepseek_v4;
 pub mod diagnose;
 /// Matrix-product FLOPs counted while benchmarking.
 pub mod flops;
+/// GGUF files: metadata, the tensor directory, ggml's block formats dequantised to f32.
+pub mod gguf;
 #[doc(hidden)] // upfront memory checks: the CLI sets and prints them, tests/it compare them
 pub mod memory;
 #[doc(hidden)] // `phaselens plan`
