@@ -19,6 +19,7 @@ mod deepseek_v4_plan;
 mod deepseek_v4_realwidth;
 mod deepseek_v4_suffix;
 mod edges;
+mod gguf;
 mod grid;
 mod grid_frontier;
 mod grid_slurm;
