@@ -6,7 +6,8 @@
 //!
 //! The library face: [`prelude`] (one import for loading a model, running it with hooks
 //! and reading the cache), [`model`], [`hooks`], [`device`], [`tasks`] (phase-controlled
-//! prompts), [`analysis`] (intervals, bootstraps, effects), [`output`] (tables and their
+//! prompts), [`tokenizer`] (text <-> token ids of pretrained models, equal to
+//! transformers'), [`analysis`] (intervals, bootstraps, effects), [`output`] (tables and their
 //! schemas), [`audit`] (certify a checkpoint's phase sensitivity), [`grid`] (the
 //! mitigation frontier over designs and seeds), [`train`] (organism recipes and
 //! training) and [`error`]. Runnable examples: `examples/` (docs/library.md).
@@ -23,6 +24,7 @@ pub mod hooks;
 pub mod model;
 pub mod output;
 pub mod tasks;
+pub mod tokenizer;
 pub mod train;
 
 // Behind the command line: public for the `phaselens` binary (src/cli) and the
