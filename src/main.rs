@@ -15,7 +15,8 @@ Examples:
   phaselens figures                                # redraw every figure from the tables
   phaselens view v4pro                             # the static explorer: reports/v4pro/view/
   phaselens backends                               # check every backend against flex
-  phaselens audit experiments/organisms/kvc-w8s8 --max-gap 5pp   # certify phase sensitivity")]
+  phaselens audit experiments/organisms/kvc-w8s8 --max-gap 5pp   # certify phase sensitivity
+  phaselens tokenize --model model.gguf 'Key 4821: value 7710'    # ids and pieces")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -51,6 +52,8 @@ enum Command {
     Plan(cli::plan::PlanArgs),
     /// Certify a checkpoint's phase sensitivity (audit.json, report; exit 3 on a failed gate).
     Audit(Box<cli::audit::AuditArgs>),
+    /// A model's token ids and pieces for a text (or the text of ids, with --decode).
+    Tokenize(cli::tokenize::TokenizeArgs),
 }
 
 fn main() {
@@ -68,6 +71,7 @@ fn main() {
         Command::Backends(a) => cli::backends::run(a),
         Command::View(a) => cli::view::run(a),
         Command::Plan(a) => cli::plan::run(a),
+        Command::Tokenize(a) => cli::tokenize::run(a),
         Command::Audit(a) => cli::audit::run(*a).map(|code| {
             if code != 0 {
                 std::process::exit(code)

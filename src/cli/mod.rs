@@ -10,5 +10,6 @@ pub mod hooks;
 pub mod inspect;
 pub mod plan;
 pub mod run;
+pub mod tokenize;
 pub mod train;
 pub mod view;

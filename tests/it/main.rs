@@ -44,6 +44,7 @@ mod runner_long_context;
 mod runner_patch;
 mod selection_hooks;
 mod stored_weights;
+mod tokenizer;
 mod train_init;
 mod train_resume;
 mod view_browser;
