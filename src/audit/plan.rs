@@ -73,6 +73,13 @@ impl Geometry {
                     stride: Some(stride),
                     local_tail: Some(local_tail),
                 },
+                LayerKind::Selected { block, window, .. } => LayerGeometry {
+                    layer: l,
+                    kind: "selected".into(),
+                    window: Some(block),
+                    stride: Some(block),
+                    local_tail: Some(window),
+                },
             })
             .collect();
         Geometry {

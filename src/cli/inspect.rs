@@ -163,6 +163,11 @@ fn layer_kind(kind: &LayerKind) -> String {
             stride,
             local_tail,
         } => format!("compressed(w{window}/s{stride}+{local_tail})"),
+        LayerKind::Selected {
+            block,
+            top_k,
+            window,
+        } => format!("selected(b{block}/top{top_k}+{window})"),
     }
 }
 

@@ -218,15 +218,32 @@ impl SwiGlu {
     /// `[..., d_model]` -> `[..., d_model]`, over chunks of at most [`ROW_CHUNK`] rows
     /// (the `d_ff`-wide intermediates then scale with the chunk, not the sequence).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward_with(x, silu)
+    }
+
+    /// [`SwiGlu::forward`] with another gate activation (`gelu_tanh`: GeGLU).
+    pub fn forward_with<const D: usize>(
+        &self,
+        x: Tensor<D>,
+        act: impl Fn(Tensor<2>) -> Tensor<2>,
+    ) -> Tensor<D> {
         let dims = x.dims();
         let d = dims[D - 1];
         let rows: usize = dims[..D - 1].iter().product();
         let flat = row_chunks(x.reshape([rows, d]), |x| {
             self.down
-                .forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+                .forward(act(self.gate.forward(x.clone())) * self.up.forward(x))
         });
         flat.reshape(dims)
     }
+}
+
+/// GELU with the tanh approximation (PyTorch's `gelu(approximate="tanh")`):
+/// `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`.
+pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    let k = (2.0f64 / std::f64::consts::PI).sqrt();
+    let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715) * k;
+    x * (inner.tanh() + 1.0) * 0.5
 }
 
 /// Rows per chunk of position-wise work on long inputs.

@@ -17,6 +17,8 @@ pub mod layers;
 pub mod attention;
 #[doc(hidden)] // `phaselens bench forward`
 pub mod bench;
+/// Training-free chunked-compression overlays (`select`, `pool`) for kvc-family models.
+pub mod compression;
 #[doc(hidden)] // DeepSeek-V4 (load it with `load_model`); tests/it check its parts
 pub mod deepseek_v4;
 #[doc(hidden)] // the CLI's non-finite checks
@@ -31,6 +33,8 @@ pub mod memory;
 pub mod plan;
 /// The compute dtype of the matrix products (`--dtype f32|bf16`).
 pub mod precision;
+/// Pretrained checkpoints (GGUF, Hugging Face folders) of the Llama family and Gemma 3.
+pub mod pretrained;
 #[doc(hidden)] // streaming safetensors reads and writes (the CLI, tests/it's fixtures)
 pub mod safetensors_io;
 #[doc(hidden)] // stored (BF16/FP8/FP4) weights; tests/it read its dequantisation budget
@@ -81,6 +85,17 @@ pub enum LayerKind {
         /// Raw tokens beside the entries.
         local_tail: usize,
     },
+    /// Block selection (the `select` overlay): each query reads the raw tokens of its
+    /// `top_k` best blocks of `block` tokens plus the last `window` tokens. Phase =
+    /// (position - offset) mod `block`.
+    Selected {
+        /// Tokens per block.
+        block: usize,
+        /// Blocks kept per query.
+        top_k: usize,
+        /// Raw tokens always read.
+        window: usize,
+    },
 }
 
 /// Words for messages: `full attention`, `sliding window 128`,
@@ -98,6 +113,14 @@ impl std::fmt::Display for LayerKind {
                 f,
                 "compressed (window {window}, stride {stride}, local tail {local_tail})"
             ),
+            LayerKind::Selected {
+                block,
+                top_k,
+                window,
+            } => write!(
+                f,
+                "block selection (block {block}, top {top_k}, window {window})"
+            ),
         }
     }
 }
@@ -107,6 +130,7 @@ impl LayerKind {
     pub fn stride(&self) -> Option<usize> {
         match self {
             LayerKind::Compressed { stride, .. } => Some(*stride),
+            LayerKind::Selected { block, .. } => Some(*block),
             _ => None,
         }
     }
@@ -553,6 +577,32 @@ pub fn load_model_with(
     load_any(dir, device, None, residency)
 }
 
+/// [`load_model_with`] under a training-free compression overlay (kvc organisms,
+/// Llama-family and Gemma 3 checkpoints; see [`compression`]).
+pub fn load_model_overlaid(
+    dir: &Path,
+    device: &Device,
+    residency: stored::Residency,
+    overlay: &compression::Overlay,
+) -> Result<Box<dyn LanguageModel>> {
+    if let Some(p) = pretrained::detect(dir) {
+        return Ok(Box::new(
+            pretrained::load(&p, device, residency)?.with_overlay(overlay)?,
+        ));
+    }
+    let (path, _, json) = read_config_json(dir)?;
+    match json["model_type"].as_str() {
+        Some(kvc::MODEL_TYPE) => Ok(Box::new(load_kvc(dir, device)?.with_overlay(overlay)?)),
+        other => Err(Error::Config {
+            path,
+            message: format!(
+                "a compression overlay applies to kvc organisms, Llama-family and Gemma 3 checkpoints, not to model_type {}",
+                other.map_or("(none)".to_string(), |t| format!("\"{t}\""))
+            ),
+        }),
+    }
+}
+
 /// Load a model directory over the devices of `placement` (see [`placement`]): it
 /// loads on the first (home) device, then every layer moves to its own.
 pub fn load_model_placed(
@@ -608,6 +658,13 @@ fn load_any(
     placed: Option<&placement::Placed>,
     residency: stored::Residency,
 ) -> Result<Box<dyn LanguageModel>> {
+    if let Some(p) = pretrained::detect(dir) {
+        let m = pretrained::load(&p, device, residency)?;
+        return Ok(Box::new(match placed {
+            Some(p) => m.place(p)?,
+            None => m,
+        }));
+    }
     let (path, _, json) = read_config_json(dir)?;
     match json["model_type"].as_str() {
         Some(kvc::MODEL_TYPE) => {

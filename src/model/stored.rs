@@ -22,6 +22,7 @@ use burn::module::{
 use burn::tensor::{Device, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
+use super::gguf::{GgmlType, dequantize};
 use super::precision::ComputeDtype;
 use super::safetensors_io::{StDtype, decode_floats, f8_e8m0_to_f32};
 use crate::model::flops::Mm;
@@ -203,6 +204,9 @@ pub struct Block {
     dtype: StDtype,
     bytes: Arc<Vec<u8>>,
     scales: Option<Scales>,
+    /// GGUF quantised blocks (Q4_1, Q8_0, Q4_K, ...): each row is `cols / block_size`
+    /// ggml blocks (`dtype` unused), dequantised by [`crate::model::gguf::dequantize`].
+    ggml: Option<GgmlType>,
 }
 
 impl Block {
@@ -227,6 +231,22 @@ impl Block {
             dtype,
             bytes: Arc::new(bytes),
             scales,
+            ggml: None,
+        })
+    }
+
+    /// A matrix of GGUF blocks of type `t`, row-major: `None` when a row is not a whole
+    /// number of blocks or the bytes do not hold `rows` rows.
+    pub fn ggml([rows, cols]: [usize; 2], t: GgmlType, bytes: Vec<u8>) -> Option<Self> {
+        let (bs, ts) = (t.block_size(), t.type_size());
+        let ok = bs > 0 && cols.is_multiple_of(bs) && bytes.len() == rows * cols / bs * ts;
+        ok.then(|| Block {
+            rows,
+            cols,
+            dtype: StDtype::U8,
+            bytes: Arc::new(bytes),
+            scales: None,
+            ggml: Some(t),
         })
     }
 
@@ -245,6 +265,12 @@ impl Block {
     /// Rows `r0..r1` dequantised, row-major: `value * scale`, exactly as the loader
     /// computes them.
     pub fn rows_f32(&self, r0: usize, r1: usize) -> Vec<f32> {
+        if let Some(t) = self.ggml {
+            let w = self.cols / t.block_size() * t.type_size();
+            let mut v = vec![0.0f32; (r1 - r0) * self.cols];
+            dequantize(t, &self.bytes[r0 * w..r1 * w], &mut v).expect("checked block size");
+            return v;
+        }
         let mut v = if self.packed() {
             let w = self.cols / 2;
             let mut v = Vec::with_capacity((r1 - r0) * self.cols);
@@ -270,6 +296,9 @@ impl Block {
 
     /// The label of the values' storage: `bf16`, `f16`, `fp8`, `fp4`, `f32`, ...
     pub fn label(&self) -> &'static str {
+        if let Some(t) = self.ggml {
+            return t.name();
+        }
         match self.dtype {
             StDtype::I8 | StDtype::U8 => "fp4",
             StDtype::F8E4M3 => "fp8",

@@ -191,6 +191,10 @@ pub struct ModelSection {
     /// (`crate::model::precision`; default f32); `--dtype` overrides it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<crate::model::ComputeDtype>,
+    /// `[model.compression]`: a training-free chunked-compression overlay on the model
+    /// (`kind = "select" | "pool"`, `crate::model::compression::Overlay`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<crate::model::compression::Overlay>,
 }
 
 /// `[task]`: the prompts. Every key defaults to the organism's recipe.

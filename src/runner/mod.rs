@@ -279,6 +279,17 @@ fn load_for_run(
 ) -> Result<Box<dyn crate::model::LanguageModel>> {
     use crate::model::placement::Placement;
     let residency = opts.weights.or(exp.file.model.weights).unwrap_or_default();
+    if let Some(o) = &exp.file.model.compression {
+        if opts.devices.is_some() || exp.file.model.placement.is_some() {
+            return Err(exp.err(
+                "model",
+                "compression",
+                "an overlay runs on one device (no --devices / [model.placement])",
+            ));
+        }
+        return crate::model::load_model_overlaid(dir, device, residency, o)
+            .map_err(|e| e.context(format!("{}: [model.compression]", exp.path.display())));
+    }
     if let Some(req) = &opts.devices {
         let (m, p) = crate::model::load_model_split(
             dir,

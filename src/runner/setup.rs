@@ -36,17 +36,18 @@ fn organism_path(base: &Path, spec: &str) -> PathBuf {
 /// The model directory `[model] path` names (relative to the experiment file), named
 /// by `[model] name` or the directory.
 fn model_at_path(exp: &Experiment, base: &Path, path: &Path) -> Result<ModelRef> {
+    let path = crate::model::pretrained::expand_model_path(path);
     let dir = if path.is_absolute() {
         path.to_path_buf()
     } else {
         base.join(path)
     };
-    if !dir.join("config.json").exists() {
+    if !dir.join("config.json").exists() && crate::model::pretrained::detect(&dir).is_none() {
         return Err(exp.err(
             "model",
             "path",
             format!(
-                "{} is not a model directory (no config.json)",
+                "{} is not a model directory (no config.json) nor a GGUF file",
                 dir.display()
             ),
         ));

@@ -301,6 +301,9 @@ fn layer_rows(
         LayerKind::Compressed { window, stride, .. } => {
             (format!("compressed W={window} S={stride}"), stride)
         }
+        LayerKind::Selected { block, top_k, .. } => {
+            (format!("selected block={block} top={top_k}"), block)
+        }
     };
     r.push("layer_kind", at(l), stride as f64, Some(label));
     let point = HookPoint::block(l, Site::AttnPattern);

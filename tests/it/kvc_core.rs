@@ -50,6 +50,8 @@ fn config(
             window_offsets: Vec::new(),
         }),
         init_std: 0.3,
+        arch: Default::default(),
+        overlay: None,
     }
 }
 

@@ -558,3 +558,90 @@ fn kvc_full_attention_key_shift_no_sink() {
     c.sink = false;
     kvc("kvc full attention, key shift, no sink", c, 26);
 }
+
+/// The Gemma 3 options on a tiny kvc decoder: sliding (window 7) and global layers with
+/// their own RoPE bases, post-norms, GeGLU, scaled embeddings, an attention scale and
+/// a logit soft-cap; no sink.
+#[test]
+fn pretrained_gemma3_options_sliding_and_global_layers() {
+    use phaselens::model::kvc::{ArchOptions, LayerType, MlpAct};
+    let mut c = KvcConfig::tiny().full_attention();
+    c.sink = false;
+    c.n_layers = 3;
+    c.arch = ArchOptions {
+        name: Some("gemma3".into()),
+        mlp_act: MlpAct::GeluTanh,
+        post_norms: true,
+        embed_scale: Some(5.657),
+        attn_scale: Some(0.3),
+        layer_types: vec![
+            LayerType::SlidingAttention,
+            LayerType::FullAttention,
+            LayerType::SlidingAttention,
+        ],
+        sliding_window: Some(7),
+        rope_local_theta: Some(100.0),
+        final_softcap: Some(3.0),
+        ..ArchOptions::default()
+    };
+    kvc("gemma3 options (sliding 7 / global)", c, 27);
+}
+
+/// The Llama-family options: query/key/value biases (Qwen2), Llama 3 RoPE scaling, no
+/// Q/K norm, no sink, tied embeddings.
+#[test]
+fn pretrained_llama_options_qkv_bias_llama3_rope() {
+    use phaselens::model::kvc::{ArchOptions, Llama3Rope};
+    let mut c = KvcConfig::tiny().full_attention();
+    c.sink = false;
+    c.qk_norm = false;
+    c.tie_embeddings = true;
+    c.arch = ArchOptions {
+        name: Some("qwen2".into()),
+        qkv_bias: true,
+        rope_llama3: Some(Llama3Rope {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_positions: 64.0,
+        }),
+        ..ArchOptions::default()
+    };
+    kvc("llama options (qkv bias, llama3 rope)", c, 28);
+}
+
+/// The `select` overlay (blocks of 4, top 2, window 5, offset 1, 2 sinks) on a tiny
+/// full-attention decoder: block selection reads the keys of every position, so a
+/// suffix forward over a base run's state (decoding) must give the full forward's
+/// logits.
+#[test]
+fn overlay_select_blocks_of_4() {
+    let c = KvcConfig::tiny().full_attention();
+    let m = KvcModel::new(&c, &Vb::new(&RandomInit { seed: 29 }, &Device::flex())).unwrap();
+    let o = "kind=select,block=4,top_k=2,window=5,offset=1,sinks=2"
+        .parse()
+        .unwrap();
+    let m = m.with_overlay(&o).unwrap();
+    let rows = random_rows(29, 2, 261, c.vocab_size);
+    let extra = random_rows(30, 1, 261, c.vocab_size).remove(0);
+    check_contract(
+        "select overlay (block 4, top 2, window 5)",
+        &m,
+        &rows,
+        &extra,
+    );
+}
+
+/// The `pool` overlay (windows of 6 every 4 tokens, 3 raw) on a tiny full-attention
+/// decoder.
+#[test]
+fn overlay_pool_w6_s4_local3() {
+    let c = KvcConfig::tiny().full_attention();
+    let m = KvcModel::new(&c, &Vb::new(&RandomInit { seed: 31 }, &Device::flex())).unwrap();
+    let m = m
+        .with_overlay(&"kind=pool,window=6,stride=4,local=3".parse().unwrap())
+        .unwrap();
+    let rows = random_rows(31, 2, 261, c.vocab_size);
+    let extra = random_rows(32, 1, 261, c.vocab_size).remove(0);
+    check_contract("pool overlay (W 6, S 4, local 3)", &m, &rows, &extra);
+}

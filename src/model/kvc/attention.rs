@@ -10,6 +10,7 @@ use super::config::{AttentionKind, KvcConfig};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::{Entries, Keys, Raw, attend};
+use crate::model::compression::{BlockSelector, Overlay};
 use crate::model::flops::Mm;
 use crate::model::kv_state::{Queries, TokenFlow};
 use crate::model::layers::{Linear, RmsNorm, RopeLayout, RopeTables, apply_rope, rope_inv_freq};
@@ -73,26 +74,46 @@ impl Need {
 pub struct Tables {
     keys: Option<RopeTables>,
     queries: Option<RopeTables>,
+    /// Sliding layers' tables when their RoPE base differs (Gemma 3): (keys, queries).
+    local: Option<(Option<RopeTables>, Option<RopeTables>)>,
     entries: Option<RopeTables>,
     windows: Option<Windows>,
+}
+
+/// The inverse frequencies of a `c` model at RoPE base `theta` (Llama 3 scaled when
+/// the config says so).
+fn inv_freq(c: &KvcConfig, theta: f64) -> Vec<f64> {
+    let inv = rope_inv_freq(c.rot_dims(), theta);
+    match &c.arch.rope_llama3 {
+        Some(s) => s.apply(&inv),
+        None => inv,
+    }
 }
 
 impl Tables {
     /// For a forward computing `queries` of a `c` model.
     pub fn new(c: &KvcConfig, queries: &Queries, device: &Device) -> Self {
         let rot = c.rot_dims();
-        let inv = rope_inv_freq(rot, c.rope_theta);
         let total = queries.total();
-        let at = |pos: &[usize]| (rot > 0).then(|| RopeTables::new(pos, &inv, 1.0, device));
-        let keys = at(&(0..total).collect::<Vec<_>>());
-        let queries = match queries {
-            Queries::All { .. } => keys.clone(),
-            _ => at(&queries.positions()),
+        let key_pos: Vec<usize> = (0..total).collect();
+        let pair = |theta: f64| {
+            let inv = inv_freq(c, theta);
+            let at = |pos: &[usize]| (rot > 0).then(|| RopeTables::new(pos, &inv, 1.0, device));
+            let keys = at(&key_pos);
+            let q = match queries {
+                Queries::All { .. } => keys.clone(),
+                _ => at(&queries.positions()),
+            };
+            (keys, q)
         };
+        let (keys, queries_t) = pair(c.rope_theta);
+        let local = c.arch.rope_local_theta.map(pair);
         let windows = match (&c.compression, c.attention) {
             (Some(cc), AttentionKind::Compressed) => Some(Windows::new(cc, total, c.n_kv_heads)),
             _ => None,
         };
+        let inv = inv_freq(c, c.rope_theta);
+        let at = |pos: &[usize]| (rot > 0).then(|| RopeTables::new(pos, &inv, 1.0, device));
         let entries = match (&c.compression, &windows) {
             // Each entry rotated at its window's start: per (entry, KV head) when the
             // heads' windows are staggered.
@@ -107,9 +128,18 @@ impl Tables {
         };
         Tables {
             keys,
-            queries,
+            queries: queries_t,
+            local,
             entries,
             windows,
+        }
+    }
+
+    /// The (keys, queries) tables of layer `l`.
+    fn rope_of(&self, c: &KvcConfig, l: usize) -> (&Option<RopeTables>, &Option<RopeTables>) {
+        match &self.local {
+            Some((k, q)) if c.arch.sliding(l) => (k, q),
+            _ => (&self.keys, &self.queries),
         }
     }
 }
@@ -160,12 +190,18 @@ impl Attention {
                 .then(|| RmsNorm::new(&va.pp(name), dh, c.norm_eps))
                 .transpose()
         };
+        let proj = |name: &str, out: usize| {
+            let vb = va.pp(name);
+            if c.arch.qkv_bias {
+                Linear::with_bias(&vb, d, out, std)
+            } else {
+                Linear::new(&vb, d, out, std)
+            }
+        };
         Ok(Attention {
-            w_q: Linear::new(&va.pp("w_q"), d, h * dh, std)?,
-            w_k: Linear::new(&va.pp("w_k"), d, kvh * dh, std)?,
-            w_v: (!c.tied_kv)
-                .then(|| Linear::new(&va.pp("w_v"), d, kvh * dh, std))
-                .transpose()?,
+            w_q: proj("w_q", h * dh)?,
+            w_k: proj("w_k", kvh * dh)?,
+            w_v: (!c.tied_kv).then(|| proj("w_v", kvh * dh)).transpose()?,
             w_o: Linear::new(&va.pp("w_o"), h * dh, d, out_std)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
@@ -201,13 +237,55 @@ impl Attention {
             )));
         };
         let dh = c.d_head();
+        let (key_rope, query_rope) = tables.rope_of(c, layer);
+        let q = rope(q, query_rope);
+        let pattern = HookPoint::block(layer, Site::AttnPattern);
+        let scale = c.arch.attn_scale.unwrap_or(1.0 / (dh as f64).sqrt());
+        let sink = self.sink.as_ref().map(|s| s.val());
+        if let Some(Overlay::Select {
+            block,
+            top_k,
+            window,
+            offset,
+            sinks,
+            score,
+        }) = c.overlay
+        {
+            // Every raw token is an entry the selector may keep (stride 1, visible at
+            // once); the window is read raw.
+            let k = rope(k, key_rope);
+            let geometry = (block, offset, top_k, window, sinks);
+            let mut sel =
+                BlockSelector::new(layer, q.clone(), k.clone(), flow.queries(), geometry, score);
+            let keys = Keys {
+                entries: Some(Entries {
+                    k: k.clone(),
+                    v: v.clone(),
+                    stride: 1,
+                    close: 0,
+                    offsets: Vec::new(),
+                }),
+                selector: Some(&mut sel),
+                raw: Some(Raw {
+                    k,
+                    v,
+                    window: Some(window),
+                }),
+                sink,
+            };
+            let at = |s: Site| hooks.touches(&HookPoint::block(layer, s));
+            let dense = at(Site::IndexerScores) || at(Site::IndexerSelected);
+            let z = attend(q, flow.queries(), keys, scale, pattern, dense, hooks)?;
+            let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
+            return self.output(layer, z, hooks);
+        }
         let raw = match (c.attention, &c.compression) {
-            (AttentionKind::Full, _) => Some(None),
+            (AttentionKind::Full, _) => Some(c.arch.window(layer)),
             (_, Some(cc)) if cc.local_tail > 0 => Some(Some(cc.local_tail)),
             _ => None,
         }
         .map(|window| Raw {
-            k: rope(k, &tables.keys),
+            k: rope(k, key_rope),
             v,
             window,
         });
@@ -215,11 +293,8 @@ impl Attention {
             entries,
             selector: None,
             raw,
-            sink: self.sink.as_ref().map(|s| s.val()),
+            sink,
         };
-        let q = rope(q, &tables.queries);
-        let pattern = HookPoint::block(layer, Site::AttnPattern);
-        let scale = 1.0 / (dh as f64).sqrt();
         let z = attend(q, flow.queries(), keys, scale, pattern, false, hooks)?;
         let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
         self.output(layer, z, hooks)

@@ -164,6 +164,147 @@ pub struct KvcConfig {
     /// Std of the random init.
     #[serde(default = "default_std")]
     pub init_std: f64,
+    /// What pretrained architectures (Llama, Qwen, Gemma 3) add to the kvc decoder;
+    /// the default (not written) is the kvc model as trained here.
+    #[serde(default, skip_serializing_if = "ArchOptions::is_plain")]
+    pub arch: ArchOptions,
+    /// A training-free compression overlay applied inside every layer's attention
+    /// (`select`; `pool` is set as `attention = "compressed"` with uniform gates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay: Option<crate::model::compression::Overlay>,
+}
+
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpAct {
+    /// SwiGLU: `down(silu(gate x) * up x)` (Llama, Qwen, kvc).
+    #[default]
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma: `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// Attention of one layer of a model with per-layer types (Gemma 3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerType {
+    /// Causal attention over every raw token (RoPE base `rope_theta`).
+    FullAttention,
+    /// Sliding-window attention over `sliding_window` raw tokens (RoPE base
+    /// `rope_local_theta` when set).
+    SlidingAttention,
+}
+
+/// Architecture options of pretrained decoders, each off by default. With all of them
+/// off the decoder is the kvc model; each switch is one fact of a published
+/// architecture, applied where that architecture applies it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArchOptions {
+    /// The architecture's name in [`crate::model::ModelInfo::arch`] (`llama`, `qwen3`,
+    /// `gemma3`, ...); `None`: `phaselens-kvc`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Biases on the query, key and value projections (Qwen2).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub qkv_bias: bool,
+    /// The MLP's activation.
+    #[serde(default, skip_serializing_if = "is_silu")]
+    pub mlp_act: MlpAct,
+    /// RMSNorms on the attention and MLP outputs before they join the residual stream
+    /// (Gemma 2/3's `post_attention_layernorm`, `post_feedforward_layernorm`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub post_norms: bool,
+    /// The token embeddings are multiplied by this (Gemma: `sqrt(d_model)`, rounded
+    /// to the compute dtype as transformers does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embed_scale: Option<f64>,
+    /// The attention logits' scale (default `1 / sqrt(d_head)`; Gemma:
+    /// `query_pre_attn_scalar^-0.5`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_scale: Option<f64>,
+    /// Per-layer attention types (empty: every layer `attention`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_types: Vec<LayerType>,
+    /// Raw tokens a sliding layer's query sees, itself included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+    /// The RoPE base of sliding layers (Gemma 3: 10000); `None`: `rope_theta`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_local_theta: Option<f64>,
+    /// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_llama3: Option<Llama3Rope>,
+    /// Final logits soft-capped as `cap * tanh(logits / cap)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_softcap: Option<f64>,
+    /// Positions the model was trained for; longer prompts are refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_positions: Option<usize>,
+}
+
+/// Llama 3's RoPE scaling: long wavelengths divided by `factor`, short ones kept, the
+/// band between interpolated (transformers' `_compute_llama3_parameters`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Llama3Rope {
+    /// `factor`.
+    pub factor: f64,
+    /// `low_freq_factor`.
+    pub low_freq_factor: f64,
+    /// `high_freq_factor`.
+    pub high_freq_factor: f64,
+    /// `original_max_position_embeddings`.
+    pub original_max_positions: f64,
+}
+
+impl Llama3Rope {
+    /// The scaled inverse frequencies.
+    pub fn apply(&self, inv_freq: &[f64]) -> Vec<f64> {
+        let low_wavelen = self.original_max_positions / self.low_freq_factor;
+        let high_wavelen = self.original_max_positions / self.high_freq_factor;
+        inv_freq
+            .iter()
+            .map(|&f| {
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                if wavelen > low_wavelen {
+                    f / self.factor
+                } else if wavelen < high_wavelen {
+                    f
+                } else {
+                    let smooth = (self.original_max_positions / wavelen - self.low_freq_factor)
+                        / (self.high_freq_factor - self.low_freq_factor);
+                    (1.0 - smooth) * f / self.factor + smooth * f
+                }
+            })
+            .collect()
+    }
+}
+
+fn is_silu(a: &MlpAct) -> bool {
+    *a == MlpAct::Silu
+}
+
+impl ArchOptions {
+    /// Every option off (the kvc decoder).
+    pub fn is_plain(&self) -> bool {
+        *self == ArchOptions::default()
+    }
+
+    /// Whether layer `l` attends through a sliding window.
+    pub fn sliding(&self, l: usize) -> bool {
+        self.layer_types.get(l) == Some(&LayerType::SlidingAttention)
+    }
+
+    /// The raw-token window of layer `l` (`None`: every earlier token).
+    pub fn window(&self, l: usize) -> Option<usize> {
+        if self.sliding(l) {
+            self.sliding_window
+        } else {
+            None
+        }
+    }
 }
 
 impl KvcConfig {
@@ -172,7 +313,53 @@ impl KvcConfig {
         self.validate_shape()?;
         self.validate_rope()?;
         self.validate_scalars()?;
-        self.validate_compression()
+        self.validate_compression()?;
+        self.validate_arch()
+    }
+
+    /// `arch`: one layer type per layer, a window for sliding layers, finite scales.
+    fn validate_arch(&self) -> Result<()> {
+        let a = &self.arch;
+        if !a.layer_types.is_empty() && a.layer_types.len() != self.n_layers {
+            return Err(Error::field(
+                "arch.layer_types",
+                format!(
+                    "needs one type per layer (n_layers = {}), got {}",
+                    self.n_layers,
+                    a.layer_types.len()
+                ),
+            ));
+        }
+        let sliding = a.layer_types.contains(&LayerType::SlidingAttention);
+        match a.sliding_window {
+            None if sliding => {
+                return Err(Error::field(
+                    "arch.sliding_window",
+                    "required when a layer is \"sliding_attention\"",
+                ));
+            }
+            Some(0) => return Err(Error::field("arch.sliding_window", "must be at least 1")),
+            _ => {}
+        }
+        for (field, v) in [
+            ("arch.embed_scale", a.embed_scale),
+            ("arch.attn_scale", a.attn_scale),
+            ("arch.rope_local_theta", a.rope_local_theta),
+            ("arch.final_softcap", a.final_softcap),
+        ] {
+            if let Some(v) = v
+                && !(v.is_finite() && v > 0.0)
+            {
+                return Err(Error::field(
+                    field,
+                    format!("must be a finite number > 0, got {v}"),
+                ));
+            }
+        }
+        if a.max_positions == Some(0) {
+            return Err(Error::field("arch.max_positions", "must be at least 1"));
+        }
+        Ok(())
     }
 
     /// The model type and the sizes: every count at least 1, KV heads dividing the
@@ -375,6 +562,8 @@ impl KvcConfig {
                 window_offsets: Vec::new(),
             }),
             init_std: 0.3,
+            arch: ArchOptions::default(),
+            overlay: None,
         }
     }
 

@@ -28,5 +28,8 @@ mod model;
 
 pub use attention::Attention;
 pub use compressor::Compressor;
-pub use config::{AttentionKind, CompressionConfig, GateMode, KvcConfig, MODEL_TYPE, RopeMode};
+pub use config::{
+    ArchOptions, AttentionKind, CompressionConfig, GateMode, KvcConfig, LayerType, Llama3Rope,
+    MODEL_TYPE, MlpAct, RopeMode,
+};
 pub use model::{Block, KvcModel};

@@ -5,11 +5,13 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 
 use super::attention::{Attention, LayerAt, Need, Tables};
-use super::config::{AttentionKind, KvcConfig, MODEL_TYPE};
+use super::compressor::Compressor;
+use super::config::{AttentionKind, CompressionConfig, GateMode, KvcConfig, MODEL_TYPE, MlpAct};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
+use crate::model::compression::Overlay;
 use crate::model::kv_state::{PrefixState, Suffix, TokenFlow};
-use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu};
+use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu, gelu_tanh};
 use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::weights::Vb;
 use crate::model::{
@@ -26,8 +28,35 @@ pub struct Block {
     pub attn: Attention,
     /// RMSNorm before the MLP.
     pub mlp_norm: RmsNorm,
-    /// The SwiGLU MLP.
+    /// The gated MLP (SwiGLU, or GeGLU with `arch.mlp_act = "gelu_tanh"`).
     pub mlp: SwiGlu,
+    /// RMSNorm on the attention output (`arch.post_norms`).
+    pub post_attn_norm: Option<RmsNorm>,
+    /// RMSNorm on the MLP output (`arch.post_norms`).
+    pub post_mlp_norm: Option<RmsNorm>,
+}
+
+impl Block {
+    /// The attention output as it joins the residual stream (after the post-norm).
+    fn attn_joins(&self, a: Tensor<3>) -> Tensor<3> {
+        match &self.post_attn_norm {
+            Some(n) => n.forward(a),
+            None => a,
+        }
+    }
+
+    /// The MLP branch from the stream `x`: norm, MLP, post-norm.
+    fn mlp_branch(&self, x: Tensor<3>, act: MlpAct) -> Tensor<3> {
+        let h = self.mlp_norm.forward(x);
+        let m = match act {
+            MlpAct::Silu => self.mlp.forward(h),
+            MlpAct::GeluTanh => self.mlp.forward_with(h, gelu_tanh),
+        };
+        match &self.post_mlp_norm {
+            Some(n) => n.forward(m),
+            None => m,
+        }
+    }
 }
 
 /// A kvc model.
@@ -57,11 +86,19 @@ impl KvcModel {
         let mut blocks = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
             let vb = vb.pp(format!("blocks.{l}"));
+            let post = |name: &str| {
+                c.arch
+                    .post_norms
+                    .then(|| RmsNorm::new(&vb.pp(name), d, c.norm_eps))
+                    .transpose()
+            };
             blocks.push(Block {
                 attn_norm: RmsNorm::new(&vb.pp("attn_norm"), d, c.norm_eps)?,
                 attn: Attention::new(&vb.pp("attn"), c, std, out_std)?,
                 mlp_norm: RmsNorm::new(&vb.pp("mlp_norm"), d, c.norm_eps)?,
                 mlp: SwiGlu::new(&vb.pp("mlp"), d, c.d_ff, std, out_std)?,
+                post_attn_norm: post("post_attn_norm")?,
+                post_mlp_norm: post("post_mlp_norm")?,
             });
         }
         Ok(KvcModel {
@@ -75,19 +112,80 @@ impl KvcModel {
         })
     }
 
+    /// The same model under a training-free compression overlay (see
+    /// [`crate::model::compression`]): `select` in every layer's attention, `pool` as
+    /// compressed attention with uniform gates (no parameters). Refused on a model that
+    /// already compresses, naming the key.
+    pub fn with_overlay(mut self, overlay: &Overlay) -> Result<Self> {
+        overlay.validate(self.config.arch.max_positions)?;
+        if self.config.attention == AttentionKind::Compressed || self.config.overlay.is_some() {
+            return Err(Error::field(
+                "compression",
+                "this model already compresses its cache (attention = \"compressed\"); an overlay applies to uncompressed models",
+            ));
+        }
+        match *overlay {
+            Overlay::Select { .. } => self.config.overlay = Some(overlay.clone()),
+            Overlay::Pool {
+                window,
+                stride,
+                local,
+            } => {
+                let cc = CompressionConfig {
+                    window,
+                    stride,
+                    local_tail: local,
+                    gate: GateMode::Uniform,
+                    gate_bias: false,
+                    window_offsets: Vec::new(),
+                };
+                let c = &self.config;
+                let (d, kvh, dh) = (c.d_model, c.n_kv_heads, c.d_head());
+                let src = crate::model::weights::RandomInit { seed: 0 };
+                let device = self.home();
+                let vb = Vb::new(&src, &device);
+                for b in self.blocks.iter_mut() {
+                    // Uniform gates without a bias: no parameter is drawn.
+                    b.attn.compressor =
+                        Some(Compressor::new(&vb.pp("compressor"), &cc, d, kvh, dh, 0.0)?);
+                }
+                self.config.attention = AttentionKind::Compressed;
+                self.config.compression = Some(cc);
+            }
+        }
+        self.config.validate()?;
+        Ok(self)
+    }
+
     /// Static description for runners and checks.
     pub fn info(&self) -> ModelInfo {
         let c = &self.config;
-        let kind = match (&c.compression, c.attention) {
+        let kind = |l: usize| match (&c.compression, c.attention) {
+            _ if matches!(c.overlay, Some(Overlay::Select { .. })) => match c.overlay {
+                Some(Overlay::Select {
+                    block,
+                    top_k,
+                    window,
+                    ..
+                }) => LayerKind::Selected {
+                    block,
+                    top_k,
+                    window,
+                },
+                _ => LayerKind::Full,
+            },
             (Some(cc), AttentionKind::Compressed) => LayerKind::Compressed {
                 window: cc.window,
                 stride: cc.stride,
                 local_tail: cc.local_tail,
             },
-            _ => LayerKind::Full,
+            _ => match c.arch.window(l) {
+                Some(window) => LayerKind::Sliding { window },
+                None => LayerKind::Full,
+            },
         };
         ModelInfo {
-            arch: MODEL_TYPE.into(),
+            arch: c.arch.name.clone().unwrap_or_else(|| MODEL_TYPE.into()),
             vocab_size: c.vocab_size,
             d_model: c.d_model,
             n_heads: c.n_heads,
@@ -95,8 +193,8 @@ impl KvcModel {
             d_head: c.d_head(),
             streams: 1,
             layers: (0..c.n_layers)
-                .map(|_| LayerSpec {
-                    kind: kind.clone(),
+                .map(|l| LayerSpec {
+                    kind: kind(l),
                     n_heads: c.n_heads,
                     n_kv_heads: c.n_kv_heads,
                 })
@@ -131,7 +229,7 @@ impl KvcModel {
         flow: &mut TokenFlow,
     ) -> Result<ForwardOutput> {
         let mut hooks = spec.run();
-        let x = self.embed.forward(tokens);
+        let x = self.embed_tokens(tokens);
         let x = hooks.apply(HookPoint::global(Site::Embed), x)?;
         self.run_blocks(x, 0, flow, &mut hooks)
     }
@@ -186,11 +284,29 @@ impl KvcModel {
         self.run_blocks(resid, start, &mut TokenFlow::plain(rows, len), &mut hooks)
     }
 
-    /// `[rows, len]`, checked: not empty, every id inside the vocabulary.
+    /// The token embeddings (scaled by `arch.embed_scale`): `[b, t] -> [b, t, d]`.
+    fn embed_tokens(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let x = self.embed.forward(tokens);
+        match self.config.arch.embed_scale {
+            // Rounded to f32 first, as transformers multiplies by a tensor of the dtype.
+            Some(s) => x * (s as f32),
+            None => x,
+        }
+    }
+
+    /// `[rows, len]`, checked: not empty, no longer than the model's positions, every
+    /// id inside the vocabulary.
     fn check_tokens(&self, tokens: &Tensor<2, Int>) -> Result<[usize; 2]> {
         let [b, t] = tokens.dims();
         if b == 0 || t == 0 {
             return Err(Error::Input(format!("empty token batch [{b}, {t}]")));
+        }
+        if let Some(max) = self.config.arch.max_positions
+            && t > max
+        {
+            return Err(Error::Input(format!(
+                "a prompt of {t} tokens is longer than the model's context of {max} positions"
+            )));
         }
         crate::model::check_token_ids(tokens, self.config.vocab_size)?;
         Ok([b, t])
@@ -265,11 +381,11 @@ impl KvcModel {
                 config: &self.config,
                 tables,
             };
-            let a = block.attn.forward(at, h, flow, hooks)?;
+            let a = block.attn_joins(block.attn.forward(at, h, flow, hooks)?);
             let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
             x = x + a;
             x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
-            let m = block.mlp.forward(block.mlp_norm.forward(x.clone()));
+            let m = block.mlp_branch(x.clone(), self.config.arch.mlp_act);
             let m = hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
             x = x + m;
             x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
@@ -281,6 +397,15 @@ impl KvcModel {
 
     /// The LM head (or the tied embedding) on the last axis of `x`.
     fn head<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let logits = self.head_linear(x);
+        match self.config.arch.final_softcap {
+            Some(cap) => (logits / cap).tanh() * cap,
+            None => logits,
+        }
+    }
+
+    /// The LM head's matrix product alone.
+    fn head_linear<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         match &self.lm_head {
             Some(h) => h.forward(x),
             None => {
@@ -304,7 +429,7 @@ impl KvcModel {
         let [b, t] = self.check_tokens(&tokens)?;
         let spec = HookSpec::new();
         let mut hooks = spec.run();
-        let x = self.embed.forward(tokens);
+        let x = self.embed_tokens(tokens);
         let x = self.final_hidden(x, 0, &mut TokenFlow::plain(b, t), &mut hooks)?;
         let d = self.config.d_model;
         let rows = to(rows, &x.device());
@@ -357,7 +482,7 @@ impl StreamModel for KvcModel {
             StreamPoint::Mlp(l) => {
                 let block = self.block_at(l)?;
                 let here = block.mlp_norm.weight.val().device();
-                let m = block.mlp.forward(block.mlp_norm.forward(to(x, &here)));
+                let m = block.mlp_branch(to(x, &here), self.config.arch.mlp_act);
                 hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
                 None
             }

@@ -1,0 +1,203 @@
+//! Chunked-compression overlays for models that were not trained with a compressed
+//! cache (issue 44): ONE component every kvc-family attention calls (kvc organisms,
+//! Llama-family and Gemma 3 checkpoints), configured by `[model.compression]` in an
+//! experiment or `--compression kind=select,block=8,top_k=4,window=32` on a command.
+//!
+//! Every overlay has a block grid: blocks of `block` tokens whose boundaries sit at
+//! positions `offset + i * block`; a token's **phase** is `(position - offset) mod
+//! block`.
+//! - `select` (Quest-style block selection): each query scores every block that holds a
+//!   token before its raw window by the channel-wise min / max bound of the block's
+//!   keys (`score = sum_d max(q_d min_d, q_d max_d)`, Quest) or by its mean key, takes
+//!   the maximum over the layer's query heads, and attends (one softmax) to the raw
+//!   tokens of its `top_k` best blocks outside the window, the last `window` tokens, and
+//!   the first `sinks` tokens. The choice is shared by the heads of a layer.
+//! - `pool` (pooled entries, CSA / HCA-like, training-free): every `stride` tokens a
+//!   window of `window` tokens becomes one entry, keys and values averaged (keys before
+//!   RoPE, the entry rotated at its window's first position); an entry is visible from
+//!   the query at its window's last position on; the last `local` raw tokens are read
+//!   beside the entries (kvc's compressed attention with uniform gates).
+//!
+//! Hook points (`select`): `attn.indexer.hook_scores` (`[batch, query_pos, block]`,
+//! the block scores) and `attn.indexer.hook_selected` (1.0 for the kept blocks): they
+//! can be captured and patched like any activation.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | the `[model.compression]` table, its text form, validation |
+//! | `select.rs` | the block selector of `select` |
+
+mod select;
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+pub use select::{BlockScore, BlockSelector};
+
+/// `[model.compression]`: one overlay.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Overlay {
+    /// Quest-style block selection.
+    Select {
+        /// Tokens per block (the phase period).
+        block: usize,
+        /// Blocks each query keeps.
+        top_k: usize,
+        /// Raw tokens a query always sees (itself included).
+        window: usize,
+        /// Where the block grid starts (`0..block`).
+        #[serde(default)]
+        offset: usize,
+        /// Leading tokens every query sees (attention sinks).
+        #[serde(default)]
+        sinks: usize,
+        /// How a block is scored: `min_max` (Quest's bound) or `mean`.
+        #[serde(default)]
+        score: BlockScore,
+    },
+    /// Mean-pooled entries (kvc compressed attention with uniform gates).
+    Pool {
+        /// Tokens pooled into one entry (`W >= stride`).
+        window: usize,
+        /// Tokens between entries (the phase period).
+        stride: usize,
+        /// Raw tokens read beside the entries.
+        #[serde(default)]
+        local: usize,
+    },
+}
+
+impl Overlay {
+    /// The phase period: `block` (select) or `stride` (pool).
+    pub fn period(&self) -> usize {
+        match self {
+            Overlay::Select { block, .. } => *block,
+            Overlay::Pool { stride, .. } => *stride,
+        }
+    }
+
+    /// Check every key against the others and against a context of `context`
+    /// positions (when known); the error names the key.
+    pub fn validate(&self, context: Option<usize>) -> Result<()> {
+        let field = |k: &str, m: String| Error::field(format!("compression.{k}"), m);
+        let pos = |k: &str, v: usize| {
+            if v == 0 {
+                Err(field(k, "must be at least 1".into()))
+            } else {
+                Ok(())
+            }
+        };
+        match *self {
+            Overlay::Select {
+                block,
+                top_k,
+                window,
+                offset,
+                ..
+            } => {
+                pos("block", block)?;
+                pos("top_k", top_k)?;
+                pos("window", window)?;
+                if offset >= block {
+                    return Err(field(
+                        "offset",
+                        format!("must be in 0..{block} (the block), got {offset}"),
+                    ));
+                }
+                if let Some(c) = context
+                    && block > c
+                {
+                    return Err(field(
+                        "block",
+                        format!("{block} is longer than the model's context of {c} positions"),
+                    ));
+                }
+            }
+            Overlay::Pool { window, stride, .. } => {
+                pos("window", window)?;
+                pos("stride", stride)?;
+                if window < stride {
+                    return Err(field(
+                        "window",
+                        format!("must be >= stride ({stride}), got {window}"),
+                    ));
+                }
+                if let Some(c) = context
+                    && window > c
+                {
+                    return Err(field(
+                        "window",
+                        format!("{window} is longer than the model's context of {c} positions"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The keys whose values are whole numbers.
+const INTEGER_KEYS: &[&str] = &[
+    "block", "top_k", "window", "offset", "sinks", "stride", "local",
+];
+
+/// `kind=select,block=8,top_k=4,window=32` (the keys of the TOML table).
+impl FromStr for Overlay {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let mut table = toml::Table::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| {
+                format!("`{part}`: expected key=value (e.g. kind=select,block=8,top_k=4,window=32)")
+            })?;
+            let (k, v) = (k.trim(), v.trim());
+            let value = match v.parse::<i64>() {
+                Ok(n) => toml::Value::Integer(n),
+                Err(_) if INTEGER_KEYS.contains(&k) => {
+                    return Err(format!("key `{k}`: expected a whole number, got `{v}`"));
+                }
+                Err(_) => toml::Value::String(v.to_string()),
+            };
+            if table.insert(k.to_string(), value).is_some() {
+                return Err(format!("key `{k}` given twice"));
+            }
+        }
+        if !table.contains_key("kind") {
+            return Err("no `kind` (select or pool)".into());
+        }
+        let o: Overlay = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| format!("--compression: {}", e.message()))?;
+        o.validate(None).map_err(|e| e.to_string())?;
+        Ok(o)
+    }
+}
+
+impl fmt::Display for Overlay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Overlay::Select {
+                block,
+                top_k,
+                window,
+                offset,
+                sinks,
+                score,
+            } => write!(
+                f,
+                "select (block {block}, top {top_k}, window {window}, offset {offset}, sinks {sinks}, {score})"
+            ),
+            Overlay::Pool {
+                window,
+                stride,
+                local,
+            } => write!(f, "pool (window {window}, stride {stride}, local {local})"),
+        }
+    }
+}

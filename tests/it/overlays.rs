@@ -1,0 +1,159 @@
+//! Training-free compression overlays (`select`, `pool`) on kvc-family models: with a
+//! budget that keeps everything they are the plain forward; their hook points; their
+//! config errors. The forward contract under overlays (prefix invariance, suffix
+//! forwards = decoding over a base run's state, batch independence) is in
+//! model_contract.rs.
+
+use burn::tensor::{Int, Tensor, TensorData};
+use phaselens::hooks::HookSpec;
+use phaselens::model::compression::Overlay;
+use phaselens::model::weights::{RandomInit, Vb};
+use phaselens::model::{KvcConfig, KvcModel, LanguageModel};
+
+use crate::common::{dev, max_diff, vals};
+
+fn model(seed: u64) -> KvcModel {
+    let mut c = KvcConfig::tiny().full_attention();
+    c.n_layers = 3;
+    KvcModel::new(&c, &Vb::new(&RandomInit { seed }, &dev())).unwrap()
+}
+
+fn ids(len: usize, vocab: usize, seed: u64) -> Tensor<2, Int> {
+    let mut x = seed | 1;
+    let v: Vec<i64> = (0..2 * len)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((x >> 33) % vocab as u64) as i64
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(v, [2, len]), &dev())
+}
+
+fn logits(m: &dyn LanguageModel, t: Tensor<2, Int>) -> Vec<f32> {
+    vals(m.forward(t, &HookSpec::new()).unwrap().logits)
+}
+
+fn overlay(s: &str) -> Overlay {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    max_diff(a, b) / scale
+}
+
+#[test]
+fn select_keeping_every_block_is_the_plain_forward() {
+    let plain = model(3);
+    let want = logits(&plain, ids(70, 37, 5));
+    // Window 1 (only the query itself raw), every block kept: every earlier token is
+    // read as a selected entry, in the same softmax.
+    for spec in [
+        "kind=select,block=4,top_k=100,window=1",
+        "kind=select,block=8,top_k=9,window=3,offset=5",
+        "kind=select,block=4,top_k=100,window=1,score=mean",
+        "kind=select,block=16,top_k=1,window=80",
+    ] {
+        let m = model(3).with_overlay(&overlay(spec)).unwrap();
+        let got = logits(&m, ids(70, 37, 5));
+        let err = rel(&got, &want);
+        assert!(err < 1e-5, "{spec}: relative difference {err:e}");
+    }
+}
+
+#[test]
+fn select_with_a_small_budget_changes_the_output() {
+    let want = logits(&model(3), ids(70, 37, 5));
+    let m = model(3)
+        .with_overlay(&overlay("kind=select,block=4,top_k=1,window=4"))
+        .unwrap();
+    let got = logits(&m, ids(70, 37, 5));
+    assert!(
+        rel(&got, &want) > 1e-3,
+        "a budget of 1 block of 4 must change the logits"
+    );
+}
+
+#[test]
+fn pool_of_single_token_windows_is_the_plain_forward() {
+    // W = S = 1, no raw tail: entry i is token i's key (rotated at i) and value.
+    let want = logits(&model(4), ids(50, 37, 6));
+    let m = model(4)
+        .with_overlay(&overlay("kind=pool,window=1,stride=1"))
+        .unwrap();
+    let err = rel(&logits(&m, ids(50, 37, 6)), &want);
+    assert!(err < 1e-5, "relative difference {err:e}");
+}
+
+#[test]
+fn select_exposes_block_scores_and_the_kept_blocks() {
+    let m = model(3)
+        .with_overlay(&overlay("kind=select,block=4,top_k=2,window=8"))
+        .unwrap();
+    let spec = HookSpec::new()
+        .capture("blocks.1.attn.indexer.hook_scores")
+        .unwrap()
+        .capture("blocks.1.attn.indexer.hook_selected")
+        .unwrap();
+    let out = m.forward(ids(40, 37, 7), &spec).unwrap();
+    let sel = out
+        .cache
+        .get_name("blocks.1.attn.indexer.hook_selected")
+        .unwrap();
+    assert_eq!(sel.shape(), &[2, 40, 10]); // 40 tokens in blocks of 4
+    let v = sel.to_vec();
+    for p in 0..40 {
+        let kept: f32 = v[p * 10..(p + 1) * 10].iter().sum();
+        // Blocks with a token before the window: those starting at <= p - 8.
+        let candidates = if p >= 8 { (p - 8) / 4 + 1 } else { 0 };
+        assert_eq!(kept as usize, candidates.min(2), "position {p}");
+    }
+    let scores = out
+        .cache
+        .get_name("blocks.1.attn.indexer.hook_scores")
+        .unwrap();
+    assert_eq!(scores.shape(), &[2, 40, 10]);
+}
+
+#[test]
+fn overlay_errors_name_the_key() {
+    for (spec, key) in [
+        ("kind=select,block=0,top_k=4,window=32", "compression.block"),
+        ("kind=select,block=8,top_k=0,window=32", "compression.top_k"),
+        ("kind=select,block=8,top_k=2,window=0", "compression.window"),
+        (
+            "kind=select,block=8,top_k=2,window=4,offset=8",
+            "compression.offset",
+        ),
+        ("kind=pool,window=4,stride=8", "compression.window"),
+        ("kind=select,block=8,top_k=2,window=4,topk=3", "topk"),
+        ("kind=squeeze,block=8", "squeeze"),
+        ("block=8,top_k=2", "kind"),
+        ("kind=select,block=eight,top_k=2,window=4", "block"),
+    ] {
+        let e = spec.parse::<Overlay>().unwrap_err();
+        assert!(e.contains(key), "{spec}: `{e}` does not name `{key}`");
+    }
+    // A context shorter than the block.
+    let mut c = KvcConfig::tiny().full_attention();
+    c.arch.max_positions = Some(16);
+    let m = KvcModel::new(&c, &Vb::new(&RandomInit { seed: 1 }, &dev())).unwrap();
+    let e = m
+        .with_overlay(&overlay("kind=select,block=32,top_k=2,window=4"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("compression.block"), "{e}");
+    // A model that already compresses.
+    let m = KvcModel::new(
+        &KvcConfig::tiny(),
+        &Vb::new(&RandomInit { seed: 1 }, &dev()),
+    )
+    .unwrap();
+    let e = m
+        .with_overlay(&overlay("kind=pool,window=8,stride=8"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("compression") && e.contains("already"), "{e}");
+}

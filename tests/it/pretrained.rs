@@ -1,0 +1,258 @@
+//! Pretrained models (SmolLM2-135M-Instruct Q4_1, Gemma 3 270M Q4_K_M; GGUF) against
+//! transformers' f32 forward of the same files: logits at 16, 512 and 2,048 tokens,
+//! hook activations, a head ablation and a head-output patch. The reference is
+//! `scripts/reference/pretrained_reference.py` (fixtures in tests/fixtures/pretrained/);
+//! the models come from the cache `scripts/fetch-models.sh` fills.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use burn::tensor::{Int, Tensor, TensorData};
+use phaselens::hooks::{Action, HookSpec, Scope};
+use phaselens::model::safetensors_io::SafetensorsReader;
+use phaselens::model::stored::Residency;
+use phaselens::model::{LanguageModel, load_model_with};
+
+use crate::common::pretrained::{GEMMA3, SMOLLM2, model_file};
+use crate::common::{dev, vals};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/pretrained")
+        .join(name)
+}
+
+fn ints(r: &SafetensorsReader, name: &str) -> Vec<i64> {
+    r.read_i64(name).unwrap_or_else(|e| panic!("{name}: {e}")).1
+}
+
+fn floats(r: &SafetensorsReader, name: &str) -> Vec<f32> {
+    r.read_f32(name).unwrap_or_else(|e| panic!("{name}: {e}")).1
+}
+
+fn tokens(ids: &[i64]) -> Tensor<2, Int> {
+    Tensor::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), &dev())
+}
+
+/// `[1, t, vocab]` logits at the fixture's columns, row-major `[t, cols]`.
+fn at_cols(logits: Tensor<3>, cols: &[i64]) -> Vec<f32> {
+    let [_, t, v] = logits.dims();
+    let all = vals(logits);
+    let mut out = Vec::with_capacity(t * cols.len());
+    for p in 0..t {
+        out.extend(cols.iter().map(|&c| all[p * v + c as usize]));
+    }
+    out
+}
+
+/// Full-vocabulary argmax per position of `[1, t, vocab]` logits.
+fn argmax(logits: &Tensor<3>) -> Vec<i64> {
+    let [_, t, _] = logits.dims();
+    logits
+        .clone()
+        .argmax(2)
+        .reshape([t])
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .unwrap()
+}
+
+/// The largest |ours - reference| over every compared value, relative to the largest
+/// |logit| of the reference at the compared positions.
+fn rel_err(ours: &[f32], want: &[f32], maxabs: f32) -> f32 {
+    assert_eq!(ours.len(), want.len());
+    let d = ours
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    d / maxabs
+}
+
+fn load(rel: &str, residency: Residency) -> Option<Box<dyn LanguageModel>> {
+    let path = model_file(rel)?;
+    Some(load_model_with(&path, &dev(), residency).expect("the model loads"))
+}
+
+/// Logits at `len` tokens within 1e-4 of transformers' (relative to the largest
+/// logit), the same argmax everywhere except at near-ties.
+fn logits_match(model: &dyn LanguageModel, fixture_file: &str, len: usize) {
+    let r = SafetensorsReader::open(&fixture(fixture_file)).unwrap();
+    let ids = ints(&r, &format!("ids_{len}"));
+    let cols = ints(&r, "cols");
+    let want = floats(&r, &format!("logits_{len}"));
+    let want_argmax = ints(&r, &format!("argmax_{len}"));
+    let gap = floats(&r, &format!("gap_{len}"));
+    let maxabs = floats(&r, &format!("maxabs_{len}"));
+    // Positions kept (every position, or `rows_{len}` when the fixture subsamples).
+    let rows: Vec<usize> = match r.read_i64(&format!("rows_{len}")) {
+        Ok((_, v)) => v.into_iter().map(|x| x as usize).collect(),
+        Err(_) => (0..ids.len()).collect(),
+    };
+    let logits = model
+        .forward(tokens(&ids), &HookSpec::new())
+        .unwrap()
+        .logits;
+    let top = argmax(&logits);
+    let ours_all = at_cols(logits, &cols);
+    let nc = cols.len();
+    let ours: Vec<f32> = rows
+        .iter()
+        .flat_map(|&p| ours_all[p * nc..(p + 1) * nc].to_vec())
+        .collect();
+    let scale = maxabs.iter().copied().fold(0.0f32, f32::max);
+    let err = rel_err(&ours, &want, scale);
+    eprintln!("{fixture_file} at {len} tokens: max |d logit| / max |logit| = {err:.2e}");
+    assert!(
+        err <= 1e-4,
+        "{fixture_file} at {len} tokens: relative error {err:.2e} > 1e-4"
+    );
+    let mut ties = 0;
+    for (k, &p) in rows.iter().enumerate() {
+        if top[p] != want_argmax[k] {
+            // A near-tie: the reference's top two within what the error allows.
+            assert!(
+                gap[k] <= 4.0 * err * scale + 1e-5,
+                "{fixture_file} at {len} tokens, position {p}: argmax {} vs transformers' {} (gap {})",
+                top[p],
+                want_argmax[k],
+                gap[k]
+            );
+            ties += 1;
+        }
+    }
+    eprintln!(
+        "  argmax equal at {} of {} positions ({ties} near-ties)",
+        rows.len() - ties,
+        rows.len()
+    );
+}
+
+#[test]
+fn smollm2_logits_match_transformers_at_16_512_and_2048_tokens() {
+    let Some(m) = load(SMOLLM2, Residency::F32) else {
+        return;
+    };
+    for len in [16, 512, 2048] {
+        logits_match(m.as_ref(), "logits-smollm2.safetensors", len);
+    }
+}
+
+#[test]
+fn gemma3_logits_match_transformers_at_16_512_and_2048_tokens() {
+    let Some(m) = load(GEMMA3, Residency::F32) else {
+        return;
+    };
+    for len in [16, 512, 2048] {
+        logits_match(m.as_ref(), "logits-gemma3.safetensors", len);
+    }
+}
+
+/// Hook activations at 16 tokens equal transformers' at the same points.
+fn hooks_match(model: &dyn LanguageModel, name: &str) {
+    let r = SafetensorsReader::open(&fixture(&format!("hooks-{name}.safetensors"))).unwrap();
+    let lr = SafetensorsReader::open(&fixture(&format!("logits-{name}.safetensors"))).unwrap();
+    let ids = ints(&lr, "ids_16");
+    // The fixture's names are TransformerLens'; the final norm's output is our
+    // `hook_final_norm` (TL's `ln_final.hook_normalized` is before the norm's weight,
+    // the fixture's after it, as ours).
+    let ours = |n: &str| match n {
+        "ln_final.hook_normalized" => "hook_final_norm".to_string(),
+        other => other.to_string(),
+    };
+    let names: Vec<String> = r
+        .names()
+        .filter(|n| n.starts_with("blocks.") || n.starts_with("ln_final"))
+        .map(|s| s.to_string())
+        .collect();
+    assert!(names.len() >= 6, "{name}: the fixture holds {names:?}");
+    let mut spec = HookSpec::new();
+    for n in &names {
+        spec = spec.capture(&ours(n)).unwrap();
+    }
+    let out = model.forward(tokens(&ids), &spec).unwrap();
+    for n in &names {
+        let want = floats(&r, n);
+        let got: Vec<f32> = out.cache.get_name(&ours(n)).unwrap().to_vec();
+        assert_eq!(got.len(), want.len(), "{name} {n}: sizes differ");
+        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
+        let err = rel_err(&got, &want, scale);
+        eprintln!("{name} {n}: relative error {err:.2e}");
+        assert!(err <= 1e-4, "{name} {n}: relative error {err:.2e} > 1e-4");
+    }
+}
+
+#[test]
+fn smollm2_hook_points_match_transformers() {
+    if let Some(m) = load(SMOLLM2, Residency::F32) {
+        hooks_match(m.as_ref(), "smollm2");
+    }
+}
+
+#[test]
+fn gemma3_hook_points_match_transformers() {
+    if let Some(m) = load(GEMMA3, Residency::F32) {
+        hooks_match(m.as_ref(), "gemma3");
+    }
+}
+
+/// A head ablation and a head-output patch through hooks equal the same done with
+/// PyTorch forward hooks on transformers' model.
+fn interventions_match(model: &dyn LanguageModel, name: &str) {
+    let r =
+        SafetensorsReader::open(&fixture(&format!("interventions-{name}.safetensors"))).unwrap();
+    let lr = SafetensorsReader::open(&fixture(&format!("logits-{name}.safetensors"))).unwrap();
+    let ids = ints(&lr, "ids_16");
+    let cols = ints(&lr, "cols");
+    let one = |k: &str| ints(&r, k)[0] as usize;
+    let scale = floats(&lr, "maxabs_16").into_iter().fold(0.0f32, f32::max);
+    // (a) zero one head's z everywhere.
+    let (l, h) = (one("ablate_layer"), one("ablate_head"));
+    let spec = HookSpec::new()
+        .intervene(
+            &format!("blocks.{l}.attn.hook_z"),
+            Action::Zero,
+            Scope::heads([h]),
+        )
+        .unwrap();
+    let got = at_cols(model.forward(tokens(&ids), &spec).unwrap().logits, &cols);
+    let err = rel_err(&got, &floats(&r, "ablate_logits"), scale);
+    eprintln!("{name} ablation of L{l}H{h}: relative error {err:.2e}");
+    assert!(err <= 1e-4, "{name} ablation: {err:.2e}");
+    // (b) patch one head's z at one position from the other prompt.
+    let (l, h, p) = (one("patch_layer"), one("patch_head"), one("patch_pos"));
+    let point = format!("blocks.{l}.attn.hook_z");
+    let source = model
+        .forward(
+            tokens(&ints(&r, "ids_b")),
+            &HookSpec::new().capture(&point).unwrap(),
+        )
+        .unwrap()
+        .cache;
+    let spec = HookSpec::new()
+        .intervene(
+            &point,
+            Action::Patch(Arc::new(source)),
+            Scope::heads([h]).with_positions([p]),
+        )
+        .unwrap();
+    let got = at_cols(model.forward(tokens(&ids), &spec).unwrap().logits, &cols);
+    let err = rel_err(&got, &floats(&r, "patch_logits"), scale);
+    eprintln!("{name} patch of L{l}H{h} at {p}: relative error {err:.2e}");
+    assert!(err <= 1e-4, "{name} patch: {err:.2e}");
+}
+
+#[test]
+fn smollm2_ablation_and_patch_match_transformers_hooks() {
+    if let Some(m) = load(SMOLLM2, Residency::F32) {
+        interventions_match(m.as_ref(), "smollm2");
+    }
+}
+
+#[test]
+fn gemma3_ablation_and_patch_match_transformers_hooks() {
+    if let Some(m) = load(GEMMA3, Residency::F32) {
+        interventions_match(m.as_ref(), "gemma3");
+    }
+}
