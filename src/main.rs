@@ -31,6 +31,10 @@ enum Command {
         /// Print the Markdown table of docs/hooks.md.
         #[arg(long)]
         markdown: bool,
+        /// List the points this model exposes, with their shapes on a 4-token prompt
+        /// (a model folder, or a `.gguf` file).
+        #[arg(long, value_name = "PATH")]
+        model: Option<std::path::PathBuf>,
     },
     /// Speed benchmarks (ratios within one run).
     Bench(cli::bench::BenchArgs),
@@ -54,6 +58,8 @@ enum Command {
     Audit(Box<cli::audit::AuditArgs>),
     /// A model's token ids and pieces for a text (or the text of ids, with --decode).
     Tokenize(cli::tokenize::TokenizeArgs),
+    /// Greedy decoding from a text prompt (pretrained models with a tokenizer).
+    Generate(cli::generate::GenerateArgs),
 }
 
 fn main() {
@@ -61,7 +67,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Forward(a) => cli::forward::run(a),
-        Command::Hooks { markdown } => cli::hooks::run(markdown),
+        Command::Hooks { markdown, model } => cli::hooks::run(markdown, model.as_deref()),
         Command::Bench(a) => cli::bench::run(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Train(a) => cli::train::run(a),
@@ -71,6 +77,7 @@ fn main() {
         Command::Backends(a) => cli::backends::run(a),
         Command::View(a) => cli::view::run(a),
         Command::Plan(a) => cli::plan::run(a),
+        Command::Generate(a) => cli::generate::run(a),
         Command::Tokenize(a) => cli::tokenize::run(a),
         Command::Audit(a) => cli::audit::run(*a).map(|code| {
             if code != 0 {

@@ -55,6 +55,11 @@ pub struct ForwardArgs {
     /// with the machine's available memory (also PHASELENS_NO_MEMORY_CHECK=1).
     #[arg(long)]
     pub no_memory_check: bool,
+    /// A training-free compression overlay inside attention, e.g.
+    /// `kind=select,block=8,top_k=4,window=32` or `kind=pool,window=8,stride=8,local=32`
+    /// (the keys of `[model.compression]`, docs/experiments.md).
+    #[arg(long, value_name = "kind=...,key=value")]
+    pub compression: Option<phaselens::model::compression::Overlay>,
 }
 
 /// Parse IDS.json: equal-length rows of ids below `vocab`.
@@ -102,8 +107,11 @@ pub fn run(args: ForwardArgs) -> Result<()> {
         .check_device(&device, &args.device.to_string())
         .map_err(anyhow::Error::msg)?;
     let _compute = phaselens::model::precision::scoped(args.dtype);
-    let model = load_model_with(&args.model, &device, args.weights)
-        .with_context(|| format!("loading model {}", args.model.display()))?;
+    let model = match &args.compression {
+        Some(o) => phaselens::model::load_model_overlaid(&args.model, &device, args.weights, o),
+        None => load_model_with(&args.model, &device, args.weights),
+    }
+    .with_context(|| format!("loading model {}", args.model.display()))?;
     let info = model.info();
     let (ids, shape) = read_ids(&args.input, info.vocab_size)?;
     let mut spec = HookSpec::new();

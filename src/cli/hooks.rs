@@ -1,8 +1,17 @@
-//! `phaselens hooks`: list every hook point with its shape.
+//! `phaselens hooks`: list every hook point with its shape; with `--model`, the points
+//! that model exposes and their shapes on a short prompt.
 
-use phaselens::hooks::Site;
+use std::path::Path;
 
-pub fn run(markdown: bool) -> anyhow::Result<()> {
+use anyhow::{Context, Result};
+use burn::tensor::{Int, Tensor, TensorData};
+
+use phaselens::hooks::{HookSpec, Site};
+
+pub fn run(markdown: bool, model: Option<&Path>) -> Result<()> {
+    if let Some(dir) = model {
+        return of_model(dir);
+    }
     if markdown {
         print!("{}", phaselens::hooks::markdown_table());
         return Ok(());
@@ -16,6 +25,55 @@ pub fn run(markdown: bool) -> anyhow::Result<()> {
             info.suffix.to_string()
         };
         println!("{name:<40} {:<60} {}", info.shape, info.doc);
+    }
+    Ok(())
+}
+
+/// The points `dir`'s model fills on a forward of 4 tokens (batch 1), grouped over
+/// layers: `blocks.{0..29}.attn.hook_z  [1, 4, 9, 64]`.
+fn of_model(dir: &Path) -> Result<()> {
+    let device = phaselens::device::DeviceSpec::Cpu.device()?;
+    let model = phaselens::model::load_model(dir, &device)
+        .with_context(|| format!("loading model {}", dir.display()))?;
+    let info = model.info();
+    let ids: Vec<i64> = (0..4).map(|i| (i % info.vocab_size) as i64).collect();
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, 4]), &device);
+    let spec = HookSpec::new().capture("**")?;
+    let out = model.forward(tokens, &spec)?;
+    // suffix -> (layers, shape), in first-seen order.
+    let mut rows: Vec<(String, Vec<usize>, Vec<usize>)> = Vec::new();
+    for (point, act) in out.cache.iter() {
+        let name = point.to_string();
+        let (layer, suffix) = match name.strip_prefix("blocks.").and_then(|r| r.split_once('.')) {
+            Some((l, s)) => (l.parse::<usize>().ok(), s.to_string()),
+            None => (None, name.clone()),
+        };
+        let shape = act.shape().to_vec();
+        match rows
+            .iter_mut()
+            .find(|(s, _, sh)| *s == suffix && *sh == shape)
+        {
+            Some((_, layers, _)) => layers.extend(layer),
+            None => rows.push((suffix, layer.into_iter().collect(), shape)),
+        }
+    }
+    println!(
+        "{} ({} layers, {} heads, {} KV heads, d_head {}): {} hook points on a [1, 4] prompt",
+        info.arch,
+        info.n_layers(),
+        info.n_heads,
+        info.n_kv_heads,
+        info.d_head,
+        out.cache.iter().count()
+    );
+    println!("{:<48} shape", "name");
+    for (suffix, layers, shape) in rows {
+        let name = match (layers.first(), layers.last()) {
+            (Some(a), Some(b)) if a != b => format!("blocks.{{{a}..{b}}}.{suffix}"),
+            (Some(a), _) => format!("blocks.{a}.{suffix}"),
+            _ => suffix,
+        };
+        println!("{name:<48} {shape:?}");
     }
     Ok(())
 }

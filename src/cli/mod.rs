@@ -5,6 +5,7 @@ pub mod backends;
 pub mod bench;
 pub mod figures;
 pub mod forward;
+pub mod generate;
 pub mod grid;
 pub mod hooks;
 pub mod inspect;

@@ -359,11 +359,22 @@ impl TokenSpace {
 
     /// A Hugging Face token space, loading `cfg.tokenizer`.
     pub fn huggingface(cfg: &HfVocabConfig) -> TaskResult<Self> {
-        let tokenizer =
-            Tokenizer::from_file(&cfg.tokenizer).map_err(|e| TaskError::TokenizerLoad {
-                path: cfg.tokenizer.display().to_string(),
-                message: e.to_string(),
-            })?;
+        let path = crate::model::pretrained::expand_model_path(&cfg.tokenizer);
+        let load_err = |message: String| TaskError::TokenizerLoad {
+            path: path.display().to_string(),
+            message,
+        };
+        let tokenizer = if path.extension().is_some_and(|e| e == "json") {
+            Tokenizer::from_file(&path).map_err(|e| load_err(e.to_string()))?
+        } else {
+            // A GGUF file (or a folder holding one): its tokenizer, built from the
+            // file's metadata (crate::tokenizer), as the same `tokenizers` pipeline.
+            let t =
+                crate::tokenizer::Tokenizer::open(&path).map_err(|e| load_err(e.to_string()))?;
+            let json = t.to_json().map_err(|e| load_err(e.to_string()))?;
+            json.parse::<Tokenizer>()
+                .map_err(|e| load_err(e.to_string()))?
+        };
         Self::huggingface_with(tokenizer, cfg)
     }
 
