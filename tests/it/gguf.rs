@@ -751,6 +751,9 @@ fn versions_other_than_2_and_3_are_refused() {
     let mut g = sample();
     g.version = 2;
     assert!(open_bytes(&g.bytes()).1.is_ok());
+    let mut g = sample();
+    g.version = 3u32.swap_bytes();
+    refused(&g.bytes(), &["big-endian"]);
 }
 
 #[test]

@@ -51,6 +51,10 @@ pub(super) fn parse(path: &Path, buf: &[u8]) -> Result<Header> {
         ));
     }
     let version = r.u32(&|| "version".into())?;
+    if matches!(version.swap_bytes(), 2 | 3) {
+        let message = "a big-endian GGUF file: phaselens reads little-endian ones".into();
+        return Err(r.err(4, message));
+    }
     if version != 2 && version != 3 {
         return Err(r.err(
             4,

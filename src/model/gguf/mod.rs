@@ -2,7 +2,7 @@
 //! the tensor directory, and the dequantisation of ggml's block formats to f32.
 //!
 //! [`GgufFile::open`] maps the file and checks its whole header against the file's size
-//! (see [`header`](self) for what is refused); the tensors' bytes stay in the map until
+//! (`header.rs` lists what is refused); the tensors' bytes stay in the map until
 //! [`GgufFile::dequantize`] (a whole tensor) or [`GgufFile::dequantize_rows`] (rows of
 //! it, e.g. an embedding lookup) turns them into f32 values, bit-identical to ggml's
 //! reference `dequantize_row_*` and to the `gguf` Python package (tests/it/gguf.rs checks
@@ -242,7 +242,8 @@ impl GgufFile {
         }
     }
 
-    /// The stored bytes of `t` (empty for an entry that is not this file's).
+    /// The stored bytes of `t`, a tensor of this file (empty when `t`'s span does not lie
+    /// inside the file).
     pub fn raw(&self, t: &TensorInfo) -> &[u8] {
         t.span(self.data_offset, self.alignment)
             .ok()

@@ -82,15 +82,19 @@ pub(super) fn supported_names() -> String {
 
 /// Apply a block decoder to every block: `TS` bytes to `BS` values. The lengths were
 /// checked by the caller, so the remainders are empty.
+/// Generic over the decoder (not a fn pointer) and inlined, so each block's loop is
+/// compiled into one tight loop per type, also at the dev profile's opt-level 1.
+#[inline(always)]
 fn blocks<const TS: usize, const BS: usize>(
     bytes: &[u8],
     out: &mut [f32],
-    f: fn(&[u8; TS], &mut [f32; BS]),
+    f: impl Fn(&[u8; TS], &mut [f32; BS]),
 ) {
     let (bs, _) = bytes.as_chunks::<TS>();
     let (ys, _) = out.as_chunks_mut::<BS>();
-    for (b, y) in bs.iter().zip(ys) {
-        f(b, y);
+    let n = bs.len().min(ys.len());
+    for i in 0..n {
+        f(&bs[i], &mut ys[i]);
     }
 }
 
@@ -100,25 +104,30 @@ fn half_at(b: &[u8], i: usize) -> f32 {
 }
 
 /// F32: 4 bytes, one little-endian IEEE single.
+#[inline(always)]
 fn f32_le(b: &[u8; 4], y: &mut [f32; 1]) {
     y[0] = f32::from_le_bytes(*b);
 }
 
 /// F16: 2 bytes, one IEEE half.
+#[inline(always)]
 fn f16_le(b: &[u8; 2], y: &mut [f32; 1]) {
     y[0] = f16::from_le_bytes(*b).to_f32();
 }
 
 /// BF16: 2 bytes, the upper half of an f32's bits.
+#[inline(always)]
 fn bf16_le(b: &[u8; 2], y: &mut [f32; 1]) {
     y[0] = f32::from_bits(u32::from(u16::from_le_bytes(*b)) << 16);
 }
 
 /// Q4_0, 32 values in 18 bytes: `d: f16`, `qs: [u8; 16]`. Value `j` is the low nibble
 /// of `qs[j]`, value `j + 16` its high nibble; `x = (q - 8) * d`.
+#[inline(always)]
 fn q4_0(b: &[u8; 18], y: &mut [f32; 32]) {
     let d = half_at(b, 0);
-    for (j, &q) in b[2..].iter().enumerate() {
+    for j in 0..16 {
+        let q = b[2 + j];
         y[j] = (i32::from(q & 0xF) - 8) as f32 * d;
         y[j + 16] = (i32::from(q >> 4) - 8) as f32 * d;
     }
@@ -126,9 +135,11 @@ fn q4_0(b: &[u8; 18], y: &mut [f32; 32]) {
 
 /// Q4_1, 32 values in 20 bytes: `d: f16`, `m: f16`, `qs: [u8; 16]` (nibbles as in
 /// Q4_0); `x = q * d + m`.
+#[inline(always)]
 fn q4_1(b: &[u8; 20], y: &mut [f32; 32]) {
     let (d, m) = (half_at(b, 0), half_at(b, 2));
-    for (j, &q) in b[4..].iter().enumerate() {
+    for j in 0..16 {
+        let q = b[4 + j];
         y[j] = f32::from(q & 0xF) * d + m;
         y[j + 16] = f32::from(q >> 4) * d + m;
     }
@@ -145,11 +156,12 @@ fn q5_pair(qh: u32, qs: u8, j: usize) -> (u8, u8) {
 
 /// Q5_0, 32 values in 22 bytes: `d: f16`, `qh: [u8; 4]` (the fifth bits, a u32),
 /// `qs: [u8; 16]`; `x = (q - 16) * d`.
+#[inline(always)]
 fn q5_0(b: &[u8; 22], y: &mut [f32; 32]) {
     let d = half_at(b, 0);
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    for (j, &q) in b[6..].iter().enumerate() {
-        let (x0, x1) = q5_pair(qh, q, j);
+    for j in 0..16 {
+        let (x0, x1) = q5_pair(qh, b[6 + j], j);
         y[j] = (i32::from(x0) - 16) as f32 * d;
         y[j + 16] = (i32::from(x1) - 16) as f32 * d;
     }
@@ -157,17 +169,19 @@ fn q5_0(b: &[u8; 22], y: &mut [f32; 32]) {
 
 /// Q5_1, 32 values in 24 bytes: `d: f16`, `m: f16`, `qh: [u8; 4]`, `qs: [u8; 16]`;
 /// `x = q * d + m`.
+#[inline(always)]
 fn q5_1(b: &[u8; 24], y: &mut [f32; 32]) {
     let (d, m) = (half_at(b, 0), half_at(b, 2));
     let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-    for (j, &q) in b[8..].iter().enumerate() {
-        let (x0, x1) = q5_pair(qh, q, j);
+    for j in 0..16 {
+        let (x0, x1) = q5_pair(qh, b[8 + j], j);
         y[j] = f32::from(x0) * d + m;
         y[j + 16] = f32::from(x1) * d + m;
     }
 }
 
 /// Q8_0, 32 values in 34 bytes: `d: f16`, `qs: [i8; 32]`; `x = q * d`.
+#[inline(always)]
 fn q8_0(b: &[u8; 34], y: &mut [f32; 32]) {
     let d = half_at(b, 0);
     for (y, &q) in y.iter_mut().zip(&b[2..]) {
@@ -179,6 +193,7 @@ fn q8_0(b: &[u8; 34], y: &mut [f32; 32]) {
 /// nibble, min in the high), `qs: [u8; 64]` (2-bit quants), `d: f16`, `dmin: f16`.
 /// Value `128 h + 32 j + l` (h < 2, j < 4, l < 32) is bits `2j..2j+2` of `qs[32 h + l]`;
 /// its sub-block is `8 h + 2 j + l / 16`; `x = (d * sc) * q - dmin * m`.
+#[inline(always)]
 fn q2_k(b: &[u8; 84], y: &mut [f32; QK_K]) {
     let (scales, qs) = (&b[..16], &b[16..80]);
     let (d, dmin) = (half_at(b, 80), half_at(b, 82));
@@ -216,6 +231,7 @@ fn q3_k_scales(s: &[u8]) -> [i8; 16] {
 /// [`q3_k_scales`]), `d: f16`. Value `128 h + 32 j + l` (h < 2, j < 4, l < 32) has low
 /// bits `2j..2j+2` of `qs[32 h + l]` and high bit `4 h + j` of `hmask[l]`;
 /// `q = low - (high ? 0 : 4)`; sub-block `8 h + 2 j + l / 16`; `x = (d * sc) * q`.
+#[inline(always)]
 fn q3_k(b: &[u8; 110], y: &mut [f32; QK_K]) {
     let (hmask, qs) = (&b[..32], &b[32..96]);
     let d = half_at(b, 108);
@@ -259,6 +275,7 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
 /// six-bit scales and mins, [`scale_min_k4`]), `qs: [u8; 128]`. Values `64 g + l` and
 /// `64 g + 32 + l` (g < 4, l < 32) are the low and high nibble of `qs[32 g + l]`, in
 /// sub-blocks `2 g` and `2 g + 1`; `x = (d * sc) * q - dmin * m`.
+#[inline(always)]
 fn q4_k(b: &[u8; 144], y: &mut [f32; QK_K]) {
     let (d, dmin) = (half_at(b, 0), half_at(b, 2));
     let (scales, qs) = (&b[4..16], &b[16..]);
@@ -279,6 +296,7 @@ fn q4_k(b: &[u8; 144], y: &mut [f32; QK_K]) {
 /// Q5_K, 256 values in 176 bytes: `d: f16`, `dmin: f16`, `scales: [u8; 12]` (as
 /// Q4_K), `qh: [u8; 32]`, `qs: [u8; 128]`. As Q4_K, with bit 4 of the quant of value
 /// `32 s + l` (sub-block s < 8) in bit `s` of `qh[l]`.
+#[inline(always)]
 fn q5_k(b: &[u8; 176], y: &mut [f32; QK_K]) {
     let (d, dmin) = (half_at(b, 0), half_at(b, 2));
     let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..]);
@@ -304,6 +322,7 @@ fn q5_k(b: &[u8; 176], y: &mut [f32; QK_K]) {
 /// low, 2: high) or `ql[64 n + 32 + l]` (k = 1: low, 3: high), its high bits from bits
 /// `2k..2k+2` of `qh[32 n + l]`; `q` is that 6-bit number minus 32, its sub-block
 /// `8 n + 2 k + l / 16`; `x = (d * sc) * q`.
+#[inline(always)]
 fn q6_k(b: &[u8; 210], y: &mut [f32; QK_K]) {
     let (ql, qh) = (&b[..128], &b[128..192]);
     let d = half_at(b, 208);
@@ -312,25 +331,25 @@ fn q6_k(b: &[u8; 210], y: &mut [f32; QK_K]) {
         *ds = d * f32::from(s as i8);
     }
     for n in 0..2 {
-        let (ql, qh, y) = (&ql[64 * n..], &qh[32 * n..], &mut y[128 * n..]);
+        let (ql, qh, ds) = (&ql[64 * n..], &qh[32 * n..], &ds[8 * n..]);
+        let y = &mut y[128 * n..];
         for l in 0..32 {
-            let (a, c, h) = (ql[l], ql[l + 32], qh[l]);
-            let q = [
-                (a & 0xF) | ((h & 3) << 4),
-                (c & 0xF) | (((h >> 2) & 3) << 4),
-                (a >> 4) | (((h >> 4) & 3) << 4),
-                (c >> 4) | (((h >> 6) & 3) << 4),
-            ];
-            for (k, q) in q.into_iter().enumerate() {
-                let q = q as i8 - 32;
-                y[32 * k + l] = ds[8 * n + 2 * k + l / 16] * f32::from(q);
-            }
+            let (a, c, h, is) = (ql[l], ql[l + 32], qh[l], l / 16);
+            let q1 = ((a & 0xF) | ((h & 3) << 4)) as i8 - 32;
+            let q2 = ((c & 0xF) | (((h >> 2) & 3) << 4)) as i8 - 32;
+            let q3 = ((a >> 4) | (((h >> 4) & 3) << 4)) as i8 - 32;
+            let q4 = ((c >> 4) | (((h >> 6) & 3) << 4)) as i8 - 32;
+            y[l] = ds[is] * f32::from(q1);
+            y[l + 32] = ds[is + 2] * f32::from(q2);
+            y[l + 64] = ds[is + 4] * f32::from(q3);
+            y[l + 96] = ds[is + 6] * f32::from(q4);
         }
     }
 }
 
 /// Q8_K, 256 values in 292 bytes: `d: f32`, `qs: [i8; 256]`, `bsums: [i16; 16]` (sums
 /// for ggml's dot products, unused here); `x = d * q`.
+#[inline(always)]
 fn q8_k(b: &[u8; 292], y: &mut [f32; QK_K]) {
     let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     for (y, &q) in y.iter_mut().zip(&b[4..260]) {
