@@ -10,8 +10,10 @@ the repository root, after `bash scripts/fetch-models.sh`:
     pip install transformers==5.25.0 gguf==0.19.0
     python3 scripts/reference/tokenizer_fixtures.py
 
-writes tests/fixtures/pretrained/tokenizer-smollm2.json and tokenizer-gemma3.json (compact
-JSON, each under 3 MB):
+writes tests/fixtures/pretrained/tokenizer-smollm2.json, tokenizer-gemma3.json and
+tokenizer-llama-spm.json (a Llama-architecture SentencePiece GGUF made from part of Gemma's
+vocabulary with its scores, `synthetic_llama`; its `synthetic` key says how) as compact
+JSON, each under 3 MB:
 - `versions`: the package versions that made it;
 - `pipeline`: transformers' fast tokenizer as `tokenizer.json` without its vocabulary and
   merges (their counts instead, and `vocab_sha256` / `merges_sha256`: SHA-256 of the tokens
@@ -37,6 +39,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
@@ -283,7 +286,7 @@ def pipeline(tok) -> dict:
     return j
 
 
-def fixture(name: str, path: Path) -> dict:
+def fixture(model: str, path: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     backend = tok.backend_tokenizer
     cases = []
@@ -312,7 +315,7 @@ def fixture(name: str, path: Path) -> dict:
                                            add_generation_prompt=True, tokenize=False)
             chat.append({"user": c, "text": text})
     return {
-        "model": MODELS[name],
+        "model": model,
         "versions": {p: version(p) for p in ("transformers", "tokenizers", "gguf")},
         "pipeline": pipeline(tok),
         "vocab_size": len(tok),
@@ -326,6 +329,59 @@ def fixture(name: str, path: Path) -> dict:
     }
 
 
+def synthetic_llama(gemma: Path, out: Path) -> dict:
+    """A Llama-architecture SentencePiece GGUF made from part of Gemma 3's vocabulary, so
+    the `llama` path (merges ranked by `tokenizer.ggml.scores`, `Metaspace`, BOS + EOS)
+    is checked against transformers too. tests/it/tokenizer.rs writes the same metadata
+    from the same Gemma file; only these keys (and `general.architecture = llama`) are
+    read by phaselens."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(str(gemma))
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    keep = [i for lo, hi in SYNTHETIC_RANGES for i in range(lo, hi)]
+    tokens, scores, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"), field("tokenizer.ggml.token_type")
+    w = GGUFWriter(str(out), "llama")
+    # transformers reads a config from the file before the tokenizer: a 1-layer stub.
+    w.add_context_length(128)
+    w.add_embedding_length(8)
+    w.add_block_count(1)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([tokens[i] for i in keep])
+    w.add_token_scores([scores[i] for i in keep])
+    w.add_token_types([types[i] for i in keep])
+    meta = SYNTHETIC_META
+    w.add_bos_token_id(meta["bos"])
+    w.add_eos_token_id(meta["eos"])
+    w.add_unk_token_id(meta["unk"])
+    w.add_add_bos_token(meta["add_bos"])
+    w.add_add_eos_token(meta["add_eos"])
+    w.add_tensor("token_embd.weight", np.zeros((1, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"source": MODELS["gemma3"], "ranges": SYNTHETIC_RANGES, "metadata": meta}
+
+
+# Ids of Gemma 3 kept, in order: the special, control and byte tokens, common words, and
+# the single characters (Gemma puts them last), renumbered 0..n-1 in this order.
+SYNTHETIC_RANGES = [[0, 500], [6400, 60000], [236000, 262144]]
+SYNTHETIC_META = {"bos": 2, "eos": 1, "unk": 3, "add_bos": True, "add_eos": True}
+
+
+def write(target: Path, data: dict) -> None:
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    target.write_text(text + "\n", encoding="utf-8")
+    print(f"{target}: {len(data['cases'])} strings, {len(text.encode()) / 1e6:.2f} MB")
+
+
 def main() -> None:
     out_dir = Path("tests/fixtures/pretrained")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -333,11 +389,12 @@ def main() -> None:
         path = models_dir() / rel
         if not path.is_file():
             sys.exit(f"{path} is missing: bash scripts/fetch-models.sh fetches it")
-        data = fixture(name, path)
-        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        target = out_dir / f"tokenizer-{name}.json"
-        target.write_text(text + "\n", encoding="utf-8")
-        print(f"{target}: {len(data['cases'])} strings, {len(text.encode()) / 1e6:.2f} MB")
+        write(out_dir / f"tokenizer-{name}.json", fixture(rel, path))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "llama-spm.gguf"
+        synthetic = synthetic_llama(models_dir() / MODELS["gemma3"], path)
+        data = fixture("synthetic llama-spm.gguf", path)
+        write(out_dir / "tokenizer-llama-spm.json", {"synthetic": synthetic, **data})
 
 
 if __name__ == "__main__":

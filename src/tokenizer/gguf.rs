@@ -10,9 +10,10 @@
 //! | `llama`, other architectures | BPE with byte fallback, merges rebuilt from the scores | `Metaspace` (prefix `▁` on the first word), decoder as above plus strip one leading space |
 //!
 //! Then, as transformers: the tokens typed CONTROL (3) become special added tokens, the
-//! USER_DEFINED (4) ones plain added tokens (matched whole, before the model), and the
-//! post-processor adds BOS / EOS as `tokenizer.ggml.add_bos_token` /
-//! `add_eos_token` say (BOS by default for `llama`).
+//! USER_DEFINED (4) ones plain added tokens (matched whole, before the model; see
+//! `add_tokens` for the order and the defaults of transformers' classes), and the
+//! post-processor adds BOS / EOS as `tokenizer.ggml.add_bos_token` / `add_eos_token` say
+//! (BOS by default for `llama`).
 
 use std::path::Path;
 
@@ -29,7 +30,7 @@ use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
-use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+use tokenizers::{AddedToken, Model, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::merges::{self, Rank};
 use super::{Special, Tokenizer};
@@ -228,12 +229,16 @@ fn flag(file: &GgufFile, key: &str) -> Result<Option<bool>> {
 pub(super) fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
     let meta = Meta::read(file)?;
     let fail = tokenizer_error(meta.path);
-    let mut inner = match meta.model {
-        "gpt2" => byte_level(&meta)?,
-        _ if GEMMA_ARCHITECTURES.contains(&meta.architecture) => gemma(&meta)?,
-        _ => sentencepiece(&meta)?,
+    // With the special tokens of the transformers class that builds each (its defaults).
+    let (mut inner, class_special) = match meta.model {
+        "gpt2" => (byte_level(&meta)?, &["<|endoftext|>"][..]),
+        _ if GEMMA_ARCHITECTURES.contains(&meta.architecture) => (
+            gemma(&meta)?,
+            &["<bos>", "<eos>", "<unk>", "<pad>", "<mask>"][..],
+        ),
+        _ => (sentencepiece(&meta)?, &["<s>", "</s>", "<unk>"][..]),
     };
-    add_tokens(&mut inner, &meta).map_err(&fail)?;
+    add_tokens(&mut inner, &meta, class_special).map_err(&fail)?;
     // transformers' default for a SentencePiece file that does not say.
     let add_bos = meta.add_bos.unwrap_or(meta.model == "llama");
     let add_eos = meta.add_eos.unwrap_or(false);
@@ -398,10 +403,31 @@ fn spm_decoder(strip: bool) -> tokenizers::Result<DecoderSequence> {
     Ok(DecoderSequence::new(parts))
 }
 
-/// CONTROL tokens as special added tokens, USER_DEFINED ones that are in the vocabulary as
-/// plain added tokens, both matched on the raw text (transformers' `add_gguf_special_tokens`).
-/// In a byte-level vocabulary a CONTROL token outside the byte alphabet is skipped.
-fn add_tokens(tok: &mut tokenizers::Tokenizer, meta: &Meta<'_>) -> tokenizers::Result<()> {
+/// The added tokens, in transformers' order (later additions of a token change its
+/// flags, but a token once special stays special for `decode(.., skip_special)`, in the
+/// `tokenizers` library on both sides):
+/// 1. the special tokens the transformers class names by default (`class_special`:
+///    `<|endoftext|>` for GPT-2, `<s>` `</s>` `<unk>` for Llama, Gemma's five), where the
+///    vocabulary has them (transformers appends a missing one as a new id past the model's
+///    vocabulary; phaselens leaves it out);
+/// 2. the CONTROL tokens, special (in a byte-level vocabulary only those spelled in the
+///    byte alphabet: transformers' `add_gguf_special_tokens`);
+/// 3. the USER_DEFINED tokens that are in the vocabulary, not special;
+/// 4. the BOS / EOS / UNK / PAD tokens the file names, special, unless added above.
+///
+/// All match the raw text (not normalised), before the model.
+fn add_tokens(
+    tok: &mut tokenizers::Tokenizer,
+    meta: &Meta<'_>,
+    class_special: &[&str],
+) -> tokenizers::Result<()> {
+    let special = |t: &str| AddedToken::from(t, true).normalized(false);
+    let defaults: Vec<AddedToken> = class_special
+        .iter()
+        .filter(|t| tok.get_model().token_to_id(t).is_some())
+        .map(|t| special(t))
+        .collect();
+    tok.add_special_tokens(defaults)?;
     let alphabet: Option<std::collections::HashSet<char>> =
         (meta.model == "gpt2").then(|| bytes_to_unicode().into_iter().collect());
     let typed = |kind: i64| {
@@ -411,25 +437,22 @@ fn add_tokens(tok: &mut tokenizers::Tokenizer, meta: &Meta<'_>) -> tokenizers::R
             .filter(move |(_, t)| **t == kind)
             .map(|(token, _)| *token)
     };
-    let control: Vec<AddedToken> = typed(CONTROL)
-        .filter(|t| {
-            alphabet
-                .as_ref()
-                .is_none_or(|a| t.chars().all(|c| a.contains(&c)))
-        })
-        .map(|t| AddedToken::from(t, true).normalized(false))
-        .collect();
-    if !control.is_empty() {
-        tok.add_special_tokens(control)?;
-    }
+    let spelled = |t: &&str| {
+        let alphabet = alphabet.as_ref();
+        alphabet.is_none_or(|a| t.chars().all(|c| a.contains(&c)))
+    };
+    tok.add_special_tokens(typed(CONTROL).filter(spelled).map(special))?;
     let vocab = tok.get_vocab(true);
-    let user: Vec<AddedToken> = typed(USER_DEFINED)
-        .filter(|t| vocab.contains_key(*t))
-        .map(|t| AddedToken::from(t, false).normalized(false))
+    let user = typed(USER_DEFINED).filter(|t| vocab.contains_key(*t));
+    tok.add_tokens(user.map(|t| AddedToken::from(t, false).normalized(false)))?;
+    let s = meta.special;
+    let named: Vec<AddedToken> = [s.bos, s.eos, s.unk, s.pad]
+        .into_iter()
+        .filter_map(|id| meta.token(id))
+        .filter(|t| tok.get_added_vocabulary().get_vocab().get(*t).is_none())
+        .map(special)
         .collect();
-    if !user.is_empty() {
-        tok.add_tokens(user)?;
-    }
+    tok.add_special_tokens(named)?;
     Ok(())
 }
 

@@ -3,8 +3,10 @@
 //! tests/fixtures/pretrained/tokenizer-{smollm2,gemma3}.json (made by
 //! scripts/reference/tokenizer_fixtures.py) encodes to the same ids with and without
 //! special tokens, decodes to the same text, and spells the same pieces; the pipeline's
-//! parts serialise as transformers' do; the chat text is transformers' rendering. Then
-//! hand-made GGUFs (tiny vocabularies, hostile metadata) and `phaselens tokenize`.
+//! parts serialise as transformers' do; the chat text is transformers' rendering. The same
+//! for a Llama-architecture SentencePiece GGUF made from part of Gemma's vocabulary
+//! (tokenizer-llama-spm.json). Then hand-made GGUFs (tiny vocabularies, hostile metadata)
+//! and `phaselens tokenize`.
 
 use std::path::{Path, PathBuf};
 
@@ -511,6 +513,56 @@ fn tiny_llama() -> Gguf {
         .u32("tokenizer.ggml.bos_token_id", 1)
         .u32("tokenizer.ggml.eos_token_id", 2)
         .bool("tokenizer.ggml.add_eos_token", true)
+}
+
+/// The `llama` SentencePiece path (merges ranked by `tokenizer.ggml.scores`,
+/// `Metaspace`, BOS and EOS added) against transformers, on a Llama-architecture GGUF
+/// made from part of Gemma 3's vocabulary as the fixture script's `synthetic_llama` makes
+/// it (the same tokens, scores, types and flags; only the metadata phaselens reads).
+#[test]
+fn a_llama_sentencepiece_gguf_encodes_and_decodes_as_transformers() {
+    let Some(gemma) = model_file(GEMMA3) else {
+        return;
+    };
+    let fx = fixture("llama-spm");
+    let syn = &fx["synthetic"];
+    let file = GgufFile::open(&gemma).unwrap();
+    let tokens = file.strings("tokenizer.ggml.tokens").unwrap();
+    let scores = file.floats("tokenizer.ggml.scores").unwrap();
+    let types = file.ints("tokenizer.ggml.token_type").unwrap();
+    let keep: Vec<usize> = syn["ranges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r[0].as_u64().unwrap() as usize..r[1].as_u64().unwrap() as usize)
+        .collect();
+    let meta = &syn["metadata"];
+    let id = |key: &str| meta[key].as_u64().unwrap() as u32;
+    let flag = |key: &str| meta[key].as_bool().unwrap();
+    let types: Vec<i32> = keep.iter().map(|&i| types[i] as i32).collect();
+    let gguf = Gguf::new()
+        .str("tokenizer.ggml.model", "llama")
+        .strs(
+            "tokenizer.ggml.tokens",
+            &keep.iter().map(|&i| tokens[i]).collect::<Vec<_>>(),
+        )
+        .f32s(
+            "tokenizer.ggml.scores",
+            &keep.iter().map(|&i| scores[i]).collect::<Vec<_>>(),
+        )
+        .i32s("tokenizer.ggml.token_type", &types)
+        .u32("tokenizer.ggml.bos_token_id", id("bos"))
+        .u32("tokenizer.ggml.eos_token_id", id("eos"))
+        .u32("tokenizer.ggml.unknown_token_id", id("unk"))
+        .bool("tokenizer.ggml.add_bos_token", flag("add_bos"))
+        .bool("tokenizer.ggml.add_eos_token", flag("add_eos"));
+    let dir = tempfile::tempdir().unwrap();
+    let (_, tok) = gguf.open(dir.path(), "llama-spm.gguf");
+    let tok = tok.unwrap();
+    check_pipeline("llama-spm", &tok, &fx);
+    check_encode("llama-spm", &tok, &fx);
+    check_decode("llama-spm", &tok, &fx);
+    check_pieces("llama-spm", &tok, &fx);
 }
 
 #[test]
