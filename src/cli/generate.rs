@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use burn::tensor::{Int, Tensor, TensorData};
 use clap::Args;
 
 use phaselens::device::DeviceSpec;
@@ -68,11 +67,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         args.prompt.clone()
     };
-    let prompt: Vec<u32> = tok.encode(&text, true)?;
+    // A chat template writes its own BOS; a plain prompt gets the model's.
+    let prompt: Vec<u32> = tok.encode(&text, !args.chat)?;
     if prompt.is_empty() {
         bail!("--prompt: the prompt encodes to no tokens");
     }
-    let new = greedy(
+    let new = phaselens::model::generate::greedy(
         model.as_ref(),
         &prompt,
         args.max_new_tokens,
@@ -87,34 +87,4 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         println!("{out}");
     }
     Ok(())
-}
-
-/// Greedy continuation of `prompt`: up to `max_new` ids, stopping after `eos`.
-pub fn greedy(
-    model: &dyn phaselens::model::LanguageModel,
-    prompt: &[u32],
-    max_new: usize,
-    eos: Option<u32>,
-    device: &burn::tensor::Device,
-) -> Result<Vec<u32>> {
-    let mut ids: Vec<i64> = prompt.iter().map(|&i| i as i64).collect();
-    let mut new = Vec::new();
-    for _ in 0..max_new {
-        let t = ids.len();
-        let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [1, t]), device);
-        let rows = Tensor::<1, Int>::from_data(TensorData::new(vec![t as i64 - 1], [1]), device);
-        let logits = model.forward_logit_rows(tokens, rows)?;
-        let next = logits
-            .argmax(1)
-            .into_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .map_err(|e| anyhow::anyhow!("reading the argmax back: {e:?}"))?[0];
-        new.push(next as u32);
-        ids.push(next);
-        if eos == Some(next as u32) {
-            break;
-        }
-    }
-    Ok(new)
 }

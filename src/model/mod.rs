@@ -25,6 +25,8 @@ pub mod deepseek_v4;
 pub mod diagnose;
 /// Matrix-product FLOPs counted while benchmarking.
 pub mod flops;
+/// Greedy decoding from a prompt (`phaselens generate`).
+pub mod generate;
 /// GGUF files: metadata, the tensor directory, ggml's block formats dequantised to f32.
 pub mod gguf;
 #[doc(hidden)] // upfront memory checks: the CLI sets and prints them, tests/it compare them
@@ -684,9 +686,11 @@ fn load_any(
         Some(other) => Err(Error::Config {
             path,
             message: format!(
-                "unsupported model_type \"{other}\" (supported: \"{}\", \"{}\")",
+                "unsupported model_type \"{other}\" (supported: \"{}\", \"{}\", and Hugging Face's {}; or a .gguf file of {})",
                 kvc::MODEL_TYPE,
-                deepseek_v4::MODEL_TYPE
+                deepseek_v4::MODEL_TYPE,
+                pretrained::HF_MODEL_TYPES.join(", "),
+                pretrained::GGUF_ARCHS.join(", ")
             ),
         }),
         None => Err(Error::Config {

@@ -441,6 +441,31 @@ impl KvcModel {
 }
 
 impl KvcModel {
+    /// The weights' resident bytes by storage: `f32` parameters, and matrices kept as
+    /// stored (GGUF blocks: `Q4_1`, `Q8_0`, ...; BF16 ...) under their labels.
+    pub fn resident_bytes(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut out = std::collections::BTreeMap::new();
+        let mut stored = vec![self.embed.weight.stored()];
+        stored.push(self.lm_head.as_ref().and_then(|h| h.weight.stored()));
+        for b in &self.blocks {
+            let a = &b.attn;
+            for w in [Some(&a.w_q), Some(&a.w_k), a.w_v.as_ref(), Some(&a.w_o)] {
+                stored.push(w.and_then(|l| l.weight.stored()));
+            }
+            for l in [&b.mlp.gate, &b.mlp.up, &b.mlp.down] {
+                stored.push(l.weight.stored());
+            }
+        }
+        for w in stored.into_iter().flatten() {
+            w.add_bytes(&mut out);
+        }
+        let dense = 4 * self.num_params();
+        if dense > 0 {
+            *out.entry("f32".to_string()).or_default() += dense;
+        }
+        out
+    }
+
     fn block_at(&self, l: usize) -> Result<&Block> {
         self.blocks.get(l).ok_or_else(|| {
             Error::Input(format!(
@@ -544,6 +569,9 @@ impl LanguageModel for KvcModel {
     }
     fn n_params(&self) -> Option<usize> {
         Some(self.num_params())
+    }
+    fn resident_bytes(&self) -> Option<std::collections::BTreeMap<String, usize>> {
+        Some(KvcModel::resident_bytes(self))
     }
     fn device(&self) -> Device {
         self.embed.weight.device()
