@@ -9,7 +9,7 @@ use clap::Args;
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::{HookSpec, PointPattern};
-use phaselens::model::load_model_with;
+use phaselens::model::load_model_as;
 use phaselens::model::safetensors_io::{OwnedTensor, TensorValues, write_safetensors};
 
 /// Run a model on token ids and save logits plus captured activations.
@@ -98,6 +98,35 @@ pub fn read_ids(path: &Path, vocab: usize) -> Result<(Vec<i64>, [usize; 2])> {
     Ok((flat, [rows.len(), len]))
 }
 
+/// The logits and every captured activation, by name, as f32 tensors to write.
+fn output_tensors(out: phaselens::model::ForwardOutput) -> BTreeMap<String, OwnedTensor> {
+    let mut tensors = BTreeMap::new();
+    let logits = out.logits;
+    tensors.insert(
+        "logits".to_string(),
+        OwnedTensor {
+            shape: logits.dims().to_vec(),
+            data: TensorValues::F32(
+                logits
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .expect("f32"),
+            ),
+        },
+    );
+    for (p, a) in out.cache.iter() {
+        tensors.insert(
+            p.to_string(),
+            OwnedTensor {
+                shape: a.shape().to_vec(),
+                data: TensorValues::F32(a.to_vec()),
+            },
+        );
+    }
+    tensors
+}
+
 pub fn run(args: ForwardArgs) -> Result<()> {
     if args.no_memory_check {
         phaselens::model::memory::set_override(true);
@@ -107,10 +136,12 @@ pub fn run(args: ForwardArgs) -> Result<()> {
         .check_device(&device, &args.device.to_string())
         .map_err(anyhow::Error::msg)?;
     let _compute = phaselens::model::precision::scoped(args.dtype);
-    let model = match &args.compression {
-        Some(o) => phaselens::model::load_model_overlaid(&args.model, &device, args.weights, o),
-        None => load_model_with(&args.model, &device, args.weights),
-    }
+    let model = load_model_as(
+        &args.model,
+        &device,
+        args.weights,
+        args.compression.as_ref(),
+    )
     .with_context(|| format!("loading model {}", args.model.display()))?;
     let info = model.info();
     let (ids, shape) = read_ids(&args.input, info.vocab_size)?;
@@ -150,30 +181,7 @@ pub fn run(args: ForwardArgs) -> Result<()> {
         )
         .into());
     }
-    let mut tensors = BTreeMap::new();
-    let logits = out.logits;
-    tensors.insert(
-        "logits".to_string(),
-        OwnedTensor {
-            shape: logits.dims().to_vec(),
-            data: TensorValues::F32(
-                logits
-                    .into_data()
-                    .convert::<f32>()
-                    .try_into_vec::<f32>()
-                    .expect("f32"),
-            ),
-        },
-    );
-    for (p, a) in out.cache.iter() {
-        tensors.insert(
-            p.to_string(),
-            OwnedTensor {
-                shape: a.shape().to_vec(),
-                data: TensorValues::F32(a.to_vec()),
-            },
-        );
-    }
+    let tensors = output_tensors(out);
     let captured = tensors.len() - 1;
     write_safetensors(&args.out, &tensors, None)?;
     eprintln!(

@@ -6,7 +6,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use phaselens::device::DeviceSpec;
-use phaselens::model::load_model_with;
+use phaselens::model::load_model_as;
 use phaselens::tokenizer::Tokenizer;
 
 /// Greedy decoding from a text prompt.
@@ -57,10 +57,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let device = args.device.device()?;
     let tok = Tokenizer::open(&args.model)
         .with_context(|| format!("the tokenizer of {}", args.model.display()))?;
-    let model = match &args.compression {
-        Some(o) => phaselens::model::load_model_overlaid(&args.model, &device, args.weights, o),
-        None => load_model_with(&args.model, &device, args.weights),
-    }
+    let model = load_model_as(
+        &args.model,
+        &device,
+        args.weights,
+        args.compression.as_ref(),
+    )
     .with_context(|| format!("loading model {}", args.model.display()))?;
     let text = if args.chat {
         tok.apply_chat(&args.prompt)?

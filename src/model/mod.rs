@@ -579,6 +579,19 @@ pub fn load_model_with(
     load_any(dir, device, None, residency)
 }
 
+/// [`load_model_with`], under `overlay` when one is given ([`load_model_overlaid`]).
+pub fn load_model_as(
+    dir: &Path,
+    device: &Device,
+    residency: stored::Residency,
+    overlay: Option<&compression::Overlay>,
+) -> Result<Box<dyn LanguageModel>> {
+    match overlay {
+        Some(o) => load_model_overlaid(dir, device, residency, o),
+        None => load_model_with(dir, device, residency),
+    }
+}
+
 /// [`load_model_with`] under a training-free compression overlay (kvc organisms,
 /// Llama-family and Gemma 3 checkpoints; see [`compression`]).
 pub fn load_model_overlaid(

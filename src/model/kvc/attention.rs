@@ -242,40 +242,15 @@ impl Attention {
         let pattern = HookPoint::block(layer, Site::AttnPattern);
         let scale = c.arch.attn_scale.unwrap_or(1.0 / (dh as f64).sqrt());
         let sink = self.sink.as_ref().map(|s| s.val());
-        if let Some(Overlay::Select {
-            block,
-            top_k,
-            window,
-            offset,
-            sinks,
-            score,
-        }) = c.overlay
-        {
-            // Every raw token is an entry the selector may keep (stride 1, visible at
-            // once); the window is read raw.
-            let k = rope(k, key_rope);
-            let geometry = (block, offset, top_k, window, sinks);
-            let mut sel =
-                BlockSelector::new(layer, q.clone(), k.clone(), flow.queries(), geometry, score);
-            let keys = Keys {
-                entries: Some(Entries {
-                    k: k.clone(),
-                    v: v.clone(),
-                    stride: 1,
-                    close: 0,
-                    offsets: Vec::new(),
-                }),
-                selector: Some(&mut sel),
-                raw: Some(Raw {
-                    k,
-                    v,
-                    window: Some(window),
-                }),
-                sink,
-            };
-            let at = |s: Site| hooks.touches(&HookPoint::block(layer, s));
-            let dense = at(Site::IndexerScores) || at(Site::IndexerSelected);
-            let z = attend(q, flow.queries(), keys, scale, pattern, dense, hooks)?;
+        if let Some(o) = &c.overlay {
+            let z = self.attend_overlay(
+                o,
+                (layer, scale, pattern),
+                (q, k, v, sink),
+                key_rope,
+                flow,
+                hooks,
+            )?;
             let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
             return self.output(layer, z, hooks);
         }
@@ -298,6 +273,57 @@ impl Attention {
         let z = attend(q, flow.queries(), keys, scale, pattern, false, hooks)?;
         let z = hooks.apply(HookPoint::block(layer, Site::AttnZ), z)?;
         self.output(layer, z, hooks)
+    }
+
+    /// The attention of a `select` overlay: every raw token is an entry the block
+    /// selector may keep (stride 1, visible at once), the last `window` tokens are read
+    /// raw; `q` rotated, `k` not yet.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_overlay(
+        &self,
+        overlay: &Overlay,
+        (layer, scale, pattern): (usize, f64, HookPoint),
+        (q, k, v, sink): (Tensor<4>, Tensor<4>, Tensor<4>, Option<Tensor<1>>),
+        key_rope: &Option<RopeTables>,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<4>> {
+        let Overlay::Select {
+            block,
+            top_k,
+            window,
+            offset,
+            sinks,
+            score,
+        } = *overlay
+        else {
+            return Err(Error::Other(format!(
+                "layer {layer}: overlay {overlay} is applied as compressed attention, not in the attention core"
+            )));
+        };
+        let k = rope(k, key_rope);
+        let geometry = (block, offset, top_k, window, sinks);
+        let mut sel =
+            BlockSelector::new(layer, q.clone(), k.clone(), flow.queries(), geometry, score);
+        let keys = Keys {
+            entries: Some(Entries {
+                k: k.clone(),
+                v: v.clone(),
+                stride: 1,
+                close: 0,
+                offsets: Vec::new(),
+            }),
+            selector: Some(&mut sel),
+            raw: Some(Raw {
+                k,
+                v,
+                window: Some(window),
+            }),
+            sink,
+        };
+        let at = |s: Site| hooks.touches(&HookPoint::block(layer, s));
+        let dense = at(Site::IndexerScores) || at(Site::IndexerSelected);
+        attend(q, flow.queries(), keys, scale, pattern, dense, hooks)
     }
 
     /// The attention's inputs from `h: [b, lq, d]`: the queries (through `hook_q`, not
