@@ -77,6 +77,46 @@ fn select_with_a_small_budget_changes_the_output() {
 }
 
 #[test]
+fn evict_keeping_every_chunk_is_the_plain_forward() {
+    let want = logits(&model(5), ids(60, 37, 8));
+    for spec in [
+        "kind=evict,chunk=4,keep=1,observe=8",
+        "kind=evict,chunk=8,keep=0.25,observe=60",
+        "kind=evict,chunk=5,keep=1.0,observe=1,offset=2,sinks=3",
+    ] {
+        let m = model(5).with_overlay(&overlay(spec)).unwrap();
+        let err = rel(&logits(&m, ids(60, 37, 8)), &want);
+        assert!(err < 1e-5, "{spec}: relative difference {err:e}");
+    }
+}
+
+#[test]
+fn evict_changes_only_the_observation_window() {
+    // Queries before the window ran before the cache was compressed: their logits are
+    // the plain forward's; the window's change when most chunks are gone.
+    let want = logits(&model(5), ids(60, 37, 8));
+    let m = model(5)
+        .with_overlay(&overlay("kind=evict,chunk=4,keep=0.2,observe=10"))
+        .unwrap();
+    let got = logits(&m, ids(60, 37, 8));
+    let v = 37;
+    for row in 0..2 {
+        let at = |x: &[f32], p: usize| x[(row * 60 + p) * v..(row * 60 + p + 1) * v].to_vec();
+        for p in 0..50 {
+            assert!(
+                rel(&at(&got, p), &at(&want, p)) < 1e-5,
+                "row {row} position {p} changed"
+            );
+        }
+        let late = rel(&at(&got, 59), &at(&want, 59));
+        assert!(
+            late > 1e-3,
+            "row {row}: the last position did not change ({late:e})"
+        );
+    }
+}
+
+#[test]
 fn pool_of_single_token_windows_is_the_plain_forward() {
     // W = S = 1, no raw tail: entry i is token i's key (rotated at i) and value.
     let want = logits(&model(4), ids(50, 37, 6));
@@ -132,6 +172,16 @@ fn overlay_errors_name_the_key() {
         ("kind=squeeze,block=8", "squeeze"),
         ("block=8,top_k=2", "kind"),
         ("kind=select,block=eight,top_k=2,window=4", "block"),
+        ("kind=evict,chunk=8,keep=0,observe=16", "compression.keep"),
+        ("kind=evict,chunk=8,keep=1.5,observe=16", "compression.keep"),
+        (
+            "kind=evict,chunk=0,keep=0.5,observe=16",
+            "compression.chunk",
+        ),
+        (
+            "kind=evict,chunk=8,keep=0.5,observe=0",
+            "compression.observe",
+        ),
     ] {
         let e = spec.parse::<Overlay>().unwrap_err();
         assert!(e.contains(key), "{spec}: `{e}` does not name `{key}`");
@@ -156,4 +206,53 @@ fn overlay_errors_name_the_key() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("compression") && e.contains("already"), "{e}");
+}
+
+/// Decoding over a compressed cache: a suffix forward of the last positions over a
+/// base run's state (its keys, values and the window's queries) gives the full
+/// forward's logits there, for `evict` (whose chunk choice reads the observation
+/// window's queries) and `select`.
+#[test]
+fn suffix_forwards_over_the_state_equal_the_full_forward() {
+    use phaselens::hooks::Act;
+    use phaselens::model::Suffix;
+    for spec in [
+        "kind=evict,chunk=4,keep=0.3,observe=12",
+        "kind=select,block=4,top_k=2,window=6,sinks=1",
+    ] {
+        let m = model(6).with_overlay(&overlay(spec)).unwrap();
+        let t = ids(64, 37, 9);
+        let capture = HookSpec::new().capture("blocks.0.hook_resid_pre").unwrap();
+        let (out, state) = LanguageModel::forward_with_state(&m, t, &capture).unwrap();
+        let state = state.expect("kvc models keep a prefix state");
+        let full = vals(out.logits);
+        let resid = out.cache.get_name("blocks.0.hook_resid_pre").unwrap();
+        for (from, len) in [(56usize, 8usize), (60, 4), (40, 24)] {
+            let v = resid.to_vec();
+            let d = resid.shape()[2];
+            let mut part = Vec::new();
+            for r in 0..2 {
+                part.extend_from_slice(&v[(r * 64 + from) * d..(r * 64 + from + len) * d]);
+            }
+            let resid_s = Act::from_vec(part, vec![2, len, d], &dev()).unwrap();
+            let suffix = Suffix {
+                rows: vec![0, 1],
+                from: vec![from, from],
+                len,
+            };
+            let got =
+                LanguageModel::forward_suffix(&m, 0, &state, &suffix, &resid_s, &HookSpec::new());
+            let got = vals(got.unwrap().logits);
+            let mut want = Vec::new();
+            for r in 0..2 {
+                want.extend_from_slice(&full[(r * 64 + from) * 37..(r * 64 + from + len) * 37]);
+            }
+            let err = rel(&got, &want);
+            assert!(
+                err < 1e-5,
+                "{spec}, positions {from}..{}: relative difference {err:e}",
+                from + len
+            );
+        }
+    }
 }

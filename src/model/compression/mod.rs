@@ -12,6 +12,12 @@
 //!   the maximum over the layer's query heads, and attends (one softmax) to the raw
 //!   tokens of its `top_k` best blocks outside the window, the last `window` tokens, and
 //!   the first `sinks` tokens. The choice is shared by the heads of a layer.
+//! - `evict` (ChunkKV-style eviction at prefill): the last `observe` tokens are the
+//!   observation window; their attention over the earlier tokens (summed over heads and
+//!   window queries, then within chunks of `chunk` tokens) scores the chunks, and the
+//!   best `keep` fraction stays for every query from the window on (the window itself
+//!   and `sinks` leading tokens always stay); queries before the window see everything
+//!   (they ran before the cache was compressed). Per layer.
 //! - `pool` (pooled entries, CSA / HCA-like, training-free): every `stride` tokens a
 //!   window of `window` tokens becomes one entry, keys and values averaged (keys before
 //!   RoPE, the entry rotated at its window's first position); an entry is visible from
@@ -25,8 +31,10 @@
 //! | file | what |
 //! |---|---|
 //! | `mod.rs` | the `[model.compression]` table, its text form, validation |
-//! | `select.rs` | the block selector of `select` |
+//! | `select.rs` | the block selector of `select`, the block grid |
+//! | `evict.rs` | the chunk selector of `evict` |
 
+mod evict;
 mod select;
 
 use std::fmt;
@@ -36,7 +44,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-pub use select::{BlockScore, BlockSelector};
+pub use evict::{ChunkSelector, Eviction};
+pub use select::{BlockScore, BlockSelector, Grid};
 
 /// `[model.compression]`: one overlay.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -60,6 +69,22 @@ pub enum Overlay {
         #[serde(default)]
         score: BlockScore,
     },
+    /// ChunkKV-style chunk eviction at prefill.
+    Evict {
+        /// Tokens per chunk (the phase period).
+        chunk: usize,
+        /// The fraction of the chunks before the observation window that stays.
+        keep: f64,
+        /// The observation window: the sequence's last tokens, whose attention scores
+        /// the chunks and which stay.
+        observe: usize,
+        /// Where the chunk grid starts (`0..chunk`).
+        #[serde(default)]
+        offset: usize,
+        /// Leading tokens never evicted.
+        #[serde(default)]
+        sinks: usize,
+    },
     /// Mean-pooled entries (kvc compressed attention with uniform gates).
     Pool {
         /// Tokens pooled into one entry (`W >= stride`).
@@ -77,6 +102,7 @@ impl Overlay {
     pub fn period(&self) -> usize {
         match self {
             Overlay::Select { block, .. } => *block,
+            Overlay::Evict { chunk, .. } => *chunk,
             Overlay::Pool { stride, .. } => *stride,
         }
     }
@@ -115,6 +141,36 @@ impl Overlay {
                     return Err(field(
                         "block",
                         format!("{block} is longer than the model's context of {c} positions"),
+                    ));
+                }
+            }
+            Overlay::Evict {
+                chunk,
+                keep,
+                observe,
+                offset,
+                ..
+            } => {
+                pos("chunk", chunk)?;
+                pos("observe", observe)?;
+                if !(keep > 0.0 && keep <= 1.0) {
+                    return Err(field(
+                        "keep",
+                        format!("must be a fraction in (0, 1], got {keep}"),
+                    ));
+                }
+                if offset >= chunk {
+                    return Err(field(
+                        "offset",
+                        format!("must be in 0..{chunk} (the chunk), got {offset}"),
+                    ));
+                }
+                if let Some(c) = context
+                    && chunk > c
+                {
+                    return Err(field(
+                        "chunk",
+                        format!("{chunk} is longer than the model's context of {c} positions"),
                     ));
                 }
             }
@@ -157,19 +213,20 @@ impl FromStr for Overlay {
                 format!("`{part}`: expected key=value (e.g. kind=select,block=8,top_k=4,window=32)")
             })?;
             let (k, v) = (k.trim(), v.trim());
-            let value = match v.parse::<i64>() {
-                Ok(n) => toml::Value::Integer(n),
-                Err(_) if INTEGER_KEYS.contains(&k) => {
+            let value = match (v.parse::<i64>(), v.parse::<f64>()) {
+                (Ok(n), _) => toml::Value::Integer(n),
+                _ if INTEGER_KEYS.contains(&k) => {
                     return Err(format!("key `{k}`: expected a whole number, got `{v}`"));
                 }
-                Err(_) => toml::Value::String(v.to_string()),
+                (_, Ok(x)) => toml::Value::Float(x),
+                _ => toml::Value::String(v.to_string()),
             };
             if table.insert(k.to_string(), value).is_some() {
                 return Err(format!("key `{k}` given twice"));
             }
         }
         if !table.contains_key("kind") {
-            return Err("no `kind` (select or pool)".into());
+            return Err("no `kind` (select, evict or pool)".into());
         }
         let o: Overlay = toml::Value::Table(table)
             .try_into()
@@ -192,6 +249,16 @@ impl fmt::Display for Overlay {
             } => write!(
                 f,
                 "select (block {block}, top {top_k}, window {window}, offset {offset}, sinks {sinks}, {score})"
+            ),
+            Overlay::Evict {
+                chunk,
+                keep,
+                observe,
+                offset,
+                sinks,
+            } => write!(
+                f,
+                "evict (chunk {chunk}, keep {keep}, observe {observe}, offset {offset}, sinks {sinks})"
             ),
             Overlay::Pool {
                 window,

@@ -10,7 +10,7 @@ use super::config::{AttentionKind, KvcConfig};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::{Entries, Keys, Raw, attend};
-use crate::model::compression::{BlockSelector, Overlay};
+use crate::model::compression::{BlockSelector, ChunkSelector, Eviction, Overlay};
 use crate::model::flops::Mm;
 use crate::model::kv_state::{Queries, TokenFlow};
 use crate::model::layers::{Linear, RmsNorm, RopeLayout, RopeTables, apply_rope, rope_inv_freq};
@@ -288,6 +288,40 @@ impl Attention {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<4>> {
+        if let Overlay::Evict {
+            chunk,
+            keep,
+            observe,
+            offset,
+            sinks,
+        } = *overlay
+        {
+            // The chunk scores read the window's queries: every position's rotated
+            // queries (a suffix forward merges its own into the base run's).
+            let q_all = flow.full(layer, "overlay_q", q.clone())?;
+            let k = rope(k, key_rope);
+            let e = Eviction {
+                chunk,
+                offset,
+                keep,
+                observe,
+                sinks,
+            };
+            let mut sel = ChunkSelector::new(q_all, k.clone(), flow.queries(), e, scale);
+            let keys = Keys {
+                entries: Some(Entries {
+                    k,
+                    v,
+                    stride: 1,
+                    close: 0,
+                    offsets: Vec::new(),
+                }),
+                selector: Some(&mut sel),
+                raw: None,
+                sink,
+            };
+            return attend(q, flow.queries(), keys, scale, pattern, false, hooks);
+        }
         let Overlay::Select {
             block,
             top_k,

@@ -125,7 +125,9 @@ impl KvcModel {
             ));
         }
         match *overlay {
-            Overlay::Select { .. } => self.config.overlay = Some(overlay.clone()),
+            Overlay::Select { .. } | Overlay::Evict { .. } => {
+                self.config.overlay = Some(overlay.clone())
+            }
             Overlay::Pool {
                 window,
                 stride,
@@ -171,6 +173,14 @@ impl KvcModel {
                     block,
                     top_k,
                     window,
+                },
+                _ => LayerKind::Full,
+            },
+            _ if matches!(c.overlay, Some(Overlay::Evict { .. })) => match c.overlay {
+                Some(Overlay::Evict { chunk, observe, .. }) => LayerKind::Selected {
+                    block: chunk,
+                    top_k: 0,
+                    window: observe,
                 },
                 _ => LayerKind::Full,
             },

@@ -1,0 +1,161 @@
+//! The chunk selector of the `evict` overlay (ChunkKV-style eviction at prefill): the
+//! last `observe` tokens of the sequence are the observation window; their attention
+//! over the earlier tokens, summed over query heads and observation queries and then
+//! within each chunk, scores the chunks; the best `keep` fraction of them stays in the
+//! cache for every query from the observation window on, the rest is gone. Queries
+//! before the window (the prefill itself) see every earlier token.
+
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Tensor, TensorData};
+
+use super::select::Grid;
+use crate::error::Result;
+use crate::hooks::HookRun;
+use crate::model::attention::EntrySelector;
+use crate::model::kv_state::Queries;
+use crate::model::topk::topk_mask;
+
+/// The geometry of an `evict` overlay.
+#[derive(Debug, Clone, Copy)]
+pub struct Eviction {
+    /// Tokens per chunk.
+    pub chunk: usize,
+    /// Where the chunk grid starts.
+    pub offset: usize,
+    /// The fraction of chunks kept (`0 < keep <= 1`).
+    pub keep: f64,
+    /// Observation-window tokens (the sequence's last ones).
+    pub observe: usize,
+    /// Leading tokens always kept.
+    pub sinks: usize,
+}
+
+/// One layer's selector for one forward.
+pub struct ChunkSelector {
+    /// `[b, n_chunks]`: the kept chunks (before the window).
+    kept: Tensor<2, Bool>,
+    grid: Grid,
+    /// The first observation position (`total - observe`, at least 0).
+    t0: usize,
+    sinks: usize,
+    total: usize,
+    first: Vec<usize>,
+}
+
+impl ChunkSelector {
+    /// The selector for rotated queries `q_all: [b, total, nh, dh]` of EVERY position
+    /// (a suffix forward passes the base run's queries where it does not recompute) and
+    /// rotated keys `k: [b, total, kvh, dh]`, attention scale `scale`.
+    pub fn new(q_all: Tensor<4>, k: Tensor<4>, queries: &Queries, e: Eviction, scale: f64) -> Self {
+        let [b, total, nh, dh] = q_all.dims();
+        let kvh = k.dims()[2];
+        let g = nh / kvh.max(1);
+        let t0 = total.saturating_sub(e.observe);
+        let grid = Grid::new(e.chunk, e.offset, t0.max(1));
+        let device = k.device();
+        let kept = if t0 == 0 {
+            Tensor::<2>::zeros([b, grid.n], &device).greater_elem(0.5)
+        } else {
+            let obs = total - t0;
+            // [b, kvh, obs * g, dh] x [b, kvh, dh, total] -> scores of the window's queries.
+            let q = q_all
+                .slice_dim(1, t0..total)
+                .reshape([b, obs, kvh, g, dh])
+                .swap_dims(1, 2)
+                .reshape([b, kvh, obs * g, dh]);
+            let kt = k.permute([0, 2, 3, 1]);
+            let s = q
+                .matmul(kt)
+                .mul_scalar(scale)
+                .reshape([b, kvh, obs, g, total]);
+            // Causal: observation query t0 + i sees keys 0..=t0 + i.
+            let vis: Vec<bool> = (0..obs)
+                .flat_map(|i| (0..total).map(move |j| j <= t0 + i))
+                .collect();
+            let vis = Tensor::<1, Bool>::from_data(TensorData::new(vis, [obs * total]), &device)
+                .reshape([1, 1, obs, 1, total]);
+            let p = softmax(s.mask_fill(vis.bool_not(), f32::NEG_INFINITY), 4);
+            // Attention mass on each token before the window: [b, t0].
+            let mass = p
+                .slice_dim(4, 0..t0)
+                .sum_dim(3)
+                .sum_dim(2)
+                .sum_dim(1)
+                .reshape([b, t0]);
+            let pad = grid.n * e.chunk - t0 - grid.shift;
+            let mut parts = Vec::with_capacity(3);
+            if grid.shift > 0 {
+                parts.push(Tensor::<2>::zeros([b, grid.shift], &device));
+            }
+            parts.push(mass);
+            if pad > 0 {
+                parts.push(Tensor::<2>::zeros([b, pad], &device));
+            }
+            let per_chunk = Tensor::cat(parts, 1)
+                .reshape([b, grid.n, e.chunk])
+                .sum_dim(2)
+                .reshape([b, grid.n]);
+            let k = ((e.keep * grid.n as f64).ceil() as usize).clamp(1, grid.n);
+            topk_mask(per_chunk, k)
+        };
+        ChunkSelector {
+            kept,
+            grid,
+            t0,
+            sinks: e.sinks,
+            total,
+            first: (0..queries.rows()).map(|r| queries.first(r)).collect(),
+        }
+    }
+}
+
+impl EntrySelector for ChunkSelector {
+    fn k(&self) -> usize {
+        self.total
+    }
+
+    fn cost_per_entry(&self) -> usize {
+        1
+    }
+
+    fn select(
+        &mut self,
+        i0: usize,
+        i1: usize,
+        n_vis: usize,
+        _hooks: &mut HookRun,
+    ) -> Result<Tensor<3, Bool>> {
+        let (b, bq) = (self.first.len(), i1 - i0);
+        let device = self.kept.device();
+        // Token j < t0 of a kept chunk, as a [b, 1, n_vis] row.
+        let chunks: Vec<usize> = (0..n_vis)
+            .map(|j| self.grid.of(j.min(self.t0.max(1) - 1)))
+            .collect();
+        let idx = crate::model::layers::int_tensor(&chunks, &device);
+        let kept_tok = self
+            .kept
+            .clone()
+            .float()
+            .select(1, idx)
+            .greater_elem(0.5)
+            .reshape([b, 1, n_vis]);
+        let (t0, sinks) = (self.t0, self.sinks);
+        let mut always = Vec::with_capacity(b * bq * n_vis);
+        let mut evictable = Vec::with_capacity(b * bq * n_vis);
+        for &first in &self.first {
+            for i in i0..i1 {
+                let p = first + i;
+                for j in 0..n_vis {
+                    let seen = j <= p;
+                    // Prefill queries, the window itself and the sinks are never evicted.
+                    always.push(seen && (p < t0 || j >= t0 || j < sinks));
+                    evictable.push(seen && p >= t0 && j < t0);
+                }
+            }
+        }
+        let host = |v: Vec<bool>| {
+            Tensor::<3, Bool>::from_data(TensorData::new(v, [b, bq, n_vis]), &device)
+        };
+        Ok(host(always).bool_or(host(evictable).bool_and(kept_tok.expand([b, bq, n_vis]))))
+    }
+}
