@@ -110,40 +110,21 @@ impl Overlay {
     /// Check every key against the others and against a context of `context`
     /// positions (when known); the error names the key.
     pub fn validate(&self, context: Option<usize>) -> Result<()> {
-        let field = |k: &str, m: String| Error::field(format!("compression.{k}"), m);
-        let pos = |k: &str, v: usize| {
-            if v == 0 {
-                Err(field(k, "must be at least 1".into()))
-            } else {
-                Ok(())
-            }
-        };
-        match *self {
+        // (key, value) pairs that must be at least 1; (key, span, grid) where the span
+        // must fit the context and an offset must lie inside the grid.
+        let (counts, span, offset): (Vec<(&str, usize)>, (&str, usize), Option<usize>) = match *self
+        {
             Overlay::Select {
                 block,
                 top_k,
                 window,
                 offset,
                 ..
-            } => {
-                pos("block", block)?;
-                pos("top_k", top_k)?;
-                pos("window", window)?;
-                if offset >= block {
-                    return Err(field(
-                        "offset",
-                        format!("must be in 0..{block} (the block), got {offset}"),
-                    ));
-                }
-                if let Some(c) = context
-                    && block > c
-                {
-                    return Err(field(
-                        "block",
-                        format!("{block} is longer than the model's context of {c} positions"),
-                    ));
-                }
-            }
+            } => (
+                vec![("block", block), ("top_k", top_k), ("window", window)],
+                ("block", block),
+                Some(offset),
+            ),
             Overlay::Evict {
                 chunk,
                 keep,
@@ -151,50 +132,59 @@ impl Overlay {
                 offset,
                 ..
             } => {
-                pos("chunk", chunk)?;
-                pos("observe", observe)?;
                 if !(keep > 0.0 && keep <= 1.0) {
                     return Err(field(
                         "keep",
                         format!("must be a fraction in (0, 1], got {keep}"),
                     ));
                 }
-                if offset >= chunk {
-                    return Err(field(
-                        "offset",
-                        format!("must be in 0..{chunk} (the chunk), got {offset}"),
-                    ));
-                }
-                if let Some(c) = context
-                    && chunk > c
-                {
-                    return Err(field(
-                        "chunk",
-                        format!("{chunk} is longer than the model's context of {c} positions"),
-                    ));
-                }
+                (
+                    vec![("chunk", chunk), ("observe", observe)],
+                    ("chunk", chunk),
+                    Some(offset),
+                )
             }
             Overlay::Pool { window, stride, .. } => {
-                pos("window", window)?;
-                pos("stride", stride)?;
-                if window < stride {
+                if stride > 0 && window > 0 && window < stride {
                     return Err(field(
                         "window",
                         format!("must be >= stride ({stride}), got {window}"),
                     ));
                 }
-                if let Some(c) = context
-                    && window > c
-                {
-                    return Err(field(
-                        "window",
-                        format!("{window} is longer than the model's context of {c} positions"),
-                    ));
-                }
+                (
+                    vec![("window", window), ("stride", stride)],
+                    ("window", window),
+                    None,
+                )
             }
+        };
+        if let Some((k, _)) = counts.iter().find(|(_, v)| *v == 0) {
+            return Err(field(k, "must be at least 1".into()));
+        }
+        let (name, len) = span;
+        if let Some(o) = offset
+            && o >= len
+        {
+            return Err(field(
+                "offset",
+                format!("must be in 0..{len} (the {name}), got {o}"),
+            ));
+        }
+        if let Some(c) = context
+            && len > c
+        {
+            return Err(field(
+                name,
+                format!("{len} is longer than the model's context of {c} positions"),
+            ));
         }
         Ok(())
     }
+}
+
+/// An error of key `compression.{key}`.
+fn field(key: &str, message: String) -> Error {
+    Error::field(format!("compression.{key}"), message)
 }
 
 /// The keys whose values are whole numbers.
