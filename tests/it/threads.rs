@@ -5,7 +5,7 @@
 use burn::tensor::{Int, Tensor, TensorData};
 use phaselens::hooks::{Action, HookSpec, Scope};
 use phaselens::model::weights::{RandomInit, Vb};
-use phaselens::model::{KvcConfig, KvcModel, LanguageModel};
+use phaselens::model::{KvcConfig, KvcModel};
 
 use crate::common::{dev, vals};
 
@@ -35,13 +35,20 @@ fn logits_are_bit_identical_for_1_2_and_3_threads() {
     .with_compression(8, 4, 16);
     let m = KvcModel::new(&c, &Vb::new(&RandomInit { seed: 7 }, &dev())).unwrap();
     let patched = HookSpec::new()
-        .intervene("blocks.1.attn.hook_z", Action::Scale(0.5), Scope::heads([2]))
+        .intervene(
+            "blocks.1.attn.hook_z",
+            Action::Scale(0.5),
+            Scope::heads([2]),
+        )
         .unwrap();
     for spec in [HookSpec::new(), patched] {
         let one = logits_in_pool(1, &m, &spec);
         for n in [2, 3] {
             let other = logits_in_pool(n, &m, &spec);
-            let same = one.iter().zip(&other).all(|(a, b)| a.to_bits() == b.to_bits());
+            let same = one
+                .iter()
+                .zip(&other)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "logits differ between 1 and {n} threads");
         }
     }

@@ -112,8 +112,7 @@ impl Overlay {
     pub fn validate(&self, context: Option<usize>) -> Result<()> {
         // (key, value) pairs that must be at least 1; (key, span, grid) where the span
         // must fit the context and an offset must lie inside the grid.
-        let (counts, span, offset): (Vec<(&str, usize)>, (&str, usize), Option<usize>) = match *self
-        {
+        let (counts, span, offset): Checks = match *self {
             Overlay::Select {
                 block,
                 top_k,
@@ -181,6 +180,14 @@ impl Overlay {
         Ok(())
     }
 }
+
+/// What [`Overlay::validate`] checks of one overlay: the keys that must be at least 1,
+/// the key whose length must fit the context, and the grid offset.
+type Checks = (
+    Vec<(&'static str, usize)>,
+    (&'static str, usize),
+    Option<usize>,
+);
 
 /// An error of key `compression.{key}`.
 fn field(key: &str, message: String) -> Error {

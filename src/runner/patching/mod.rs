@@ -314,7 +314,16 @@ pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
             targets.len()
         )));
     }
-    let device = logits.device();
+    let (flat, pairs) = target_rows(targets, t, v)?;
+    let k = flat.len();
+    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &logits.device());
+    outcomes_of(logits.reshape([r * t, v]).select(0, idx), pairs, targets)
+}
+
+/// The flat logit rows (`i * t + p`, row `i` of the batch, position `p`) every target
+/// reads, in order, and the (answer, alternative) id pairs read there; an error when an
+/// answer lies outside the vocabulary `0..v`.
+fn target_rows(targets: &[&Target], t: usize, v: usize) -> Result<(Vec<i64>, Vec<i64>)> {
     let mut flat = Vec::new();
     let mut pairs = Vec::new();
     for (i, tg) in targets.iter().enumerate() {
@@ -330,20 +339,26 @@ pub fn readout(logits: Tensor<3>, targets: &[&Target]) -> Result<Vec<Outcome>> {
             pairs.push(alt as i64);
         }
     }
-    let k = flat.len();
-    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
-    let rows = logits.reshape([r * t, v]).select(0, idx);
+    Ok((flat, pairs))
+}
+
+/// The outcomes from `rows: [k, vocab]`, the logits at the targets' positions in
+/// [`target_rows`]' order, and its (answer, alternative) `pairs`.
+fn outcomes_of(rows: Tensor<2>, pairs: Vec<i64>, targets: &[&Target]) -> Result<Vec<Outcome>> {
+    let k = rows.dims()[0];
+    let device = rows.device();
     // NaN or infinite logits would read as "wrong answer, no effect": a finding made
     // of garbage. The executor names the layer that went non-finite (model/diagnose.rs).
     if !crate::model::diagnose::all_finite(&rows)? {
         return Err(Error::NonFinite(format!(
-            "the logits read at the target positions of {r} row(s) hold NaN or infinite values"
+            "the logits read at the target positions of {} row(s) hold NaN or infinite values",
+            targets.len()
         )));
     }
     let top = rows.clone().argmax(1).try_into_vec_as::<i64>()?;
     let pairs = Tensor::<2, Int>::from_data(TensorData::new(pairs, [k, 2]), &device);
     let vals = rows.gather(1, pairs).try_into_vec_as::<f32>()?;
-    let mut out = Vec::with_capacity(r);
+    let mut out = Vec::with_capacity(targets.len());
     let mut j = 0;
     for tg in targets {
         let mut correct = true;
@@ -475,12 +490,18 @@ pub fn evaluate(
     let device = model.device();
     let mut out = Vec::with_capacity(prompts.n());
     let idx: Vec<usize> = (0..prompts.n()).collect();
+    let v = model.info().vocab_size;
     for rows in idx.chunks(max_rows.max(1)) {
-        let logits = model
-            .forward(prompts.tokens_of(rows, &device), &HookSpec::new())?
-            .logits;
+        // The LM head only at the positions the targets read (the model may skip it
+        // elsewhere: at a 262,144-word vocabulary it is most of a short forward).
+        let tokens = prompts.tokens_of(rows, &device);
+        let t = tokens.dims()[1];
         let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
-        match readout(logits, &targets) {
+        let (flat, pairs) = target_rows(&targets, t, v)?;
+        let k = flat.len();
+        let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
+        let logit_rows = model.forward_logit_rows(tokens, idx)?;
+        match outcomes_of(logit_rows, pairs, &targets) {
             Err(Error::NonFinite(what)) => {
                 let tokens = prompts.tokens_of(rows, &device);
                 return Err(crate::model::diagnose::non_finite_error(
