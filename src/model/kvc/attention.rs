@@ -255,7 +255,11 @@ impl Attention {
             return self.output(layer, z, hooks);
         }
         let raw = match (c.attention, &c.compression) {
-            (AttentionKind::Full, _) => Some(c.arch.window(layer)),
+            // A window that covers every position is no window: the causal path, not
+            // one gathered band of keys per query.
+            (AttentionKind::Full, _) => {
+                Some(c.arch.window(layer).filter(|&w| w < flow.queries().total()))
+            }
             (_, Some(cc)) if cc.local_tail > 0 => Some(Some(cc.local_tail)),
             _ => None,
         }
