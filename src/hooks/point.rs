@@ -48,6 +48,11 @@ pub enum Site {
     /// `hook_attn_out`: attention sublayer output (DeepSeek-V4: before the mHC expansion
     /// into the streams).
     AttnOut,
+    /// `mlp.hook_pre`: the gated MLP's gate pre-activation (kvc-family models).
+    MlpPre,
+    /// `mlp.hook_post`: the activation times the up projection, the down projection's
+    /// input (kvc-family models).
+    MlpPost,
     /// `hook_mlp_out`: MLP (or MoE: routed + shared experts) sublayer output.
     MlpOut,
     /// `hook_final_norm`: final normalised residual fed to the LM head.
@@ -182,6 +187,8 @@ macro_rules! sites {
                                 | Site::AttnZ
                                 | Site::AttnResult
                                 | Site::AttnOut
+                                | Site::MlpPre
+                                | Site::MlpPost
                                 | Site::MlpOut
                         ),
                     },)*
@@ -218,6 +225,10 @@ sites! {
         "per-head contribution to the attention output (computed only when requested)"),
     AttnOut => ("hook_attn_out", true, "[batch, pos, d_model]", Some(1), Tokens, None,
         "attention sublayer output (DeepSeek-V4: before the mHC expansion into the streams)"),
+    MlpPre => ("mlp.hook_pre", true, "[batch, pos, d_mlp]", Some(1), Tokens, None,
+        "the gated MLP's gate pre-activation (kvc, Llama, Gemma 3)"),
+    MlpPost => ("mlp.hook_post", true, "[batch, pos, d_mlp]", Some(1), Tokens, None,
+        "act(gate) * up: the MLP's down projection input (kvc, Llama, Gemma 3)"),
     MlpOut => ("hook_mlp_out", true, "[batch, pos, d_model]", Some(1), Tokens, None,
         "MLP (or MoE: routed + shared experts) sublayer output"),
     FinalNorm => ("hook_final_norm", false, "[batch, pos, d_model]", Some(1), Tokens, None,

@@ -377,3 +377,35 @@ fn pretrained_errors_name_what_to_fix() {
         "{e}"
     );
 }
+
+/// The MLP's hook points on the kvc decoder every pretrained model runs as: `mlp.hook_pre`
+/// is the gate pre-activation (`[b, T, d_ff]`), `mlp.hook_post` the down projection's
+/// input, so zeroing `hook_post` zeroes the MLP's output (no bias) exactly as zeroing
+/// `hook_mlp_out` does, and capturing them changes nothing.
+#[test]
+fn mlp_hook_points_are_the_gate_and_the_down_input() {
+    use phaselens::model::kvc::MlpAct;
+    use phaselens::model::weights::{RandomInit, Vb};
+    use phaselens::model::{KvcConfig, KvcModel};
+    for act in [MlpAct::Silu, MlpAct::GeluTanh] {
+        let mut c = KvcConfig::tiny().full_attention();
+        c.arch.mlp_act = act;
+        let m = KvcModel::new(&c, &Vb::new(&RandomInit { seed: 3 }, &dev())).unwrap();
+        let ids: Vec<i64> = (0..20).map(|i| (i * 5 + 1) % 37).collect();
+        let plain = vals(m.forward(tokens(&ids), &HookSpec::new()).unwrap().logits);
+        let cap = HookSpec::new().capture("blocks.*.mlp.*").unwrap();
+        let out = m.forward(tokens(&ids), &cap).unwrap();
+        assert_eq!(vals(out.logits), plain, "{act:?}: capturing changed the logits");
+        let pre = out.cache.get_name("blocks.1.mlp.hook_pre").unwrap();
+        assert_eq!(pre.shape(), &[1, 20, c.d_ff]);
+        let zero = |point: &str| {
+            let spec = HookSpec::new().intervene(point, Action::Zero, Scope::all()).unwrap();
+            vals(m.forward(tokens(&ids), &spec).unwrap().logits)
+        };
+        let a = zero("blocks.1.mlp.hook_post");
+        let b = zero("blocks.1.hook_mlp_out");
+        let d = a.iter().zip(&b).fold(0.0f32, |x, (p, q)| x.max((p - q).abs()));
+        assert!(d < 1e-5, "{act:?}: zeroing hook_post vs hook_mlp_out differ by {d}");
+        assert!(a != plain, "{act:?}: zeroing the MLP changed nothing");
+    }
+}

@@ -45,17 +45,39 @@ impl Block {
         }
     }
 
-    /// The MLP branch from the stream `x`: norm, MLP, post-norm.
-    fn mlp_branch(&self, x: Tensor<3>, act: MlpAct) -> Tensor<3> {
+    /// The MLP branch from the stream `x` at layer `l`: norm, MLP (through `mlp.hook_pre`
+    /// and `mlp.hook_post` when they are captured or edited), post-norm.
+    fn mlp_branch(
+        &self,
+        l: usize,
+        x: Tensor<3>,
+        act: MlpAct,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<3>> {
         let h = self.mlp_norm.forward(x);
-        let m = match act {
-            MlpAct::Silu => self.mlp.forward(h),
-            MlpAct::GeluTanh => self.mlp.forward_with(h, gelu_tanh),
+        let f = |g: Tensor<3>| match act {
+            MlpAct::Silu => burn::tensor::activation::silu(g),
+            MlpAct::GeluTanh => gelu_tanh(g),
         };
-        match &self.post_mlp_norm {
+        let (pre, post) = (
+            HookPoint::block(l, Site::MlpPre),
+            HookPoint::block(l, Site::MlpPost),
+        );
+        let m = if hooks.touches(&pre) || hooks.touches(&post) {
+            // Unchunked, so the hooks see every position at once.
+            let g = hooks.apply(pre, self.mlp.gate.forward(h.clone()))?;
+            let p = hooks.apply(post, f(g) * self.mlp.up.forward(h))?;
+            self.mlp.down.forward(p)
+        } else {
+            match act {
+                MlpAct::Silu => self.mlp.forward(h),
+                MlpAct::GeluTanh => self.mlp.forward_with(h, gelu_tanh),
+            }
+        };
+        Ok(match &self.post_mlp_norm {
             Some(n) => n.forward(m),
             None => m,
-        }
+        })
     }
 }
 
@@ -395,7 +417,7 @@ impl KvcModel {
             let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
             x = x + a;
             x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
-            let m = block.mlp_branch(x.clone(), self.config.arch.mlp_act);
+            let m = block.mlp_branch(l, x.clone(), self.config.arch.mlp_act, hooks)?;
             let m = hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
             x = x + m;
             x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
@@ -517,7 +539,7 @@ impl StreamModel for KvcModel {
             StreamPoint::Mlp(l) => {
                 let block = self.block_at(l)?;
                 let here = block.mlp_norm.weight.val().device();
-                let m = block.mlp_branch(to(x, &here), self.config.arch.mlp_act);
+                let m = block.mlp_branch(l, to(x, &here), self.config.arch.mlp_act, &mut hooks)?;
                 hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
                 None
             }
