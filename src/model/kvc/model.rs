@@ -477,6 +477,18 @@ impl KvcModel {
     /// stored (GGUF blocks: `Q4_1`, `Q8_0`, ...; BF16 ...) under their labels.
     pub fn resident_bytes(&self) -> std::collections::BTreeMap<String, usize> {
         let mut out = std::collections::BTreeMap::new();
+        for w in self.stored_weights() {
+            w.add_bytes(&mut out);
+        }
+        let dense = 4 * self.num_params();
+        if dense > 0 {
+            *out.entry("f32".to_string()).or_default() += dense;
+        }
+        out
+    }
+
+    /// Every matrix kept as stored (GGUF blocks, BF16, ...).
+    fn stored_weights(&self) -> Vec<&crate::model::stored::StoredWeight> {
         let mut stored = vec![self.embed.weight.stored()];
         stored.push(self.lm_head.as_ref().and_then(|h| h.weight.stored()));
         for b in &self.blocks {
@@ -488,14 +500,17 @@ impl KvcModel {
                 stored.push(l.weight.stored());
             }
         }
-        for w in stored.into_iter().flatten() {
-            w.add_bytes(&mut out);
-        }
-        let dense = 4 * self.num_params();
-        if dense > 0 {
-            *out.entry("f32".to_string()).or_default() += dense;
-        }
-        out
+        stored.into_iter().flatten().collect()
+    }
+
+    /// Parameters: the dense ones and every value of the matrices kept as stored.
+    pub fn n_values(&self) -> usize {
+        self.num_params()
+            + self
+                .stored_weights()
+                .iter()
+                .map(|w| w.values())
+                .sum::<usize>()
     }
 
     fn block_at(&self, l: usize) -> Result<&Block> {
@@ -600,7 +615,7 @@ impl LanguageModel for KvcModel {
         Some(self)
     }
     fn n_params(&self) -> Option<usize> {
-        Some(self.num_params())
+        Some(self.n_values())
     }
     fn resident_bytes(&self) -> Option<std::collections::BTreeMap<String, usize>> {
         Some(KvcModel::resident_bytes(self))
