@@ -395,17 +395,29 @@ fn mlp_hook_points_are_the_gate_and_the_down_input() {
         let plain = vals(m.forward(tokens(&ids), &HookSpec::new()).unwrap().logits);
         let cap = HookSpec::new().capture("blocks.*.mlp.*").unwrap();
         let out = m.forward(tokens(&ids), &cap).unwrap();
-        assert_eq!(vals(out.logits), plain, "{act:?}: capturing changed the logits");
+        assert_eq!(
+            vals(out.logits),
+            plain,
+            "{act:?}: capturing changed the logits"
+        );
         let pre = out.cache.get_name("blocks.1.mlp.hook_pre").unwrap();
         assert_eq!(pre.shape(), &[1, 20, c.d_ff]);
         let zero = |point: &str| {
-            let spec = HookSpec::new().intervene(point, Action::Zero, Scope::all()).unwrap();
+            let spec = HookSpec::new()
+                .intervene(point, Action::Zero, Scope::all())
+                .unwrap();
             vals(m.forward(tokens(&ids), &spec).unwrap().logits)
         };
         let a = zero("blocks.1.mlp.hook_post");
         let b = zero("blocks.1.hook_mlp_out");
-        let d = a.iter().zip(&b).fold(0.0f32, |x, (p, q)| x.max((p - q).abs()));
-        assert!(d < 1e-5, "{act:?}: zeroing hook_post vs hook_mlp_out differ by {d}");
+        let d = a
+            .iter()
+            .zip(&b)
+            .fold(0.0f32, |x, (p, q)| x.max((p - q).abs()));
+        assert!(
+            d < 1e-5,
+            "{act:?}: zeroing hook_post vs hook_mlp_out differ by {d}"
+        );
         assert!(a != plain, "{act:?}: zeroing the MLP changed nothing");
     }
 }
