@@ -21,6 +21,7 @@ mod merges;
 use std::path::{Path, PathBuf};
 
 use crate::model::gguf::GgufFile;
+use crate::model::pretrained;
 use crate::{Error, Result};
 
 pub use gguf::SUPPORTED_MODELS;
@@ -107,7 +108,7 @@ impl Tokenizer {
             if json.is_file() {
                 return Tokenizer::from_file(&json);
             }
-            let ggufs = gguf_files(model)?;
+            let ggufs = pretrained::gguf_files(model)?;
             return match &ggufs[..] {
                 [one] => Tokenizer::open(one),
                 [] => Err(Error::Config {
@@ -124,10 +125,7 @@ impl Tokenizer {
                 }),
             };
         }
-        if model
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-        {
+        if pretrained::is_gguf(model) {
             let file = GgufFile::open(model)?;
             return Tokenizer::from_gguf(&file);
         }
@@ -242,24 +240,6 @@ impl Tokenizer {
     pub fn source(&self) -> &Path {
         &self.source
     }
-}
-
-/// The `.gguf` files directly in `dir`, sorted.
-fn gguf_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
-    let mut out = Vec::new();
-    for entry in entries {
-        let path = entry.map_err(|e| Error::io(dir, e))?.path();
-        if path.is_file()
-            && path
-                .extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-        {
-            out.push(path);
-        }
-    }
-    out.sort();
-    Ok(out)
 }
 
 fn names(paths: &[PathBuf]) -> String {

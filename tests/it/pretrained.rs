@@ -14,7 +14,7 @@ use phaselens::model::stored::Residency;
 use phaselens::model::{LanguageModel, load_model_with};
 
 use crate::common::pretrained::{GEMMA3, SMOLLM2, model_file};
-use crate::common::{dev, vals};
+use crate::common::{dev, max_diff, max_rel, vals};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -61,13 +61,7 @@ fn argmax(logits: &Tensor<3>) -> Vec<i64> {
 /// The largest |ours - reference| over every compared value, relative to the largest
 /// |logit| of the reference at the compared positions.
 fn rel_err(ours: &[f32], want: &[f32], maxabs: f32) -> f32 {
-    assert_eq!(ours.len(), want.len());
-    let d = ours
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    d / maxabs
+    max_diff(ours, want) / maxabs
 }
 
 fn load(rel: &str, residency: Residency) -> Option<Box<dyn LanguageModel>> {
@@ -319,8 +313,7 @@ fn stored_blocks_match_the_f32_load() {
         let ids: Vec<i64> = (0..48).map(|i| 100 + 37 * i).collect();
         let la = vals(a.forward(tokens(&ids), &HookSpec::new()).unwrap().logits);
         let lb = vals(b.forward(tokens(&ids), &HookSpec::new()).unwrap().logits);
-        let scale = la.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let err = rel_err(&lb, &la, scale);
+        let err = max_rel(&lb, &la);
         eprintln!("{rel}: stored vs f32 relative difference {err:.2e}, resident {by:?}");
         assert!(err <= 1e-5, "{rel}: stored vs f32 {err:e}");
     }
@@ -340,8 +333,7 @@ fn tiny_hugging_face_checkpoints_match_transformers() {
         let t = Tensor::<2, Int>::from_data(TensorData::new(ids, [shape[0], shape[1]]), &dev());
         let got = vals(m.forward(t, &HookSpec::new()).unwrap().logits);
         let want = floats(&r, "logits");
-        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let err = rel_err(&got, &want, scale);
+        let err = max_rel(&got, &want);
         eprintln!("{name}: relative error {err:.2e}");
         assert!(err <= 1e-4, "{name}: relative error {err:.2e}");
     }

@@ -152,7 +152,7 @@ impl BlockSelector {
 
     /// `[b, bq, n_blocks]` scores of queries `i0..i1`: the maximum over query heads.
     fn scores(&self, i0: usize, i1: usize) -> Tensor<3> {
-        let [b, kvh, _, dh] = self.q.dims();
+        let [b, kvh, _, _] = self.q.dims();
         let (bq, g, n) = (i1 - i0, self.g, self.grid.n);
         let q = self.q.clone().slice_dim(2, i0 * g..i1 * g);
         let s = match &self.bounds {
@@ -161,7 +161,6 @@ impl BlockSelector {
             }
             (mean, None) => q.matmul(mean.clone()),
         };
-        let _ = dh;
         s.reshape([b, kvh * bq, g, n])
             .max_dim(2)
             .reshape([b, kvh, bq, n])

@@ -96,24 +96,23 @@ impl Tables {
         let rot = c.rot_dims();
         let total = queries.total();
         let key_pos: Vec<usize> = (0..total).collect();
-        let pair = |theta: f64| {
-            let inv = inv_freq(c, theta);
-            let at = |pos: &[usize]| (rot > 0).then(|| RopeTables::new(pos, &inv, 1.0, device));
-            let keys = at(&key_pos);
+        let at =
+            |inv: &[f64], pos: &[usize]| (rot > 0).then(|| RopeTables::new(pos, inv, 1.0, device));
+        let pair = |inv: &[f64]| {
+            let keys = at(inv, &key_pos);
             let q = match queries {
                 Queries::All { .. } => keys.clone(),
-                _ => at(&queries.positions()),
+                _ => at(inv, &queries.positions()),
             };
             (keys, q)
         };
-        let (keys, queries_t) = pair(c.rope_theta);
-        let local = c.arch.rope_local_theta.map(pair);
+        let global = inv_freq(c, c.rope_theta);
+        let (keys, queries_t) = pair(&global);
+        let local = c.arch.rope_local_theta.map(|t| pair(&inv_freq(c, t)));
         let windows = match (&c.compression, c.attention) {
             (Some(cc), AttentionKind::Compressed) => Some(Windows::new(cc, total, c.n_kv_heads)),
             _ => None,
         };
-        let inv = inv_freq(c, c.rope_theta);
-        let at = |pos: &[usize]| (rot > 0).then(|| RopeTables::new(pos, &inv, 1.0, device));
         let entries = match (&c.compression, &windows) {
             // Each entry rotated at its window's start: per (entry, KV head) when the
             // heads' windows are staggered.
@@ -122,7 +121,7 @@ impl Tables {
                 let pos: Vec<usize> = (0..w.n_entries)
                     .flat_map(|i| (0..kvh).map(move |h| i * cc.stride + cc.offset(h)))
                     .collect();
-                at(&pos)
+                at(&global, &pos)
             }
             _ => None,
         };

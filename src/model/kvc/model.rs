@@ -184,29 +184,27 @@ impl KvcModel {
     /// Static description for runners and checks.
     pub fn info(&self) -> ModelInfo {
         let c = &self.config;
-        let kind = |l: usize| match (&c.compression, c.attention) {
-            _ if matches!(c.overlay, Some(Overlay::Select { .. })) => match c.overlay {
+        let kind = |l: usize| match (&c.overlay, &c.compression, c.attention) {
+            (
                 Some(Overlay::Select {
                     block,
                     top_k,
                     window,
                     ..
-                }) => LayerKind::Selected {
-                    block,
-                    top_k,
-                    window,
-                },
-                _ => LayerKind::Full,
+                }),
+                _,
+                _,
+            ) => LayerKind::Selected {
+                block: *block,
+                top_k: *top_k,
+                window: *window,
             },
-            _ if matches!(c.overlay, Some(Overlay::Evict { .. })) => match c.overlay {
-                Some(Overlay::Evict { chunk, observe, .. }) => LayerKind::Selected {
-                    block: chunk,
-                    top_k: 0,
-                    window: observe,
-                },
-                _ => LayerKind::Full,
+            (Some(Overlay::Evict { chunk, observe, .. }), _, _) => LayerKind::Selected {
+                block: *chunk,
+                top_k: 0,
+                window: *observe,
             },
-            (Some(cc), AttentionKind::Compressed) => LayerKind::Compressed {
+            (_, Some(cc), AttentionKind::Compressed) => LayerKind::Compressed {
                 window: cc.window,
                 stride: cc.stride,
                 local_tail: cc.local_tail,

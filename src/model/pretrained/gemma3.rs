@@ -4,12 +4,10 @@
 //! `query_pre_attn_scalar^-0.5`.
 
 use super::gguf_name_with;
-use super::llama::{has, meta, vocab_size};
+use super::llama::{base_config, meta};
 use crate::error::Result;
 use crate::model::gguf::GgufFile;
-use crate::model::kvc::{
-    ArchOptions, AttentionKind, KvcConfig, LayerType, MODEL_TYPE, MlpAct, RopeMode,
-};
+use crate::model::kvc::{ArchOptions, KvcConfig, LayerType, MlpAct};
 
 /// kvc parameter (under `blocks.{l}.`) -> llama.cpp tensor (under `blk.{l}.`).
 const BLOCK_NAMES: &[(&str, &str)] = &[
@@ -69,45 +67,15 @@ pub fn arch_options(d_model: usize, query_pre_attn_scalar: f64) -> ArchOptions {
 /// The kvc config of a Gemma 3 GGUF.
 pub fn config_from_gguf(file: &GgufFile) -> Result<KvcConfig> {
     let a = "gemma3";
-    let d_model = meta(file, a, "embedding_length")?;
-    let n_heads = meta(file, a, "attention.head_count")?;
-    let n_layers = meta(file, a, "block_count")?;
-    let d_head = file
-        .opt_uint(&format!("{a}.attention.key_length"))?
-        .map_or(d_model / n_heads.max(1), |v| v as usize);
-    let mut arch = arch_options(d_model, d_head as f64);
-    arch.layer_types = layer_types(n_layers, SLIDING_PATTERN);
+    let mut c = base_config(file, a, 1_000_000.0)?;
+    let mut arch = arch_options(c.d_model, c.d_head() as f64);
+    arch.layer_types = layer_types(c.n_layers, SLIDING_PATTERN);
     arch.sliding_window = Some(meta(file, a, "attention.sliding_window")?);
-    arch.max_positions = file
-        .opt_uint(&format!("{a}.context_length"))?
-        .map(|v| v as usize);
+    arch.max_positions = c.arch.max_positions;
     arch.final_softcap = file.opt_float(&format!("{a}.final_logit_softcapping"))?;
-    Ok(KvcConfig {
-        model_type: MODEL_TYPE.into(),
-        vocab_size: vocab_size(file, a)?,
-        d_model,
-        n_layers,
-        n_heads,
-        n_kv_heads: file
-            .opt_uint(&format!("{a}.attention.head_count_kv"))?
-            .map_or(n_heads, |v| v as usize),
-        d_head: Some(d_head),
-        d_ff: meta(file, a, "feed_forward_length")?,
-        norm_eps: file.float(&format!("{a}.attention.layer_norm_rms_epsilon"))?,
-        rope: RopeMode::All,
-        rope_dims: None,
-        rope_theta: file
-            .opt_float(&format!("{a}.rope.freq_base"))?
-            .unwrap_or(1_000_000.0),
-        qk_norm: true,
-        tied_kv: false,
-        sink: false,
-        tie_embeddings: !has(file, "output.weight"),
-        key_shift: false,
-        attention: AttentionKind::Full,
-        compression: None,
-        init_std: 0.02,
-        overlay: None,
-        arch,
-    })
+    c.arch = arch;
+    // Gemma 3 always normalises queries and keys: a file without the norms is refused
+    // (a missing tensor, named) rather than loaded without them.
+    c.qk_norm = true;
+    Ok(c)
 }

@@ -28,13 +28,13 @@ pub fn gguf_name(name: &str) -> Option<String> {
 }
 
 /// Whether the file holds a tensor.
-pub(super) fn has(file: &GgufFile, name: &str) -> bool {
+fn has(file: &GgufFile, name: &str) -> bool {
     file.tensors().iter().any(|t| t.name == name)
 }
 
 /// The vocabulary size: `{arch}.vocab_size`, else the token list's length, else the
 /// embedding's rows.
-pub(super) fn vocab_size(file: &GgufFile, arch: &str) -> Result<usize> {
+fn vocab_size(file: &GgufFile, arch: &str) -> Result<usize> {
     if let Some(v) = file.opt_uint(&format!("{arch}.vocab_size"))? {
         return Ok(v as usize);
     }
@@ -60,6 +60,14 @@ pub fn config_from_gguf(file: &GgufFile, arch: &str) -> Result<KvcConfig> {
                     .into(),
         });
     }
+    base_config(file, arch, 10000.0)
+}
+
+/// The config every GGUF architecture shares, from `{arch}.*` metadata and the tensors
+/// present: sizes, RoPE (base `default_theta` when the file has none; partial when
+/// `rope.dimension_count` is below the head width), Q/K norms and q/k/v biases when
+/// their tensors exist, tied embeddings without `output.weight`, the context length.
+pub(super) fn base_config(file: &GgufFile, arch: &str, default_theta: f64) -> Result<KvcConfig> {
     let d_model = meta(file, arch, "embedding_length")?;
     let n_heads = meta(file, arch, "attention.head_count")?;
     let n_kv_heads = file
@@ -90,7 +98,7 @@ pub fn config_from_gguf(file: &GgufFile, arch: &str) -> Result<KvcConfig> {
         rope_dims,
         rope_theta: file
             .opt_float(&format!("{arch}.rope.freq_base"))?
-            .unwrap_or(10000.0),
+            .unwrap_or(default_theta),
         qk_norm: has(file, "blk.0.attn_q_norm.weight"),
         tied_kv: false,
         sink: false,

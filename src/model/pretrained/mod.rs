@@ -103,25 +103,29 @@ pub fn detect(path: &Path) -> Option<Pretrained> {
             .contains(&t)
             .then(|| Pretrained::Hf(path.to_path_buf()));
     }
-    let ggufs = gguf_files(path);
+    let ggufs = gguf_files(path).ok()?;
     (ggufs.len() == 1).then(|| Pretrained::Gguf(ggufs[0].clone()))
 }
 
-/// The `.gguf` files of a folder, sorted.
-pub fn gguf_files(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.is_file()
-                && p.extension()
-                    .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-        })
-        .collect();
-    v.sort();
-    v
+/// Whether `path` names a GGUF file by its extension (`.gguf`, any case).
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// The `.gguf` files directly in `dir`, sorted; an error naming the folder when it
+/// cannot be listed.
+pub fn gguf_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    let mut out = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+        if path.is_file() && is_gguf(&path) {
+            out.push(path);
+        }
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// Load a pretrained checkpoint (see [`detect`]).
@@ -258,7 +262,7 @@ impl WeightSource for GgufSource {
         }
         let mut v = self.file.dequantize(&fname)?;
         if let Some(heads) = self.permuted_heads(&fname) {
-            v = unpermute_rows(&v, shape, heads);
+            v = unpermute_rows(&v, shape[0], heads);
         }
         let path = self.file.path().to_path_buf();
         crate::model::safetensors_io::check_finite(&path, &fname, &v)?;
@@ -300,7 +304,7 @@ impl WeightSource for GgufSource {
         }
         let mut bytes = self.file.raw(info).to_vec();
         if let Some(heads) = self.permuted_heads(&fname) {
-            bytes = unpermute_rows_bytes(&bytes, shape[0], heads);
+            bytes = unpermute_rows(&bytes, shape[0], heads);
         }
         let block = Block::ggml([shape[0], shape[1]], info.ggml_type, bytes).ok_or_else(|| {
             Error::Tensor {
@@ -319,38 +323,20 @@ impl WeightSource for GgufSource {
     }
 }
 
-/// Undo llama.cpp's permutation of a query or key matrix `[heads * d_head, cols]`:
+/// Undo llama.cpp's permutation of a query or key matrix of `rows` equally long rows
+/// (`[heads * d_head, cols]` f32 values, or whole rows of quantised blocks as bytes):
 /// within each head, file row `2 i + j` holds transformers' row `j * d_head / 2 + i`
 /// (`convert_hf_to_gguf.py`'s `permute`, the layout of its interleaved RoPE).
-pub fn unpermute_rows(v: &[f32], shape: &[usize], heads: usize) -> Vec<f32> {
-    let (rows, cols) = (shape[0], shape.iter().skip(1).product::<usize>());
+pub fn unpermute_rows<T: Copy + Default>(v: &[T], rows: usize, heads: usize) -> Vec<T> {
+    let w = v.len() / rows.max(1);
     let dh = rows / heads.max(1);
     let half = dh / 2;
-    let mut out = vec![0.0f32; v.len()];
-    for h in 0..heads {
-        for j in 0..2 {
-            for i in 0..half {
-                let dst = h * dh + j * half + i;
-                let src = h * dh + 2 * i + j;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&v[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
-}
-
-/// [`unpermute_rows`] on the stored bytes of `rows` equally long rows (whole rows of
-/// quantised blocks move).
-pub fn unpermute_rows_bytes(bytes: &[u8], rows: usize, heads: usize) -> Vec<u8> {
-    let w = bytes.len() / rows.max(1);
-    let dh = rows / heads.max(1);
-    let half = dh / 2;
-    let mut out = vec![0u8; bytes.len()];
+    let mut out = vec![T::default(); v.len()];
     for h in 0..heads {
         for j in 0..2 {
             for i in 0..half {
                 let (dst, src) = (h * dh + j * half + i, h * dh + 2 * i + j);
-                out[dst * w..(dst + 1) * w].copy_from_slice(&bytes[src * w..(src + 1) * w]);
+                out[dst * w..(dst + 1) * w].copy_from_slice(&v[src * w..(src + 1) * w]);
             }
         }
     }

@@ -1,8 +1,8 @@
 //! The two pretrained models the suite checks against (SmolLM2-135M-Instruct Q4_1 and
 //! Gemma 3 270M Q4_K_M, GGUF), from the cache `scripts/fetch-models.sh` fills (outside
-//! the repository): `$PHASELENS_MODELS`, else `$XDG_CACHE_HOME/phaselens/models`, else
-//! `~/.cache/phaselens/models`. CI runs the fetch in set-up, so there a missing file
-//! fails the test; elsewhere the test says so and passes without checking.
+//! the repository; `phaselens::model::pretrained::models_dir`). CI runs the fetch in
+//! set-up, so there a missing file fails the test; elsewhere the test says so and passes
+//! without checking.
 
 use std::path::PathBuf;
 
@@ -11,17 +11,9 @@ pub const SMOLLM2: &str = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 /// Gemma 3 270M base, GGUF Q4_K_M.
 pub const GEMMA3: &str = "gemma3-270m/gemma-3-270m-q4_k_m.gguf";
 
-/// The models' cache folder.
+/// The models' cache folder (the library's rule: `PHASELENS_MODELS`, XDG, home).
 pub fn models_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("PHASELENS_MODELS") {
-        return PathBuf::from(d);
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
-        });
-    cache.join("phaselens").join("models")
+    phaselens::model::pretrained::models_dir()
 }
 
 /// The file `rel` (e.g. [`SMOLLM2`]) of the cache, or `None` (after saying so on stderr)
