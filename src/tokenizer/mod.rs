@@ -101,8 +101,10 @@ impl Tokenizer {
     }
 
     /// The tokenizer of `model`: a `.gguf` file, a `tokenizer.json`, or a folder holding a
-    /// `tokenizer.json` or exactly one `.gguf`.
+    /// `tokenizer.json` or exactly one `.gguf`; `models:NAME` and `~/` name them as in
+    /// [`pretrained::expand_model_path`].
     pub fn open(model: &Path) -> Result<Tokenizer> {
+        let model = &pretrained::expand_model_path(model);
         if model.is_dir() {
             let json = model.join("tokenizer.json");
             if json.is_file() {

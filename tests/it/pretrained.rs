@@ -413,3 +413,17 @@ fn mlp_hook_points_are_the_gate_and_the_down_input() {
         assert!(a != plain, "{act:?}: zeroing the MLP changed nothing");
     }
 }
+
+/// `models:NAME` names a model in the cache wherever a model path is taken: the model
+/// and its tokenizer (what `generate --model models:...` needs).
+#[test]
+fn models_prefix_names_a_cached_model_and_its_tokenizer() {
+    if model_file(SMOLLM2).is_none() {
+        return;
+    }
+    let p = Path::new("models:smollm2-135m-instruct");
+    let tok = phaselens::tokenizer::Tokenizer::open(p).unwrap();
+    assert_eq!(tok.vocab_size(), 49152);
+    let m = load_model_with(p, &dev(), Residency::Stored).unwrap();
+    assert_eq!(m.info().arch, "llama");
+}
