@@ -8,7 +8,7 @@
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor, TensorData};
 
-use super::select::Grid;
+use super::select::{Grid, host_mask};
 use crate::error::Result;
 use crate::hooks::HookRun;
 use crate::model::attention::EntrySelector;
@@ -82,16 +82,8 @@ impl ChunkSelector {
                 .sum_dim(2)
                 .sum_dim(1)
                 .reshape([b, t0]);
-            let pad = grid.n * e.chunk - t0 - grid.shift;
-            let mut parts = Vec::with_capacity(3);
-            if grid.shift > 0 {
-                parts.push(Tensor::<2>::zeros([b, grid.shift], &device));
-            }
-            parts.push(mass);
-            if pad > 0 {
-                parts.push(Tensor::<2>::zeros([b, pad], &device));
-            }
-            let per_chunk = Tensor::cat(parts, 1)
+            let per_chunk = grid
+                .pad(mass, 0.0)
                 .reshape([b, grid.n, e.chunk])
                 .sum_dim(2)
                 .reshape([b, grid.n]);
@@ -140,22 +132,14 @@ impl EntrySelector for ChunkSelector {
             .greater_elem(0.5)
             .reshape([b, 1, n_vis]);
         let (t0, sinks) = (self.t0, self.sinks);
-        let mut always = Vec::with_capacity(b * bq * n_vis);
-        let mut evictable = Vec::with_capacity(b * bq * n_vis);
-        for &first in &self.first {
-            for i in i0..i1 {
-                let p = first + i;
-                for j in 0..n_vis {
-                    let seen = j <= p;
-                    // Prefill queries, the window itself and the sinks are never evicted.
-                    always.push(seen && (p < t0 || j >= t0 || j < sinks));
-                    evictable.push(seen && p >= t0 && j < t0);
-                }
-            }
-        }
-        let host = |v: Vec<bool>| {
-            Tensor::<3, Bool>::from_data(TensorData::new(v, [b, bq, n_vis]), &device)
-        };
-        Ok(host(always).bool_or(host(evictable).bool_and(kept_tok.expand([b, bq, n_vis]))))
+        // Prefill queries, the window itself and the sinks are never evicted.
+        let span = (i0, i1);
+        let always = host_mask(&self.first, span, n_vis, &device, |p, j| {
+            j <= p && (p < t0 || j >= t0 || j < sinks)
+        });
+        let evictable = host_mask(&self.first, span, n_vis, &device, |p, j| {
+            j <= p && p >= t0 && j < t0
+        });
+        Ok(always.bool_or(evictable.bool_and(kept_tok.expand([b, bq, n_vis]))))
     }
 }

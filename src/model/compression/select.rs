@@ -66,6 +66,47 @@ impl Grid {
     pub fn start(&self, b: usize) -> usize {
         (b * self.block).saturating_sub(self.shift)
     }
+
+    /// `t` (tokens of the grid on axis 1) padded with `fill` before its first token
+    /// (`shift`) and after its last, to `n * block` rows on axis 1: a `[.., n, block,
+    /// ..]` reshape then groups the blocks.
+    pub fn pad<const D: usize>(&self, t: Tensor<D>, fill: f32) -> Tensor<D> {
+        let dims = t.dims();
+        let device = t.device();
+        let tail = self.n * self.block - dims[1] - self.shift;
+        let filled = |len: usize| {
+            let mut shape = dims;
+            shape[1] = len;
+            Tensor::<D>::full(shape, fill, &device)
+        };
+        let mut parts = Vec::with_capacity(3);
+        if self.shift > 0 {
+            parts.push(filled(self.shift));
+        }
+        parts.push(t);
+        if tail > 0 {
+            parts.push(filled(tail));
+        }
+        Tensor::cat(parts, 1)
+    }
+}
+
+/// `[b, i1 - i0, width]` host mask of the queries `i0..i1` of rows whose first query
+/// positions are `first`: `f(p, j)` for query position `p` and column `j`.
+pub(super) fn host_mask(
+    first: &[usize],
+    (i0, i1): (usize, usize),
+    width: usize,
+    device: &burn::tensor::Device,
+    f: impl Fn(usize, usize) -> bool,
+) -> Tensor<3, Bool> {
+    let mut v = Vec::with_capacity(first.len() * (i1 - i0) * width);
+    for &f0 in first {
+        for i in i0..i1 {
+            v.extend((0..width).map(|j| f(f0 + i, j)));
+        }
+    }
+    Tensor::from_data(TensorData::new(v, [first.len(), i1 - i0, width]), device)
 }
 
 /// One layer's selector for one forward.
@@ -106,17 +147,8 @@ impl BlockSelector {
             .swap_dims(1, 2)
             .reshape([b, kvh, lq * g, dh]);
         let padded = |fill: f32| {
-            let device = k.device();
-            let mut parts = Vec::with_capacity(3);
-            if grid.shift > 0 {
-                parts.push(Tensor::<4>::full([b, grid.shift, kvh, dh], fill, &device));
-            }
-            parts.push(k.clone());
-            let tail = grid.n * block - total - grid.shift;
-            if tail > 0 {
-                parts.push(Tensor::<4>::full([b, tail, kvh, dh], fill, &device));
-            }
-            Tensor::cat(parts, 1).reshape([b, grid.n, block, kvh, dh])
+            grid.pad(k.clone(), fill)
+                .reshape([b, grid.n, block, kvh, dh])
         };
         // [b, n, 1, kvh, dh] -> [b, kvh, dh, n]
         let arrange = |t: Tensor<5>| t.reshape([b, grid.n, kvh, dh]).permute([0, 2, 3, 1]);
@@ -167,26 +199,6 @@ impl BlockSelector {
             .max_dim(1)
             .reshape([b, bq, n])
     }
-
-    /// Host masks `[b, bq, width]` over queries `i0..i1`: `f(p, j)` per query position
-    /// `p` and column `j`.
-    fn host_mask(
-        &self,
-        i0: usize,
-        i1: usize,
-        width: usize,
-        f: impl Fn(usize, usize) -> bool,
-    ) -> Tensor<3, Bool> {
-        let b = self.first.len();
-        let mut v = Vec::with_capacity(b * (i1 - i0) * width);
-        for &first in &self.first {
-            for i in i0..i1 {
-                let p = first + i;
-                v.extend((0..width).map(|j| f(p, j)));
-            }
-        }
-        Tensor::from_data(TensorData::new(v, [b, i1 - i0, width]), &self.q.device())
-    }
 }
 
 impl EntrySelector for BlockSelector {
@@ -208,7 +220,9 @@ impl EntrySelector for BlockSelector {
         let grid = self.grid;
         let w = self.window;
         // Blocks holding a token before the query's window are candidates.
-        let candidate = self.host_mask(i0, i1, grid.n, |p, blk| p >= w && grid.start(blk) <= p - w);
+        let candidate = host_mask(&self.first, (i0, i1), grid.n, &self.q.device(), |p, blk| {
+            p >= w && grid.start(blk) <= p - w
+        });
         let scores = hooks.apply(
             HookPoint::block(self.layer, Site::IndexerScores),
             self.scores(i0, i1),
@@ -230,8 +244,12 @@ impl EntrySelector for BlockSelector {
             .select(2, int_tensor(&blocks, &self.q.device()))
             .greater_elem(0.5);
         let sinks = self.sinks;
-        let outside = self.host_mask(i0, i1, n_vis, |p, j| j + w <= p);
-        let sink = self.host_mask(i0, i1, n_vis, |p, j| j < sinks && j + w <= p);
+        let outside = host_mask(&self.first, (i0, i1), n_vis, &self.q.device(), |p, j| {
+            j + w <= p
+        });
+        let sink = host_mask(&self.first, (i0, i1), n_vis, &self.q.device(), |p, j| {
+            j < sinks && j + w <= p
+        });
         Ok(per_token.bool_and(outside).bool_or(sink))
     }
 }
