@@ -67,6 +67,7 @@ examples:
     cargo run --quiet --features {{features}} --example phase_sweep
     cargo run --quiet --features {{features}} --example cache_and_patch
     cargo run --quiet --features {{features}} --example audit
+    cargo run --quiet --features {{features}} --example pretrained
     just dependent
 
 # Build and run examples/dependent, a crate that depends on phaselens by path, as a new
