@@ -226,6 +226,55 @@ pub struct TaskSection {
     /// Run even when P is not a multiple of any compression stride.
     #[serde(default)]
     pub allow_period_mismatch: bool,
+    /// `kind = "kv" | "passkey" | "needle"`: key-value prompts (`vocab` / `prompt`, the
+    /// default), or a text task with a real tokenizer (phase-sweep only; `[task.text]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<TaskKind>,
+    /// `[task.text]`: the passkey / needle settings (`kind = "passkey" | "needle"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextSection>,
+}
+
+/// `[task] kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskKind {
+    /// Key-value retrieval (`crate::tasks::generate_eval_set`).
+    #[default]
+    Kv,
+    /// "The pass key is 71432. Remember it." inside varied filler.
+    Passkey,
+    /// A fact sentence inside varied filler.
+    Needle,
+}
+
+impl TaskKind {
+    /// The text task, for passkey and needle.
+    pub fn text(self) -> Option<crate::tasks::TextTask> {
+        match self {
+            TaskKind::Kv => None,
+            TaskKind::Passkey => Some(crate::tasks::TextTask::Passkey),
+            TaskKind::Needle => Some(crate::tasks::TextTask::Needle),
+        }
+    }
+}
+
+/// `[task.text]` (every key optional; defaults in `crate::tasks::TextNeedleConfig`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextSection {
+    /// Prompt length in tokens. Default 512.
+    #[serde(default)]
+    pub length: Option<usize>,
+    /// Needle depth range `[lo, hi]`, fractions of the filler. Default `[0.1, 0.9]`.
+    #[serde(default)]
+    pub depth: Option<[f64; 2]>,
+    /// Digits of the pass key. Default 5.
+    #[serde(default)]
+    pub digits: Option<usize>,
+    /// The needle's facts (`{ sentence, question, values }`). Default: the built-in six.
+    #[serde(default)]
+    pub facts: Option<Vec<crate::tasks::Fact>>,
 }
 
 /// A whole experiment file: the shared sections and the kind's settings.
@@ -509,7 +558,56 @@ impl Experiment {
         if f.task.period == Some(0) {
             return Err(self.err("task", "period", "must be at least 1"));
         }
+        self.check_task_kind()?;
         self.kind().check(self)
+    }
+
+    /// `[task] kind` against the experiment kind and the other `[task]` keys.
+    fn check_task_kind(&self) -> Result<()> {
+        let t = &self.file.task;
+        let text = t.kind.and_then(TaskKind::text);
+        match text {
+            Some(task) => {
+                if self.kind().name() != "phase-sweep" {
+                    return Err(self.err(
+                        "task",
+                        "kind",
+                        format!(
+                            "kind = \"{}\" runs in experiment kind \"phase-sweep\" only",
+                            task.name()
+                        ),
+                    ));
+                }
+                if t.prompt.is_some() {
+                    return Err(self.err(
+                        "task",
+                        "prompt",
+                        format!(
+                            "the key-value prompt format does not apply to kind = \"{}\"; use [task.text]",
+                            task.name()
+                        ),
+                    ));
+                }
+                if task == crate::tasks::TextTask::Passkey
+                    && t.text.as_ref().is_some_and(|x| x.facts.is_some())
+                {
+                    return Err(self.err(
+                        "task",
+                        "text",
+                        "`facts` belongs to kind = \"needle\" (the passkey's value is its digits)",
+                    ));
+                }
+            }
+            None if t.text.is_some() => {
+                return Err(self.err(
+                    "task",
+                    "text",
+                    "[task.text] needs kind = \"passkey\" or \"needle\" in [task]",
+                ));
+            }
+            None => {}
+        }
+        Ok(())
     }
 }
 

@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{Result, ResultExt};
 use crate::model::{LayerKind, ModelInfo};
 use crate::tasks::{
-    KvEvalConfig, KvEvalSet, KvPromptConfig, Period, Protocol, TokenSpace, TokenSpaceConfig,
-    generate_eval_set,
+    KvEvalConfig, KvEvalSet, KvPromptConfig, Period, Protocol, TaskError, TextNeedleConfig,
+    TextNeedleSet, TextTask, TextTokens, TokenSpace, TokenSpaceConfig, generate_eval_set,
+    generate_text_needle_set,
 };
 use crate::train::OrganismFile;
 
@@ -165,6 +166,9 @@ pub struct TaskSetup {
     pub phases: Vec<u32>,
     /// Where each default came from (for the report).
     pub provenance: Vec<String>,
+    /// `[task] kind = "passkey" | "needle"`: the text task (its protocol and seed are
+    /// set per evaluation set); `None` for key-value prompts.
+    pub text: Option<TextNeedleConfig>,
 }
 
 impl TaskSetup {
@@ -177,6 +181,9 @@ impl TaskSetup {
         let space = space_config
             .build()
             .map_err(|e| exp.err("task", "vocab", e))?;
+        if let Some(task) = t.kind.and_then(|k| k.text()) {
+            return Self::resolve_text(exp, info, task, space, space_config, provenance);
+        }
         let prompt = resolve_prompt(exp, org, &mut provenance);
         prompt
             .validate(&space)
@@ -204,7 +211,76 @@ impl TaskSetup {
             seed: t.seed,
             phases,
             provenance,
+            text: None,
         })
+    }
+
+    /// Resolve a passkey / needle `[task]`: the tokenizer of `vocab`, `[task.text]`
+    /// over the defaults, `n_logical` rounded up to a multiple of P (the groups' mean
+    /// value position matches exactly then); the config checked by generating one
+    /// logical example.
+    fn resolve_text(
+        exp: &Experiment,
+        info: &ModelInfo,
+        task: TextTask,
+        space: TokenSpace,
+        space_config: TokenSpaceConfig,
+        mut provenance: Vec<String>,
+    ) -> Result<Self> {
+        let t = &exp.file.task;
+        let period = resolve_period(exp, None, info, &mut provenance)?;
+        let n_logical = t.n_logical.unwrap_or(exp.kind().default_n_logical());
+        let n_generated = n_logical.div_ceil(period.len()) * period.len();
+        let mut cfg = TextNeedleConfig {
+            task,
+            period,
+            n_logical: n_generated,
+            seed: t.seed,
+            ..TextNeedleConfig::default()
+        };
+        if let Some(x) = &t.text {
+            cfg.length = x.length.unwrap_or(cfg.length);
+            cfg.depth = x.depth.unwrap_or(cfg.depth);
+            cfg.digits = x.digits.unwrap_or(cfg.digits);
+            cfg.facts = x.facts.clone().unwrap_or(cfg.facts);
+        }
+        let probe = TextNeedleConfig {
+            n_logical: 1,
+            ..cfg.clone()
+        };
+        text_set(exp, &space, &probe)?;
+        let phases = t
+            .phases
+            .resolve(period.len(), "phases")
+            .map_err(|e| exp.err("task", "phases", e))?
+            .into_iter()
+            .map(|p| p as u32)
+            .collect();
+        Ok(TaskSetup {
+            space,
+            space_config,
+            prompt: KvPromptConfig::default(),
+            period,
+            protocol: t.protocol.unwrap_or_default(),
+            n_logical,
+            n_generated,
+            seed: t.seed,
+            phases,
+            provenance,
+            text: Some(cfg),
+        })
+    }
+
+    /// The passkey / needle set under `protocol` (`None` for key-value tasks).
+    pub fn text_set(&self, exp: &Experiment, protocol: Protocol) -> Result<Option<TextNeedleSet>> {
+        let Some(cfg) = &self.text else {
+            return Ok(None);
+        };
+        let cfg = TextNeedleConfig {
+            protocol,
+            ..cfg.clone()
+        };
+        text_set(exp, &self.space, &cfg).map(Some)
     }
 
     /// The evaluation set under `protocol` (every phase, `n_generated` logical examples).
@@ -218,6 +294,35 @@ impl TaskSetup {
         };
         generate_eval_set(&self.space, &cfg).context_with(|| "[task]")
     }
+}
+
+/// Generate a text set; errors name `[task] vocab` (no tokenizer) or the
+/// `[task.text]` key (`[task] seed` / `n_logical` / `period` for theirs).
+fn text_set(exp: &Experiment, space: &TokenSpace, cfg: &TextNeedleConfig) -> Result<TextNeedleSet> {
+    let tok = space.tokenizer().ok_or_else(|| {
+        exp.err(
+            "task",
+            "vocab",
+            format!(
+                "kind = \"{}\" needs a real tokenizer: vocab = {{ kind = \"hugging_face\", tokenizer = \"models:<model>.gguf\", pad = \"<pad>\" }}",
+                cfg.task.name()
+            ),
+        )
+    })?;
+    let specials = TextTokens {
+        pad: space.pad(),
+        bos: space.bos(),
+    };
+    generate_text_needle_set(tok, specials, cfg).map_err(|e| match &e {
+        TaskError::Config { field, .. } if ["n_logical", "period", "seed"].contains(&field.as_str()) => {
+            exp.err("task", field, &e)
+        }
+        TaskError::Config { field, .. } => {
+            let key = field.split(['.', '[']).next().unwrap_or(field);
+            exp.err("task.text", key, &e)
+        }
+        _ => exp.err("task", "text", &e),
+    })
 }
 
 /// `[task] vocab`, else the organism's token space (noted in `provenance`); a model
@@ -439,7 +544,15 @@ pub fn check(
     let prompt_len = size.prompt_len;
     let mut warn = Vec::new();
     warn.extend(check_period(exp, m, info, task.period.len())?);
-    if exp.kind().matched_groups()
+    if task.text.is_some() {
+        if !task.n_logical.is_multiple_of(task.period.len()) {
+            warn.push(format!(
+                "n_logical = {}: the phase groups' mean value position is matched exactly only for multiples of P = {}",
+                task.n_logical,
+                task.period.len()
+            ));
+        }
+    } else if exp.kind().matched_groups()
         && !task
             .n_logical
             .is_multiple_of(crate::tasks::matched_block_size(task.period))

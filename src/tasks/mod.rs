@@ -13,6 +13,8 @@
 //!   haystack with the needle at a chosen depth, at every phase.
 //! - Prompt batches for the patching routine ([`prompts`]): a phase group of an
 //!   evaluation set as clean prompts or clean/corrupted pairs.
+//! - Passkey and natural-text needle ([`generate_text_needle_set`]): a value inside
+//!   varied natural filler, placed at every phase in tokens (real tokenizers).
 //! - Filler-length probe (the paper's code-completion flip):
 //!   [`binding_filler_probe`] (any token space) and [`text_filler_probe`]
 //!   (a text template with a `{filler}` placeholder, HF tokenizers).
@@ -30,6 +32,7 @@ use serde::{Deserialize, Serialize};
 mod filler;
 mod haystack;
 mod kv;
+mod needle;
 pub mod prompts;
 mod vocab;
 
@@ -45,6 +48,11 @@ pub use kv::{
     Binding, Curriculum, IGNORE_INDEX, KvEvalConfig, KvEvalSet, KvExample, KvPromptConfig, KvQuery,
     KvTrainConfig, KvTrainSampler, QueryMarker, QuerySampling, TrainBatch, generate_eval_set,
     matched_block_size,
+};
+pub use needle::{
+    FILLER_SENTENCES, Fact, MAX_TEXT_LEN, NEEDLE_INTRO, PASSKEY_INTRO, PASSKEY_QUESTION,
+    PASSKEY_SENTENCE, TextNeedleConfig, TextNeedleExample, TextNeedleSet, TextTask, TextTokens,
+    VALUE_SLOT, builtin_facts, generate_text_needle_set,
 };
 pub use vocab::{HfVocabConfig, SyntheticVocabConfig, TokenRange, TokenSpace, TokenSpaceConfig};
 

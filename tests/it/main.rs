@@ -46,6 +46,7 @@ mod runner_long_context;
 mod runner_patch;
 mod selection_hooks;
 mod stored_weights;
+mod text_tasks;
 mod threads;
 mod tokenizer;
 mod train_init;

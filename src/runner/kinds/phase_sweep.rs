@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::{DEFAULT_LEVEL, PhaseGap, phase_gap};
-use crate::analysis::{accuracy_clusters, phase_clusters};
+use crate::analysis::{Clusters, accuracy_clusters, per_phase, phase_clusters};
 use crate::error::{Error, Result};
 use crate::output::{PhaseAccuracyRow, phase_accuracy_table, write_parquet_copy};
 use crate::tasks::Protocol;
@@ -20,6 +20,8 @@ use super::super::report::{Figures, accuracy_figure, baseline_headlines};
 use super::super::rows::{baseline_rows, protocol_obs};
 use super::{Ctx, Kind, KindOutput};
 use crate::tasks::prompts::{PromptMeta, clean_prompts};
+
+mod text;
 
 /// `[sweep]` (phase-sweep).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -190,10 +192,55 @@ fn write_model_files(
     .map_err(|e| Error::io(dir.join("summary.json"), e))
 }
 
-fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
-    let p = ctx.p();
+/// The key-value tasks' observations: `(protocol, (logical, phase, correct) per
+/// prompt)` through the batched executor.
+fn observe_kv(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<Vec<text::TextObs>> {
     let (groups, metas) = sweep_groups(cfg, ctx)?;
     let results = ctx.execute(&format!("{} phase-sweep", ctx.mref.name), &groups)?;
+    Ok(cfg
+        .protocols
+        .iter()
+        .map(|&proto| text::TextObs {
+            proto,
+            correct: protocol_obs(&metas, &results, proto),
+            ld: Vec::new(),
+        })
+        .collect())
+}
+
+/// `logit_diff<suffix>` rows (per phase and pooled, cluster-bootstrap CIs) and the
+/// per-phase means for `summary.json` (text tasks; empty without observations).
+fn logit_diff_rows(
+    ctx: &Ctx,
+    proto: Protocol,
+    ld: &[(u64, u32, f64)],
+) -> (Vec<crate::output::LongRow>, Vec<f64>) {
+    if ld.is_empty() {
+        return (Vec::new(), Vec::new());
+    }
+    let mut c = Clusters::<1>::new(ctx.p());
+    for &(l, ph, v) in ld.iter().filter(|o| o.2.is_finite()) {
+        c.add(l, ph, [v]);
+    }
+    let (per, pooled) = per_phase(&c, |s, n| s[0] / n as f64, ctx.reps(), ctx.seed());
+    let phases = &ctx.task.phases;
+    let rows = ctx.rows.phase_rows(
+        &format!("logit_diff{}", proto.metric_suffix()),
+        None,
+        phases,
+        &per,
+        pooled,
+    );
+    (rows, phases.iter().map(|&r| per[r as usize].value).collect())
+}
+
+fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
+    let p = ctx.p();
+    let observed = if ctx.task.text.is_some() {
+        text::observe(cfg, ctx)?
+    } else {
+        observe_kv(cfg, ctx)?
+    };
     let (reps, seed) = (ctx.reps(), ctx.seed());
     let rc = ctx.rows.clone();
     let phases = ctx.task.phases.clone();
@@ -201,9 +248,9 @@ fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
     let mut table_rows = Vec::new();
     let mut per_protocol = serde_json::Map::new();
     let mut first: Option<serde_json::Value> = None;
-    for &proto in &cfg.protocols {
-        let obs = protocol_obs(&metas, &results, proto);
-        let acc = accuracy_clusters(p, obs.clone());
+    for o in observed {
+        let proto = o.proto;
+        let acc = accuracy_clusters(p, o.correct.clone());
         rows.extend(baseline_rows(
             &rc,
             proto.metric_suffix(),
@@ -212,9 +259,14 @@ fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
             reps,
             seed,
         ));
-        table_rows.extend(phase_accuracy_rows(&rc.model, proto, &phases, &obs));
+        table_rows.extend(phase_accuracy_rows(&rc.model, proto, &phases, &o.correct));
         let gap = phase_gap(&phase_clusters(&acc), reps, seed, DEFAULT_LEVEL).ok();
-        let s = protocol_summary(proto, gap.as_ref(), ctx.task.n_logical, reps);
+        let mut s = protocol_summary(proto, gap.as_ref(), ctx.task.n_logical, reps);
+        let (ld_rows, ld_means) = logit_diff_rows(ctx, proto, &o.ld);
+        if !ld_rows.is_empty() {
+            rows.extend(ld_rows);
+            s["logit_diff_by_phase"] = serde_json::json!(ld_means);
+        }
         if first.is_none() {
             first = Some(s.clone());
         }
