@@ -207,6 +207,12 @@ pub fn run(a: RunArgs) -> Result<()> {
         st.forwards,
         s.seconds
     );
+    if st.memory_estimate_bytes > 0.0 {
+        eprintln!(
+            "memory check: a group's forwards estimated at {} at their largest (beyond the weights)",
+            phaselens::model::memory::human(st.memory_estimate_bytes)
+        );
+    }
     if let Some((i, n)) = a.shard {
         eprintln!(
             "part {i}/{n} done: its shards are in {}; run without --shard to merge",

@@ -156,6 +156,46 @@ pub fn parse_bytes(s: &str) -> std::result::Result<f64, String> {
     Ok(v * k)
 }
 
+/// What a model's forward holds per token, in f32 values, for the estimates here: the
+/// activations alive at once at the widest point of a layer, and what each layer keeps
+/// per token (its keys and values in a plain forward; everything a suffix forward
+/// reads back from a prefix state). A model gives its own
+/// ([`crate::model::LanguageModel::memory_widths`]); [`Widths::from_info`] is the
+/// generic one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Widths {
+    /// Values per token alive at once inside the widest layer.
+    pub layer: f64,
+    /// Values per token each layer keeps (keys and values, or its prefix state), in
+    /// layer order.
+    pub state: Vec<f64>,
+}
+
+impl Widths {
+    /// From the model's widths alone: a dozen residual-sized tensors per token inside a
+    /// layer, and each layer's keys and values.
+    pub fn from_info(info: &ModelInfo) -> Self {
+        Widths {
+            layer: 12.0 * info.d_model as f64,
+            state: info
+                .layers
+                .iter()
+                .map(|l| 2.0 * l.n_kv_heads as f64 * info.d_head as f64)
+                .collect(),
+        }
+    }
+
+    /// Values per token of every layer's state together.
+    pub fn state_total(&self) -> f64 {
+        self.state.iter().sum()
+    }
+
+    /// Values per token of the largest layer's state.
+    pub fn state_max(&self) -> f64 {
+        self.state.iter().copied().fold(0.0, f64::max)
+    }
+}
+
 /// Bytes of the activations of one forward over `rows x len` tokens on a model like
 /// `info` (blocked attention: linear in the length): a dozen residual-sized tensors per
 /// token alive at once inside the layers, or at the end the streams leaving the last
@@ -168,17 +208,25 @@ pub fn forward_bytes(info: &ModelInfo, rows: usize, len: usize) -> f64 {
 /// [`forward_bytes`] when only `logit_len` positions per row go through the LM head
 /// (e.g. 1: a prefill that reads the next-token logits).
 pub fn forward_bytes_logits(info: &ModelInfo, rows: usize, len: usize, logit_len: usize) -> f64 {
+    forward_bytes_with(info, &Widths::from_info(info), rows, len, logit_len)
+}
+
+/// [`forward_bytes_logits`] with the model's own [`Widths`]: the widest layer's
+/// activations or the head's (the streams, the final hidden state and `logit_len`
+/// positions of logits per row), whichever is larger, plus every layer's kept state.
+pub fn forward_bytes_with(
+    info: &ModelInfo,
+    widths: &Widths,
+    rows: usize,
+    len: usize,
+    logit_len: usize,
+) -> f64 {
     let tokens = rows as f64 * len as f64;
     let d = info.d_model as f64;
-    let kv: f64 = info
-        .layers
-        .iter()
-        .map(|l| 2.0 * l.n_kv_heads as f64 * info.d_head as f64)
-        .sum();
-    let layers = tokens * 12.0 * d;
+    let layers = tokens * widths.layer;
     let head = tokens * info.streams.max(1) as f64 * d
         + rows as f64 * logit_len.min(len) as f64 * (info.vocab_size as f64 + d);
-    4.0 * (layers.max(head) + tokens * kv)
+    4.0 * (layers.max(head) + tokens * widths.state_total())
 }
 
 /// Refuse a forward over `rows x len` tokens that cannot fit; `keys` names its source.

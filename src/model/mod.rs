@@ -380,6 +380,11 @@ pub trait LanguageModel: Send + Sync {
     fn resident_bytes(&self) -> Option<std::collections::BTreeMap<String, usize>> {
         None
     }
+    /// What a forward holds per token, for the memory estimates (the patching budget):
+    /// the generic [`memory::Widths::from_info`] unless the model knows better.
+    fn memory_widths(&self) -> memory::Widths {
+        memory::Widths::from_info(&self.info())
+    }
     /// [`forward`](Self::forward), also returning the state that
     /// [`forward_suffix`](Self::forward_suffix) needs (`None`: the model has no
     /// suffix path).

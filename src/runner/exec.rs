@@ -42,6 +42,9 @@ pub struct ExecStats {
     pub cells_resumed: u64,
     pub forwards: u64,
     pub seconds: f64,
+    /// The largest memory estimate the patching budget checked before a group's base
+    /// run (bytes beyond the weights; [`budget::GroupEstimate::peak`]), 0 when none.
+    pub memory_estimate_bytes: f64,
 }
 
 impl ExecStats {
@@ -51,6 +54,7 @@ impl ExecStats {
         self.cells_resumed += other.cells_resumed;
         self.forwards += other.forwards;
         self.seconds += other.seconds;
+        self.memory_estimate_bytes = self.memory_estimate_bytes.max(other.memory_estimate_bytes);
     }
 }
 
@@ -138,10 +142,10 @@ impl<'a> Executor<'a> {
                     c
                 })
                 .collect();
-            let info = self.model.info();
+            let sizes = budget::Sizes::of(self.model);
             let check = |base: Option<&Base>| {
                 budget::check_group(
-                    &info,
+                    &sizes,
                     &g.prompts,
                     &cells_needed,
                     &chunks_needed,
@@ -150,7 +154,8 @@ impl<'a> Executor<'a> {
                 )
             };
             if !cells_needed.is_empty() {
-                check(None)?;
+                let est = check(None)?.peak();
+                self.stats.memory_estimate_bytes = self.stats.memory_estimate_bytes.max(est);
             }
             let b: Base = if cells_needed.is_empty() {
                 Base {
@@ -228,13 +233,13 @@ pub fn run_cells(
     progress: &mut Progress,
 ) -> Result<GroupResult> {
     let chunks = plan_chunks(cells, max_rows)?;
-    let info = model.info();
+    let sizes = budget::Sizes::of(model);
     let base_keys = format!("the prompts ({} x {} tokens)", prompts.n(), prompts.len);
     let chunk_keys = format!("max_rows ({max_rows})");
     let keys = (base_keys.as_str(), chunk_keys.as_str());
-    budget::check_group(&info, prompts, cells, &chunks, None, keys)?;
+    budget::check_group(&sizes, prompts, cells, &chunks, None, keys)?;
     let base = base_run_for(model, prompts, cells, max_rows)?;
-    budget::check_group(&info, prompts, cells, &chunks, Some(&base), keys)?;
+    budget::check_group(&sizes, prompts, cells, &chunks, Some(&base), keys)?;
     let mut out: Vec<Vec<Outcome>> = vec![Vec::new(); cells.len()];
     for chunk in chunks {
         let res = run_chunk(model, prompts, &base, cells, &chunk)?;

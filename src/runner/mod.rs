@@ -216,6 +216,9 @@ fn merge_model_output(
     stats.cells_resumed += ctx.stats.cells_resumed;
     stats.forwards += ctx.stats.forwards;
     stats.seconds += ctx.stats.seconds;
+    stats.memory_estimate_bytes = stats
+        .memory_estimate_bytes
+        .max(ctx.stats.memory_estimate_bytes);
     for (t, rows) in out.tables {
         match tables.iter_mut().find(|(n, _)| *n == t) {
             Some((_, acc)) => acc.extend(rows),

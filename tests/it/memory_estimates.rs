@@ -1,7 +1,9 @@
 //! Memory estimates follow what one forward really holds: the runner's check sizes the
 //! rows the executor puts in one forward (a long-context run at 65,536 tokens runs one
 //! prompt per forward and is not refused as if it held the whole group), and the
-//! per-forward estimate is held against the peak resident memory a forward reaches.
+//! per-forward estimate is held against the peak resident memory a forward reaches; the
+//! patching budget's estimate of a group (base run, captures, prefix state, chunks) is
+//! held against the peak of the CI-sized variant of `exp/realwidth-patch.toml`.
 
 use crate::common::runner::{experiment, opts, random_model, tiny, two_value_organism};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -98,4 +100,44 @@ fn a_long_context_run_with_one_prompt_per_forward_is_sized_per_forward() {
     let s = run_experiment(&exp, &opts(d));
     assert!(s.is_ok(), "{}", s.err().unwrap());
     assert!(d.join("notebooks-data/lc/tiny/long_context.arrow").exists());
+}
+
+#[test]
+fn the_patching_estimate_is_within_20_percent_of_the_realwidth_ci_patch_peak() {
+    // exp/realwidth-patch.toml's CI-sized variant: the same job (patch-heads of every
+    // query and KV head at the answer position, both directions, suffix chunks of up to
+    // 64 rows) on the `realwidth_ci` fixture (V4-Flash's head, indexer and mHC widths at
+    // a small hidden size) at ~2K tokens. Its peak is the base run's, at the CSA
+    // layer's indexer queries, which the generic widths (a dozen residual vectors per
+    // token) missed by 4x.
+    if !reset_peak() {
+        eprintln!("SKIPPED: /proc/self/clear_refs cannot reset the peak here");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let exp = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("experiments/realwidth-patch-ci.toml");
+    let o = phaselens::runner::RunOptions {
+        figures: false,
+        ..opts(dir.path())
+    };
+    let before = status_bytes("VmRSS:");
+    reset_peak();
+    let s = run_experiment(&exp, &o).unwrap();
+    let peak = status_bytes("VmHWM:").saturating_sub(before) as f64;
+    let est = s.stats.memory_estimate_bytes;
+    eprintln!(
+        "realwidth-patch-ci: {} cells, estimate {}, measured peak {} (ratio {:.3})",
+        s.stats.cells_computed,
+        human(est),
+        human(peak),
+        est / peak
+    );
+    assert_eq!(s.stats.cells_computed, 30);
+    assert!(
+        (0.8..=1.2).contains(&(est / peak)),
+        "the estimate {} is not within 20% of the measured peak {}",
+        human(est),
+        human(peak)
+    );
 }

@@ -442,6 +442,51 @@ impl DeepseekV4Config {
         )
     }
 
+    /// What a forward holds per token (f32 values) for the memory estimates
+    /// ([`crate::model::memory::Widths`]). Inside a layer, next to the `hc_mult` streams
+    /// (and their mixed copy and collapsed input), the widest of: the queries
+    /// (`q_lora` and `heads x head_dim` with the rotary's temporaries, 3 copies), a CSA
+    /// layer's selector (the queries, K and V, the compressor's projections and the
+    /// indexer's `index_n_heads x index_head_dim` queries with their rotary's
+    /// temporaries), the attention's queries and output blocks (3 x `heads x head_dim`,
+    /// the indexer's queries alive in a CSA layer) and the experts (gate, up and their
+    /// product for the routed and the shared expert). Per layer it keeps K and V
+    /// (`head_dim` each), a compressed layer its compressor's `kv` / `gate` projections
+    /// (`2 x head_dim` each with CSA's overlap, `head_dim` with HCA's) and a CSA layer its
+    /// indexer's (`2 x index_head_dim` each): what the prefix state records. Checked
+    /// against measured peaks in docs/performance.md ("Memory check").
+    pub fn memory_widths(&self) -> crate::model::memory::Widths {
+        let f = |x: usize| x as f64;
+        let (d, hc, dh) = (f(self.hidden_size), f(self.hc_mult), f(self.head_dim));
+        let q = f(self.num_attention_heads) * dh;
+        let idx = f(self.index_n_heads) * f(self.index_head_dim);
+        let held = 2.0 * hc * d + d;
+        let experts = 3.0 * f(self.num_experts_per_tok + 1) * f(self.moe_intermediate_size) + d;
+        let dense = (f(self.q_lora_rank) + 3.0 * q)
+            .max(3.0 * q + 2.0 * dh)
+            .max(experts);
+        let csa = (q + 2.0 * dh + 4.0 * dh + 3.0 * idx).max(3.0 * q + 2.0 * dh + idx);
+        let layer = self.layer_types.iter().fold(0.0f64, |m, t| {
+            m.max(
+                held + if *t == AttnType::Csa {
+                    dense.max(csa)
+                } else {
+                    dense
+                },
+            )
+        });
+        let state = self
+            .layer_types
+            .iter()
+            .map(|t| match t {
+                AttnType::Sliding => 2.0 * dh,
+                AttnType::Hca => 4.0 * dh,
+                AttnType::Csa => 6.0 * dh + 4.0 * f(self.index_head_dim),
+            })
+            .collect();
+        crate::model::memory::Widths { layer, state }
+    }
+
     /// [`Self::n_params`] in floating point (no overflow for any config).
     pub fn n_params_f64(&self) -> f64 {
         let f = |x: usize| x as f64;

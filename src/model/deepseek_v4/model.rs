@@ -704,6 +704,9 @@ impl crate::model::LanguageModel for DeepseekV4Model {
     fn resident_bytes(&self) -> Option<std::collections::BTreeMap<String, usize>> {
         Some(DeepseekV4Model::resident_bytes(self))
     }
+    fn memory_widths(&self) -> crate::model::memory::Widths {
+        self.config.memory_widths()
+    }
     fn device(&self) -> Device {
         self.model.embed_tokens.weight.device()
     }

@@ -10,10 +10,34 @@
 
 use crate::error::Result;
 use crate::hooks::{HookPoint, Site};
-use crate::model::{ModelInfo, PrefixState, memory};
+use crate::model::memory::Widths;
+use crate::model::{LanguageModel, ModelInfo, PrefixState, memory};
 
 use super::suffix::plan_suffix;
 use super::{Base, Cell, Prompts, captures_for};
+
+/// A model's sizes for the estimates: its widths and what its forward holds per token
+/// ([`LanguageModel::memory_widths`]).
+#[derive(Debug, Clone)]
+pub struct Sizes {
+    pub info: ModelInfo,
+    pub widths: Widths,
+}
+
+impl Sizes {
+    /// The sizes of `model`.
+    pub fn of(model: &dyn LanguageModel) -> Self {
+        Sizes {
+            info: model.info(),
+            widths: model.memory_widths(),
+        }
+    }
+
+    /// Bytes of a forward over `rows x len` tokens (every position's logits).
+    pub fn forward_bytes(&self, rows: usize, len: usize) -> f64 {
+        memory::forward_bytes_with(&self.info, &self.widths, rows, len, len)
+    }
+}
 
 /// Values per token of a capture of `point` (f32), from the model's widths. Sites
 /// that are not per-token vectors (attention scores and patterns: one row of at most
@@ -66,15 +90,6 @@ pub fn base_captures_bytes(
         .sum()
 }
 
-/// Per-token bytes of the largest layer's state, estimated from the model's keys and
-/// values (what a suffix forward merges one layer at a time) before a state exists.
-fn estimated_layer_state_per_token(info: &ModelInfo) -> f64 {
-    info.layers
-        .iter()
-        .map(|l| 4.0 * 2.0 * l.n_kv_heads as f64 * info.d_head as f64)
-        .fold(0.0, f64::max)
-}
-
 /// Per-token bytes of the largest layer of a recorded state.
 fn layer_state_per_token(state: &PrefixState) -> f64 {
     let tokens = (state.rows() * state.len()).max(1) as f64;
@@ -95,7 +110,7 @@ pub struct ChunkSize {
 /// the base run kept a state (`state`: the recorded one, or `Some(None)` before the base
 /// run when it will keep one) and the chunk's edits allow it.
 pub fn chunk_size(
-    info: &ModelInfo,
+    sizes: &Sizes,
     prompts: &Prompts,
     cells: &[Cell],
     chunk: &[usize],
@@ -105,10 +120,7 @@ pub fn chunk_size(
     let suffix = state.and_then(|s| plan_suffix(prompts, cells, chunk).map(|sfx| (s, sfx)));
     let (positions, merged) = match &suffix {
         Some((s, sfx)) => {
-            let per_token = s.map_or_else(
-                || estimated_layer_state_per_token(info),
-                layer_state_per_token,
-            );
+            let per_token = s.map_or(4.0 * sizes.widths.state_max(), layer_state_per_token);
             let state_rows = s.map_or(prompts.n(), PrefixState::rows);
             let merged = per_token * ((state_rows + rows) * prompts.len) as f64;
             (sfx.len, merged)
@@ -126,10 +138,10 @@ pub fn chunk_size(
         })
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
-        .map(|p| captures_bytes(info, &[p], rows, positions))
+        .map(|p| captures_bytes(&sizes.info, &[p], rows, positions))
         .sum();
     ChunkSize {
-        bytes: memory::forward_bytes(info, rows, positions) + merged + fills,
+        bytes: sizes.forward_bytes(rows, positions) + merged + fills,
         rows,
         positions,
         suffix: suffix.is_some(),
@@ -138,7 +150,7 @@ pub fn chunk_size(
 
 /// The largest chunk of `chunks` (by bytes).
 pub fn largest_chunk(
-    info: &ModelInfo,
+    sizes: &Sizes,
     prompts: &Prompts,
     cells: &[Cell],
     chunks: &[Vec<usize>],
@@ -146,8 +158,69 @@ pub fn largest_chunk(
 ) -> Option<ChunkSize> {
     chunks
         .iter()
-        .map(|c| chunk_size(info, prompts, cells, c, state))
+        .map(|c| chunk_size(sizes, prompts, cells, c, state))
         .max_by(|a, b| a.bytes.total_cmp(&b.bytes))
+}
+
+/// What a group's forwards are estimated to hold at their largest (bytes, beyond the
+/// weights and the process): the base run (its forward next to the captures the cells
+/// read), and the largest chunk next to what the base run leaves alive (its captures and
+/// prefix state, counted only before the base run: after it they are allocated already).
+#[derive(Debug, Clone, Copy)]
+pub struct GroupEstimate {
+    /// The base run's forward and captures (0 after the base run).
+    pub base: f64,
+    /// The base run's captures and prefix state, alive next to every chunk (0 after it).
+    pub held: f64,
+    /// The largest chunk, if any.
+    pub chunk: Option<ChunkSize>,
+}
+
+impl GroupEstimate {
+    /// The group's estimated peak: the larger of the base run and the largest chunk
+    /// next to what the base run left alive.
+    pub fn peak(&self) -> f64 {
+        self.base
+            .max(self.held + self.chunk.map_or(0.0, |c| c.bytes))
+    }
+}
+
+/// The estimate [`check_group`] compares with the machine (`base`: `None` before the
+/// base run, the recorded one after it).
+pub fn estimate_group(
+    sizes: &Sizes,
+    prompts: &Prompts,
+    cells: &[Cell],
+    chunks: &[Vec<usize>],
+    base: Option<&Base>,
+) -> Result<GroupEstimate> {
+    let keeps_state = super::suffix::keeps_state(cells);
+    let state = match base {
+        None => keeps_state.then_some(None),
+        Some(b) => b.state.as_deref().map(Some),
+    };
+    let (n, len) = (prompts.n(), prompts.len);
+    let (base_bytes, held) = if base.is_none() {
+        // The per-token captures keep only the suffixes' positions when every cell
+        // runs as one (a model without a suffix forward reruns the base run whole,
+        // which this does not count: every model here has one).
+        let window = super::capture_window(prompts, cells).map(|w| w.len());
+        let captures = base_captures_bytes(&sizes.info, &captures_for(cells)?, n, len, window);
+        // The forward counts every layer's state (kept to the end when recorded).
+        let state = if keeps_state {
+            4.0 * sizes.widths.state_total() * (n * len) as f64
+        } else {
+            0.0
+        };
+        (sizes.forward_bytes(n, len) + captures, captures + state)
+    } else {
+        (0.0, 0.0)
+    };
+    Ok(GroupEstimate {
+        base: base_bytes,
+        held,
+        chunk: largest_chunk(sizes, prompts, cells, chunks, state),
+    })
 }
 
 /// Refuse a group whose base run, or whose largest chunk next to the base run's
@@ -155,44 +228,26 @@ pub fn largest_chunk(
 /// estimated; after it: the base run's own captures and state, already allocated, so
 /// only the chunk is compared with what is left). `keys` names what to lower: the
 /// base run's size (`keys.0`: the prompts) and the chunks' (`keys.1`: rows per forward).
+/// Returns the estimate it checked.
 pub fn check_group(
-    info: &ModelInfo,
+    sizes: &Sizes,
     prompts: &Prompts,
     cells: &[Cell],
     chunks: &[Vec<usize>],
     base: Option<&Base>,
     keys: (&str, &str),
-) -> Result<()> {
-    let keeps_state = super::suffix::keeps_state(cells);
-    let state = match base {
-        None => keeps_state.then_some(None),
-        Some(b) => b.state.as_deref().map(Some),
-    };
+) -> Result<GroupEstimate> {
+    let est = estimate_group(sizes, prompts, cells, chunks, base)?;
     let (n, len) = (prompts.n(), prompts.len);
-    // Before the base run: its forward next to the captures the cells read (which then
-    // stay alive next to every chunk, with the state when one is kept).
-    let held = if base.is_none() {
-        // The per-token captures keep only the suffixes' positions when every cell
-        // runs as one (a model without a suffix forward reruns the base run whole,
-        // which this does not count: every model here has one).
-        let window = super::capture_window(prompts, cells).map(|w| w.len());
-        let captures = base_captures_bytes(info, &captures_for(cells)?, n, len, window);
+    if base.is_none() {
         memory::check(
             &format!("the base run ({n} x {len} tokens with its captures)"),
             keys.0,
-            memory::forward_bytes(info, n, len) + captures,
+            est.base,
         )?;
-        let state = if keeps_state {
-            estimated_layer_state_per_token(info) * info.n_layers() as f64 * (n * len) as f64
-        } else {
-            0.0
-        };
-        captures + state
-    } else {
-        0.0
-    };
-    let Some(c) = largest_chunk(info, prompts, cells, chunks, state) else {
-        return Ok(());
+    }
+    let Some(c) = est.chunk else {
+        return Ok(est);
     };
     let how = if c.suffix {
         format!("a suffix forward of {} positions per row", c.positions)
@@ -205,6 +260,7 @@ pub fn check_group(
             c.rows
         ),
         keys.1,
-        c.bytes + held,
-    )
+        c.bytes + est.held,
+    )?;
+    Ok(est)
 }
