@@ -314,7 +314,9 @@ fn text_set(exp: &Experiment, space: &TokenSpace, cfg: &TextNeedleConfig) -> Res
         bos: space.bos(),
     };
     generate_text_needle_set(tok, specials, cfg).map_err(|e| match &e {
-        TaskError::Config { field, .. } if ["n_logical", "period", "seed"].contains(&field.as_str()) => {
+        TaskError::Config { field, .. }
+            if ["n_logical", "period", "seed"].contains(&field.as_str()) =>
+        {
             exp.err("task", field, &e)
         }
         TaskError::Config { field, .. } => {

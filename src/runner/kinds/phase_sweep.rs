@@ -8,8 +8,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::{DEFAULT_LEVEL, PhaseGap, phase_gap};
 use crate::analysis::{Clusters, accuracy_clusters, per_phase, phase_clusters};
+use crate::analysis::{DEFAULT_LEVEL, PhaseGap, phase_gap};
 use crate::error::{Error, Result};
 use crate::output::{PhaseAccuracyRow, phase_accuracy_table, write_parquet_copy};
 use crate::tasks::Protocol;
@@ -231,7 +231,10 @@ fn logit_diff_rows(
         &per,
         pooled,
     );
-    (rows, phases.iter().map(|&r| per[r as usize].value).collect())
+    (
+        rows,
+        phases.iter().map(|&r| per[r as usize].value).collect(),
+    )
 }
 
 fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {

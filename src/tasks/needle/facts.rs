@@ -72,7 +72,13 @@ pub fn builtin_facts() -> Vec<Fact> {
             "The board meeting has been moved to {value}.",
             "To which day has the board meeting been moved? The board meeting has been moved to",
             &[
-                "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday",
+                "Monday",
+                "Tuesday",
+                "Wednesday",
+                "Thursday",
+                "Friday",
+                "Saturday",
+                "Sunday",
             ],
         ),
         fact(

@@ -117,7 +117,9 @@ fn content(
     if wrong_first.is_empty() {
         return Err(TaskError::config(
             "facts",
-            format!("every other value of {value:?} starts with its first token: no wrong value to compare"),
+            format!(
+                "every other value of {value:?} starts with its first token: no wrong value to compare"
+            ),
         ));
     }
     Ok(Content {
