@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use phaselens::device::DeviceSpec;
-use phaselens::train::{OrganismFile, TrainOptions, train};
+use phaselens::train::{OrganismFile, TrainOptions, compressor, train};
 
 /// Train a model organism from its TOML recipe; resumes from the latest checkpoint.
 #[derive(Args, Debug)]
@@ -46,6 +46,11 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if args.no_memory_check {
         phaselens::model::memory::set_override(true);
     }
+    let text = std::fs::read_to_string(&args.recipe)
+        .with_context(|| format!("reading {}", args.recipe.display()))?;
+    if compressor::is_compressor_recipe(&text) {
+        return run_compressor(&args);
+    }
     let file = OrganismFile::load(&args.recipe)?;
     let device = args.device.device()?;
     let opts = TrainOptions {
@@ -77,5 +82,40 @@ pub fn run(args: TrainArgs) -> Result<()> {
             String::new()
         }
     );
+    Ok(())
+}
+
+/// `phaselens train` on a `[compressor]` recipe (a learned compressor distilled on a
+/// frozen pretrained model).
+fn run_compressor(args: &TrainArgs) -> Result<()> {
+    let file = compressor::CompressorFile::load(&args.recipe)?;
+    let device = args.device.device()?;
+    let opts = TrainOptions {
+        fresh: args.fresh,
+        max_steps: args.max_steps,
+        progress: true,
+    };
+    let s = compressor::train(&args.recipe, &file, &device, &opts)
+        .with_context(|| format!("training {}", args.recipe.display()))?;
+    if let Some(from) = s.resumed_from {
+        eprintln!("resumed from step {from}");
+    }
+    match s.history.last() {
+        None => eprintln!(
+            "no step to run: the training is at step {} already",
+            s.final_step
+        ),
+        Some(last) => eprintln!(
+            "step {}: KL {:.4} nats/position, top-1 agreement with the uncompressed model {:.3}{}",
+            s.final_step,
+            last.loss,
+            last.accuracy,
+            if s.final_step == file.train.steps {
+                format!("; compressor written to {}", s.out_dir.display())
+            } else {
+                String::new()
+            }
+        ),
+    }
     Ok(())
 }

@@ -9,6 +9,7 @@
 
 #[doc(hidden)] // `phaselens bench train` (the CLI) and its test in tests/it
 pub mod bench;
+pub mod compressor;
 pub mod distill;
 #[doc(hidden)] // training's memory estimate: the CLI checks it, tests/it compare it to measurements
 pub mod memory;
@@ -630,7 +631,7 @@ pub(crate) fn write_loss_curve(
 
 /// Write checkpoint `meta.step` (model, optimizer state, then `meta.json`, whose presence
 /// marks it complete) and drop the oldest checkpoints beyond `keep`.
-fn save_checkpoint<M: Module>(
+pub(crate) fn save_checkpoint<M: Module>(
     run: &Path,
     model: &M,
     save: Save<M>,

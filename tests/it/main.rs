@@ -12,6 +12,7 @@ mod audit;
 mod backends;
 mod bench_train;
 mod checkpoint;
+mod compressors;
 mod deepseek_v4_fp4;
 mod deepseek_v4_memory;
 mod deepseek_v4_parity;

@@ -645,3 +645,45 @@ fn overlay_pool_w6_s4_local3() {
     let extra = random_rows(32, 1, 261, c.vocab_size).remove(0);
     check_contract("pool overlay (W 6, S 4, local 3)", &m, &rows, &extra);
 }
+
+/// Gate weights drawn N(0, 0.5^2) whatever the builder's init asks (the learned
+/// compressor's builder asks for zeros), so the test compressor's gates are far from
+/// uniform.
+struct NonzeroGates(RandomInit);
+
+impl phaselens::model::weights::WeightSource for NonzeroGates {
+    fn float(
+        &self,
+        name: &str,
+        shape: &[usize],
+        _init: phaselens::model::weights::Init,
+    ) -> phaselens::error::Result<Vec<f32>> {
+        self.0
+            .float(name, shape, phaselens::model::weights::Init::Normal(0.5))
+    }
+    fn int(
+        &self,
+        name: &str,
+        shape: &[usize],
+        init: &dyn Fn(usize) -> i64,
+    ) -> phaselens::error::Result<Vec<i64>> {
+        self.0.int(name, shape, init)
+    }
+}
+
+/// A `learned` compressor (overlapping windows of 8 every 4 tokens, 3 raw) with
+/// random, far-from-uniform gates and per-offset biases on a tiny full-attention
+/// decoder: decoding over a base run's state must give the full forward.
+#[test]
+fn overlay_learned_w8_s4_local3() {
+    use phaselens::model::kvc::GateMode;
+    let c = KvcConfig::tiny().full_attention();
+    let m = KvcModel::new(&c, &Vb::new(&RandomInit { seed: 33 }, &Device::flex())).unwrap();
+    let gates = NonzeroGates(RandomInit { seed: 34 });
+    let m = m
+        .with_trainable_compressor((8, 4, 3), GateMode::Scalar, Some(&gates))
+        .unwrap();
+    let rows = random_rows(33, 2, 261, c.vocab_size);
+    let extra = random_rows(34, 1, 261, c.vocab_size).remove(0);
+    check_contract("learned overlay (W 8, S 4, local 3)", &m, &rows, &extra);
+}

@@ -23,6 +23,11 @@
 //!   RoPE, the entry rotated at its window's first position); an entry is visible from
 //!   the query at its window's last position on; the last `local` raw tokens are read
 //!   beside the entries (kvc's compressed attention with uniform gates).
+//! - `learned` (a trained compressor, DeepSeek-V4-style): `pool`'s windows with
+//!   softmax gates per token and KV head (logits from the layer's input plus a
+//!   per-offset bias), separately for keys and values, trained by self-distillation on
+//!   the frozen model (`phaselens train` on a `[compressor]` recipe). With zero weights
+//!   it is `pool` exactly.
 //!
 //! Hook points (`select`): `attn.indexer.hook_scores` (`[batch, query_pos, block]`,
 //! the block scores) and `attn.indexer.hook_selected` (1.0 for the kept blocks): they
@@ -33,8 +38,10 @@
 //! | `mod.rs` | the `[model.compression]` table, its text form, validation |
 //! | `select.rs` | the block selector of `select`, the block grid |
 //! | `evict.rs` | the chunk selector of `evict` |
+//! | `learned.rs` | the trained compressor of `learned`: its folder, identity checks |
 
 mod evict;
+pub mod learned;
 mod select;
 
 use std::fmt;
@@ -95,6 +102,22 @@ pub enum Overlay {
         #[serde(default)]
         local: usize,
     },
+    /// A trained compressor (DeepSeek-V4-style): per window, softmax-gated pooling of the
+    /// keys and of the values, with per-token gate logits from the layer's input and a
+    /// per-offset gate bias, distilled on the frozen model by `phaselens train` on a
+    /// `[compressor]` recipe ([`crate::train::compressor`]).
+    Learned {
+        /// The trained compressor's folder (`compressor.json` +
+        /// `compressor.safetensors`), relative to the working directory.
+        checkpoint: String,
+        /// Tokens pooled into one entry (`W >= stride`); must equal the checkpoint's.
+        window: usize,
+        /// Tokens between entries (the phase period); must equal the checkpoint's.
+        stride: usize,
+        /// Raw tokens read beside the entries; must equal the checkpoint's.
+        #[serde(default)]
+        local: usize,
+    },
 }
 
 impl Overlay {
@@ -103,7 +126,7 @@ impl Overlay {
         match self {
             Overlay::Select { block, .. } => *block,
             Overlay::Evict { chunk, .. } => *chunk,
-            Overlay::Pool { stride, .. } => *stride,
+            Overlay::Pool { stride, .. } | Overlay::Learned { stride, .. } => *stride,
         }
     }
 
@@ -143,7 +166,15 @@ impl Overlay {
                     Some(offset),
                 )
             }
-            Overlay::Pool { window, stride, .. } => {
+            Overlay::Pool { window, stride, .. } | Overlay::Learned { window, stride, .. } => {
+                if let Overlay::Learned { checkpoint, .. } = self
+                    && checkpoint.trim().is_empty()
+                {
+                    return Err(field(
+                        "checkpoint",
+                        "must name a trained compressor's folder".into(),
+                    ));
+                }
                 if stride > 0 && window > 0 && window < stride {
                     return Err(field(
                         "window",
@@ -223,7 +254,7 @@ impl FromStr for Overlay {
             }
         }
         if !table.contains_key("kind") {
-            return Err("no `kind` (select, evict or pool)".into());
+            return Err("no `kind` (select, evict, pool or learned)".into());
         }
         let o: Overlay = toml::Value::Table(table)
             .try_into()
@@ -262,6 +293,15 @@ impl fmt::Display for Overlay {
                 stride,
                 local,
             } => write!(f, "pool (window {window}, stride {stride}, local {local})"),
+            Overlay::Learned {
+                checkpoint,
+                window,
+                stride,
+                local,
+            } => write!(
+                f,
+                "learned (window {window}, stride {stride}, local {local}, checkpoint {checkpoint})"
+            ),
         }
     }
 }

@@ -28,6 +28,30 @@ pub struct Compressor {
     pub value_gate_bias: Option<Param<Tensor<2>>>,
 }
 
+/// The compressors of every layer of a model, as one module: the parameter names of a
+/// trained compressor's `compressor.safetensors` (`blocks.{l}.key_gate.weight`, ...).
+#[derive(Module, Debug)]
+pub struct CompressorStack {
+    /// One per layer.
+    pub layers: Vec<Compressor>,
+}
+
+impl CompressorStack {
+    /// `n_layers` compressors of `cc` for layers of width `d_model` with `kv_heads`
+    /// heads of width `d_head`, read from `vb` (gate weights drawn with std 0: zeros).
+    pub fn new(
+        vb: &Vb,
+        cc: &CompressionConfig,
+        n_layers: usize,
+        (d_model, kv_heads, d_head): (usize, usize, usize),
+    ) -> Result<Self> {
+        let layers = (0..n_layers)
+            .map(|l| Compressor::new(&vb.pp("blocks").pp(l), cc, d_model, kv_heads, d_head, 0.0))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CompressorStack { layers })
+    }
+}
+
 /// The windows of one prompt length: how many entries, and the token index of every
 /// (entry, offset), per KV head when the heads' windows are staggered.
 pub struct Windows {

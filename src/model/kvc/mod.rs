@@ -27,7 +27,7 @@ mod config;
 mod model;
 
 pub use attention::Attention;
-pub use compressor::Compressor;
+pub use compressor::{Compressor, CompressorStack};
 pub use config::{
     ArchOptions, AttentionKind, CompressionConfig, GateMode, KvcConfig, LayerType, Llama3Rope,
     MODEL_TYPE, MlpAct, RopeMode,

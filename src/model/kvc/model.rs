@@ -1,19 +1,22 @@
 //! The kvc decoder: embedding -> pre-norm blocks (attention + SwiGLU MLP) -> final
 //! norm -> LM head, and its [`LanguageModel`] implementation.
 
+use std::path::Path;
+
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 
 use super::attention::{Attention, LayerAt, Need, Tables};
-use super::compressor::Compressor;
+use super::compressor::{Compressor, CompressorStack};
 use super::config::{AttentionKind, CompressionConfig, GateMode, KvcConfig, MODEL_TYPE, MlpAct};
 use crate::error::{Error, Result};
 use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
-use crate::model::compression::Overlay;
+use crate::model::compression::{Overlay, learned};
 use crate::model::kv_state::{PrefixState, Suffix, TokenFlow};
 use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu, gelu_tanh};
 use crate::model::placement::{PerDevice, Placed, to};
-use crate::model::weights::Vb;
+use crate::model::safetensors_io::SafetensorsReader;
+use crate::model::weights::{CheckpointSource, RandomInit, Vb, WeightSource};
 use crate::model::{
     AdditiveLinear, ForwardOutput, LanguageModel, LayerKind, LayerSpec, ModelInfo, StreamLinear,
     StreamModel, StreamPoint, StreamRead,
@@ -134,10 +137,11 @@ impl KvcModel {
         })
     }
 
-    /// The same model under a training-free compression overlay (see
-    /// [`crate::model::compression`]): `select` in every layer's attention, `pool` as
-    /// compressed attention with uniform gates (no parameters). Refused on a model that
-    /// already compresses, naming the key.
+    /// The same model under a compression overlay (see [`crate::model::compression`]):
+    /// `select` and `evict` in every layer's attention, `pool` as compressed attention
+    /// with uniform gates (no parameters), `learned` as compressed attention with the
+    /// trained gates of its checkpoint folder. Refused on a model that already
+    /// compresses, naming the key.
     pub fn with_overlay(mut self, overlay: &Overlay) -> Result<Self> {
         overlay.validate(self.config.arch.max_positions)?;
         if self.config.attention == AttentionKind::Compressed || self.config.overlay.is_some() {
@@ -146,37 +150,96 @@ impl KvcModel {
                 "this model already compresses its cache (attention = \"compressed\"); an overlay applies to uncompressed models",
             ));
         }
-        match *overlay {
+        match overlay {
             Overlay::Select { .. } | Overlay::Evict { .. } => {
-                self.config.overlay = Some(overlay.clone())
+                self.config.overlay = Some(overlay.clone());
+                self.config.validate()?;
+                Ok(self)
             }
-            Overlay::Pool {
+            &Overlay::Pool {
                 window,
                 stride,
                 local,
             } => {
+                // Uniform gates without a bias: no parameter is drawn.
+                let cc = learned::compression(window, stride, local, GateMode::Uniform);
                 let cc = CompressionConfig {
-                    window,
-                    stride,
-                    local_tail: local,
-                    gate: GateMode::Uniform,
                     gate_bias: false,
-                    window_offsets: Vec::new(),
+                    ..cc
                 };
-                let c = &self.config;
-                let (d, kvh, dh) = (c.d_model, c.n_kv_heads, c.d_head());
-                let src = crate::model::weights::RandomInit { seed: 0 };
-                let device = self.home();
-                let vb = Vb::new(&src, &device);
-                for b in self.blocks.iter_mut() {
-                    // Uniform gates without a bias: no parameter is drawn.
-                    b.attn.compressor =
-                        Some(Compressor::new(&vb.pp("compressor"), &cc, d, kvh, dh, 0.0)?);
-                }
-                self.config.attention = AttentionKind::Compressed;
-                self.config.compression = Some(cc);
+                self.with_compressors(cc, &RandomInit { seed: 0 })
+            }
+            Overlay::Learned {
+                checkpoint,
+                window,
+                stride,
+                local,
+            } => {
+                let dir = learned::folder(checkpoint);
+                let meta = learned::read_meta(&dir)?;
+                let identity = learned::ModelIdentity::of(&self.config, Path::new(""));
+                learned::check(&meta, (*window, *stride, *local), &identity)?;
+                let path = dir.join(learned::WEIGHTS_FILE);
+                let src = CheckpointSource::from_reader(SafetensorsReader::open(&path)?);
+                let model = self.with_compressors(meta.compression(), &src)?;
+                src.check_all_used()?;
+                Ok(model)
             }
         }
+    }
+
+    /// The same model with a `learned` compressor of `window`, `stride`, `local` and
+    /// `gate` whose gates are read from `from` (a checkpoint being resumed) or else are
+    /// all zero (so it pools like `pool` until trained), and which, unlike the model's
+    /// own parameters, require gradients: the student of `phaselens train` on a
+    /// `[compressor]` recipe.
+    pub fn with_trainable_compressor(
+        self,
+        (window, stride, local): (usize, usize, usize),
+        gate: GateMode,
+        from: Option<&dyn WeightSource>,
+    ) -> Result<Self> {
+        Overlay::Pool {
+            window,
+            stride,
+            local,
+        }
+        .validate(self.config.arch.max_positions)?;
+        if gate == GateMode::Uniform {
+            return Err(Error::field(
+                "compressor.gate",
+                "a trained compressor needs `scalar` or `vector` gates",
+            ));
+        }
+        let cc = learned::compression(window, stride, local, gate);
+        // N(0, 0) draws zeros: softmax of zero logits is the mean.
+        let zeros = RandomInit { seed: 0 };
+        self.no_grad().with_compressors(cc, from.unwrap_or(&zeros))
+    }
+
+    /// The compressors of every layer (for saving a trained one): a module whose
+    /// parameter names are those of `compressor.safetensors`.
+    pub fn compressor_stack(&self) -> Option<CompressorStack> {
+        let layers: Option<Vec<Compressor>> = self
+            .blocks
+            .iter()
+            .map(|b| b.attn.compressor.clone())
+            .collect();
+        layers.map(|layers| CompressorStack { layers })
+    }
+
+    /// Compressed attention of `cc` in every layer, the gates read from `src` under the
+    /// names of [`CompressorStack`].
+    fn with_compressors(mut self, cc: CompressionConfig, src: &dyn WeightSource) -> Result<Self> {
+        let c = &self.config;
+        let (n, d, kvh, dh) = (c.n_layers, c.d_model, c.n_kv_heads, c.d_head());
+        let device = self.home();
+        let stack = CompressorStack::new(&Vb::new(src, &device), &cc, n, (d, kvh, dh))?;
+        for (b, comp) in self.blocks.iter_mut().zip(stack.layers) {
+            b.attn.compressor = Some(comp);
+        }
+        self.config.attention = AttentionKind::Compressed;
+        self.config.compression = Some(cc);
         self.config.validate()?;
         Ok(self)
     }
