@@ -5,6 +5,10 @@
 //! best and worst phase, phase gap with its selection-adjusted cluster-bootstrap
 //! CI), and long rows `accuracy_<protocol>`, `phase_gap_pp_<protocol>`, ... for the
 //! experiment's `phase_sweep` table.
+//!
+//! Key-value tasks run through the batched executor; the text tasks (`[task] kind =
+//! "passkey" | "needle"`, module `text`) score their own forwards and add
+//! `logit_diff_<protocol>` rows (the value against the best wrong value).
 
 use serde::{Deserialize, Serialize};
 
