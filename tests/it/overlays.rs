@@ -111,6 +111,37 @@ fn evict_changes_only_the_observation_window() {
     }
 }
 
+/// With `decode = 3` the cache is compressed when the prefill ends, 3 tokens before the
+/// sequence does: nothing before those 3 tokens may depend on them. Without it the
+/// observation window reads them, and earlier window positions change with them (the
+/// leak `decode` closes: teacher-forced answer tokens choosing the chunks).
+#[test]
+fn evict_decode_keeps_the_answer_tokens_out_of_the_eviction() {
+    let (len, v) = (60, 37);
+    let a = ids(len, v, 8);
+    let mut tail = vals(a.clone().float());
+    for row in 0..2 {
+        for p in len - 3..len {
+            let i = row * len + p;
+            tail[i] = ((tail[i] as usize + 11) % v) as f32;
+        }
+    }
+    let tail: Vec<i64> = tail.into_iter().map(|x| x as i64).collect();
+    let b = Tensor::<2, Int>::from_data(TensorData::new(tail, [2, len]), &dev());
+    let max_change = |spec: &str| {
+        let m = model(5).with_overlay(&overlay(spec)).unwrap();
+        let (la, lb) = (logits(&m, a.clone()), logits(&m, b.clone()));
+        (0..2)
+            .flat_map(|row| (0..len - 3).map(move |p| (row * len + p) * v))
+            .map(|i| max_rel(&la[i..i + v], &lb[i..i + v]))
+            .fold(0.0f32, f32::max)
+    };
+    let sealed = max_change("kind=evict,chunk=4,keep=0.2,observe=10,decode=3");
+    assert!(sealed < 1e-6, "prefill logits changed with the decode tokens: {sealed:e}");
+    let leaky = max_change("kind=evict,chunk=4,keep=0.2,observe=10");
+    assert!(leaky > 1e-4, "without decode the window should read them: {leaky:e}");
+}
+
 #[test]
 fn pool_of_single_token_windows_is_the_plain_forward() {
     // W = S = 1, no raw tail: entry i is token i's key (rotated at i) and value.
@@ -213,6 +244,7 @@ fn suffix_forwards_over_the_state_equal_the_full_forward() {
     use phaselens::model::Suffix;
     for spec in [
         "kind=evict,chunk=4,keep=0.3,observe=12",
+        "kind=evict,chunk=4,keep=0.3,observe=12,decode=5,offset=1,sinks=2",
         "kind=select,block=4,top_k=2,window=6,sinks=1",
     ] {
         let m = model(6).with_overlay(&overlay(spec)).unwrap();

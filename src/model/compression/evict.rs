@@ -1,5 +1,6 @@
 //! The chunk selector of the `evict` overlay (ChunkKV-style eviction at prefill): the
-//! last `observe` tokens of the sequence are the observation window; their attention
+//! last `observe` tokens of the prefill (the sequence but its last `decode` tokens) are
+//! the observation window; their attention
 //! over the earlier tokens, summed over query heads and observation queries and then
 //! within each chunk, scores the chunks; the best `keep` fraction of them stays in the
 //! cache for every query from the observation window on, the rest is gone. Queries
@@ -28,6 +29,8 @@ pub struct Eviction {
     pub observe: usize,
     /// Leading tokens always kept.
     pub sinks: usize,
+    /// Trailing tokens decoded after the prefill (not in the observation window).
+    pub decode: usize,
 }
 
 /// One layer's selector for one forward.
@@ -35,7 +38,7 @@ pub struct ChunkSelector {
     /// `[b, n_chunks]`: the kept chunks (before the window).
     kept: Tensor<2, Bool>,
     grid: Grid,
-    /// The first observation position (`total - observe`, at least 0).
+    /// The first observation position (`total - decode - observe`, at least 0).
     t0: usize,
     sinks: usize,
     total: usize,
@@ -50,16 +53,18 @@ impl ChunkSelector {
         let [b, total, nh, dh] = q_all.dims();
         let kvh = k.dims()[2];
         let g = nh / kvh.max(1);
-        let t0 = total.saturating_sub(e.observe);
+        // The prefill ends at `end`; the window is its last `observe` tokens.
+        let end = total.saturating_sub(e.decode);
+        let t0 = end.saturating_sub(e.observe);
         let grid = Grid::new(e.chunk, e.offset, t0.max(1));
         let device = k.device();
         let kept = if t0 == 0 {
             Tensor::<2>::zeros([b, grid.n], &device).greater_elem(0.5)
         } else {
-            let obs = total - t0;
+            let obs = end - t0;
             // [b, kvh, obs * g, dh] x [b, kvh, dh, total] -> scores of the window's queries.
             let q = q_all
-                .slice_dim(1, t0..total)
+                .slice_dim(1, t0..end)
                 .reshape([b, obs, kvh, g, dh])
                 .swap_dims(1, 2)
                 .reshape([b, kvh, obs * g, dh]);

@@ -17,7 +17,9 @@
 //!   window queries, then within chunks of `chunk` tokens) scores the chunks, and the
 //!   best `keep` fraction stays for every query from the window on (the window itself
 //!   and `sinks` leading tokens always stay); queries before the window see everything
-//!   (they ran before the cache was compressed). Per layer.
+//!   (they ran before the cache was compressed). Per layer. With `decode = n`, the
+//!   sequence's last `n` tokens are decoding after the prefill (teacher-forced answer
+//!   tokens): the window is the `observe` tokens before them, and they always stay.
 //! - `pool` (pooled entries, CSA / HCA-like, training-free): every `stride` tokens a
 //!   window of `window` tokens becomes one entry, keys and values averaged (keys before
 //!   RoPE, the entry rotated at its window's first position); an entry is visible from
@@ -91,6 +93,14 @@ pub enum Overlay {
         /// Leading tokens never evicted.
         #[serde(default)]
         sinks: usize,
+        /// Tokens at the end of every sequence that come after the prefill: the
+        /// teacher-forced answer tokens an experiment feeds after its query. The cache
+        /// is compressed when the prefill ends, so the observation window is the
+        /// `observe` tokens before them, and they, like the window, always stay.
+        /// Without it (0) the window would include the answer's own tokens, whose
+        /// attention helps keep the chunk that holds the answer: a leak.
+        #[serde(default)]
+        decode: usize,
     },
     /// Mean-pooled entries (kvc compressed attention with uniform gates).
     Pool {
@@ -227,7 +237,7 @@ fn field(key: &str, message: String) -> Error {
 
 /// The keys whose values are whole numbers.
 const INTEGER_KEYS: &[&str] = &[
-    "block", "top_k", "window", "offset", "sinks", "stride", "local",
+    "block", "top_k", "window", "offset", "sinks", "stride", "local", "decode",
 ];
 
 /// `kind=select,block=8,top_k=4,window=32` (the keys of the TOML table).
@@ -284,9 +294,10 @@ impl fmt::Display for Overlay {
                 observe,
                 offset,
                 sinks,
+                decode,
             } => write!(
                 f,
-                "evict (chunk {chunk}, keep {keep}, observe {observe}, offset {offset}, sinks {sinks})"
+                "evict (chunk {chunk}, keep {keep}, observe {observe}, offset {offset}, sinks {sinks}, decode {decode})"
             ),
             Overlay::Pool {
                 window,

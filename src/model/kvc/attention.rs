@@ -297,6 +297,7 @@ impl Attention {
             observe,
             offset,
             sinks,
+            decode,
         } = *overlay
         {
             // The chunk scores read the window's queries: every position's rotated
@@ -309,6 +310,7 @@ impl Attention {
                 keep,
                 observe,
                 sinks,
+                decode,
             };
             let mut sel = ChunkSelector::new(q_all, k.clone(), flow.queries(), e, scale);
             let keys = Keys {
