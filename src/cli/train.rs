@@ -8,13 +8,15 @@ use clap::Args;
 use phaselens::device::DeviceSpec;
 use phaselens::train::{OrganismFile, TrainOptions, compressor, train};
 
-/// Train a model organism from its TOML recipe; resumes from the latest checkpoint.
+/// Train a model organism, or a learned compressor on a frozen pretrained model, from
+/// its TOML recipe; resumes from the latest checkpoint.
 #[derive(Args, Debug)]
 #[command(after_help = "\
 Examples:
   phaselens train experiments/organisms/kvc-w8s8.toml
   phaselens train experiments/organisms/kvc-w8s8.toml --fresh        # ignore checkpoints
   phaselens train experiments/organisms/full-attn.toml --max-steps 50 # a quick look
+  phaselens train experiments/compressors/smollm2-w16s8.toml         # a learned compressor
 
 Checkpoints go to runs/<name>/checkpoints/step-NNNNNNN/ (every [train] checkpoint_every
 steps; [organism] run_dir moves runs/<name>); an interrupted run (Ctrl-C, kill -9) resumes from
@@ -22,7 +24,12 @@ the latest one. The loss curve so far is runs/<name>/loss.arrow and loss.{png,sv
 model is written to the organism's model directory ([organism] model_dir, default <name>/ next
 to the recipe), with training.json and its loss curve in <model dir>/training/loss.{arrow,png,svg}.
 One training per organism at a time (runs/<name>/.lock). --fresh replaces the old checkpoints
-when the first new one is saved.")]
+when the first new one is saved.
+
+A recipe with a [compressor] table trains the `learned` overlay's compressor on a frozen model
+by self-distillation (docs/models.md, \"Training a learned compressor\"): the model's own
+sampled text in runs/compressors/<name>/data/, checkpoints in runs/compressors/<name>/, the
+trained compressor in <name>/ next to the recipe (compressor.safetensors, compressor.json).")]
 pub struct TrainArgs {
     /// Organism recipe (TOML).
     pub recipe: PathBuf,
