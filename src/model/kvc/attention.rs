@@ -300,10 +300,6 @@ impl Attention {
             decode,
         } = *overlay
         {
-            // The chunk scores read the window's queries: every position's rotated
-            // queries (a suffix forward merges its own into the base run's).
-            let q_all = flow.full(layer, "overlay_q", q.clone())?;
-            let k = rope(k, key_rope);
             let e = Eviction {
                 chunk,
                 offset,
@@ -312,20 +308,14 @@ impl Attention {
                 sinks,
                 decode,
             };
-            let mut sel = ChunkSelector::new(q_all, k.clone(), flow.queries(), e, scale);
-            let keys = Keys {
-                entries: Some(Entries {
-                    k,
-                    v,
-                    stride: 1,
-                    close: 0,
-                    offsets: Vec::new(),
-                }),
-                selector: Some(&mut sel),
-                raw: None,
-                sink,
-            };
-            return attend(q, flow.queries(), keys, scale, pattern, false, hooks);
+            return self.attend_evict(
+                e,
+                (layer, scale, pattern),
+                (q, k, v, sink),
+                key_rope,
+                flow,
+                hooks,
+            );
         }
         let Overlay::Select {
             block,
@@ -363,6 +353,39 @@ impl Attention {
         let at = |s: Site| hooks.touches(&HookPoint::block(layer, s));
         let dense = at(Site::IndexerScores) || at(Site::IndexerSelected);
         attend(q, flow.queries(), keys, scale, pattern, dense, hooks)
+    }
+
+    /// The attention of an `evict` overlay of geometry `e`: the chunks the observation window kept,
+    /// the window, the decode tokens and the sinks ([`ChunkSelector`]); `q` rotated,
+    /// `k` not yet.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_evict(
+        &self,
+        e: Eviction,
+        (layer, scale, pattern): (usize, f64, HookPoint),
+        (q, k, v, sink): (Tensor<4>, Tensor<4>, Tensor<4>, Option<Tensor<1>>),
+        key_rope: &Option<RopeTables>,
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<4>> {
+        // The chunk scores read the window's queries: every position's rotated
+        // queries (a suffix forward merges its own into the base run's).
+        let q_all = flow.full(layer, "overlay_q", q.clone())?;
+        let k = rope(k, key_rope);
+        let mut sel = ChunkSelector::new(q_all, k.clone(), flow.queries(), e, scale);
+        let keys = Keys {
+            entries: Some(Entries {
+                k,
+                v,
+                stride: 1,
+                close: 0,
+                offsets: Vec::new(),
+            }),
+            selector: Some(&mut sel),
+            raw: None,
+            sink,
+        };
+        attend(q, flow.queries(), keys, scale, pattern, false, hooks)
     }
 
     /// The attention's inputs from `h: [b, lq, d]`: the queries (through `hook_q`, not
