@@ -204,6 +204,12 @@ pub struct ForwardBench {
     /// `tokens x vocab` logits of every position (8.5 GB at 16K tokens and 129,280 words).
     #[arg(long, requires = "model")]
     pub last_logits: bool,
+    /// Also time each stage of the timed forwards: matrix products, dequantisation of
+    /// stored weights, the attention core, the LM head, DeepSeek-V4's experts and mHC,
+    /// and the rest (embedding, norms, RoPE, elementwise ops); a second table, and
+    /// `stages` in --json (the length sweep; docs/performance.md).
+    #[arg(long)]
+    pub stages: bool,
     #[arg(long, default_value_t = 1, value_parser = super::run::at_least_one)]
     pub batch: usize,
     /// Timed repetitions per variant (after one warm-up).
@@ -313,7 +319,7 @@ fn forward(b: ForwardBench) -> Result<()> {
         .check_device(&b.device.device()?, &b.device.to_string())
         .map_err(anyhow::Error::msg)?;
     let _compute = phaselens::model::precision::scoped(b.dtype);
-    if b.model.is_some() || b.tokens.len() > 1 {
+    if b.model.is_some() || b.tokens.len() > 1 || b.stages {
         return length_sweep(b);
     }
     if b.reps == 0 {
@@ -423,14 +429,15 @@ fn empty_dispatch(device: &Device, layers: usize, base: f64) -> Result<()> {
 /// The size of the dense product whose rate `bench forward` reports a forward against.
 const GEMM_N: usize = 1024;
 
-/// `bench forward --model DIR --tokens ...`: tokens/s and peak RSS per length.
-fn length_sweep(b: ForwardBench) -> Result<()> {
+/// The model of `bench forward`: `--model DIR`, or the synthetic kvc model.
+fn sweep_model(
+    b: &ForwardBench,
+    device: &Device,
+) -> Result<Box<dyn phaselens::model::LanguageModel>> {
     use anyhow::Context;
-    use phaselens::model::bench::forward_sweep;
-    let device = b.device.device()?;
-    let model: Box<dyn phaselens::model::LanguageModel> = match &b.model {
+    Ok(match &b.model {
         Some(dir) => {
-            let m = phaselens::model::load_model_with(dir, &device, b.weights)
+            let m = phaselens::model::load_model_with(dir, device, b.weights)
                 .with_context(|| format!("loading {}", dir.display()))?;
             eprintln!(
                 "{}: {}",
@@ -439,18 +446,28 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
             );
             m
         }
-        None => Box::new(synthetic_kvc(&b, &device)?),
-    };
+        None => Box::new(synthetic_kvc(b, device)?),
+    })
+}
+
+/// `bench forward --model DIR --tokens ...`: tokens/s and peak RSS per length.
+fn length_sweep(b: ForwardBench) -> Result<()> {
+    use anyhow::Context;
+    use phaselens::model::bench::forward_sweep;
+    let device = b.device.device()?;
+    let model = sweep_model(&b, &device)?;
     let name = b
         .model
         .as_ref()
         .map_or("synthetic kvc".to_string(), |d| d.display().to_string());
     let mib = |x: u64| x as f64 / (1 << 20) as f64;
     let info = model.info();
+    let widths = model.memory_widths();
     for &t in &b.tokens {
         // With --last-logits only each row's last position goes through the LM head.
         let logit_len = if b.last_logits { 1 } else { t };
-        let bytes = phaselens::model::memory::forward_bytes_logits(&info, b.batch, t, logit_len);
+        let bytes =
+            phaselens::model::memory::forward_bytes_with(&info, &widths, b.batch, t, logit_len);
         phaselens::model::memory::check(
             &format!("a forward over {} x {t} tokens", b.batch),
             "--tokens / --batch",
@@ -479,9 +496,9 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
     let points = forward_sweep(
         model.as_ref(),
         &b.tokens,
-        b.batch,
-        b.reps,
+        (b.batch, b.reps),
         b.last_logits,
+        b.stages,
         |p| {
             println!(
                 "| {} | {:.3} | {:.0} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% |",
@@ -502,12 +519,41 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
             p.gemm_gflops = Some(gemm);
         },
     )?;
+    if b.stages {
+        print_stages(&points);
+    }
     if let Some(path) = &b.json {
         let text = serde_json::to_string_pretty(&points)?;
         phaselens::output::write_bytes_atomic(path, format!("{text}\n").as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The stage table of `bench forward --stages`: seconds per forward and share of the
+/// forward's time, per category.
+fn print_stages(points: &[phaselens::model::bench::LengthPoint]) {
+    println!(
+        "\nstages (mean seconds per timed forward, share of the forward; products and dequantisation inside the LM head count as the LM head's):"
+    );
+    println!(
+        "| tokens | s / forward | GEMM (products) | dequantisation | attention core (non-GEMM) | LM head (all) | experts + mHC (non-GEMM) | embedding, norms, RoPE, elementwise |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for p in points {
+        let Some(st) = &p.stages else { continue };
+        let c = phaselens::model::bench::stage_categories(st);
+        let cells: Vec<String> = c
+            .iter()
+            .map(|x| format!("{x:.3} ({:.0}%)", 100.0 * x / p.seconds))
+            .collect();
+        println!(
+            "| {} | {:.3} | {} |",
+            p.tokens,
+            p.seconds,
+            cells.join(" | ")
+        );
+    }
 }
 
 /// The synthetic kvc model of `bench forward` (W = S = 8, a 16-token tail, random init).

@@ -163,6 +163,7 @@ pub fn attend(
     force_dense: bool,
     hooks: &mut HookRun,
 ) -> Result<Tensor<4>> {
+    let _stage = super::profile::region(super::profile::Region::Attention);
     let [b, lq, nh, dh] = q.dims();
     let kvh = keys
         .raw

@@ -44,6 +44,30 @@ pub struct LengthPoint {
     pub matmul_gflops: f64,
     /// The device's dense GEMM rate ([`gemm_gflops`]) when the caller measured it.
     pub gemm_gflops: Option<f64>,
+    /// Seconds per forward by stage ([`super::profile`]; mean over the timed forwards),
+    /// when asked for.
+    pub stages: Option<Vec<super::profile::StageTime>>,
+}
+
+/// The stages' seconds in the categories: `(products outside the LM head,
+/// dequantisation outside it, the attention core's other work, the LM head (all its
+/// work), the experts' and mHC's other work, the rest: embedding, norms, RoPE,
+/// elementwise ops)`.
+pub fn stage_categories(stages: &[super::profile::StageTime]) -> [f64; 6] {
+    use super::profile::{Kind, Region};
+    let mut c = [0.0; 6];
+    for s in stages {
+        let i = match (s.region, s.kind) {
+            (Region::Head, _) => 3,
+            (_, Kind::Products) => 0,
+            (_, Kind::Dequant) => 1,
+            (Region::Attention, Kind::Other) => 2,
+            (Region::Experts | Region::Mhc, Kind::Other) => 4,
+            (Region::Forward, Kind::Other) => 5,
+        };
+        c[i] += s.seconds;
+    }
+    c
 }
 
 /// The device's dense matrix-product rate in GFLOP/s, in the compute dtype
@@ -107,15 +131,46 @@ pub fn kv_layer_bytes(model: &dyn LanguageModel, t: usize) -> u64 {
         .unwrap_or(0)
 }
 
+/// The median seconds of `reps` calls of `run`, the FLOPs of the last, and with
+/// `stages = Some(vocab)` their mean time per stage ([`super::profile`]).
+fn timed(
+    reps: usize,
+    stages: Option<usize>,
+    mut run: impl FnMut() -> Result<f64>,
+) -> Result<(f64, u64, Option<Vec<super::profile::StageTime>>)> {
+    let mut times = Vec::with_capacity(reps);
+    let mut flops = 0;
+    if let Some(vocab) = stages {
+        super::profile::start(vocab);
+    }
+    for _ in 0..reps {
+        super::flops::start();
+        let t = run();
+        flops = super::flops::stop();
+        if t.is_err() && stages.is_some() {
+            super::profile::stop();
+        }
+        times.push(t?);
+    }
+    let stages = stages.map(|_| {
+        let mut s = super::profile::stop();
+        s.iter_mut().for_each(|s| s.seconds /= reps as f64);
+        s
+    });
+    times.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], flops, stages))
+}
+
 /// Time `reps` forwards (after one warm-up when `reps > 1`) of `batch` rows of `t`
 /// deterministic pseudo-random tokens, for every `t` of `lengths`; with `last_logits`
-/// the LM head runs at each row's last position only ([`LanguageModel::forward_logit_rows`]).
+/// the LM head runs at each row's last position only ([`LanguageModel::forward_logit_rows`]);
+/// with `stages` the timed forwards are profiled by stage ([`super::profile`]).
 pub fn forward_sweep(
     model: &dyn LanguageModel,
     lengths: &[usize],
-    batch: usize,
-    reps: usize,
+    (batch, reps): (usize, usize),
     last_logits: bool,
+    stages: bool,
     mut progress: impl FnMut(&mut LengthPoint),
 ) -> Result<Vec<LengthPoint>> {
     if reps == 0 || batch == 0 || lengths.is_empty() || lengths.contains(&0) {
@@ -140,6 +195,7 @@ pub fn forward_sweep(
         let last: Vec<i64> = (0..batch).map(|r| (r * t + t - 1) as i64).collect();
         let last = Tensor::<1, Int>::from_data(TensorData::new(last, [batch]), &device);
         let run = |tokens: Tensor<2, Int>| -> Result<f64> {
+            let _stage = super::profile::region(super::profile::Region::Forward);
             let t0 = Instant::now();
             if last_logits {
                 let _ = model.forward_logit_rows(tokens, last.clone())?.into_data();
@@ -154,16 +210,9 @@ pub fn forward_sweep(
         }
         let base = rss().map(|r| r.0);
         let reset = reset_peak_rss();
-        let mut times = Vec::with_capacity(reps);
-        let mut flops = 0;
-        for _ in 0..reps {
-            super::flops::start();
-            let t = run(tokens.clone());
-            flops = super::flops::stop();
-            times.push(t?);
-        }
-        times.sort_by(f64::total_cmp);
-        let seconds = times[times.len() / 2];
+        let (seconds, flops, stages) = timed(reps, stages.then_some(info.vocab_size), || {
+            run(tokens.clone())
+        })?;
         let mut point = LengthPoint {
             tokens: t,
             batch,
@@ -179,6 +228,7 @@ pub fn forward_sweep(
             matmul_flops: flops,
             matmul_gflops: flops as f64 / seconds / 1e9,
             gemm_gflops: None,
+            stages,
         };
         progress(&mut point);
         out.push(point);

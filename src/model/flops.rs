@@ -30,13 +30,14 @@ impl<const D: usize> Mm for Tensor<D> {
         if COUNTING.load(Ordering::Relaxed) {
             FLOPS.fetch_add(product_flops(&self.dims(), &rhs.dims()), Ordering::Relaxed);
         }
-        match compute() {
+        let n = rhs.dims()[D - 1];
+        super::profile::timed(super::profile::Kind::Products, n, || match compute() {
             ComputeDtype::F32 => self.matmul(rhs),
             ComputeDtype::Bf16 => self
                 .cast(DType::BF16)
                 .matmul(rhs.cast(DType::BF16))
                 .cast(DType::F32),
-        }
+        })
     }
 }
 

@@ -33,6 +33,8 @@ pub mod gguf;
 pub mod memory;
 #[doc(hidden)] // `phaselens plan`
 pub mod plan;
+/// Time per stage of a forward (`bench forward --stages`).
+pub mod profile;
 /// The compute dtype of the matrix products (`--dtype f32|bf16`).
 pub mod precision;
 /// Pretrained checkpoints (GGUF, Hugging Face folders) of the Llama family and Gemma 3.

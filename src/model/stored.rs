@@ -24,7 +24,14 @@ use serde::{Deserialize, Serialize};
 
 use super::gguf::{GgmlType, dequantize};
 use super::precision::ComputeDtype;
-use super::safetensors_io::{StDtype, decode_floats, f8_e8m0_to_f32};
+use super::safetensors_io::{StDtype, decode_floats, f8_e4m3_to_f32, f8_e8m0_to_f32};
+
+/// Values per dequantisation task ([`Block::rows_f32`]).
+const DEQUANT_TASK_VALUES: usize = 1 << 16;
+
+/// Every FP8 e4m3 byte's value, as [`f8_e4m3_to_f32`] decodes it.
+static E4M3: std::sync::LazyLock<[f32; 256]> =
+    std::sync::LazyLock::new(|| std::array::from_fn(|b| f8_e4m3_to_f32(b as u8)));
 use crate::model::flops::Mm;
 
 /// Columns per FP4 scale (transformers' `sf_gran_k = 32`).
@@ -184,11 +191,12 @@ impl Scales {
         for r in r0..r1 {
             let g = r / b0 - s0;
             let srow = &s[g * gc..(g + 1) * gc];
-            for (c, x) in v[(r - r0) * cols..(r - r0 + 1) * cols]
-                .iter_mut()
-                .enumerate()
+            // `b1` values per scale: value c takes scale c / b1, one group at a time.
+            for (group, &scale) in v[(r - r0) * cols..(r - r0 + 1) * cols]
+                .chunks_mut(b1)
+                .zip(srow)
             {
-                *x *= srow[c / b1];
+                group.iter_mut().for_each(|x| *x *= scale);
             }
         }
     }
@@ -263,30 +271,58 @@ impl Block {
     }
 
     /// Rows `r0..r1` dequantised, row-major: `value * scale`, exactly as the loader
-    /// computes them.
+    /// computes them. Runs over the rayon pool in blocks of rows (each value is decoded
+    /// alone, so the result does not depend on the threads).
     pub fn rows_f32(&self, r0: usize, r1: usize) -> Vec<f32> {
+        use rayon::prelude::*;
+        let cols = self.cols.max(1);
+        let mut v = vec![0.0f32; (r1 - r0) * self.cols];
+        // About 64K values per task: enough work per task, every core busy on a matrix.
+        let rows = (DEQUANT_TASK_VALUES / cols).max(1);
+        v.par_chunks_mut(rows * cols)
+            .enumerate()
+            .for_each(|(j, out)| {
+                let a = r0 + j * rows;
+                self.fill_rows(a, a + out.len() / cols, out);
+            });
+        v
+    }
+
+    /// Rows `r0..r1` dequantised into `out` (`(r1 - r0) x cols` values).
+    fn fill_rows(&self, r0: usize, r1: usize, out: &mut [f32]) {
         if let Some(t) = self.ggml {
             let w = self.cols / t.block_size() * t.type_size();
-            let mut v = vec![0.0f32; (r1 - r0) * self.cols];
-            dequantize(t, &self.bytes[r0 * w..r1 * w], &mut v).expect("checked block size");
-            return v;
+            dequantize(t, &self.bytes[r0 * w..r1 * w], out).expect("checked block size");
+            return;
         }
-        let mut v = if self.packed() {
+        if self.packed() {
             let w = self.cols / 2;
-            let mut v = Vec::with_capacity((r1 - r0) * self.cols);
-            for &b in &self.bytes[r0 * w..r1 * w] {
-                v.push(E2M1[(b & 0x0f) as usize]);
-                v.push(E2M1[(b >> 4) as usize]);
+            for (o, &b) in out.chunks_exact_mut(2).zip(&self.bytes[r0 * w..r1 * w]) {
+                o[0] = E2M1[(b & 0x0f) as usize];
+                o[1] = E2M1[(b >> 4) as usize];
             }
-            v
+        } else if self.dtype == StDtype::F8E4M3 {
+            let w = self.cols;
+            let lut = &*E4M3;
+            for (o, &b) in out.iter_mut().zip(&self.bytes[r0 * w..r1 * w]) {
+                *o = lut[b as usize];
+            }
+        } else if self.dtype == StDtype::BF16 {
+            let w = self.cols * 2;
+            for (o, c) in out
+                .iter_mut()
+                .zip(self.bytes[r0 * w..r1 * w].chunks_exact(2))
+            {
+                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
         } else {
             let w = self.cols * self.dtype.size();
-            decode_floats(self.dtype, &self.bytes[r0 * w..r1 * w]).expect("checked dtype")
-        };
-        if let Some(s) = &self.scales {
-            s.apply(&mut v, r0, r1, self.cols);
+            let v = decode_floats(self.dtype, &self.bytes[r0 * w..r1 * w]).expect("checked dtype");
+            out.copy_from_slice(&v);
         }
-        v
+        if let Some(s) = &self.scales {
+            s.apply(out, r0, r1, self.cols);
+        }
     }
 
     /// Every value, dequantised.
@@ -413,16 +449,19 @@ impl StoredWeight {
     fn rows_tensor(&self, i: usize, r0: usize, r1: usize, dtype: ComputeDtype) -> Tensor<2> {
         let m = &self.matrices[i];
         note_dequant((r1 - r0) * m.cols());
-        let v = m.rows_f32(r0, r1);
-        let shape = [r1 - r0, m.cols()];
-        let data = match dtype {
-            ComputeDtype::F32 => TensorData::new(v, shape),
-            ComputeDtype::Bf16 => {
-                let h: Vec<half::bf16> = v.into_iter().map(half::bf16::from_f32).collect();
-                TensorData::new(h, shape)
-            }
-        };
-        Tensor::from_data(data, &self.device)
+        // Timed as the LM head's when the matrix has the vocabulary's rows.
+        super::profile::timed(super::profile::Kind::Dequant, m.rows(), || {
+            let v = m.rows_f32(r0, r1);
+            let shape = [r1 - r0, m.cols()];
+            let data = match dtype {
+                ComputeDtype::F32 => TensorData::new(v, shape),
+                ComputeDtype::Bf16 => {
+                    let h: Vec<half::bf16> = v.into_iter().map(half::bf16::from_f32).collect();
+                    TensorData::new(h, shape)
+                }
+            };
+            Tensor::from_data(data, &self.device)
+        })
     }
 
     /// `x: [n, cols] -> x W_i^T: [n, rows]` with `W_i` matrix `i`, dequantised in blocks
@@ -437,6 +476,7 @@ impl StoredWeight {
     /// As [`StoredWeight::matmul_t`] with rows `rows` of matrix `i` only: `[n, rows.len()]`.
     pub fn matmul_t_rows(&self, i: usize, rows: std::ops::Range<usize>, x: Tensor<2>) -> Tensor<2> {
         let m = &self.matrices[i];
+        let _head = super::profile::head_if_vocab(m.rows());
         let block = block_rows(m.cols());
         // Blocks are dequantised in the compute dtype their product takes (bf16: half the
         // transient bytes).
@@ -464,11 +504,13 @@ impl StoredWeight {
     /// Rows `rows` of matrix `i` (an embedding lookup), dequantised: `[rows.len(), cols]`.
     pub fn gather_rows(&self, i: usize, rows: &[usize]) -> Tensor<2> {
         let m = &self.matrices[i];
-        let mut v = Vec::with_capacity(rows.len() * m.cols());
-        for &r in rows {
-            v.extend(m.rows_f32(r, r + 1));
-        }
-        Tensor::from_data(TensorData::new(v, [rows.len(), m.cols()]), &self.device)
+        super::profile::timed(super::profile::Kind::Dequant, 0, || {
+            let mut v = Vec::with_capacity(rows.len() * m.cols());
+            for &r in rows {
+                v.extend(m.rows_f32(r, r + 1));
+            }
+            Tensor::from_data(TensorData::new(v, [rows.len(), m.cols()]), &self.device)
+        })
     }
 
     /// Matrices `0..keep` and `keep..` (both sharing these bytes); `None` for an empty part.

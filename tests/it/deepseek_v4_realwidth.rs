@@ -67,9 +67,22 @@ fn near_boundary(scores: &[f32], shape: &[usize], rate: usize, k: usize) -> (usi
     (deciding, near)
 }
 
+/// The device of the CI-sized test: `PHASELENS_TEST_DEVICE` (e.g. `tch-cuda:0`, what
+/// scripts/gpu-check.sh sets; the build needs that backend's feature), else flex.
+fn test_device() -> Device {
+    match std::env::var("PHASELENS_TEST_DEVICE") {
+        Ok(spec) if !spec.is_empty() => spec
+            .parse::<phaselens::device::DeviceSpec>()
+            .unwrap_or_else(|e| panic!("PHASELENS_TEST_DEVICE={spec}: {e}"))
+            .device()
+            .unwrap_or_else(|e| panic!("PHASELENS_TEST_DEVICE={spec}: {e}")),
+        _ => Device::flex(),
+    }
+}
+
 #[test]
 fn realwidth_ci_matches_transformers_under_the_same_indexer_selection() {
-    let device = Device::flex();
+    let device = test_device();
     let m: DeepseekV4Model = deepseek_v4::load(&fixture(), &device).unwrap();
     let c = m.config.clone();
     let r = SafetensorsReader::open(&fixture().join("reference.safetensors")).unwrap();

@@ -18,6 +18,7 @@ use crate::hooks::{Act, ActivationCache, HookPoint, HookRun, HookSpec, Site};
 use crate::model::kv_state::{PrefixState, Queries, Suffix, TokenFlow};
 use crate::model::layers::{Embedding, Linear, RmsNorm};
 use crate::model::placement::{PerDevice, Placed, to};
+use crate::model::profile;
 use crate::model::stored::StoredWeight;
 use crate::model::weights::{Init, Vb};
 use crate::model::{
@@ -454,7 +455,9 @@ impl DeepseekV4Model {
             x = to(x, &here);
             let tables = per_device.get(&here, |d| Tables::new(&self.config, flow.queries(), d));
             x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
+            let mhc = profile::region(profile::Region::Mhc);
             let hc = layer.attn_hc.forward(l, Sublayer::Attention, &x, hooks)?;
+            drop(mhc);
             let a = layer.self_attn.forward(
                 l,
                 layer.input_layernorm.forward(hc.collapsed.clone()),
@@ -463,17 +466,25 @@ impl DeepseekV4Model {
                 hooks,
             )?;
             let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
+            let mhc = profile::region(profile::Region::Mhc);
             x = mhc::expand(x, a, &hc);
+            drop(mhc);
             x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
+            let mhc = profile::region(profile::Region::Mhc);
             let hc = layer.ffn_hc.forward(l, Sublayer::Mlp, &x, hooks)?;
+            drop(mhc);
+            let experts = profile::region(profile::Region::Experts);
             let m = layer.mlp.forward(
                 l,
                 layer.post_attention_layernorm.forward(hc.collapsed.clone()),
                 ids,
                 hooks,
             )?;
+            drop(experts);
             let m = hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
+            let mhc = profile::region(profile::Region::Mhc);
             x = mhc::expand(x, m, &hc);
+            drop(mhc);
             x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
         }
         Ok(x)
@@ -510,6 +521,7 @@ impl DeepseekV4Model {
     /// The streams after the last layer `[b, t, hc, d]` -> logits (on the home device):
     /// hyper-head collapse, final norm (`hook_final_norm`), LM head.
     fn head_logits(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
+        let _stage = profile::region(profile::Region::Head);
         let home = self.model.embed_tokens.weight.device();
         let x = to(x, &self.model.norm.weight.val().device());
         let h = self.model.hc_head.forward(x, hooks)?;
