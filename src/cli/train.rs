@@ -113,15 +113,13 @@ fn run_compressor(args: &TrainArgs) -> Result<()> {
             s.final_step
         ),
         Some(last) => eprintln!(
-            "step {}: KL {:.4} nats/position, top-1 agreement with the uncompressed model {:.3}{}",
+            "step {}: KL {:.4} nats/position, top-1 agreement with the uncompressed model {:.3}; compressor at step {} of {} written to {}",
             s.final_step,
             last.loss,
             last.accuracy,
-            if s.final_step == file.train.steps {
-                format!("; compressor written to {}", s.out_dir.display())
-            } else {
-                String::new()
-            }
+            s.final_step,
+            file.train.steps,
+            s.out_dir.display()
         ),
     }
     Ok(())

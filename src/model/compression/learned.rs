@@ -105,6 +105,9 @@ pub struct CompressorMeta {
     pub model: ModelIdentity,
     /// Optimiser steps it was trained for.
     pub steps: u64,
+    /// The steps its recipe asks for (more than `steps`: an export of an unfinished
+    /// training with `--max-steps`).
+    pub recipe_steps: u64,
     /// Tokens it was trained on.
     pub tokens_seen: u64,
     /// The mean distillation KL (nats per position) over the last logged steps.

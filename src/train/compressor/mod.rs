@@ -14,9 +14,11 @@
 //! - **Checkpoints**: as organisms (`runs/compressors/<name>/checkpoints/step-NNNNNNN/`
 //!   with the gates, the optimizer state, then `meta.json`; `[compressor] run_dir`
 //!   moves the folder), so a killed run resumes; the
-//!   trained compressor goes to `<name>/` next to the recipe (`compressor.safetensors`,
-//!   its loss curve under `training/`, then `compressor.json`), where a `learned`
-//!   overlay's `checkpoint` key finds it.
+//!   compressor goes to `<name>/` next to the recipe (`compressor.safetensors`, its
+//!   loss curve under `training/`, then `compressor.json`), where a `learned` overlay's
+//!   `checkpoint` key finds it: after every invocation, so `--max-steps N` (or a rerun
+//!   with N at a checkpoint's step) exports the compressor at step N, and
+//!   `compressor.json` records `steps` of `recipe_steps`.
 //!
 //! The recipe:
 //! ```toml
@@ -264,7 +266,9 @@ pub fn train(
     };
     let (student, history) = trainer.steps(student, optim, (start, total), history, opts)?;
     let out_dir = file.out_dir(path);
-    if total == file.train.steps && start < total {
+    // The folder holds the compressor at the run's step: the recipe's last, or an earlier
+    // one after `--max-steps` (its `compressor.json` says which).
+    if total.max(start) > 0 {
         write_final(
             file,
             &model_path,
@@ -363,7 +367,8 @@ fn write_final(
         local: c.local,
         gate: c.gate,
         model: ModelIdentity::of(&student.config, model_path),
-        steps: file.train.steps,
+        steps: history.len() as u64,
+        recipe_steps: file.train.steps,
         tokens_seen: history.last().map_or(0, |r| r.tokens_seen),
         final_kl: tail.iter().map(|r| r.loss).sum::<f64>() / tail.len().max(1) as f64,
         recipe_hash: hash.into(),
