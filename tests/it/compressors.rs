@@ -14,7 +14,7 @@ use phaselens::model::kvc::GateMode;
 use phaselens::model::safetensors_io::SafetensorsReader;
 use phaselens::model::stored::Residency;
 use phaselens::model::weights::{RandomInit, Vb};
-use phaselens::model::{KvcConfig, KvcModel, LanguageModel as _, load_model_overlaid};
+use phaselens::model::{KvcConfig, KvcModel, load_model_overlaid};
 use phaselens::train::TrainOptions;
 use phaselens::train::compressor::{CompressorFile, train};
 
@@ -215,7 +215,7 @@ fn compressor_recipe_errors_name_the_key() {
         let text = std::fs::read_to_string(&p).unwrap().replacen(from, to, 1);
         let p = tmp.path().join(format!("case-{i}.toml"));
         std::fs::write(&p, text).unwrap();
-        let e = CompressorFile::load(&p).err().expect(key).to_string();
+        let e = CompressorFile::load(&p).expect_err(key).to_string();
         assert!(e.contains(key), "{key}: {e}");
     }
 }
