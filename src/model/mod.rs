@@ -33,12 +33,12 @@ pub mod gguf;
 pub mod memory;
 #[doc(hidden)] // `phaselens plan`
 pub mod plan;
-/// Time per stage of a forward (`bench forward --stages`).
-pub mod profile;
 /// The compute dtype of the matrix products (`--dtype f32|bf16`).
 pub mod precision;
 /// Pretrained checkpoints (GGUF, Hugging Face folders) of the Llama family and Gemma 3.
 pub mod pretrained;
+/// Time per stage of a forward (`bench forward --stages`).
+pub mod profile;
 #[doc(hidden)] // streaming safetensors reads and writes (the CLI, tests/it's fixtures)
 pub mod safetensors_io;
 #[doc(hidden)] // stored (BF16/FP8/FP4) weights; tests/it read its dequantisation budget

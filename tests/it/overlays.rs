@@ -137,9 +137,15 @@ fn evict_decode_keeps_the_answer_tokens_out_of_the_eviction() {
             .fold(0.0f32, f32::max)
     };
     let sealed = max_change("kind=evict,chunk=4,keep=0.2,observe=10,decode=3");
-    assert!(sealed < 1e-6, "prefill logits changed with the decode tokens: {sealed:e}");
+    assert!(
+        sealed < 1e-6,
+        "prefill logits changed with the decode tokens: {sealed:e}"
+    );
     let leaky = max_change("kind=evict,chunk=4,keep=0.2,observe=10");
-    assert!(leaky > 1e-4, "without decode the window should read them: {leaky:e}");
+    assert!(
+        leaky > 1e-4,
+        "without decode the window should read them: {leaky:e}"
+    );
 }
 
 #[test]
