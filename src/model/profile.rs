@@ -1,6 +1,6 @@
 //! Where a forward's time goes, by stage (`phaselens bench forward --stages`): while
 //! enabled, the model code's regions (attention, experts, mHC, the LM head) and the
-//! work inside them (matrix products through [`super::flops::Mm`], dequantisation of
+//! work inside them (matrix products through `flops::Mm`, dequantisation of
 //! stored weights) are timed on the calling thread, each exclusively: a product inside
 //! the attention counts as the attention's products, not as its other work. What no
 //! region or kind claims is the forward's own other work (embedding, norms, RoPE,
@@ -44,7 +44,7 @@ pub enum Region {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Kind {
-    /// Matrix products ([`super::flops::Mm::mm`]).
+    /// Matrix products (`flops::Mm::mm`).
     Products,
     /// Dequantising stored weights (FP8 / FP4 / GGUF blocks) into f32 / bf16 tensors.
     Dequant,

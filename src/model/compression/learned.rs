@@ -2,7 +2,7 @@
 //! belongs to the model and the overlay it is applied with.
 //!
 //! A folder holds two files, written by `phaselens train` on a `[compressor]` recipe
-//! ([`crate::train::compressor`]):
+//! (`src/train/compressor/`):
 //! - `compressor.safetensors`: per layer `l`, `blocks.{l}.key_gate.weight` and
 //!   `blocks.{l}.value_gate.weight` (`[kv_heads * g, d_model]`, g = 1 for scalar
 //!   gates, `d_head` for vector gates) and `blocks.{l}.key_gate_bias`,

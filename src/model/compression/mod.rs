@@ -115,7 +115,7 @@ pub enum Overlay {
     /// A trained compressor (DeepSeek-V4-style): per window, softmax-gated pooling of the
     /// keys and of the values, with per-token gate logits from the layer's input and a
     /// per-offset gate bias, distilled on the frozen model by `phaselens train` on a
-    /// `[compressor]` recipe ([`crate::train::compressor`]).
+    /// `[compressor]` recipe (`src/train/compressor/`).
     Learned {
         /// The trained compressor's folder (`compressor.json` +
         /// `compressor.safetensors`), relative to the working directory.
