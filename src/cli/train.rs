@@ -119,7 +119,7 @@ fn run_compressor(args: &TrainArgs) -> Result<()> {
             last.accuracy,
             s.final_step,
             file.train.steps,
-            s.out_dir.display()
+            s.model_dir.display()
         ),
     }
     Ok(())

@@ -159,7 +159,8 @@ pub struct TrainSummary {
     pub final_step: u64,
     /// Every logged step.
     pub history: Vec<LogRow>,
-    /// The trained model folder.
+    /// The trained model folder (for a compressor: its folder, written after every
+    /// invocation).
     pub model_dir: PathBuf,
 }
 
@@ -460,19 +461,7 @@ impl<M: Module + LanguageModel> Training<'_, M> {
 
     /// The training progress bar (hidden without `progress`), at `start` of `total`.
     fn progress_bar(&self, progress: bool, total: u64, start: u64) -> ProgressBar {
-        let bar = if progress {
-            ProgressBar::new(total)
-        } else {
-            ProgressBar::hidden()
-        };
-        bar.set_style(
-            ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps  {msg}  eta {eta}")
-                .expect("template")
-                .progress_chars("=> "),
-        );
-        bar.set_prefix(self.file.organism.name.clone());
-        bar.set_position(start);
-        bar
+        steps_bar(progress, total, start, &self.file.organism.name)
     }
 
     /// Save a checkpoint after step `row` (removing the old checkpoints first when
@@ -544,6 +533,24 @@ impl<M: Module + LanguageModel> Training<'_, M> {
             &self.hash,
         )
     }
+}
+
+/// A bar of training steps named `name` (hidden without `progress`), at `start` of
+/// `total`.
+pub(crate) fn steps_bar(progress: bool, total: u64, start: u64, name: &str) -> ProgressBar {
+    let bar = if progress {
+        ProgressBar::new(total)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps  {msg}  eta {eta}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(name.to_string());
+    bar.set_position(start);
+    bar
 }
 
 /// The progress of a run on its bar: smoothed loss, batch accuracy, throughput.

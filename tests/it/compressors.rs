@@ -75,7 +75,7 @@ checkpoint_every = 1
     p
 }
 
-fn run(path: &Path, max_steps: Option<u64>) -> phaselens::train::compressor::CompressorSummary {
+fn run(path: &Path, max_steps: Option<u64>) -> phaselens::train::TrainSummary {
     let file = CompressorFile::load(path).unwrap();
     let opts = TrainOptions {
         fresh: false,
@@ -134,7 +134,7 @@ fn a_trained_compressor_resumes_loads_and_is_checked() {
     );
     let second = run(&resumed, None);
     assert_eq!(second.resumed_from, Some(2));
-    let (a, b) = (gates(&s.out_dir), gates(&second.out_dir));
+    let (a, b) = (gates(&s.model_dir), gates(&second.model_dir));
     assert_eq!(a.len(), 4 * 30, "4 tensors per layer");
     let mut moved = 0.0f32;
     for ((na, va), (nb, vb)) in a.iter().zip(&b) {
@@ -145,7 +145,7 @@ fn a_trained_compressor_resumes_loads_and_is_checked() {
     assert!(moved > 0.0, "training left every gate at zero");
 
     // The folder is a `learned` overlay of SmolLM2.
-    let m = load_model_overlaid(&model, &dev(), Residency::F32, &overlay(&s.out_dir, 8)).unwrap();
+    let m = load_model_overlaid(&model, &dev(), Residency::F32, &overlay(&s.model_dir, 8)).unwrap();
     let t = Tensor::<2, Int>::from_data(
         TensorData::new((1..41).collect::<Vec<i64>>(), [1, 40]),
         &dev(),
@@ -160,7 +160,7 @@ fn a_trained_compressor_resumes_loads_and_is_checked() {
             .expect("must be refused")
             .to_string()
     };
-    let e = err(&overlay(&s.out_dir, 16));
+    let e = err(&overlay(&s.model_dir, 16));
     assert!(
         e.contains("compression.window") && e.contains("trained with window = 8"),
         "{e}"
@@ -168,11 +168,11 @@ fn a_trained_compressor_resumes_loads_and_is_checked() {
     let other = tmp.path().join("other-model");
     std::fs::create_dir_all(&other).unwrap();
     std::fs::copy(
-        s.out_dir.join("compressor.safetensors"),
+        s.model_dir.join("compressor.safetensors"),
         other.join("compressor.safetensors"),
     )
     .unwrap();
-    let json = std::fs::read_to_string(s.out_dir.join("compressor.json")).unwrap();
+    let json = std::fs::read_to_string(s.model_dir.join("compressor.json")).unwrap();
     std::fs::write(
         other.join("compressor.json"),
         json.replace("\"n_layers\": 30", "\"n_layers\": 18"),

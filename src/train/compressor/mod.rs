@@ -44,15 +44,14 @@ use std::time::Instant;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use self::data::DataConfig;
 use super::{
-    CheckpointMeta, LogRow, TrainConfig, TrainOptions, latest_checkpoint, lr_at, optimizer,
-    save_checkpoint, write_loss_curve,
+    CheckpointMeta, LogRow, TrainConfig, TrainOptions, TrainSummary, latest_checkpoint, lr_at,
+    optimizer, save_checkpoint, write_loss_curve,
 };
 use crate::error::{Error, Result, ResultExt};
 use crate::model::compression::learned::{self, CompressorMeta, ModelIdentity};
@@ -205,26 +204,13 @@ fn load_base(path: &Path, device: &Device) -> Result<KvcModel> {
     }
 }
 
-/// The outcome of a compressor training.
-#[derive(Debug, Clone)]
-pub struct CompressorSummary {
-    /// The checkpoint step the run resumed from (`None`: a fresh start).
-    pub resumed_from: Option<u64>,
-    /// Steps done at the end.
-    pub final_step: u64,
-    /// Every logged step (`loss` is the KL, `accuracy` the top-1 agreement).
-    pub history: Vec<LogRow>,
-    /// The output folder (written when the last step is done).
-    pub out_dir: PathBuf,
-}
-
 /// Train (or resume) the compressor of the recipe `file` (at `path`).
 pub fn train(
     path: &Path,
     file: &CompressorFile,
     device: &Device,
     opts: &TrainOptions,
-) -> Result<CompressorSummary> {
+) -> Result<TrainSummary> {
     if opts.max_steps == Some(0) {
         return Err(Error::Input("--max-steps 0 would train nothing".into()));
     }
@@ -278,11 +264,11 @@ pub fn train(
             &trainer.hash,
         )?;
     }
-    Ok(CompressorSummary {
+    Ok(TrainSummary {
         resumed_from,
         final_step: total.max(start),
         history,
-        out_dir,
+        model_dir: out_dir,
     })
 }
 
@@ -477,18 +463,7 @@ impl Trainer<'_> {
     ) -> Result<(KvcModel, Vec<LogRow>)> {
         let tc = &self.file.train;
         let per_step = (tc.batch_size * self.file.data.seq_len()) as u64;
-        let bar = if opts.progress {
-            ProgressBar::new(total)
-        } else {
-            ProgressBar::hidden()
-        };
-        bar.set_style(
-            ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps  {msg}  eta {eta}")
-                .expect("template")
-                .progress_chars("=> "),
-        );
-        bar.set_prefix(self.file.compressor.name.clone());
-        bar.set_position(start);
+        let bar = super::steps_bar(opts.progress, total, start, &self.file.compressor.name);
         let t0 = Instant::now();
         for step in start..total {
             let (next, kl, agree) = self.step(student, &mut optim, step)?;
