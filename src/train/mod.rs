@@ -474,30 +474,13 @@ impl<M: Module + LanguageModel> Training<'_, M> {
         history: &[LogRow],
         drop_old: &mut bool,
     ) -> Result<()> {
-        if std::mem::take(drop_old) {
-            let old = self.run.join("checkpoints");
-            if old.exists() {
-                std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
-            }
-        }
-        let meta = CheckpointMeta {
-            step: row.step + 1,
-            loss: row.loss,
-            tokens_seen: row.tokens_seen,
-            config_hash: self.hash.clone(),
-            phaselens_version: env!("CARGO_PKG_VERSION").into(),
-            phaselens_commit: Some(env!("PHASELENS_GIT_COMMIT").into()),
-            history: history.to_vec(),
+        let run = RunDir {
+            run: &self.run,
+            name: &self.file.organism.name,
+            hash: &self.hash,
+            keep: self.file.train.keep_checkpoints,
         };
-        save_checkpoint(
-            &self.run,
-            model,
-            self.save,
-            optim,
-            &meta,
-            self.file.train.keep_checkpoints,
-        )?;
-        write_loss_curve(&self.run, &self.file.organism.name, history, &self.hash)
+        run.checkpoint(model, self.save, optim, (row, history), drop_old)
     }
 
     /// Save the finished model into `out`, with `training.json` and the loss curve.
@@ -636,9 +619,50 @@ pub(crate) fn write_loss_curve(
     Ok(())
 }
 
+/// A training run's folder: its checkpoints and loss curve, the run's name and recipe
+/// hash, and how many checkpoints it keeps (organisms and learned compressors alike).
+pub(crate) struct RunDir<'a> {
+    pub run: &'a Path,
+    pub name: &'a str,
+    pub hash: &'a str,
+    pub keep: usize,
+}
+
+impl RunDir<'_> {
+    /// Save the checkpoint after step `row` (the old checkpoints go first while
+    /// `drop_old` is still set: a `--fresh` run's first save) and the loss curve of
+    /// `history` so far.
+    pub(crate) fn checkpoint<M: Module>(
+        &self,
+        model: &M,
+        save: Save<M>,
+        optim: &ModuleOptimizer,
+        (row, history): (&LogRow, &[LogRow]),
+        drop_old: &mut bool,
+    ) -> Result<()> {
+        if std::mem::take(drop_old) {
+            let old = self.run.join("checkpoints");
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+            }
+        }
+        let meta = CheckpointMeta {
+            step: row.step + 1,
+            loss: row.loss,
+            tokens_seen: row.tokens_seen,
+            config_hash: self.hash.to_string(),
+            phaselens_version: env!("CARGO_PKG_VERSION").into(),
+            phaselens_commit: Some(env!("PHASELENS_GIT_COMMIT").into()),
+            history: history.to_vec(),
+        };
+        save_checkpoint(self.run, model, save, optim, &meta, self.keep)?;
+        write_loss_curve(self.run, self.name, history, self.hash)
+    }
+}
+
 /// Write checkpoint `meta.step` (model, optimizer state, then `meta.json`, whose presence
 /// marks it complete) and drop the oldest checkpoints beyond `keep`.
-pub(crate) fn save_checkpoint<M: Module>(
+fn save_checkpoint<M: Module>(
     run: &Path,
     model: &M,
     save: Save<M>,

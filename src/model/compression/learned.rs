@@ -125,7 +125,8 @@ impl CompressorMeta {
     }
 }
 
-/// The kvc compression of a learned compressor: softmax gates with a per-offset bias.
+/// The kvc compression of a pooling overlay: `gate` `uniform` is `pool` (the mean, no
+/// parameter), `scalar` / `vector` is `learned` (softmax gates with a per-offset bias).
 pub fn compression(
     window: usize,
     stride: usize,
@@ -137,7 +138,7 @@ pub fn compression(
         stride,
         local_tail: local,
         gate,
-        gate_bias: true,
+        gate_bias: gate != GateMode::Uniform,
         window_offsets: Vec::new(),
     }
 }

@@ -163,10 +163,6 @@ impl KvcModel {
             } => {
                 // Uniform gates without a bias: no parameter is drawn.
                 let cc = learned::compression(window, stride, local, GateMode::Uniform);
-                let cc = CompressionConfig {
-                    gate_bias: false,
-                    ..cc
-                };
                 self.with_compressors(cc, &RandomInit { seed: 0 })
             }
             Overlay::Learned {

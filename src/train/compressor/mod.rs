@@ -50,8 +50,8 @@ use serde::{Deserialize, Serialize};
 
 use self::data::DataConfig;
 use super::{
-    CheckpointMeta, LogRow, TrainConfig, TrainOptions, TrainSummary, latest_checkpoint, lr_at,
-    optimizer, save_checkpoint, write_loss_curve,
+    LogRow, RunDir, TrainConfig, TrainOptions, TrainSummary, latest_checkpoint, lr_at, optimizer,
+    write_loss_curve,
 };
 use crate::error::{Error, Result, ResultExt};
 use crate::model::compression::learned::{self, CompressorMeta, ModelIdentity};
@@ -502,23 +502,18 @@ impl Trainer<'_> {
         row: &LogRow,
         history: &[LogRow],
     ) -> Result<()> {
-        if std::mem::take(&mut self.drop_old) {
-            let old = self.run.join("checkpoints");
-            if old.exists() {
-                std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
-            }
-        }
-        let meta = CheckpointMeta {
-            step: row.step + 1,
-            loss: row.loss,
-            tokens_seen: row.tokens_seen,
-            config_hash: self.hash.clone(),
-            phaselens_version: env!("CARGO_PKG_VERSION").into(),
-            phaselens_commit: Some(env!("PHASELENS_GIT_COMMIT").into()),
-            history: history.to_vec(),
+        let run = RunDir {
+            run: &self.run,
+            name: &self.file.compressor.name,
+            hash: &self.hash,
+            keep: self.file.train.keep_checkpoints,
         };
-        let keep = self.file.train.keep_checkpoints;
-        save_checkpoint(&self.run, student, &save_gates, optim, &meta, keep)?;
-        write_loss_curve(&self.run, &self.file.compressor.name, history, &self.hash)
+        run.checkpoint(
+            student,
+            &save_gates,
+            optim,
+            (row, history),
+            &mut self.drop_old,
+        )
     }
 }
