@@ -219,3 +219,23 @@ fn compressor_recipe_errors_name_the_key() {
         assert!(e.contains(key), "{key}: {e}");
     }
 }
+
+#[test]
+fn sampling_refuses_non_finite_logits_and_follows_the_temperature() {
+    use phaselens::train::compressor::data::draw;
+    use rand::SeedableRng;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    assert_eq!(draw(&[0.0, f32::NAN, 1.0], 1.0, &mut rng), None);
+    assert_eq!(draw(&[0.0, f32::INFINITY], 1.0, &mut rng), None);
+    assert_eq!(draw(&[], 1.0, &mut rng), None);
+    // A cold temperature takes the argmax; a hot one spreads over both tokens.
+    let cold: Vec<u32> = (0..50)
+        .map(|_| draw(&[0.0, 2.0], 0.01, &mut rng).unwrap())
+        .collect();
+    assert!(cold.iter().all(|&t| t == 1));
+    let hot: Vec<u32> = (0..200)
+        .map(|_| draw(&[0.0, 0.1], 10.0, &mut rng).unwrap())
+        .collect();
+    let ones = hot.iter().filter(|&&t| t == 1).count();
+    assert!((60..140).contains(&ones), "{ones} of 200");
+}

@@ -201,15 +201,24 @@ fn sample(
             .map_err(|e| Error::Other(format!("reading logits back: {e:?}")))?;
         let v = logits.len() / b;
         for (r, seq) in seqs.iter_mut().enumerate() {
-            seq.push(draw(&logits[r * v..(r + 1) * v], cfg.temperature, rng));
+            let next = draw(&logits[r * v..(r + 1) * v], cfg.temperature, rng).ok_or_else(|| {
+                Error::Other(format!(
+                    "the model's logits are not finite at position {t} of a distillation sequence"
+                ))
+            })?;
+            seq.push(next);
         }
         bar.inc(b as u64);
     }
     Ok(seqs)
 }
 
-/// A token drawn from `softmax(logits / temperature)`.
-pub fn draw(logits: &[f32], temperature: f64, rng: &mut ChaCha8Rng) -> u32 {
+/// A token drawn from `softmax(logits / temperature)`; `None` when a logit is not
+/// finite.
+pub fn draw(logits: &[f32], temperature: f64, rng: &mut ChaCha8Rng) -> Option<u32> {
+    if logits.is_empty() || logits.iter().any(|x| !x.is_finite()) {
+        return None;
+    }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let w: Vec<f64> = logits
         .iter()
@@ -220,8 +229,8 @@ pub fn draw(logits: &[f32], temperature: f64, rng: &mut ChaCha8Rng) -> u32 {
     for (i, wi) in w.iter().enumerate() {
         u -= wi;
         if u <= 0.0 {
-            return i as u32;
+            return Some(i as u32);
         }
     }
-    (w.len() - 1) as u32
+    Some((w.len() - 1) as u32)
 }
