@@ -68,6 +68,7 @@ examples:
     cargo run --quiet --features {{features}} --example cache_and_patch
     cargo run --quiet --features {{features}} --example audit
     cargo run --quiet --features {{features}} --example pretrained
+    cargo run --quiet --features {{features}} --example compressor
     just dependent
 
 # Build and run examples/dependent, a crate that depends on phaselens by path, as a new
