@@ -16,6 +16,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
+/// How durable an atomic write is. Both are atomic for readers and survive the writer
+/// being killed (`kill -9`: the renamed file is in the kernel's page cache); they differ
+/// on an operating-system crash or power loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Fsync the file before the rename and the directory after it: the new file
+    /// survives a crash once the write returns (tables, checkpoints).
+    Synced,
+    /// No fsync: after a crash the file may be missing, empty or truncated. For caches
+    /// whose readers validate every file and recompute what does not read (the runner's
+    /// shards, `runner::store`): two fsyncs per file cost more than the data.
+    Unsynced,
+}
+
 /// A temporary file next to `target` that is deleted on drop unless
 /// [`TempFile::commit`] renamed it into place.
 #[derive(Debug)]
@@ -58,7 +72,17 @@ impl TempFile {
 
     /// Fsyncs the temporary file, renames it onto the target and fsyncs the
     /// directory (best effort on platforms where directories cannot be opened).
-    pub fn commit(mut self) -> io::Result<()> {
+    pub fn commit(self) -> io::Result<()> {
+        self.commit_as(Durability::Synced)
+    }
+
+    /// Renames the temporary file onto the target, with fsyncs as `durability` says.
+    pub fn commit_as(mut self, durability: Durability) -> io::Result<()> {
+        if durability == Durability::Unsynced {
+            fs::rename(&self.path, &self.target)?;
+            self.committed = true;
+            return Ok(());
+        }
         File::open(&self.path)?.sync_all()?;
         fs::rename(&self.path, &self.target)?;
         self.committed = true;
@@ -192,6 +216,16 @@ pub fn write_atomic<E>(
     write: impl FnOnce(&mut File) -> Result<(), E>,
     io_err: impl Fn(io::Error) -> E,
 ) -> Result<(), E> {
+    write_atomic_as(target, write, io_err, Durability::Synced)
+}
+
+/// [`write_atomic`] with the fsyncs that `durability` asks for.
+pub fn write_atomic_as<E>(
+    target: &Path,
+    write: impl FnOnce(&mut File) -> Result<(), E>,
+    io_err: impl Fn(io::Error) -> E,
+    durability: Durability,
+) -> Result<(), E> {
     let tmp = TempFile::for_target(target).map_err(&io_err)?;
     let mut file = OpenOptions::new()
         .write(true)
@@ -201,7 +235,7 @@ pub fn write_atomic<E>(
     write(&mut file)?;
     file.flush().map_err(&io_err)?;
     drop(file);
-    tmp.commit().map_err(&io_err)
+    tmp.commit_as(durability).map_err(&io_err)
 }
 
 /// Atomically writes `bytes` to `target`.

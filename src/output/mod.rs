@@ -27,7 +27,8 @@ pub(crate) mod schema;
 pub(crate) mod table;
 
 pub use atomic::{
-    clean_stale_temps, committed_files, is_temp_name, write_atomic, write_bytes_atomic,
+    Durability, clean_stale_temps, committed_files, is_temp_name, write_atomic, write_atomic_as,
+    write_bytes_atomic,
 };
 pub use figure::{
     BandSeries, BarProfileSpec, ColorScale, FigureError, FigureFiles, FigureSpec, HeatmapSpec,

@@ -22,7 +22,7 @@ use arrow::ipc::reader::FileReader;
 use arrow::ipc::writer::FileWriter;
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 
-use super::atomic::write_atomic;
+use super::atomic::{Durability, write_atomic_as};
 
 /// Metadata key: the phaselens version that wrote the table.
 pub const META_VERSION: &str = "phaselens.version";
@@ -573,6 +573,16 @@ impl Table {
     /// # Errors
     /// I/O or Arrow errors naming `path`; on error `path` is unchanged.
     pub fn write_arrow(&self, path: impl AsRef<Path>) -> Result<()> {
+        self.write_arrow_as(path, Durability::Synced)
+    }
+
+    /// [`Table::write_arrow`] with the fsyncs that `durability` asks for
+    /// ([`Durability::Unsynced`]: atomic and safe against `kill -9`, not against a
+    /// crash of the machine; for caches that validate what they read).
+    ///
+    /// # Errors
+    /// I/O or Arrow errors naming `path`; on error `path` is unchanged.
+    pub fn write_arrow_as(&self, path: impl AsRef<Path>, durability: Durability) -> Result<()> {
         let path = path.as_ref();
         let arrow_err = |source| TableError::Arrow {
             path: path.to_path_buf(),
@@ -583,7 +593,7 @@ impl Table {
             path: path.to_path_buf(),
             source,
         };
-        write_atomic(
+        write_atomic_as(
             path,
             |file: &mut File| -> Result<()> {
                 let mut writer =
@@ -598,6 +608,7 @@ impl Table {
                 Ok(())
             },
             io_err,
+            durability,
         )
     }
 

@@ -932,6 +932,45 @@ fn an_invalid_edit_deletes_no_finished_shard_and_reverting_resumes() {
     assert_eq!(again.stats.cells_resumed, first.stats.cells_computed);
 }
 
+/// Shards are written without fsyncs (src/runner/store.rs): what a crash of the machine
+/// can leave (an empty shard, a truncated one, a foreign file under a shard's name) must
+/// be recomputed, never read, and the run must end with the tables of an intact run.
+#[test]
+fn shards_a_crash_damaged_are_recomputed_and_the_tables_match() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+    let exp = experiment(d, "crash.toml", PATCH);
+    let mut o = opts(d);
+    o.figures = false;
+    let first = run_experiment(&exp, &o).unwrap();
+    let data = d.join("notebooks-data/crash");
+    let table = std::fs::read(data.join("heads.arrow")).unwrap();
+    let shards = shard_files(&data);
+    assert!(shards.len() >= 3, "{} shards", shards.len());
+    std::fs::write(&shards[0].0, b"").unwrap();
+    std::fs::write(&shards[1].0, &shards[1].1[..shards[1].1.len() / 2]).unwrap();
+    std::fs::write(&shards[2].0, vec![0u8; shards[2].1.len()]).unwrap();
+    let again = run_experiment(&exp, &o).unwrap();
+    assert!(
+        again.stats.cells_computed > 0,
+        "the damaged shards were recomputed"
+    );
+    assert!(
+        again.stats.cells_resumed > 0,
+        "the intact shards were resumed"
+    );
+    assert_eq!(
+        again.stats.cells_computed + again.stats.cells_resumed,
+        first.stats.cells_computed
+    );
+    assert_eq!(std::fs::read(data.join("heads.arrow")).unwrap(), table);
+    let repaired = shard_files(&data);
+    for i in 0..3 {
+        assert_eq!(repaired[i].1, shards[i].1, "shard {} rewritten", i);
+    }
+}
+
 #[test]
 fn stale_temp_files_are_never_read_and_are_cleaned_at_the_next_run() {
     let dir = tempfile::tempdir().unwrap();
