@@ -35,6 +35,10 @@ enum Command {
         /// (a model folder, or a `.gguf` file).
         #[arg(long, value_name = "PATH")]
         model: Option<std::path::PathBuf>,
+        /// With --model: the points under a compression overlay, e.g.
+        /// `kind=evict,chunk=8,keep=0.25,observe=16` (the keys of `[model.compression]`).
+        #[arg(long, value_name = "KEY=VALUE,...", requires = "model")]
+        compression: Option<phaselens::model::compression::Overlay>,
     },
     /// Speed benchmarks (ratios within one run).
     Bench(cli::bench::BenchArgs),
@@ -67,7 +71,11 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Forward(a) => cli::forward::run(a),
-        Command::Hooks { markdown, model } => cli::hooks::run(markdown, model.as_deref()),
+        Command::Hooks {
+            markdown,
+            model,
+            compression,
+        } => cli::hooks::run(markdown, model.as_deref(), compression.as_ref()),
         Command::Bench(a) => cli::bench::run(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Train(a) => cli::train::run(a),

@@ -1,5 +1,6 @@
 //! `phaselens hooks`: list every hook point with its shape; with `--model`, the points
-//! that model exposes and their shapes on a short prompt.
+//! that model exposes and their shapes on a short prompt (with `--compression`, under
+//! that overlay: e.g. `evict`'s chunk scores and kept chunks).
 
 use std::path::Path;
 
@@ -7,10 +8,11 @@ use anyhow::{Context, Result};
 use burn::tensor::{Int, Tensor, TensorData};
 
 use phaselens::hooks::{HookSpec, Site};
+use phaselens::model::compression::Overlay;
 
-pub fn run(markdown: bool, model: Option<&Path>) -> Result<()> {
+pub fn run(markdown: bool, model: Option<&Path>, overlay: Option<&Overlay>) -> Result<()> {
     if let Some(dir) = model {
-        return of_model(dir);
+        return of_model(dir, overlay);
     }
     if markdown {
         print!("{}", phaselens::hooks::markdown_table());
@@ -29,15 +31,27 @@ pub fn run(markdown: bool, model: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-/// The points `dir`'s model fills on a forward of 4 tokens (batch 1), grouped over
-/// layers: `blocks.{0..29}.attn.hook_z  [1, 4, 9, 64]`.
-fn of_model(dir: &Path) -> Result<()> {
+/// The points `dir`'s model (under `overlay`, if any) fills on a forward of 4 tokens
+/// (batch 1; an `evict` overlay: as many tokens as its observation window and decode
+/// tokens plus two chunks, so that it has chunks to score), grouped over layers:
+/// `blocks.{0..29}.attn.hook_z  [1, 4, 9, 64]`.
+fn of_model(dir: &Path, overlay: Option<&Overlay>) -> Result<()> {
     let device = phaselens::device::DeviceSpec::Cpu.device()?;
-    let model = phaselens::model::load_model(dir, &device)
+    let residency = phaselens::model::stored::Residency::default();
+    let model = phaselens::model::load_model_as(dir, &device, residency, overlay)
         .with_context(|| format!("loading model {}", dir.display()))?;
     let info = model.info();
-    let ids: Vec<i64> = (0..4).map(|i| (i % info.vocab_size) as i64).collect();
-    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, 4]), &device);
+    let len = match overlay {
+        Some(&Overlay::Evict {
+            chunk,
+            observe,
+            decode,
+            ..
+        }) => observe + decode + 2 * chunk,
+        _ => 4,
+    };
+    let ids: Vec<i64> = (0..len).map(|i| (i % info.vocab_size) as i64).collect();
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, len]), &device);
     let spec = HookSpec::new().capture("**")?;
     let out = model.forward(tokens, &spec)?;
     // suffix -> (layers, shape), in first-seen order.
@@ -57,8 +71,11 @@ fn of_model(dir: &Path) -> Result<()> {
             None => rows.push((suffix, layer.into_iter().collect(), shape)),
         }
     }
+    if let Some(o) = overlay {
+        println!("under the overlay {o}");
+    }
     println!(
-        "{} ({} layers, {} heads, {} KV heads, d_head {}): {} hook points on a [1, 4] prompt",
+        "{} ({} layers, {} heads, {} KV heads, d_head {}): {} hook points on a [1, {len}] prompt",
         info.arch,
         info.n_layers(),
         info.n_heads,

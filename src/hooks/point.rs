@@ -81,13 +81,17 @@ pub enum Site {
     /// kv_norm, before RoPE; K = V).
     CompressedV,
     /// `attn.indexer.hook_scores`: lightning-indexer scores of each compressed entry,
-    /// before causal masking (DeepSeek-V4 CSA).
+    /// before causal masking (DeepSeek-V4 CSA); the `select` overlay's block scores per
+    /// query; the `evict` overlay's chunk scores (`[batch, chunk]`, one row per
+    /// sequence: the observation window's attention mass on each chunk).
     IndexerScores,
     /// `attn.indexer.hook_selected`: the indexer's choice per query (DeepSeek-V4 CSA): 1.0
     /// = entry kept by the top-k of the closed entries, 0.0 = not. An intervention changes
     /// what the query reads: values > 0.5 are read (any number of them), entries not yet
     /// closed at the query stay unread; touching this point runs the layer as one dense
-    /// block.
+    /// block. The `select` overlay: the blocks each query keeps; the `evict` overlay:
+    /// the kept chunks (`[batch, chunk]`, 1.0 = kept for every query from the
+    /// observation window on).
     IndexerSelected,
     /// `attn.indexer.hook_topk`: indices of the entries the indexer's top-k kept (before
     /// any hook_selected intervention), in ascending order (as f32; -1 = none; capture
@@ -245,10 +249,10 @@ sites! {
         "pooled (compressed) keys, before RoPE (DeepSeek-V4: after the compressor's kv_norm)"),
     CompressedV => ("attn.compressor.hook_compressed_v", true, "[batch, entry, kv_head, d_head]", Some(1), Entries, Some((2, Kv)),
         "pooled (compressed) values (DeepSeek-V4: after kv_norm, before RoPE; K = V)"),
-    IndexerScores => ("attn.indexer.hook_scores", true, "[batch, query_pos, entry]", Some(1), Tokens, None,
-        "lightning-indexer scores of each compressed entry, before causal masking (DeepSeek-V4 CSA)"),
-    IndexerSelected => ("attn.indexer.hook_selected", true, "[batch, query_pos, entry]", Some(1), Tokens, None,
-        "the indexer's choice per query (DeepSeek-V4 CSA): 1.0 = entry kept by the top-k of the closed entries, 0.0 = not. An intervention changes what the query reads: values > 0.5 are read (any number of them), entries not yet closed at the query stay unread; touching this point runs the layer as one dense block"),
+    IndexerScores => ("attn.indexer.hook_scores", true, "[batch, query_pos, entry] (select overlay: entry = block; evict overlay: [batch, chunk])", Some(1), Tokens, None,
+        "lightning-indexer scores of each compressed entry, before causal masking (DeepSeek-V4 CSA). `select` overlay: each block's score per query (Quest's bound or the mean key, max over the layer's query heads), before the candidate mask. `evict` overlay: one row per sequence, each chunk's attention mass from the observation window (softmax over each window query's visible keys, summed over query heads, window queries and the chunk's tokens before the window; chunks tile the tokens before the window, boundaries at offset + i * chunk); the top `keep` fraction is kept. An intervention changes what is kept"),
+    IndexerSelected => ("attn.indexer.hook_selected", true, "[batch, query_pos, entry] (select overlay: entry = block; evict overlay: [batch, chunk])", Some(1), Tokens, None,
+        "the indexer's choice per query (DeepSeek-V4 CSA): 1.0 = entry kept by the top-k of the closed entries, 0.0 = not. An intervention changes what the query reads: values > 0.5 are read (any number of them), entries not yet closed at the query stay unread; touching this point runs the layer as one dense block. `select` overlay: 1.0 = block kept by the query (a patched choice may keep any candidate block: one holding a token before the query's raw window). `evict` overlay: one row per sequence, 1.0 = chunk kept, 0.0 = evicted, for every query from the observation window on; a patched mask (values > 0.5 kept, any number) changes which chunks those queries read (the prefill's queries, the window, the decode tokens and the sinks are never evicted)"),
     IndexerTopk => ("attn.indexer.hook_topk", true, "[batch, query_pos, k]", Some(1), Tokens, None,
         "indices of the entries the indexer's top-k kept (before any hook_selected intervention), in ascending order (as f32; -1 = none; capture only); top-k rule: among equal scores the lower index wins"),
     HcPre => ("attn_hc.hook_pre", true, "[batch, pos, hc_mult]", Some(1), Tokens, None,

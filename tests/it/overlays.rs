@@ -289,3 +289,193 @@ fn suffix_forwards_over_the_state_equal_the_full_forward() {
         }
     }
 }
+
+/// Every layer's `[b, h, t, slots]` plain attention pattern of `m` on `t` (raw tokens
+/// first, then the sink).
+fn patterns(m: &KvcModel, t: Tensor<2, Int>, layers: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
+    let spec = HookSpec::new()
+        .capture("blocks.*.attn.hook_pattern")
+        .unwrap();
+    let out = m.forward(t, &spec).unwrap();
+    (0..layers)
+        .map(|l| {
+            let a = out
+                .cache
+                .get_name(&format!("blocks.{l}.attn.hook_pattern"))
+                .unwrap();
+            (a.shape().to_vec(), a.to_vec())
+        })
+        .collect()
+}
+
+/// The chunk of token `j` on a grid of `chunk`-token chunks whose boundaries sit at
+/// `offset + i * chunk` (tokens before `offset` form chunk 0).
+fn chunk_of(j: usize, chunk: usize, offset: usize) -> usize {
+    if j < offset {
+        0
+    } else {
+        (j - offset) / chunk + usize::from(offset > 0)
+    }
+}
+
+/// `evict`'s chunk scores from the plain attention pattern `(shape, values)` of one
+/// layer: per row, the observation queries `t0..end`'s attention, renormalised over the
+/// raw tokens (the scores' softmax has no sink), summed over heads, queries and each
+/// chunk's tokens before `t0`.
+fn scores_from_pattern(
+    (shape, p): &(Vec<usize>, Vec<f32>),
+    (t0, end): (usize, usize),
+    (chunk, offset, n): (usize, usize, usize),
+) -> Vec<f32> {
+    let [b, h, t, k] = <[usize; 4]>::try_from(shape.clone()).unwrap();
+    let mut out = vec![0.0f32; b * n];
+    for r in 0..b {
+        for head in 0..h {
+            for q in t0..end {
+                let row = &p[((r * h + head) * t + q) * k..][..k];
+                let raw: f32 = row[..=q].iter().sum();
+                for j in 0..t0 {
+                    out[r * n + chunk_of(j, chunk, offset)] += row[j] / raw;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn evict_hooks_are_the_window_attention_per_chunk_and_its_top_keep() {
+    // 60 tokens, decode 2, observe 10: the window is 48..58; offset 1: chunks {0},
+    // 1..5, ..., 45..49 -> 13 chunks before the window.
+    let (len, t0, end, n) = (60, 48, 58, 13);
+    let spec = HookSpec::new()
+        .capture("blocks.*.attn.indexer.hook_scores")
+        .unwrap()
+        .capture("blocks.*.attn.indexer.hook_selected")
+        .unwrap();
+    let plain = patterns(&model(5), ids(len, 37, 8), 3);
+    let run = |keep: &str| {
+        let o = format!("kind=evict,chunk=4,keep={keep},observe=10,offset=1,decode=2");
+        let m = model(5).with_overlay(&overlay(&o)).unwrap();
+        m.forward(ids(len, 37, 8), &spec).unwrap().cache
+    };
+    // keep = 1 is the plain forward, so every layer's scores are its plain pattern's.
+    let all = run("1");
+    for (l, pat) in plain.iter().enumerate() {
+        let got = all
+            .get_name(&format!("blocks.{l}.attn.indexer.hook_scores"))
+            .unwrap();
+        assert_eq!(got.shape(), &[2, n], "layer {l}");
+        let want = scores_from_pattern(pat, (t0, end), (4, 1, n));
+        let err = max_rel(&got.to_vec(), &want);
+        assert!(err < 1e-4, "layer {l}: relative difference {err:e}");
+        let kept = all
+            .get_name(&format!("blocks.{l}.attn.indexer.hook_selected"))
+            .unwrap();
+        assert!(kept.to_vec().iter().all(|&x| x == 1.0), "layer {l}");
+    }
+    // keep = 0.25: ceil(0.25 * 13) = 4 chunks, the best 4 of layer 0's plain scores.
+    let some = run("0.25");
+    let want = scores_from_pattern(&plain[0], (t0, end), (4, 1, n));
+    let kept = some
+        .get_name("blocks.0.attn.indexer.hook_selected")
+        .unwrap()
+        .to_vec();
+    for r in 0..2 {
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| want[r * n + b].total_cmp(&want[r * n + a]));
+        let mut best = order[..4].to_vec();
+        best.sort_unstable();
+        let got: Vec<usize> = (0..n).filter(|&c| kept[r * n + c] == 1.0).collect();
+        assert_eq!(got, best, "row {r}: scores {:?}", &want[r * n..(r + 1) * n]);
+    }
+}
+
+#[test]
+fn patching_evicts_kept_mask_changes_which_chunks_the_window_reads() {
+    use phaselens::hooks::{Act, Action, HookPoint, Scope, Site};
+    use std::sync::Arc;
+    let (len, v, t0, n) = (60, 37, 50, 13); // observe 10; chunks of 4 before 50
+    let m = model(5)
+        .with_overlay(&overlay("kind=evict,chunk=4,keep=0.25,observe=10"))
+        .unwrap();
+    let t = ids(len, v, 8);
+    let point = |l: usize| HookPoint::block(l, Site::IndexerSelected);
+    let run = |spec: &HookSpec| m.forward(t.clone(), spec).unwrap();
+    let base = vals(run(&HookSpec::new()).logits);
+    // Patching the mask with itself changes nothing.
+    let mut own = HookSpec::new();
+    for l in 0..3 {
+        own = own.capture_point(point(l));
+    }
+    let own = Arc::new(run(&own).cache);
+    let mut same = HookSpec::new();
+    for l in 0..3 {
+        same = same.intervene_point(point(l), Action::Patch(own.clone()), Scope::all());
+    }
+    assert!(max_rel(&vals(run(&same).logits), &base) < 1e-6);
+    // Keeping every chunk in every layer is the plain forward.
+    let ones = || Action::Add(Act::new(Tensor::<2>::ones([1, 1], &dev())));
+    let mut every = HookSpec::new();
+    for l in 0..3 {
+        every = every.intervene_point(point(l), ones(), Scope::all());
+    }
+    let plain = logits(&model(5), t.clone());
+    assert!(max_rel(&base, &plain) > 1e-3);
+    assert!(max_rel(&vals(run(&every).logits), &plain) < 1e-5);
+    // Layer 0 keeps chunk 2 alone (tokens 8..12): from the window on, its attention
+    // reads those tokens and the window, nothing else; before it, everything.
+    let mut only = vec![0.0f32; n];
+    only[2] = 1.0;
+    let only = Tensor::<1>::from_data(TensorData::new(only, [n]), &dev()).reshape([1, n]);
+    let spec = HookSpec::new()
+        .intervene_point(point(0), Action::Replace(Act::new(only)), Scope::all())
+        .capture("blocks.0.attn.hook_pattern")
+        .unwrap();
+    let out = run(&spec);
+    let pat = out.cache.get_name("blocks.0.attn.hook_pattern").unwrap();
+    let [b, h, tq, k] = <[usize; 4]>::try_from(pat.shape().to_vec()).unwrap();
+    let p = pat.to_vec();
+    for r in 0..b {
+        for head in 0..h {
+            for q in [10, t0 - 1, t0, len - 1] {
+                let row = &p[((r * h + head) * tq + q) * k..][..k];
+                for (j, &w) in row[..=q].iter().enumerate() {
+                    let read = q < t0 || j >= t0 || (8..12).contains(&j);
+                    assert_eq!(w > 0.0, read, "row {r} head {head} query {q} key {j}");
+                }
+            }
+        }
+    }
+    let got = vals(out.logits);
+    for r in 0..2 {
+        let at = |x: &[f32], a: usize, z: usize| x[(r * len + a) * v..(r * len + z) * v].to_vec();
+        assert!(max_rel(&at(&got, 0, t0), &at(&base, 0, t0)) < 1e-5);
+        assert!(max_rel(&at(&got, len - 1, len), &at(&base, len - 1, len)) > 1e-4);
+    }
+}
+
+#[test]
+fn hooks_lists_the_points_of_a_model_under_an_overlay() {
+    let dir = tempfile::tempdir().unwrap();
+    phaselens::model::save_kvc(&model(2), dir.path()).unwrap();
+    let model_dir = dir.path().to_str().unwrap();
+    let list = |o: &str| {
+        let out = crate::common::phaselens(&["hooks", "--model", model_dir, "--compression", o]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{o}: {text}");
+        text
+    };
+    // evict: a prompt of observe + 2 chunks, so 2 chunks before the window.
+    let text = list("kind=evict,chunk=4,keep=0.5,observe=8");
+    for name in ["attn.indexer.hook_scores", "attn.indexer.hook_selected"] {
+        let line = text.lines().find(|l| l.contains(name));
+        assert!(
+            line.is_some_and(|l| l.starts_with("blocks.{0..2}.") && l.ends_with("[1, 2]")),
+            "{name} missing or not [1, 2] in every layer:\n{text}"
+        );
+    }
+    let text = list("kind=pool,window=2,stride=2");
+    assert!(text.contains("attn.compressor.hook_key_gate "), "{text}");
+    assert!(!text.contains("attn.indexer."), "{text}");
+}

@@ -5,13 +5,22 @@
 //! within each chunk, scores the chunks; the best `keep` fraction of them stays in the
 //! cache for every query from the observation window on, the rest is gone. Queries
 //! before the window (the prefill itself) see every earlier token.
+//!
+//! Hook points (per layer, once per forward: the eviction is one decision per
+//! sequence): `attn.indexer.hook_scores` `[batch, chunk]`, each chunk's attention mass
+//! from the observation window, and `attn.indexer.hook_selected` `[batch, chunk]`, 1.0
+//! for the kept chunks. Chunks tile the tokens before the window (`chunk` tokens each,
+//! boundaries at `offset + i * chunk`; a chunk reaching into the window counts only its
+//! tokens before it). Changing the scores changes which chunks the top-`keep` keeps;
+//! changing the kept mask (values > 0.5 kept, any number) changes which chunks every
+//! query from the window on reads.
 
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor, TensorData};
 
 use super::select::{Grid, host_mask};
 use crate::error::Result;
-use crate::hooks::HookRun;
+use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::EntrySelector;
 use crate::model::kv_state::Queries;
 use crate::model::topk::topk_mask;
@@ -46,64 +55,98 @@ pub struct ChunkSelector {
 }
 
 impl ChunkSelector {
-    /// The selector for rotated queries `q_all: [b, total, nh, dh]` of EVERY position
-    /// (a suffix forward passes the base run's queries where it does not recompute) and
-    /// rotated keys `k: [b, total, kvh, dh]`, attention scale `scale`.
-    pub fn new(q_all: Tensor<4>, k: Tensor<4>, queries: &Queries, e: Eviction, scale: f64) -> Self {
-        let [b, total, nh, dh] = q_all.dims();
-        let kvh = k.dims()[2];
-        let g = nh / kvh.max(1);
+    /// The selector of layer `layer` for rotated queries `q_all: [b, total, nh, dh]` of
+    /// EVERY position (a suffix forward passes the base run's queries where it does not
+    /// recompute) and rotated keys `k: [b, total, kvh, dh]`, attention scale `scale`.
+    /// The chunk scores go through `attn.indexer.hook_scores` and the kept chunks
+    /// through `attn.indexer.hook_selected` (both `[b, n_chunks]`).
+    pub fn new(
+        layer: usize,
+        (q_all, k): (Tensor<4>, Tensor<4>),
+        queries: &Queries,
+        e: Eviction,
+        scale: f64,
+        hooks: &mut HookRun,
+    ) -> Result<Self> {
+        let [b, total, _, _] = q_all.dims();
         // The prefill ends at `end`; the window is its last `observe` tokens.
         let end = total.saturating_sub(e.decode);
         let t0 = end.saturating_sub(e.observe);
         let grid = Grid::new(e.chunk, e.offset, t0.max(1));
         let device = k.device();
-        let kept = if t0 == 0 {
-            Tensor::<2>::zeros([b, grid.n], &device).greater_elem(0.5)
+        let scores = if t0 == 0 {
+            Tensor::<2>::zeros([b, grid.n], &device)
         } else {
-            let obs = end - t0;
-            // [b, kvh, obs * g, dh] x [b, kvh, dh, total] -> scores of the window's queries.
-            let q = q_all
-                .slice_dim(1, t0..end)
-                .reshape([b, obs, kvh, g, dh])
-                .swap_dims(1, 2)
-                .reshape([b, kvh, obs * g, dh]);
-            let kt = k.permute([0, 2, 3, 1]);
-            let s = q
-                .matmul(kt)
-                .mul_scalar(scale)
-                .reshape([b, kvh, obs, g, total]);
-            // Causal: observation query t0 + i sees keys 0..=t0 + i.
-            let vis: Vec<bool> = (0..obs)
-                .flat_map(|i| (0..total).map(move |j| j <= t0 + i))
-                .collect();
-            let vis = Tensor::<1, Bool>::from_data(TensorData::new(vis, [obs * total]), &device)
-                .reshape([1, 1, obs, 1, total]);
-            let p = softmax(s.mask_fill(vis.bool_not(), f32::NEG_INFINITY), 4);
-            // Attention mass on each token before the window: [b, t0].
-            let mass = p
-                .slice_dim(4, 0..t0)
-                .sum_dim(3)
-                .sum_dim(2)
-                .sum_dim(1)
-                .reshape([b, t0]);
-            let per_chunk = grid
-                .pad(mass, 0.0)
-                .reshape([b, grid.n, e.chunk])
-                .sum_dim(2)
-                .reshape([b, grid.n]);
-            let k = ((e.keep * grid.n as f64).ceil() as usize).clamp(1, grid.n);
-            topk_mask(per_chunk, k)
+            chunk_scores(q_all, k, (t0, end), grid, scale)
         };
-        ChunkSelector {
+        let scores = hooks.apply(HookPoint::block(layer, Site::IndexerScores), scores)?;
+        let mut kept = if t0 == 0 {
+            scores.zeros_like().greater_elem(0.5)
+        } else {
+            let n = ((e.keep * grid.n as f64).ceil() as usize).clamp(1, grid.n);
+            topk_mask(scores, n)
+        };
+        let point = HookPoint::block(layer, Site::IndexerSelected);
+        if hooks.touches(&point) {
+            // 1.0 = kept; an intervention may keep any number of chunks.
+            kept = hooks.apply(point, kept.float())?.greater_elem(0.5);
+        }
+        Ok(ChunkSelector {
             kept,
             grid,
             t0,
             sinks: e.sinks,
             total,
             first: (0..queries.rows()).map(|r| queries.first(r)).collect(),
-        }
+        })
     }
+}
+
+/// `[b, n_chunks]`: the attention mass the observation queries `t0..end` of rotated
+/// `q_all: [b, total, nh, dh]` put on each chunk of `grid` (its tokens before `t0`), a
+/// softmax over the keys `k: [b, total, kvh, dh]` each query sees, summed over query
+/// heads, observation queries and the chunk's tokens.
+fn chunk_scores(
+    q_all: Tensor<4>,
+    k: Tensor<4>,
+    (t0, end): (usize, usize),
+    grid: Grid,
+    scale: f64,
+) -> Tensor<2> {
+    let [b, total, nh, dh] = q_all.dims();
+    let kvh = k.dims()[2];
+    let g = nh / kvh.max(1);
+    let obs = end - t0;
+    let device = k.device();
+    // [b, kvh, obs * g, dh] x [b, kvh, dh, total] -> scores of the window's queries.
+    let q = q_all
+        .slice_dim(1, t0..end)
+        .reshape([b, obs, kvh, g, dh])
+        .swap_dims(1, 2)
+        .reshape([b, kvh, obs * g, dh]);
+    let kt = k.permute([0, 2, 3, 1]);
+    let s = q
+        .matmul(kt)
+        .mul_scalar(scale)
+        .reshape([b, kvh, obs, g, total]);
+    // Causal: observation query t0 + i sees keys 0..=t0 + i.
+    let vis: Vec<bool> = (0..obs)
+        .flat_map(|i| (0..total).map(move |j| j <= t0 + i))
+        .collect();
+    let vis = Tensor::<1, Bool>::from_data(TensorData::new(vis, [obs * total]), &device)
+        .reshape([1, 1, obs, 1, total]);
+    let p = softmax(s.mask_fill(vis.bool_not(), f32::NEG_INFINITY), 4);
+    // Attention mass on each token before the window: [b, t0].
+    let mass = p
+        .slice_dim(4, 0..t0)
+        .sum_dim(3)
+        .sum_dim(2)
+        .sum_dim(1)
+        .reshape([b, t0]);
+    grid.pad(mass, 0.0)
+        .reshape([b, grid.n, grid.block])
+        .sum_dim(2)
+        .reshape([b, grid.n])
 }
 
 impl EntrySelector for ChunkSelector {

@@ -31,9 +31,19 @@
 //!   the frozen model (`phaselens train` on a `[compressor]` recipe). With zero weights
 //!   it is `pool` exactly.
 //!
-//! Hook points (`select`): `attn.indexer.hook_scores` (`[batch, query_pos, block]`,
-//! the block scores) and `attn.indexer.hook_selected` (1.0 for the kept blocks): they
-//! can be captured and patched like any activation.
+//! Hook points, captured and patched like any activation (docs/hooks.md):
+//! - `select`: `attn.indexer.hook_scores` (`[batch, query_pos, block]`, the block
+//!   scores) and `attn.indexer.hook_selected` (1.0 for the blocks each query keeps).
+//! - `evict`: the same two names, one row per sequence (the eviction is decided once,
+//!   when the prefill ends): `attn.indexer.hook_scores` `[batch, chunk]`, each chunk's
+//!   attention mass from the observation window, and `attn.indexer.hook_selected`
+//!   `[batch, chunk]`, 1.0 for the kept chunks; a patched mask changes which chunks
+//!   every query from the window on reads (`evict.rs`).
+//! - `pool` and `learned`: compressed attention's points, `attn.compressor.hook_key_gate`
+//!   / `hook_value_gate` (`[batch, entry, offset, kv_head]`: the pooling weights per
+//!   window offset, uniform for `pool`), `learned`'s gate logits before the softmax
+//!   (`hook_key_gate_logits` / `hook_value_gate_logits`, the per-offset bias included)
+//!   and the pooled entries (`hook_compressed_k` / `hook_compressed_v`).
 //!
 //! | file | what |
 //! |---|---|

@@ -372,7 +372,8 @@ impl Attention {
         // queries (a suffix forward merges its own into the base run's).
         let q_all = flow.full(layer, "overlay_q", q.clone())?;
         let k = rope(k, key_rope);
-        let mut sel = ChunkSelector::new(q_all, k.clone(), flow.queries(), e, scale);
+        let mut sel =
+            ChunkSelector::new(layer, (q_all, k.clone()), flow.queries(), e, scale, hooks)?;
         let keys = Keys {
             entries: Some(Entries {
                 k,
