@@ -227,7 +227,8 @@ pub struct TaskSection {
     #[serde(default)]
     pub allow_period_mismatch: bool,
     /// `kind = "kv" | "passkey" | "needle"`: key-value prompts (`vocab` / `prompt`, the
-    /// default), or a text task with a real tokenizer (phase-sweep only; `[task.text]`).
+    /// default), or a text task with a real tokenizer (phase-sweep and patch-heads;
+    /// `[task.text]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<TaskKind>,
     /// `[task.text]`: the passkey / needle settings (`kind = "passkey" | "needle"`).
@@ -247,6 +248,9 @@ pub enum TaskKind {
     /// A fact sentence inside varied filler.
     Needle,
 }
+
+/// The experiment kinds that run the text tasks (`[task] kind = "passkey" | "needle"`).
+pub const TEXT_TASK_KINDS: [&str; 2] = ["phase-sweep", "patch-heads"];
 
 impl TaskKind {
     /// The text task, for passkey and needle.
@@ -568,13 +572,15 @@ impl Experiment {
         let text = t.kind.and_then(TaskKind::text);
         match text {
             Some(task) => {
-                if self.kind().name() != "phase-sweep" {
+                if !TEXT_TASK_KINDS.contains(&self.kind().name()) {
                     return Err(self.err(
                         "task",
                         "kind",
                         format!(
-                            "kind = \"{}\" runs in experiment kind \"phase-sweep\" only",
-                            task.name()
+                            "kind = \"{}\" runs in experiment kinds {} only (not \"{}\")",
+                            task.name(),
+                            TEXT_TASK_KINDS.map(|k| format!("\"{k}\"")).join(" and "),
+                            self.kind().name()
                         ),
                     ));
                 }

@@ -30,6 +30,7 @@ pub mod report;
 pub(crate) mod rows;
 pub mod setup;
 pub(crate) mod store;
+pub mod text_pairs;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

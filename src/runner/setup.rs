@@ -313,7 +313,13 @@ fn text_set(exp: &Experiment, space: &TokenSpace, cfg: &TextNeedleConfig) -> Res
         pad: space.pad(),
         bos: space.bos(),
     };
-    generate_text_needle_set(tok, specials, cfg).map_err(|e| match &e {
+    generate_text_needle_set(tok, specials, cfg).map_err(|e| text_error(exp, e))
+}
+
+/// A text task's error as a config error of the experiment: `[task] seed` /
+/// `n_logical` / `period` for theirs, else the `[task.text]` key of its field.
+pub(crate) fn text_error(exp: &Experiment, e: TaskError) -> crate::error::Error {
+    match &e {
         TaskError::Config { field, .. }
             if ["n_logical", "period", "seed"].contains(&field.as_str()) =>
         {
@@ -324,7 +330,7 @@ fn text_set(exp: &Experiment, space: &TokenSpace, cfg: &TextNeedleConfig) -> Res
             exp.err("task.text", key, &e)
         }
         _ => exp.err("task", "text", &e),
-    })
+    }
 }
 
 /// `[task] vocab`, else the organism's token space (noted in `provenance`); a model

@@ -51,8 +51,8 @@ pub use kv::{
 };
 pub use needle::{
     FILLER_SENTENCES, Fact, MAX_TEXT_LEN, NEEDLE_INTRO, PASSKEY_INTRO, PASSKEY_QUESTION,
-    PASSKEY_SENTENCE, TextNeedleConfig, TextNeedleExample, TextNeedleSet, TextTask, TextTokens,
-    VALUE_SLOT, builtin_facts, generate_text_needle_set,
+    PASSKEY_SENTENCE, TextCorruption, TextNeedleConfig, TextNeedleExample, TextNeedleSet, TextTask,
+    TextTokens, VALUE_SLOT, builtin_facts, corrupt_text_example, generate_text_needle_set,
 };
 pub use vocab::{HfVocabConfig, SyntheticVocabConfig, TokenRange, TokenSpace, TokenSpaceConfig};
 

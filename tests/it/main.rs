@@ -34,6 +34,7 @@ mod memory_estimates;
 mod model_contract;
 mod organism_v4;
 mod overlays;
+mod patch_text;
 mod placement;
 mod precision;
 mod pretrained;

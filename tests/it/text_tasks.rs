@@ -63,7 +63,7 @@ fn all_texts() -> Vec<String> {
 
 /// A word-level tokenizer over every word the tasks use, digits split one per token
 /// (ids 0..3 = `<pad>`, `<s>`, `<unk>`).
-fn tiny_tokenizer() -> Tokenizer {
+pub(crate) fn tiny_tokenizer() -> Tokenizer {
     let mut words: BTreeSet<String> = all_texts().iter().flat_map(|t| pieces(t)).collect();
     words.extend((0..10).map(|d| d.to_string()));
     let mut vocab = serde_json::Map::new();
@@ -451,7 +451,7 @@ fn experiment_files_take_task_kind_passkey_and_needle_in_phase_sweep_only() {
     parse(&needle).unwrap();
     let cases = [
         (
-            format!("{}kind = \"passkey\"\n", head("patch-heads")),
+            format!("{}kind = \"passkey\"\n", head("ablate-heads")),
             "[task] kind",
         ),
         (

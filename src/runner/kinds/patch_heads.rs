@@ -34,6 +34,7 @@ use super::super::report::{
 };
 use super::super::rows::{RowCtx, baseline_rows, specialization_rows};
 use super::super::setup;
+use super::super::text_pairs::text_group_pairs;
 use super::{Ctx, HeadCell, Kind, KindOutput, base_obs, empty_list, head_cells};
 use crate::tasks::prompts::{PromptMeta, paired_prompts};
 
@@ -150,6 +151,59 @@ fn patch_groups(
     Ok((groups, metas))
 }
 
+/// The groups of a text task (`[task] kind = "passkey" | "needle"`): per phase, the
+/// clean prompts and their partners with another value (`runner::text_pairs`), under
+/// `[task] protocol`, with this kind's cells.
+fn text_groups(
+    cfg: &PatchHeads,
+    ctx: &mut Ctx,
+    heads: &[HeadCell],
+) -> Result<(Vec<Group>, Vec<Vec<PromptMeta>>)> {
+    let set = ctx
+        .task
+        .text_set(ctx.exp, ctx.task.protocol)?
+        .expect("text_groups runs on text tasks");
+    ctx.preflight(set.prompt_len)?;
+    note_evict_prefix(ctx);
+    let tok = ctx
+        .task
+        .space
+        .tokenizer()
+        .expect("text_set checked the tokenizer");
+    let mut groups = Vec::new();
+    let mut metas = Vec::new();
+    for &r in &ctx.task.phases {
+        let (prompts, meta) = text_group_pairs(tok, &set, r, ctx.task.n_logical, |e| {
+            setup::text_error(ctx.exp, e)
+        })?;
+        groups.push(Group {
+            key: format!("p{r}"),
+            cells: patch_cells(cfg, heads, meta.len() / 2),
+            prompts,
+        });
+        metas.push(meta);
+    }
+    Ok((groups, metas))
+}
+
+/// A note when an `evict` overlay meets prefix padding: the rows of a phase group end
+/// at different positions (the pads after the value), so the observation window,
+/// counted from each row's end, moves between rows (in-sequence padding puts nothing
+/// after the value).
+fn note_evict_prefix(ctx: &mut Ctx) {
+    let evict = matches!(
+        ctx.exp.file.model.compression,
+        Some(crate::model::compression::Overlay::Evict { .. })
+    );
+    if evict && ctx.task.protocol == crate::tasks::Protocol::PrefixPadding {
+        let w = "evict overlay under prefix padding: a phase group's prompts are cut after its last read position, so rows whose value comes earlier keep pads after it and their observation window moves; use protocol = \"in_sequence_padding\"".to_string();
+        if ctx.opts.progress != crate::runner::ProgressMode::Hidden {
+            eprintln!("warning: {w}");
+        }
+        ctx.notes.push(w);
+    }
+}
+
 /// The evaluated groups of a run (metas and results of each group) and what their
 /// rows need: the row context, phases, bootstrap settings.
 struct Outcomes<'a> {
@@ -241,8 +295,12 @@ fn run(cfg: &PatchHeads, ctx: &mut Ctx) -> Result<KindOutput> {
         &cfg.heads,
         &cfg.kv_heads,
     )?;
-    let set = ctx.eval_set()?;
-    let (groups, metas) = patch_groups(cfg, ctx, &set, &heads)?;
+    let (groups, metas) = if ctx.task.text.is_some() {
+        text_groups(cfg, ctx, &heads)?
+    } else {
+        let set = ctx.eval_set()?;
+        patch_groups(cfg, ctx, &set, &heads)?
+    };
     let results = ctx.execute(&format!("{} patch-heads", ctx.mref.name), &groups)?;
     let phases = ctx.task.phases.clone();
     let rc = ctx.rows.clone();

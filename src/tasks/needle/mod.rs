@@ -23,6 +23,7 @@
 //! forcing: the logits before each value token must predict it.
 //! The full specification: `docs/prompt_format.md`, section "Passkey and needle".
 
+mod corrupt;
 mod facts;
 mod generate;
 mod pool;
@@ -37,6 +38,7 @@ use tokenizers::Tokenizer;
 
 use super::{Period, Phase, Protocol, TaskError, TaskResult};
 
+pub use corrupt::{TextCorruption, corrupt_text_example};
 pub use facts::{
     Fact, NEEDLE_INTRO, PASSKEY_INTRO, PASSKEY_QUESTION, PASSKEY_SENTENCE, VALUE_SLOT,
     builtin_facts,
