@@ -9,6 +9,10 @@
 //! Key-value tasks run through the batched executor; the text tasks (`[task] kind =
 //! "passkey" | "needle"`, module `text`) score their own forwards and add
 //! `logit_diff_<protocol>` rows (the value against the best wrong value).
+//!
+//! Every model also gets `examples.arrow` (`examples/v1`, module `examples`): one row
+//! per protocol x phase x logical example, assembled from the prompts computed or
+//! resumed from the shards, for statistics over examples from committed tables.
 
 use serde::{Deserialize, Serialize};
 
@@ -25,7 +29,10 @@ use super::super::rows::{baseline_rows, protocol_obs};
 use super::{Ctx, Kind, KindOutput};
 use crate::tasks::prompts::{PromptMeta, clean_prompts};
 
+pub mod examples;
 mod text;
+
+use examples::{ExampleRow, write_examples};
 
 /// `[sweep]` (phase-sweep).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -161,11 +168,30 @@ fn protocol_summary(
     })
 }
 
-/// Write the model's `phase_accuracy` table (+ Parquet copy) and `summary.json` (the
-/// first protocol's numbers at the top, every protocol's under `protocols`).
+/// The `examples` rows of one protocol's observations (the logit difference where the
+/// task computes one).
+fn example_rows(model: &str, o: &text::TextObs) -> Vec<ExampleRow> {
+    o.correct
+        .iter()
+        .enumerate()
+        .map(|(i, &(logical, phase, correct))| ExampleRow {
+            model: model.to_string(),
+            protocol: o.proto.label().to_string(),
+            phase,
+            logical,
+            correct,
+            ld: o.ld.get(i).map(|x| x.2),
+        })
+        .collect()
+}
+
+/// Write the model's `phase_accuracy` and `examples` tables (+ Parquet copies) and
+/// `summary.json` (the first protocol's numbers at the top, every protocol's under
+/// `protocols`).
 fn write_model_files(
     ctx: &Ctx,
     table_rows: &[PhaseAccuracyRow],
+    example_rows: &[ExampleRow],
     first: serde_json::Value,
     per_protocol: serde_json::Map<String, serde_json::Value>,
 ) -> Result<()> {
@@ -174,6 +200,7 @@ fn write_model_files(
     let path = dir.join("phase_accuracy.arrow");
     t.write_arrow(&path)?;
     write_parquet_copy(&path)?;
+    write_examples(&dir, example_rows, ctx.p(), &ctx.exp.text)?;
     let summary = serde_json::json!({
         "model": ctx.mref.name,
         "compressed": ctx.info.compressed(),
@@ -253,6 +280,7 @@ fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
     let phases = ctx.task.phases.clone();
     let mut rows = Vec::new();
     let mut table_rows = Vec::new();
+    let mut examples = Vec::new();
     let mut per_protocol = serde_json::Map::new();
     let mut first: Option<serde_json::Value> = None;
     for o in observed {
@@ -267,6 +295,7 @@ fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
             seed,
         ));
         table_rows.extend(phase_accuracy_rows(&rc.model, proto, &phases, &o.correct));
+        examples.extend(example_rows(&rc.model, &o));
         let gap = phase_gap(&phase_clusters(&acc), reps, seed, DEFAULT_LEVEL).ok();
         let mut s = protocol_summary(proto, gap.as_ref(), ctx.task.n_logical, reps);
         let (ld_rows, ld_means) = logit_diff_rows(ctx, proto, &o.ld);
@@ -279,7 +308,8 @@ fn run(cfg: &PhaseSweep, ctx: &mut Ctx) -> Result<KindOutput> {
         }
         per_protocol.insert(proto.name().to_string(), s);
     }
-    write_model_files(ctx, &table_rows, first.unwrap_or_default(), per_protocol)?;
+    let first = first.unwrap_or_default();
+    write_model_files(ctx, &table_rows, &examples, first, per_protocol)?;
     Ok(KindOutput {
         tables: vec![("phase_sweep".into(), rows)],
     })
