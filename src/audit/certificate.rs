@@ -1,4 +1,4 @@
-//! The certificate `audit.json` (schema `phaselens.audit` version 1, documented field
+//! The certificate `audit.json` (schema `phaselens.audit` version 2, documented field
 //! by field in docs/audit.md), its gates and verdict.
 
 use std::path::Path;
@@ -16,7 +16,7 @@ use super::plan::{Geometry, Sizing, Skipped};
 /// Schema name in `audit.json`.
 pub const SCHEMA: &str = "phaselens.audit";
 /// Schema version; bumped on any change a reader must know about (docs/audit.md).
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// The audit's conclusion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -64,6 +64,8 @@ pub struct ModelSummary {
     pub vocab_size: usize,
     /// Number of layers.
     pub n_layers: usize,
+    /// The compression overlay the model ran under (`null`: none).
+    pub compression: Option<crate::model::compression::Overlay>,
 }
 
 /// `audit.json`.
@@ -242,6 +244,7 @@ impl Certificate {
                 arch: i.info.arch.clone(),
                 vocab_size: i.info.vocab_size,
                 n_layers: i.info.n_layers(),
+                compression: i.cfg.model.compression.clone(),
             },
             geometry: i.geometry,
             skipped_strides: i.skipped,
@@ -250,6 +253,7 @@ impl Certificate {
                 "budget": i.cfg.budget,
                 "audit": i.cfg.audit,
                 "task": i.cfg.task,
+                "model": i.cfg.model,
                 "ci_level": crate::analysis::DEFAULT_LEVEL,
             }),
             sizing: i.sizing,

@@ -225,13 +225,30 @@ impl Default for Settings {
 }
 
 /// `[model]`: how the audited checkpoint is loaded.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSettings {
     /// A checkpoint's BF16 / FP8 / FP4 weights: `"stored"` (resident as in the
     /// checkpoint, dequantised where used; the default) or `"f32"` (dequantised on
     /// load). `--weights` overrides it.
     pub weights: crate::model::stored::Residency,
+    /// A training-free compression overlay applied when the model is loaded
+    /// (`compression = { kind = "select", block = 8, top_k = 4, window = 32 }`, the
+    /// keys of an experiment's `[model.compression]`); `--compression` overrides it.
+    /// The audited phases follow its block grid.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compression: Option<crate::model::compression::Overlay>,
+}
+
+/// An overlay's error as `[model] compression.KEY: what is wrong` (the flag
+/// `--compression` sets the same keys).
+pub fn overlay_message(e: &Error) -> String {
+    match e {
+        Error::ConfigField { field, message } if field.starts_with("compression") => {
+            format!("[model] {field} (or --compression): {message}")
+        }
+        other => format!("[model] compression (or --compression): {other}"),
+    }
 }
 
 /// The whole audit configuration.
@@ -296,6 +313,9 @@ impl AuditConfig {
                 "[audit] lengths: {l} is outside 16..={}",
                 crate::tasks::MAX_HAYSTACK_LEN
             ));
+        }
+        if let Some(o) = &self.model.compression {
+            o.validate(None).map_err(|e| overlay_message(&e))?;
         }
         if self.budget.prompts == 0 {
             return Err("[budget] prompts must be at least 1".into());

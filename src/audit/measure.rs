@@ -157,6 +157,9 @@ pub struct PartResult {
     pub why: String,
     /// Logical examples per phase.
     pub n_logical: usize,
+    /// The block grid's offset: a phase is `(position - offset) mod period` (0 but
+    /// under a compression overlay with an `offset`).
+    pub offset: usize,
     /// Retrieval by phase under each padding protocol.
     pub protocols: Vec<ProtocolResult>,
     /// The shift-invariance test.
@@ -290,6 +293,19 @@ fn retrieval_groups(ctx: &mut Ctx, protocols: &[Protocol]) -> Result<(Vec<Group>
     Ok((groups, metas))
 }
 
+/// The phase of a position on a block grid of period `p` starting at `offset`.
+fn grid_phase(r: u32, p: usize, offset: usize) -> u32 {
+    ((r as usize + p - offset % p) % p) as u32
+}
+
+/// Observations `(logical, position mod P, correct)` with their phases on the grid
+/// that starts at `offset` (a compression overlay's block grid).
+fn on_grid(obs: Vec<(u64, u32, bool)>, p: usize, offset: usize) -> Vec<(u64, u32, bool)> {
+    obs.into_iter()
+        .map(|(l, r, ok)| (l, grid_phase(r, p, offset), ok))
+        .collect()
+}
+
 /// One row per logical example: its outcome at each phase.
 fn rows_by_logical(obs: &[(u64, u32, bool)], p: usize) -> Vec<Row> {
     let mut map: std::collections::BTreeMap<u64, Row> = Default::default();
@@ -362,12 +378,12 @@ pub fn retrieval(
         Ok((results, metas))
     })?;
     let p = part.period;
+    let obs_of = |proto| on_grid(protocol_obs(&metas, &results, proto), p, part.offset);
     let mut out = Vec::new();
     for &proto in &part.protocols {
-        let obs = protocol_obs(&metas, &results, proto);
-        out.push(protocol_result(proto, &obs, p, env.cfg)?);
+        out.push(protocol_result(proto, &obs_of(proto), p, env.cfg)?);
     }
-    let prefix = protocol_obs(&metas, &results, Protocol::PrefixPadding);
+    let prefix = obs_of(Protocol::PrefixPadding);
     let (flipping, n) = shift_flips(&rows_by_logical(&prefix, p));
     let (lo, hi) = if n > 0 {
         wilson(flipping, n, Z95)
@@ -438,23 +454,25 @@ pub fn filler(env: &Env, part: &Part) -> Result<(FillerResult, ExecStats)> {
 }
 
 /// The long rows of `metric` (per phase and pooled) as per-length results.
-fn length_result(rows: &[LongRow], length: usize, proto: Protocol, p: usize) -> LengthResult {
+fn length_result(rows: &[LongRow], length: usize, proto: Protocol, part: &Part) -> LengthResult {
+    let (p, offset) = (part.period, part.offset);
     let sfx = format!("{}_len{length}", proto.metric_suffix());
     let find = |m: &str, ph: Option<u32>| {
         rows.iter()
             .find(|r| r.metric == format!("{m}{sfx}") && r.phase == ph)
     };
     let ci = |r: &LongRow| r.ci_lo.zip(r.ci_hi).map(|(a, b)| [a, b]);
-    let per_phase = (0..p as u32)
+    let mut per_phase: Vec<EstStat> = (0..p as u32)
         .filter_map(|r| {
             find("accuracy", Some(r)).map(|x| EstStat {
-                phase: r,
+                phase: grid_phase(r, p, offset),
                 accuracy: x.value,
                 ci95: ci(x),
                 n: x.n,
             })
         })
         .collect();
+    per_phase.sort_by_key(|s| s.phase);
     let mean = find("mean_accuracy", None);
     let gap = find("phase_gap_pp", None);
     LengthResult {
@@ -463,7 +481,7 @@ fn length_result(rows: &[LongRow], length: usize, proto: Protocol, p: usize) -> 
         per_phase,
         mean_accuracy: mean.map_or(f64::NAN, |x| x.value),
         mean_ci95: mean.and_then(ci),
-        worst_phase: find("worst_phase", None).map(|x| x.value as u32),
+        worst_phase: find("worst_phase", None).map(|x| grid_phase(x.value as u32, p, offset)),
         gap_pp: gap.map_or(f64::NAN, |x| x.value),
         gap_ci95: gap.and_then(ci),
     }
@@ -482,7 +500,7 @@ pub fn long_context(env: &Env, part: &Part) -> Result<(Vec<LengthResult>, ExecSt
     let mut res = Vec::new();
     for &l in &a.lengths {
         for &proto in &part.protocols {
-            res.push(length_result(&rows, l, proto, part.period));
+            res.push(length_result(&rows, l, proto, part));
         }
     }
     Ok((res, stats))
@@ -514,6 +532,7 @@ pub fn measure(env: &Env, part: &Part) -> Result<PartResult> {
         phased: part.phased,
         why: part.why.clone(),
         n_logical: part.n_logical,
+        offset: part.offset,
         protocols,
         shift_invariance: shift,
         filler,
@@ -521,4 +540,20 @@ pub fn measure(env: &Env, part: &Part) -> Result<PartResult> {
         notes,
         stats,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_count_from_the_grid_offset() {
+        // Grid boundaries at 3 + 8 i: position 3 is phase 0, position 2 phase 7.
+        assert_eq!(grid_phase(3, 8, 3), 0);
+        assert_eq!(grid_phase(2, 8, 3), 7);
+        assert_eq!(grid_phase(5, 8, 0), 5);
+        assert_eq!(grid_phase(1, 4, 6), 3);
+        let obs = on_grid(vec![(0, 0, true), (0, 1, false)], 2, 1);
+        assert_eq!(obs, vec![(0, 1, true), (0, 0, false)]);
+    }
 }

@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
-use crate::model::{load_model_with, residency_summary};
+use crate::model::{load_model_as, residency_summary};
 use crate::train::OrganismFile;
 
 pub use crate::runner::ProgressMode;
@@ -102,9 +102,37 @@ fn plain_name(s: &str) -> String {
     if n.is_empty() { "model".into() } else { n }
 }
 
-/// `MODEL`: a model directory (config.json + safetensors), an organism recipe, or a
-/// folder holding a recipe as `recipe.toml` (a grid design's folder).
+/// A pretrained checkpoint (a `.gguf` file, a folder holding one, a Hugging Face
+/// folder; `models:NAME/FILE` names one in the model cache) as a target.
+fn pretrained_target(model: &Path) -> Option<Target> {
+    use crate::model::pretrained;
+    let path = pretrained::expand_model_path(model);
+    pretrained::detect(&path)?;
+    let name = std::fs::canonicalize(&path)
+        .ok()
+        .and_then(|p| {
+            let stem = if p.is_file() {
+                p.file_stem()
+            } else {
+                p.file_name()
+            };
+            stem.map(|s| s.to_string_lossy().into_owned())
+        })
+        .unwrap_or_else(|| "model".into());
+    Some(Target {
+        name: plain_name(&name),
+        dir: path,
+        organism: None,
+    })
+}
+
+/// `MODEL`: a model directory (config.json + safetensors), a pretrained checkpoint
+/// (a `.gguf` file or `models:NAME/FILE.gguf`, a Hugging Face folder), an organism
+/// recipe, or a folder holding a recipe as `recipe.toml` (a grid design's folder).
 pub fn resolve_target(model: &Path) -> Result<Target> {
+    if let Some(t) = pretrained_target(model) {
+        return Ok(t);
+    }
     let is_toml = model.extension().is_some_and(|e| e == "toml");
     if is_toml {
         let file = OrganismFile::load(model)?;
@@ -125,7 +153,7 @@ pub fn resolve_target(model: &Path) -> Result<Target> {
     }
     if !model.exists() {
         return Err(Error::Input(format!(
-            "{}: no such model folder or organism recipe",
+            "{}: no such model folder, GGUF file or organism recipe",
             model.display()
         )));
     }
@@ -137,7 +165,7 @@ pub fn resolve_target(model: &Path) -> Result<Target> {
             return resolve_target(&recipe);
         }
         return Err(Error::Input(format!(
-            "{} is not a model folder: it has no config.json (a model folder holds config.json and model.safetensors; give a model folder, an organism recipe .toml, or a grid design's folder with its recipe.toml)",
+            "{} is not a model folder: it has no config.json (a model folder holds config.json and model.safetensors; give a model folder, a .gguf file, an organism recipe .toml, or a grid design's folder with its recipe.toml)",
             model.display()
         )));
     }
@@ -150,6 +178,38 @@ pub fn resolve_target(model: &Path) -> Result<Target> {
         organism: sibling_recipe(model),
         dir: model.to_path_buf(),
     })
+}
+
+/// The audited model, under the configured overlay when there is one; errors say
+/// whether the model or the overlay is at fault.
+fn load(
+    target: &Target,
+    device: &burn::tensor::Device,
+    cfg: &AuditConfig,
+) -> Result<Box<dyn crate::model::LanguageModel>> {
+    let (dir, residency) = (&target.dir, cfg.model.weights);
+    let overlay = cfg.model.compression.as_ref();
+    load_model_as(dir, device, residency, overlay).map_err(|e| match overlay {
+        Some(o) if is_overlay_error(&e) => Error::Input(format!(
+            "the compression overlay {o} does not apply to {}: {}",
+            dir.display(),
+            config::overlay_message(&e)
+        )),
+        _ => Error::Input(format!(
+            "the model folder {} does not load: {e}",
+            dir.display()
+        )),
+    })
+}
+
+/// Whether a load error is the overlay's (a `compression.*` key, or a model family
+/// that takes no overlay) rather than the checkpoint's.
+fn is_overlay_error(e: &Error) -> bool {
+    match e {
+        Error::ConfigField { field, .. } => field.starts_with("compression"),
+        Error::Config { message, .. } => message.contains("compression overlay"),
+        _ => false,
+    }
 }
 
 /// One audit.
@@ -200,6 +260,7 @@ fn request_key(req: &AuditRequest, target: &Target) -> serde_json::Value {
         "budget": req.config.budget,
         "audit": req.config.audit,
         "task": req.config.task,
+        "compression": req.config.model.compression,
         "device": req.device.to_string(),
     })
 }
@@ -231,12 +292,7 @@ pub fn run_audit(req: &AuditRequest) -> Result<AuditOutcome> {
     let target = resolve_target(&req.model)?;
     let device = req.device.device()?;
     let residency = req.config.model.weights;
-    let model = load_model_with(&target.dir, &device, residency).map_err(|e| {
-        Error::Input(format!(
-            "the model folder {} does not load: {e}",
-            target.dir.display()
-        ))
-    })?;
+    let model = load(&target, &device, &req.config)?;
     if req.progress != ProgressMode::Hidden {
         eprintln!(
             "{}: {}",
@@ -307,10 +363,21 @@ fn make_plan(
         protocols: vec![crate::tasks::Protocol::PrefixPadding],
         filler: false,
         n_logical: 2,
+        offset: 0,
     };
     let exp = env.experiment(&probe, "phase-sweep", 2)?;
     let (_, task) = measure::resolve(env, &exp)?;
+    if let Some(t) = &task.text {
+        return Err(Error::Input(format!(
+            "[task] kind = \"{}\": the audit measures the key-value retrieval prompt (its single final query, both padding protocols); \
+             drop [task] kind and [task.text] and give the model's tokenizer in [task] vocab (docs/audit.md, \"Compression overlays\")",
+            t.task.name()
+        )));
+    }
     let prompt_len = task.prompt.unpadded_len(&task.space);
+    if let Some(o) = &env.cfg.model.compression {
+        plan::check_overlay(o, prompt_len)?;
+    }
     let (mut parts, skipped) = plan::parts(geometry, env.cfg, prompt_len);
     if let Some(saved) = load_saved(env.out, key, env.fresh)? {
         return Ok((saved.parts, saved.sizing, skipped));

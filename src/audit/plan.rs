@@ -8,6 +8,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::model::compression::Overlay;
 use crate::model::{LanguageModel, LayerKind, ModelInfo};
 use crate::tasks::Protocol;
 
@@ -123,6 +124,10 @@ pub struct Part {
     pub filler: bool,
     /// Logical examples per phase (set by [`size`]).
     pub n_logical: usize,
+    /// Where the block grid starts (a compression overlay's `offset`): a prompt's
+    /// phase is `(position - offset) mod P`.
+    #[serde(default)]
+    pub offset: usize,
 }
 
 impl Part {
@@ -183,6 +188,7 @@ pub fn parts(geo: &Geometry, cfg: &AuditConfig, prompt_len: usize) -> (Vec<Part>
         },
         filler: phased && a.filler,
         n_logical: 0,
+        offset: 0,
     };
     if !geo.compressed {
         let p = a.period.unwrap_or(8) as usize;
@@ -192,11 +198,18 @@ pub fn parts(geo: &Geometry, cfg: &AuditConfig, prompt_len: usize) -> (Vec<Part>
         );
         return (vec![part(p, false, why)], Vec::new());
     }
+    let offset = cfg.model.compression.as_ref().map_or(0, overlay_offset);
     if let Some(p) = a.period {
-        return (
-            vec![part(p as usize, true, "[audit] period".into())],
-            Vec::new(),
-        );
+        let mut one = part(p as usize, true, "[audit] period".into());
+        one.offset = offset % p as usize;
+        return (vec![one], Vec::new());
+    }
+    if let Some(o) = &cfg.model.compression {
+        // The overlay's block grid: its block / chunk / stride, from its offset.
+        let why = format!("the compression overlay's grid: {o}");
+        let mut one = part(o.period(), true, why);
+        one.offset = offset;
+        return (vec![one], Vec::new());
     }
     let mut kept = Vec::new();
     let mut skipped = Vec::new();
@@ -239,6 +252,42 @@ pub fn parts(geo: &Geometry, cfg: &AuditConfig, prompt_len: usize) -> (Vec<Part>
     (out, skipped)
 }
 
+/// Where an overlay's block grid starts (`select` and `evict` take an `offset`; the
+/// entries of `pool` and `learned` start at position 0).
+pub fn overlay_offset(o: &Overlay) -> usize {
+    match o {
+        Overlay::Select { offset, .. } | Overlay::Evict { offset, .. } => *offset,
+        Overlay::Pool { .. } | Overlay::Learned { .. } => 0,
+    }
+}
+
+/// Refuse an overlay that compresses nothing in retrieval prompts of `prompt_len`
+/// tokens (before padding): a block longer than the prompt, or a raw window (an
+/// observation window) that covers it. The error names the key.
+pub fn check_overlay(o: &Overlay, prompt_len: usize) -> Result<()> {
+    let (block, raw) = match *o {
+        Overlay::Select { block, window, .. } => (("block", block), ("window", window)),
+        Overlay::Evict { chunk, observe, .. } => (("chunk", chunk), ("observe", observe)),
+        Overlay::Pool { window, local, .. } | Overlay::Learned { window, local, .. } => {
+            (("window", window), ("local", local))
+        }
+    };
+    let bad = |(key, v): (&str, usize), what: &str| {
+        Err(Error::Input(format!(
+            "[model] compression.{key} (or --compression {key}=...) = {v} {what} the {prompt_len}-token \
+             retrieval prompts: nothing would be compressed. Use a smaller {key}, or longer prompts \
+             ([task] prompt n_bindings)"
+        )))
+    };
+    if block.1 > prompt_len {
+        return bad(block, "is longer than");
+    }
+    if raw.1 >= prompt_len {
+        return bad(raw, "covers");
+    }
+    Ok(())
+}
+
 /// The runner experiment of `kind` (`phase-sweep` or `filler-probe`) for `part`.
 pub fn experiment_text(
     target: &Target,
@@ -264,6 +313,10 @@ pub fn experiment_text(
         None => m.insert("path".into(), V::String(path_text(&target.dir)?)),
     };
     m.insert("name".into(), V::String(target.name.clone()));
+    if let Some(o) = &cfg.model.compression {
+        let v = V::try_from(o).map_err(|e| Error::Other(format!("audit plan: {e}")))?;
+        m.insert("compression".into(), v);
+    }
     root.insert("model".into(), V::Table(m));
     let mut t = cfg.task.clone().unwrap_or_default();
     t.insert("period".into(), V::Integer(part.period as i64));
@@ -321,21 +374,30 @@ fn path_text(p: &std::path::Path) -> Result<String> {
 }
 
 /// Seconds per prompt of `len` tokens: one forward of `rows` pad prompts after a
-/// warm-up (the budget's time estimate).
+/// warm-up (the budget's time estimate). Like the audit's evaluation, the LM head runs
+/// only at the positions read (the last 4 of each prompt): at a 262,144-word
+/// vocabulary it would be most of a short forward's cost at every position.
 pub fn calibrate(model: &dyn LanguageModel, pad: u32, len: usize, rows: usize) -> Result<f64> {
+    use burn::tensor::{Int, Tensor, TensorData};
     let device = model.device();
-    let batch = |n: usize| {
-        burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
-            burn::tensor::TensorData::new(vec![i64::from(pad); n * len], [n, len]),
+    let run = |n: usize| {
+        let tokens = Tensor::<2, Int>::from_data(
+            TensorData::new(vec![i64::from(pad); n * len], [n, len]),
             &device,
-        )
+        );
+        let read: Vec<i64> = (0..n)
+            .flat_map(|r| (len.saturating_sub(4)..len).map(move |p| (r * len + p) as i64))
+            .collect();
+        let k = read.len();
+        let idx = Tensor::<1, Int>::from_data(TensorData::new(read, [k]), &device);
+        let logits = model.forward_logit_rows(tokens, idx)?;
+        // Read a value back so that lazy backends finish the work inside the timing.
+        let _ = logits.slice([0..1, 0..1]).into_data();
+        Ok::<_, Error>(())
     };
-    let spec = crate::hooks::HookSpec::new();
-    model.forward(batch(1), &spec)?;
+    run(1)?;
     let t0 = Instant::now();
-    let out = model.forward(batch(rows), &spec)?;
-    // Read a value back so that lazy backends finish the work inside the timing.
-    let _ = out.logits.slice([0..1, 0..1, 0..1]).into_data();
+    run(rows)?;
     Ok(t0.elapsed().as_secs_f64() / rows as f64)
 }
 
@@ -465,6 +527,38 @@ mod tests {
         assert_eq!(p.len(), 1);
         assert!(!p[0].phased && !p[0].filler);
         assert_eq!(p[0].protocols, vec![Protocol::PrefixPadding]);
+    }
+
+    #[test]
+    fn an_overlay_sets_the_period_and_offset_and_must_compress_the_prompts() {
+        let mut cfg = AuditConfig::default();
+        let o: Overlay = "kind=select,block=8,top_k=2,window=16,offset=5"
+            .parse()
+            .unwrap();
+        cfg.model.compression = Some(o.clone());
+        let (p, s) = parts(&geo(&[(8, 8)]), &cfg, 90);
+        assert!(s.is_empty());
+        assert_eq!((p.len(), p[0].period, p[0].offset), (1, 8, 5));
+        assert!(p[0].phased && p[0].why.contains("overlay"));
+        // `--period` wins; the grid's offset stays (modulo the period).
+        cfg.audit.period = Some(4);
+        let (p, _) = parts(&geo(&[(8, 8)]), &cfg, 90);
+        assert_eq!((p[0].period, p[0].offset), (4, 1));
+        check_overlay(&o, 90).unwrap();
+        let e = check_overlay(&o, 6).unwrap_err().to_string();
+        assert!(
+            e.contains("compression.block") && e.contains("6-token"),
+            "{e}"
+        );
+        let e = check_overlay(&o, 12).unwrap_err().to_string();
+        assert!(
+            e.contains("compression.window") && e.contains("covers"),
+            "{e}"
+        );
+        let pool: Overlay = "kind=pool,window=16,stride=8,local=4".parse().unwrap();
+        assert_eq!(overlay_offset(&pool), 0);
+        let e = check_overlay(&pool, 10).unwrap_err().to_string();
+        assert!(e.contains("compression.window"), "{e}");
     }
 
     #[test]

@@ -30,7 +30,12 @@ fn accuracy_figure(part: &PartResult, dir: &Path) -> Result<crate::output::Figur
             hi: p.per_phase.iter().map(|s| s.ci95[1]).collect(),
         })
         .collect();
-    let what = if part.phased {
+    let what = if part.phased && part.offset > 0 {
+        format!(
+            "phase ((target key position - {}) mod {})",
+            part.offset, part.period
+        )
+    } else if part.phased {
         format!("phase (target key position mod {})", part.period)
     } else {
         format!("shift (prefix pads, 0..{})", part.period - 1)
@@ -235,7 +240,13 @@ fn gates_section(report: &mut Report, c: &Certificate) {
 /// The geometry paragraph.
 fn geometry_text(c: &Certificate) -> String {
     let g = &c.geometry;
-    let mut s = if g.compressed {
+    let mut s = if let Some(o) = &c.model.compression {
+        let offset = c.parts.first().map_or(0, |p| p.offset);
+        format!(
+            "Compression overlay (applied at load, not trained with the model): {o}. Audited periods {:?}; a target key's phase is (position - {offset}) mod P, on the overlay's block grid.",
+            c.parts.iter().map(|p| p.period).collect::<Vec<_>>()
+        )
+    } else if g.compressed {
         format!(
             "Compression strides {:?}; audited periods {:?}.",
             g.strides,

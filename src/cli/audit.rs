@@ -22,25 +22,30 @@ Examples:
   phaselens audit /models/DeepSeek-V4-Flash --config audit.toml --device cuda:0
   phaselens audit experiments/organisms/kvc-w8s4 --budget prompts=3000,time=3m --plain
   phaselens audit experiments/organisms/kvc-w8s8 --lengths 256,1024   # + long haystacks
+  phaselens audit models:gemma3-270m/gemma-3-270m-q4_k_m.gguf \
+      --config experiments/audits/gemma3-select.toml             # a GGUF under an overlay
+  phaselens audit experiments/organisms/full-attn --compression kind=select,block=4,top_k=2,window=8
 
-MODEL is a model folder (config.json + safetensors) or an organism recipe (.toml). An
-organism's token space and prompt format come from its recipe (also found beside its
-folder); other models use the synthetic token space unless the --config file's [task]
-names one (e.g. the model's tokenizer.json).
+MODEL is a model folder (config.json + safetensors), a pretrained checkpoint (a .gguf
+file, `models:NAME/FILE.gguf` in the model cache, a Hugging Face folder) or an organism
+recipe (.toml). An organism's token space and prompt format come from its recipe (also
+found beside its folder); other models use the synthetic token space unless the
+--config file's [task] names one (e.g. the model's own tokenizer: vocab = { kind =
+\"hugging_face\", tokenizer = \"models:...gguf\", pad = ... }).
 
 Exit codes: 0 every gate passed (or no gate was set), 1 error (nothing certified),
 2 bad command line, 3 a gate failed (the certificate and report are written).
 
 Re-running the same command with the same --out resumes an interrupted audit from its
-finished shards. Keys of the --config TOML ([gates], [budget], [audit], [task]) and the
-audit.json schema: docs/audit.md.")]
+finished shards. Keys of the --config TOML ([gates], [budget], [audit], [model], [task])
+and the audit.json schema: docs/audit.md.")]
 pub struct AuditArgs {
-    /// Model folder or organism recipe.
+    /// Model folder, GGUF file (`models:NAME/FILE.gguf`) or organism recipe.
     pub model: PathBuf,
     /// Output folder (default: a new `audit-<model>-<UTC time>` folder here).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Audit TOML: [gates], [budget], [audit], [task] (flags override it).
+    /// Audit TOML: [gates], [budget], [audit], [model], [task] (flags override it).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Fail when a phase gap exceeds this (e.g. 5pp).
@@ -77,6 +82,13 @@ pub struct AuditArgs {
     /// file's `[model] weights`; default stored.
     #[arg(long, value_name = "stored|f32")]
     pub weights: Option<phaselens::model::stored::Residency>,
+    /// A training-free compression overlay applied when the model is loaded, the keys
+    /// of an experiment's `[model.compression]` (e.g. kind=select,block=8,top_k=4,
+    /// window=32,sinks=4; kinds select, evict, pool, learned: docs/models.md).
+    /// Overrides the --config file's `[model] compression`. The audited phases follow
+    /// its block grid (block / chunk / stride, from its offset) unless --period is given.
+    #[arg(long, value_name = "kind=...,KEY=VALUE")]
+    pub compression: Option<phaselens::model::compression::Overlay>,
     /// Recompute everything (replace an earlier audit in --out).
     #[arg(long)]
     pub fresh: bool,
@@ -165,12 +177,16 @@ fn config(a: &AuditArgs) -> Result<AuditConfig> {
     if let Some(w) = a.weights {
         c.model.weights = w;
     }
+    if let Some(o) = &a.compression {
+        c.model.compression = Some(o.clone());
+    }
     Ok(c)
 }
 
 /// `audit-<model>-<YYYYmmddTHHMMSSZ>` in the current directory.
 fn default_out(model: &std::path::Path) -> PathBuf {
-    let name = std::fs::canonicalize(model)
+    let path = phaselens::model::pretrained::expand_model_path(model);
+    let name = std::fs::canonicalize(path)
         .ok()
         .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "model".into());

@@ -78,7 +78,7 @@ fn shipped_kvc_w8s8_fails_a_5pp_gate_with_exit_code_3_and_a_full_certificate() {
     assert!(!stderr(&o).contains("warning:"), "{}", stderr(&o));
     let c = certificate(&out);
     assert_eq!(c["schema"], "phaselens.audit");
-    assert_eq!(c["schema_version"], 1);
+    assert_eq!(c["schema_version"], 2);
     assert_eq!(c["verdict"], "fail");
     assert_eq!(c["exit_code"], 3);
     assert_eq!(c["geometry"]["strides"], serde_json::json!([8]));
@@ -332,4 +332,248 @@ fn a_grid_design_folder_is_audited_through_its_recipe() {
         e.contains("no config.json") && e.contains("recipe.toml"),
         "{e}"
     );
+}
+
+// ---- compression overlays (`--compression`, `[model] compression`) ----
+
+/// `OUT/audit.json`'s first part's first protocol: mean accuracy.
+fn mean_accuracy(c: &serde_json::Value) -> f64 {
+    c["parts"][0]["protocols"][0]["mean_accuracy"]
+        .as_f64()
+        .unwrap()
+}
+
+/// A small budget for the shipped full-attention organism (no filler probe).
+const SMALL: [&str; 5] = [
+    "--budget",
+    "prompts=600,time=none",
+    "--ci-width",
+    "40pp",
+    "--no-filler",
+];
+
+#[test]
+fn an_overlay_changes_the_measured_accuracy_and_is_recorded_in_the_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = repo().join("experiments/organisms/full-attn");
+    let o = audit_cli(&model, &d.join("plain"), &SMALL);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let plain = certificate(&d.join("plain"));
+    assert!(plain["model"]["compression"].is_null());
+    assert_eq!(plain["parts"][0]["name"], "shift-8");
+    // Mean-pooled entries of 4 tokens beside 4 raw ones: retrieval is gone.
+    let mut args = SMALL.to_vec();
+    args.extend(["--compression", "kind=pool,window=4,stride=4,local=4"]);
+    let o = audit_cli(&model, &d.join("pool"), &args);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let pool = certificate(&d.join("pool"));
+    assert_eq!(pool["schema_version"], 2);
+    let overlay = &pool["model"]["compression"];
+    assert_eq!(overlay["kind"], "pool");
+    assert_eq!(overlay["stride"], 4);
+    assert_eq!(pool["settings"]["model"]["compression"], *overlay);
+    // The phases follow the overlay's grid: one phased part at its stride.
+    assert_eq!(pool["geometry"]["compressed"], true);
+    let part = &pool["parts"][0];
+    assert_eq!(
+        (part["name"].as_str(), part["period"].as_u64()),
+        (Some("period-4"), Some(4))
+    );
+    assert_eq!(part["protocols"].as_array().unwrap().len(), 2);
+    let (a, b) = (mean_accuracy(&plain), mean_accuracy(&pool));
+    assert!(a > 0.9 && b < 0.5, "plain {a}, pool {b}");
+    // The runner experiments the audit ran carry the overlay (`phaselens run` reruns them).
+    let plan = std::fs::read_to_string(d.join("pool/plan/period-4-phase-sweep.toml")).unwrap();
+    assert!(
+        plan.contains("compression") && plan.contains("pool"),
+        "{plan}"
+    );
+    let report = std::fs::read_to_string(d.join("pool/report.md")).unwrap();
+    assert!(report.contains("Compression overlay"), "{report}");
+}
+
+#[test]
+fn the_config_sets_the_overlay_the_flag_overrides_it_and_the_grid_offset_sets_the_phases() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = repo().join("experiments/organisms/full-attn");
+    let toml = d.join("audit.toml");
+    std::fs::write(
+        &toml,
+        "[model]\ncompression = { kind = \"select\", block = 4, top_k = 1, window = 4, offset = 3 }\n",
+    )
+    .unwrap();
+    let mut args = SMALL.to_vec();
+    args.extend(["--config", toml.to_str().unwrap()]);
+    let o = audit_cli(&model, &d.join("cfg"), &args);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let c = certificate(&d.join("cfg"));
+    assert_eq!(c["model"]["compression"]["kind"], "select");
+    assert_eq!(c["model"]["compression"]["offset"], 3);
+    let part = &c["parts"][0];
+    assert_eq!(
+        (part["period"].as_u64(), part["offset"].as_u64()),
+        (Some(4), Some(3))
+    );
+    let n = part["n_logical"].as_u64().unwrap();
+    for p in part["protocols"].as_array().unwrap() {
+        let phases: Vec<u64> = p["per_phase"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["phase"].as_u64().unwrap())
+            .collect();
+        assert_eq!(phases, vec![0, 1, 2, 3]);
+        assert!(
+            p["per_phase"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|s| s["n"] == n)
+        );
+    }
+    // The flag wins over the file.
+    let mut flag = args.clone();
+    flag.extend(["--compression", "kind=select,block=2,top_k=1,window=8"]);
+    let o = audit_cli(&model, &d.join("flag"), &flag);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let c = certificate(&d.join("flag"));
+    assert_eq!(c["model"]["compression"]["block"], 2);
+    assert_eq!(c["parts"][0]["period"], 2);
+    assert_eq!(c["parts"][0]["offset"], 0);
+    // Another overlay into a finished audit's folder is another request: refused.
+    let o = audit_cli(&model, &d.join("cfg"), &flag);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("other settings"), "{}", stderr(&o));
+}
+
+#[test]
+fn overlay_errors_name_the_key_before_any_compute() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let full = repo().join("experiments/organisms/full-attn");
+    let run = |model: &Path, out: &str, overlay: &str| {
+        let o = audit_cli(model, &d.join(out), &["--compression", overlay]);
+        assert!(!d.join(out).join("shards").exists(), "{out}");
+        (o.status.code(), stderr(&o))
+    };
+    // Bad command lines: clap's exit code 2, the key named.
+    let (code, e) = run(&full, "o1", "kind=banana,block=8");
+    assert_eq!(code, Some(2), "{e}");
+    assert!(e.contains("banana"), "{e}");
+    let (code, e) = run(&full, "o2", "kind=select,block=8,top_k=0,window=8");
+    assert_eq!(code, Some(2), "{e}");
+    assert!(e.contains("compression.top_k"), "{e}");
+    // A block longer than the retrieval prompts, a raw window that covers them.
+    let (code, e) = run(&full, "o3", "kind=select,block=200,top_k=1,window=4");
+    assert_eq!(code, Some(1), "{e}");
+    assert!(
+        e.contains("compression.block") && e.contains("retrieval prompts"),
+        "{e}"
+    );
+    let (code, e) = run(&full, "o4", "kind=select,block=4,top_k=1,window=1000");
+    assert_eq!(code, Some(1), "{e}");
+    assert!(
+        e.contains("compression.window") && e.contains("covers"),
+        "{e}"
+    );
+    // Models that cannot take an overlay: one that already compresses, DeepSeek-V4.
+    let w8s8 = repo().join("experiments/organisms/kvc-w8s8");
+    let (code, e) = run(&w8s8, "o5", "kind=select,block=8,top_k=1,window=8");
+    assert_eq!(code, Some(1), "{e}");
+    assert!(
+        e.contains("compression") && e.contains("already compresses"),
+        "{e}"
+    );
+    let v4 = repo().join("tests/fixtures/deepseek_v4/pro");
+    let (code, e) = run(&v4, "o6", "kind=select,block=8,top_k=1,window=8");
+    assert_eq!(code, Some(1), "{e}");
+    assert!(
+        e.contains("compression overlay") && e.contains("deepseek"),
+        "{e}"
+    );
+    // In the TOML: the file, the key.
+    let toml = d.join("audit.toml");
+    std::fs::write(
+        &toml,
+        "[model]\ncompression = { kind = \"select\", block = 8, top_k = 0, window = 8 }\n",
+    )
+    .unwrap();
+    let o = audit_cli(&full, &d.join("o7"), &["--config", toml.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("audit.toml") && e.contains("compression.top_k"),
+        "{e}"
+    );
+    std::fs::write(
+        &toml,
+        "[model]\ncompression = { kind = \"squeeze\", block = 8 }\n",
+    )
+    .unwrap();
+    let o = audit_cli(&full, &d.join("o8"), &["--config", toml.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("audit.toml") && e.contains("squeeze"), "{e}");
+}
+
+#[test]
+fn a_hugging_face_gemma3_folder_is_audited_under_an_overlay() {
+    // The tiny Gemma 3 checkpoint (random weights, vocabulary 128, context 64): the
+    // pretrained loading path and the overlay on a Gemma 3 model, end to end.
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = repo().join("tests/fixtures/pretrained/tiny-gemma3");
+    let mut cfg = small(600);
+    cfg.audit.filler = false;
+    cfg.audit.ci_width = Some(60.0);
+    cfg.task = Some(toml::from_str("prompt = { n_bindings = 6, n_queries = 1 }").unwrap());
+    cfg.model.compression = Some("kind=select,block=4,top_k=1,window=4".parse().unwrap());
+    let o = run_audit(&request(&model, &d.join("a"), cfg.clone())).unwrap();
+    let c = &o.certificate;
+    assert_eq!(c.model.arch, "gemma3");
+    assert!(matches!(
+        c.model.compression,
+        Some(phaselens::model::compression::Overlay::Select { block: 4, .. })
+    ));
+    assert_eq!(c.parts[0].period, 4);
+    assert!(c.forwards > 0);
+    // A block longer than the model's context: the overlay's key, not the model.
+    cfg.model.compression = Some("kind=select,block=128,top_k=1,window=4".parse().unwrap());
+    let e = run_audit(&request(&model, &d.join("b"), cfg))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("compression.block") && e.contains("context of 64"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_cached_gguf_is_a_model_argument_and_a_text_task_is_refused_by_name() {
+    use crate::common::pretrained::{SMOLLM2, model_file};
+    if model_file(SMOLLM2).is_none() {
+        return;
+    }
+    let arg = PathBuf::from(format!("models:{SMOLLM2}"));
+    let t = resolve_target(&arg).unwrap();
+    assert_eq!(t.name, "SmolLM2-135M-Instruct.Q4_1");
+    assert!(t.dir.is_file() && t.organism.is_none(), "{t:?}");
+    // The audit measures the key-value prompt; a passkey [task] is refused before
+    // compute, naming the key.
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = small(600);
+    let task: toml::Table = toml::from_str(&format!(
+        "kind = \"passkey\"\nvocab = {{ kind = \"hugging_face\", tokenizer = \"models:{SMOLLM2}\", pad = \"<|endoftext|>\" }}\n"
+    ))
+    .unwrap();
+    cfg.task = Some(task);
+    cfg.model.compression = Some("kind=select,block=8,top_k=4,window=32".parse().unwrap());
+    let out = dir.path().join("a");
+    let e = run_audit(&request(&arg, &out, cfg))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[task] kind") && e.contains("passkey"), "{e}");
+    assert!(!out.join("shards").exists());
 }
