@@ -26,7 +26,9 @@ pub enum BenchWhat {
     #[command(
         after_help = "Examples:\n  phaselens bench forward --tokens 1024 --reps 5\n  \
         phaselens bench forward --model experiments/organisms/kvc-w8s8 --tokens 1024,4096,16384,65536 --reps 1\n  \
-        phaselens bench forward --model DIR --tokens 4096 --reps 1 --weights f32\n\n\
+        phaselens bench forward --model DIR --tokens 4096 --reps 1 --weights f32\n  \
+        phaselens bench forward --model models:gemma3-270m/gemma-3-270m-q4_k_m.gguf --tokens 512,2048 \
+        --last-logits --compression kind=select,block=8,top_k=4,window=32\n\n\
         The length sweep prints seconds per forward, tokens/s, the process's peak resident set\n\
         (reset before each length) and, for scale, the f32 weights and one layer's K/V state at\n\
         that length; --json writes the same numbers."
@@ -193,6 +195,11 @@ pub struct ForwardBench {
         requires = "model"
     )]
     pub weights: phaselens::model::stored::Residency,
+    /// With --model: a training-free compression overlay in every layer's attention,
+    /// the keys of an experiment's `[model.compression]` (e.g.
+    /// kind=select,block=8,top_k=4,window=32; docs/models.md, "Compression overlays").
+    #[arg(long, value_name = "kind=...,KEY=VALUE", requires = "model")]
+    pub compression: Option<phaselens::model::compression::Overlay>,
     /// Compute dtype of the matrix products: `f32`, or `bf16` (bf16 operands, f32 sums,
     /// bf16 result; the rest f32). The GEMM-rate reference is measured in it too.
     #[arg(long, value_name = "f32|bf16", default_value = "f32")]
@@ -437,13 +444,17 @@ fn sweep_model(
     use anyhow::Context;
     Ok(match &b.model {
         Some(dir) => {
-            let m = phaselens::model::load_model_with(dir, device, b.weights)
+            let overlay = b.compression.as_ref();
+            let m = phaselens::model::load_model_as(dir, device, b.weights, overlay)
                 .with_context(|| format!("loading {}", dir.display()))?;
             eprintln!(
                 "{}: {}",
                 dir.display(),
                 phaselens::model::residency_summary(m.as_ref(), b.weights)
             );
+            if let Some(o) = overlay {
+                eprintln!("compression overlay: {o}");
+            }
             m
         }
         None => Box::new(synthetic_kvc(b, device)?),
