@@ -52,6 +52,8 @@ enum Command {
     Figures(cli::figures::FiguresArgs),
     /// Train and phase-sweep a grid of designs, locally or as a Slurm job array.
     Grid(Box<cli::grid::GridArgs>),
+    /// The grid-shift test of a phase effect from two phase sweeps' per-example tables.
+    GridShift(cli::grid_shift::GridShiftArgs),
     /// Check every backend against flex on this machine (device x check matrix).
     Backends(cli::backends::BackendsArgs),
     /// Write the static explorer of an experiment or grid (open index.html from disk).
@@ -82,6 +84,7 @@ fn main() {
         Command::Run(a) => cli::run::run(a),
         Command::Figures(a) => cli::figures::run(a),
         Command::Grid(a) => cli::grid::run(*a),
+        Command::GridShift(a) => cli::grid_shift::run(a),
         Command::Backends(a) => cli::backends::run(a),
         Command::View(a) => cli::view::run(a),
         Command::Plan(a) => cli::plan::run(a),

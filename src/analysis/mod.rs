@@ -24,6 +24,7 @@ pub(crate) mod bootstrap;
 pub(crate) mod clusters;
 pub(crate) mod effects;
 pub(crate) mod gates;
+pub mod grid_shift;
 pub(crate) mod intervals;
 pub(crate) mod profile;
 pub(crate) mod retrieval;

@@ -7,6 +7,7 @@ pub mod figures;
 pub mod forward;
 pub mod generate;
 pub mod grid;
+pub mod grid_shift;
 pub mod hooks;
 pub mod inspect;
 pub mod plan;

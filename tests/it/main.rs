@@ -23,6 +23,7 @@ mod edges;
 mod gguf;
 mod grid;
 mod grid_frontier;
+mod grid_shift;
 mod grid_slurm;
 mod grid_slurm_states;
 mod hostile_cli;
