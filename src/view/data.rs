@@ -165,7 +165,7 @@ fn rendering_json(rs: &[&ExemplarRow]) -> Value {
             (rec, Some(l)) => {
                 let lay = layers.entry(l).or_default();
                 let v = match rec {
-                    "layer_kind" => json!([num(r.value), r.label]),
+                    "layer_kind" => json!([num(r.value), r.label, r.offset]),
                     "raw_slots" | "sink" => num(r.value),
                     "entry_span" => json!([r.index, r.offset, r.value as i64]),
                     "pattern" => json!([r.head, r.index, num(r.value)]),

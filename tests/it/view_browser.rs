@@ -513,3 +513,70 @@ fn view_takes_weights_for_its_capture_forwards() {
         "{e}"
     );
 }
+
+/// `view` on an experiment run under an overlay (here `evict` on the full-attention
+/// organism): the capture loads the model under it, every layer's exemplar rows hold
+/// the chunks it kept (`hook_selected`: ceil(keep x chunks before the observation
+/// window)) and its attention folded onto the tokens, and the page draws the overlay's
+/// layers x chunks grid from them (checked cell by cell in Chromium).
+#[test]
+fn view_under_an_overlay_draws_what_it_kept_per_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("data");
+    copy_tables("full-attn-patch", &root);
+    let exps = tmp.path().join("experiments");
+    std::fs::create_dir_all(&exps).unwrap();
+    let org = repo().join("experiments/organisms/full-attn");
+    let text = format!(
+        "[experiment]\nkind = \"patch-heads\"\n[model]\norganism = \"{}\"\ncompression = {{ kind = \"evict\", chunk = 8, keep = 0.25, observe = 8 }}\n[task]\nprotocol = \"prefix_padding\"\nn_logical = 8\n",
+        org.display()
+    );
+    std::fs::write(exps.join("full-attn-patch.toml"), text).unwrap();
+    let o = ViewOptions {
+        experiments_dir: exps,
+        capture: Some(CaptureOptions {
+            logical: 1,
+            ..CaptureOptions::default()
+        }),
+        ..opts(&root, tmp.path())
+    };
+    let site = view_experiment("full-attn-patch", &o).unwrap();
+    let path = site
+        .captured
+        .clone()
+        .unwrap_or_else(|| panic!("{:?}", site.warnings));
+    let rows = read_exemplars(&path).unwrap();
+    // Chunks of 8 before the observation window (the last 8 tokens of each rendering).
+    let mut tokens: BTreeMap<i64, usize> = BTreeMap::new();
+    for r in rows.iter().filter(|r| r.record == "token") {
+        *tokens.entry(r.shift).or_default() += 1;
+    }
+    let chunks = |shift: i64| (tokens[&shift] - 8).div_ceil(8);
+    let mut kept: BTreeMap<(i64, i64), (usize, f64)> = BTreeMap::new();
+    for r in rows.iter().filter(|r| r.record == "indexer_selected") {
+        let e = kept.entry((r.shift, r.layer.unwrap())).or_default();
+        e.0 += 1;
+        e.1 += r.value;
+    }
+    assert_eq!(kept.len(), 8 * 4, "every rendering x layer has its chunks");
+    for (&(shift, layer), &(n, sum)) in &kept {
+        assert_eq!(n, chunks(shift), "shift {shift} layer {layer}");
+        let want = (0.25 * n as f64).ceil();
+        assert_eq!(sum, want, "shift {shift} layer {layer}: chunks kept");
+    }
+    assert!(rows.iter().any(|r| {
+        r.record == "layer_kind"
+            && r.label
+                .as_deref()
+                .is_some_and(|l| l.starts_with("evict chunk=8"))
+    }));
+    let res = selftest(&site);
+    assert_passed(&res, "full-attn under evict");
+    assert!(check_names(&res).contains(&"every overlay cell shows hook_selected".to_string()));
+    assert_eq!(res["overlay"]["layers"], 4);
+    let shown = res["overlay"]["blocks"].as_u64().unwrap() as usize;
+    assert!(
+        kept.values().any(|&(n, _)| n == shown),
+        "{shown} chunks drawn"
+    );
+}

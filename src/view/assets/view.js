@@ -433,6 +433,42 @@
     return [rank, closed.length];
   }
   function stride(lay) { return lay.layer_kind && lay.layer_kind[0] ? lay.layer_kind[0] : 0; }
+  // A select / evict overlay layer: its kind, grid offset, the block of a token, the
+  // blocks kept at the read position, and whether the read position reads a token.
+  function overlayKind(lay) { var k = lay && lay.layer_kind ? lay.layer_kind[1] || '' : ''; return /^(select|evict) /.test(k) ? k.split(' ')[0] : null; }
+  function gridOff(lay) { return lay && lay.layer_kind && lay.layer_kind[2] ? lay.layer_kind[2] : 0; }
+  function phaseOf(pos, P, off) { return (((pos - off) % P) + P) % P; }
+  function blockOf(pos, B, off) { return pos < off ? 0 : Math.floor((pos - off) / B) + (off > 0 ? 1 : 0); }
+  function blockStart(b, B, off) { return off > 0 ? (b === 0 ? 0 : off + (b - 1) * B) : b * B; }
+  function keptSet(lay) { var k = {}; (lay.indexer_selected || []).forEach(function (x) { k[x[0]] = x[1] >= 0.5; }); return k; }
+  function overlayLayers(r) { return r.layers.filter(function (x) { return overlayKind(x) && (x.indexer_selected || []).length; }); }
+  function readsToken(r, lay, pos) {
+    var q = mark(r, 'query_pos'), win = mark(r, 'overlay_window'), sinks = mark(r, 'overlay_sinks') || 0;
+    if (pos > q) return false;
+    if (pos >= win || pos < sinks) return true;
+    return !!keptSet(lay)[blockOf(pos, stride(lay), gridOff(lay))];
+  }
+  // Block b of an overlay layer at the read position: 'window' (not a candidate: every
+  // token of it is read raw), 'kept' or 'dropped'; its score and rank among candidates.
+  function blockState(r, lay, b) {
+    var B = stride(lay), off = gridOff(lay), win = mark(r, 'overlay_window');
+    if (overlayKind(lay) === 'select' && blockStart(b, B, off) >= win) return 'window';
+    return keptSet(lay)[b] ? 'kept' : 'dropped';
+  }
+  function blockRank(r, lay, b) {
+    var sc = lay.indexer_score || [], mine = sc.filter(function (s) { return s[0] === b; })[0];
+    if (!mine) return null;
+    var cand = sc.filter(function (s) { return blockState(r, lay, s[0]) !== 'window'; });
+    return [mine[1], cand.filter(function (s) { return s[1] > mine[1]; }).length, cand.length];
+  }
+  function blockText(r, lay, b) {
+    var B = stride(lay), off = gridOff(lay), word = overlayKind(lay) === 'evict' ? 'chunk' : 'block', st = blockState(r, lay, b);
+    var a = blockStart(b, B, off), z = blockStart(b + 1, B, off) - 1, rk = blockRank(r, lay, b);
+    var t = 'layer ' + lay.layer + ', ' + word + ' ' + b + ' (tokens ' + a + '..' + z + '): ' +
+      (st === 'window' ? 'inside the raw window (read, not a candidate)' : st === 'kept' ? 'kept' : (overlayKind(lay) === 'evict' ? 'evicted' : 'not selected'));
+    if (rk) t += ', score ' + fmt(rk[0]) + (st === 'window' ? '' : ', rank ' + rk[1] + ' of ' + rk[2] + ' candidates (0 = top)');
+    return t;
+  }
   function promptControls() {
     var es = $('exemplar-select'); es.textContent = '';
     logicals().forEach(function (lg, i) { es.appendChild(el('option', { value: String(i) }, 'logical example ' + lg)); });
@@ -465,13 +501,14 @@
     var r = current(); if (!r) return;
     fillLayerHead(r);
     var lay = layerOf(r, S.layer), q = mark(r, 'query_pos'), key = mark(r, 'key_pos'), val = mark(r, 'value_pos');
-    var P = mark(r, 'period') || 1, st = stride(lay) || P, tw = 30;
+    var P = mark(r, 'period') || 1, st = stride(lay) || P, tw = 30, off = gridOff(lay), ovl = overlayKind(lay);
     var ww = weights(lay, S.head), w = ww[0], who = ww[1], nE = (lay.entry_span || []).length, nH = nHeads(lay);
     var legend = el('div', { 'class': 'legend' });
     ['phase colour band on top of each token (t mod ' + P + '); thick line = window boundary every S=' + st,
       'red box: target key (t=' + key + ', phase ' + r.phase + '); blue: its value; black: read position (t=' + q + ')',
       'token / entry lightness = attention weight' + (S.head === 'all' ? ' (max over heads; hue = the head that attends most)' : ' of head ' + S.head),
-      'entries: solid = attended, dashed orange = available but not selected by the indexer, dotted grey = masked (window not closed)'].forEach(function (t) { legend.appendChild(el('span', {}, t)); });
+      ovl ? 'overlay ' + lay.layer_kind[1] + ': struck-through grey tokens are in ' + (ovl === 'evict' ? 'evicted chunks' : 'blocks the read position did not select') + '; from t=' + mark(r, 'overlay_window') + ' on, its ' + (ovl === 'evict' ? 'observation window' : 'raw window') + ' (always read)'
+        : 'entries: solid = attended, dashed orange = available but not selected by the indexer, dotted grey = masked (window not closed)'].forEach(function (t) { legend.appendChild(el('span', {}, t)); });
     host.appendChild(legend);
     var strip = el('div', { 'class': 'strip', id: 'token-strip' });
     var shade = function (wt, hd) {
@@ -481,13 +518,14 @@
     };
     r.tokens.forEach(function (t) {
       var pos = t[0], d = el('span', { 'class': 'tok', 'data-pos': pos });
-      if (pos % st === 0) d.className += ' boundary';
+      if (phaseOf(pos, st, off) === 0) d.className += ' boundary';
       if (pos === key) d.className += ' key'; if (pos === val) d.className += ' value'; if (pos === q) d.className += ' query';
-      var ph = el('span', { 'class': 'ph' }); ph.style.background = 'hsl(' + phaseHue(pos % P, P) + ',70%,60%)'; d.appendChild(ph);
+      if (ovl && pos <= q && !readsToken(r, lay, pos)) d.className += ' dropped';
+      var ph = el('span', { 'class': 'ph' }); ph.style.background = 'hsl(' + phaseHue(phaseOf(pos, P, off), P) + ',70%,60%)'; d.appendChild(ph);
       var slot = nE + pos, wt = w[slot];
       var wd = el('span', { 'class': 'w' }, t[2]); wd.style.background = shade(wt, who[slot]); d.appendChild(wd);
       d.appendChild(el('span', { 'class': 'i' }, String(pos)));
-      d.addEventListener('mousemove', function (ev) { tip(ev, 'token ' + pos + ' "' + t[2] + '" phase ' + (pos % P) + (lay.raw_slots ? ', attention ' + fmt(wt || 0) + (S.head === 'all' && wt ? ' (head ' + who[slot] + ')' : '') : '')); });
+      d.addEventListener('mousemove', function (ev) { tip(ev, 'token ' + pos + ' "' + t[2] + '" phase ' + phaseOf(pos, P, off) + (lay.raw_slots ? ', attention ' + fmt(wt || 0) + (S.head === 'all' && wt ? ' (head ' + who[slot] + ')' : '') : '') + (ovl && pos <= q ? (readsToken(r, lay, pos) ? '' : ', not read (' + (ovl === 'evict' ? 'evicted' : 'block not selected') + ')') : '')); });
       d.addEventListener('mouseleave', untip);
       strip.appendChild(d);
     });
@@ -509,7 +547,10 @@
     host.appendChild(ents);
     var info = el('p', { id: 'needle-info' });
     var txt = 'Needle: key token at t=' + key + ' (phase ' + r.phase + ')';
-    if (needle.length) {
+    if (ovl) {
+      var np = mark(r, 'phase_pos'), nb = blockOf(np, st, off);
+      txt = 'Needle: ' + (np === val ? 'value' : 'key') + ' at t=' + np + ' (phase ' + r.phase + '): ' + blockText(r, lay, nb);
+    } else if (needle.length) {
       txt += ' is pooled into entr' + (needle.length > 1 ? 'ies ' : 'y ') + needle.map(function (n) { return 'e' + n; }).join(', ');
       var rk = indexerRank(lay, needle[needle.length - 1], q);
       if (rk) txt += '; indexer rank of e' + needle[needle.length - 1] + ': ' + rk[0] + ' of ' + rk[1] + ' closed entries (0 = top)';
@@ -518,6 +559,46 @@
     info.textContent = txt; host.appendChild(info);
     if (S.entry !== null) entryDetail(lay, S.entry, q, key);
     else if (needle.length) entryDetail(lay, needle[needle.length - 1], q, key);
+    overlayPanel(r);
+  }
+  // The overlay's choice at the read position: layers x blocks (or chunks), the block
+  // holding the needle outlined; click a row for that layer's prompt view.
+  function overlayPanel(r) {
+    var host = $('overlay'); host.textContent = '';
+    var lays = overlayLayers(r);
+    if (!lays.length) { host.hidden = true; return; }
+    host.hidden = false;
+    var lay0 = lays[0], kind = overlayKind(lay0), B = stride(lay0), off = gridOff(lay0), word = kind === 'evict' ? 'chunk' : 'block';
+    var q = mark(r, 'query_pos'), np = mark(r, 'phase_pos'), needle = blockOf(np, B, off), nb = 0;
+    lays.forEach(function (x) { nb = Math.max(nb, x.indexer_selected.length); });
+    host.appendChild(el('h3', {}, 'What the overlay kept at the read position (t=' + q + '): ' + lay0.layer_kind[1]));
+    host.appendChild(el('p', { 'class': 'help' }, 'Rows: layers; columns: ' + word + 's of ' + B + ' tokens (grid offset ' + off + '). Dark = kept, light = ' +
+      (kind === 'evict' ? 'evicted (for every query from the observation window on)' : 'not selected by this query') + (kind === 'select' ? ', hatched = inside the raw window (read, not a candidate)' : '') +
+      '; red outline = the ' + word + ' holding the needle (' + (np === mark(r, 'value_pos') ? 'value' : 'key') + ' at t=' + np + ', phase ' + r.phase + '). Hover for the score and rank (attn.indexer.hook_scores / hook_selected); click a row to show that layer above.'));
+    var tbl = el('table', { 'class': 'ovl', id: 'overlay-grid' }), hd = el('tr');
+    hd.appendChild(el('th', {}, ''));
+    for (var b = 0; b < nb; b++) hd.appendChild(el('th', { 'class': 'col' + (b === needle ? ' needle' : '') }, b === needle ? '\u25bc' : (b % 8 === 0 ? String(b) : '')));
+    tbl.appendChild(hd);
+    var kept = 0;
+    lays.forEach(function (lay) {
+      var tr = el('tr', { 'data-layer': lay.layer, 'class': lay.layer === S.layer ? 'cur' : '' });
+      tr.appendChild(el('th', {}, 'L' + lay.layer));
+      for (var b = 0; b < lay.indexer_selected.length; b++) {
+        var st = blockState(r, lay, b);
+        if (b === needle && st !== 'dropped') kept++;
+        var td = el('td', { 'class': st + (b === needle ? ' needle' : ''), 'data-layer': lay.layer, 'data-block': b });
+        (function (lay, b) {
+          td.addEventListener('mousemove', function (ev) { tip(ev, blockText(r, lay, b)); });
+          td.addEventListener('mouseleave', untip);
+          td.addEventListener('click', function () { S.layer = lay.layer; S.entry = null; render(); });
+        })(lay, b);
+        tr.appendChild(td);
+      }
+      tbl.appendChild(tr);
+    });
+    host.appendChild(tbl);
+    host.appendChild(el('p', { id: 'overlay-summary', 'data-kept': kept, 'data-layers': lays.length }, 'The needle\'s ' + word + ' ' + needle + ' is read by ' + kept + ' of ' + lays.length + ' layers at the read position' +
+      (kind === 'evict' ? ' (kept, or inside the observation window).' : ' (selected, or inside the raw window).')));
   }
   function entryText(lay, e, state, wt, q) {
     var t = 'entry e' + e[0] + ' pools tokens ' + Math.max(0, e[1]) + '..' + e[2] + ' (' + state + ')';
@@ -567,7 +648,12 @@
       (L.pattern || []).forEach(function (p) { if (slots.indexOf(p[1]) >= 0) mass[p[0]] = (mass[p[0]] || 0) + p[2]; });
       Object.keys(mass).forEach(function (h) { if (best === null || mass[h] > best[2]) best = [L.layer, Number(h), mass[h]]; });
     });
-    return { prob: r.marks.answer_prob[0], gate: gate, head: best };
+    var ol = overlayLayers(r), kept = null;
+    if (ol.length) {
+      var np = mark(r, 'phase_pos');
+      kept = ol.filter(function (L) { return blockState(r, L, blockOf(np, stride(L), gridOff(L))) !== 'dropped'; }).length / ol.length;
+    }
+    return { prob: r.marks.answer_prob[0], gate: gate, head: best, kept: kept };
   }
   function shift() {
     if (!D.exemplars || !D.exemplars.length) return;
@@ -576,13 +662,15 @@
     sl.max = String(ex.length - 1); sl.value = String(Math.min(S.shift, ex.length - 1));
     var r = current(), st = shiftStats(r);
     $('shift-readout').textContent = '+' + (r.shift - ex[0].shift) + ' pads: needle phase ' + r.phase + ', P(answer) = ' + fmt(st.prob) +
-      ', gate weight of its entry (layer ' + S.layer + ') = ' + fmt(st.gate) + ', carried by ' + (st.head ? 'L' + st.head[0] + '.H' + st.head[1] + ' (mass ' + fmt(st.head[2]) + ')' : 'no head');
+      (st.kept !== null ? ', its block read by ' + fmt(st.kept) + ' of the overlay\'s layers' : ', gate weight of its entry (layer ' + S.layer + ') = ' + fmt(st.gate)) +
+      ', carried by ' + (st.head ? 'L' + st.head[0] + '.H' + st.head[1] + ' (mass ' + fmt(st.head[2]) + ')' : 'no head');
     var host = $('shift-chart'); host.textContent = '';
     var pts = function (f) {
       return ex.map(function (x) { var s = shiftStats(x); return [x.phase, f(s), null, null, 1]; }).sort(function (a, b) { return a[0] - b[0]; });
     };
-    lineChart(host, [{ metric: 'p_answer', label: 'P(answer)', points: pts(function (s) { return s.prob; }) },
-      { metric: 'gate', label: 'needle gate (L' + S.layer + ')', points: pts(function (s) { return s.gate; }) }], { y0: 0, y1: 1, xlabel: 'needle phase (shift)' });
+    var second = st.kept !== null ? { metric: 'kept', label: 'needle block read (fraction of layers)', points: pts(function (s) { return s.kept; }) }
+      : { metric: 'gate', label: 'needle gate (L' + S.layer + ')', points: pts(function (s) { return s.gate; }) };
+    lineChart(host, [{ metric: 'p_answer', label: 'P(answer)', points: pts(function (s) { return s.prob; }) }, second], { y0: 0, y1: 1, xlabel: 'needle phase (shift)' });
   }
 
   function render() {
@@ -594,6 +682,31 @@
   function fire(node, type) {
     var r = node.getBoundingClientRect();
     node.dispatchEvent(new MouseEvent(type, { bubbles: true, clientX: r.left + 2, clientY: r.top + 2 }));
+  }
+  // The overlay grid against the exemplar data: a row per layer, every cell's state
+  // from hook_selected, the needle column, hover and click.
+  function overlayChecks(check, res) {
+    var r = current(), lays = overlayLayers(r);
+    if (!lays.length) return;
+    var rows = document.querySelectorAll('#overlay-grid tr[data-layer]');
+    check('the overlay grid has one row per layer', rows.length === lays.length, rows.length + ' of ' + lays.length);
+    var bad = 0, cells = 0;
+    lays.forEach(function (lay) {
+      var kept = keptSet(lay);
+      document.querySelectorAll('#overlay-grid td[data-layer="' + lay.layer + '"]').forEach(function (td) {
+        var b = Number(td.getAttribute('data-block')), st = blockState(r, lay, b); cells++;
+        if (!td.classList.contains(st) || (st === 'kept') !== !!kept[b]) bad++;
+      });
+    });
+    check('every overlay cell shows hook_selected', cells > 0 && bad === 0, bad + ' of ' + cells + ' wrong');
+    check('the needle column is marked in every row', document.querySelectorAll('#overlay-grid td.needle').length === lays.length);
+    var s = $('overlay-summary');
+    res.overlay = { layers: lays.length, blocks: cells / lays.length, needle_kept: s ? Number(s.getAttribute('data-kept')) : null, dropped_tokens: document.querySelectorAll('#token-strip .tok.dropped').length };
+    var last = lays[lays.length - 1], td = document.querySelector('#overlay-grid td.needle[data-layer="' + last.layer + '"]');
+    fire(td, 'mousemove');
+    check('hovering an overlay cell names its block and state', !$('tooltip').hidden && $('tooltip').textContent.indexOf('layer ' + last.layer + ', ') === 0, $('tooltip').textContent);
+    fire(td, 'click');
+    check('clicking an overlay row shows that layer', $('layer-select').value === String(last.layer), $('layer-select').value);
   }
   function selftest() {
     var res = { ok: true, checks: [], cells: [], errors: [], render_ms: Math.round(window.__phaselensRenderMs || -1) };
@@ -656,6 +769,7 @@
         check('slider moves the needle to another phase', r.phase === ex[target].phase && (ex.length < 2 || r.phase !== before[0]), before[0] + ' -> ' + r.phase);
         check('slider shows that rendering\'s answer probability', $('shift-readout').textContent.indexOf('P(answer) = ' + fmt(st.prob)) >= 0, $('shift-readout').textContent);
         check('the key token is marked in the strip', document.querySelectorAll('#token-strip .tok.key').length === 1);
+        overlayChecks(check, res);
         var ent = document.querySelector('#entries .entry.needle') || document.querySelector('#entries .entry');
         if (ent) { fire(ent, 'click'); check('clicking an entry shows its gate weights or says there are none', $('entry-detail').textContent.length > 0); }
       } else if (D.view !== 'grid') {

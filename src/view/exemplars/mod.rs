@@ -3,24 +3,32 @@
 //! shifted by +0..+P-1 pads), with what the viewer's prompt view and phase-shift slider
 //! draw: tokens, the read position, the answer's probability, every layer's attention
 //! row at the read position (`hook_pattern`), its compressed entries' token spans, the
-//! compressor's key gates (`hook_key_gate`) and, on DeepSeek-V4 CSA layers, the
-//! indexer's scores and choice (`hook_scores`, `hook_selected`).
+//! compressor's key gates (`hook_key_gate`) and, on DeepSeek-V4 CSA layers and under
+//! a `select` or `evict` overlay, the indexer's (the overlay's) scores and choice
+//! (`hook_scores`, `hook_selected`: per block at the read position, or per chunk).
 //!
 //! Captured once, through the model's hook points, by `phaselens view` when the
 //! experiment's tables exist and the exemplar table does not; written next to the tables.
+//! The model is loaded as the experiment runs it (`[model] compression` included), and
+//! the prompts are the experiment's: key-value prompts, or the passkey / needle text of
+//! `[task] kind = "passkey" | "needle"` (tokens shown as the tokenizer spells them).
 
 use std::path::{Path, PathBuf};
 
 use crate::device::DeviceSpec;
 use crate::error::{Error, Result, ResultExt};
 use crate::hooks::{HookPoint, HookSpec, Site};
-use crate::model::{LanguageModel, LayerKind, ModelInfo, load_model_with, residency_summary};
+use crate::model::compression::Overlay;
+use crate::model::{LanguageModel, LayerKind, ModelInfo, load_model_as, residency_summary};
 use crate::output::{ColumnData, META_SCHEMA, Table};
 use crate::runner::Experiment;
+use crate::runner::kinds::KindConfig;
 use crate::runner::kinds::retrieval_heads::layer_layout;
 use crate::runner::setup::{TaskSetup, resolve_models};
-use crate::tasks::KvExample;
 use crate::tasks::prompts::clean_prompts;
+use crate::tasks::{KvExample, Protocol, TextNeedleExample, TokenSpace};
+
+mod overlay;
 
 /// `phaselens.schema` of the exemplar table.
 pub const EXEMPLAR_SCHEMA: &str = "exemplars/v1";
@@ -111,6 +119,77 @@ struct Setup {
     task: TaskSetup,
     name: String,
     device: burn::tensor::Device,
+    /// `[model] compression`: the overlay the model runs under.
+    overlay: Option<Overlay>,
+}
+
+/// One rendering to capture: a key-value or a text prompt, as the experiment runs it.
+struct Exemplar {
+    logical: u64,
+    shift: usize,
+    phase: u32,
+    /// The prompt, cut after its last read position (as the runner cuts it).
+    tokens: Vec<u32>,
+    /// The target key (key-value) or the needle sentence's first token (text).
+    key_pos: usize,
+    /// The value's first token.
+    value_pos: usize,
+    /// The token whose phase is the rendering's phase: the key (key-value), the value
+    /// (text).
+    phase_pos: usize,
+    /// The read position (the first answer prediction) and the answer there.
+    query_pos: usize,
+    answer: u32,
+}
+
+impl Exemplar {
+    /// A key-value example; `key_len` and `assign` atoms put its value after its key.
+    fn of_kv(e: &KvExample, key_len: usize, assign: usize) -> Result<Self> {
+        let (prompts, _) = clean_prompts(&[e], |_| 0);
+        let b = &e.bindings[e.scored_query().binding];
+        Ok(Exemplar {
+            logical: e.logical_id,
+            shift: e.shift,
+            phase: e.phase.residue(),
+            tokens: prompts.tokens,
+            key_pos: e.target_key_pos,
+            value_pos: b.key_pos + key_len + assign,
+            phase_pos: e.target_key_pos,
+            query_pos: first_target(e.logical_id, &e.target_positions)?,
+            answer: first_answer(e.logical_id, &e.answers)?,
+        })
+    }
+
+    /// A passkey / needle example, cut as phase-sweep cuts it.
+    fn of_text(e: &TextNeedleExample) -> Result<Self> {
+        let q = first_target(e.logical_id, &e.target_positions)?;
+        let end = e.target_positions.last().map_or(q + 1, |p| p + 1);
+        Ok(Exemplar {
+            logical: e.logical_id,
+            shift: e.shift,
+            phase: e.phase.residue(),
+            tokens: e.tokens[..end.min(e.tokens.len())].to_vec(),
+            key_pos: e.needle_span.0,
+            value_pos: e.value_span.0,
+            phase_pos: e.value_span.0,
+            query_pos: q,
+            answer: first_answer(e.logical_id, &e.answers)?,
+        })
+    }
+}
+
+fn first_target(logical: u64, positions: &[usize]) -> Result<usize> {
+    positions
+        .first()
+        .copied()
+        .ok_or_else(|| Error::Input(format!("logical example {logical}: no answer position")))
+}
+
+fn first_answer(logical: u64, answers: &[u32]) -> Result<u32> {
+    answers
+        .first()
+        .copied()
+        .ok_or_else(|| Error::Input(format!("logical example {logical}: no answer token")))
 }
 
 fn setup(exp: &Experiment, opts: &CaptureOptions) -> Result<Setup> {
@@ -120,8 +199,12 @@ fn setup(exp: &Experiment, opts: &CaptureOptions) -> Result<Setup> {
         .ok_or_else(|| Error::Other(format!("{}: no model", exp.path.display())))?;
     let device = opts.device.device()?;
     let residency = opts.weights.or(exp.file.model.weights).unwrap_or_default();
-    let model = load_model_with(&mref.dir, &device, residency)
+    let overlay = exp.file.model.compression.clone();
+    let model = load_model_as(&mref.dir, &device, residency, overlay.as_ref())
         .context_with(|| format!("loading model {}", mref.dir.display()))?;
+    if let Some(o) = &overlay {
+        eprintln!("overlay: {o}");
+    }
     eprintln!(
         "model {}: {}",
         mref.dir.display(),
@@ -135,6 +218,7 @@ fn setup(exp: &Experiment, opts: &CaptureOptions) -> Result<Setup> {
         task,
         name: mref.name.clone(),
         device,
+        overlay,
     })
 }
 
@@ -142,15 +226,10 @@ fn setup(exp: &Experiment, opts: &CaptureOptions) -> Result<Setup> {
 /// `<data_dir>/exemplars.arrow`.
 pub fn capture(exp: &Experiment, data_dir: &Path, opts: &CaptureOptions) -> Result<PathBuf> {
     let s = setup(exp, opts)?;
-    let set = s.task.eval_set(s.task.protocol)?;
     let p = s.task.period.len();
-    let n = (set.examples.len() / p.max(1)).min(opts.logical.max(1));
     let mut rows = Vec::new();
-    for i in 0..n {
-        for &r in &s.task.phases {
-            let e = &set.examples[i * p + r as usize];
-            rows.extend(capture_one(&s, e, opts.min_weight)?);
-        }
+    for e in exemplars_of(exp, &s, opts.logical.max(1))? {
+        rows.extend(capture_one(&s, &e, opts.min_weight)?);
     }
     let path = data_dir.join(EXEMPLAR_FILE);
     exemplar_table(&rows)?
@@ -161,6 +240,46 @@ pub fn capture(exp: &Experiment, data_dir: &Path, opts: &CaptureOptions) -> Resu
         .with_metadata(META_MODEL, s.name.clone())
         .write_arrow(&path)?;
     Ok(path)
+}
+
+/// The protocol the experiment evaluates: phase-sweep's first `[sweep] protocols`, else
+/// `[task] protocol`.
+fn protocol(exp: &Experiment, task: &TaskSetup) -> Protocol {
+    match &exp.file.kind {
+        KindConfig::PhaseSweep(c) => c.protocols.first().copied().unwrap_or(task.protocol),
+        _ => task.protocol,
+    }
+}
+
+/// The first `logical` logical examples of the experiment's evaluation set, each at
+/// every phase it evaluates.
+fn exemplars_of(exp: &Experiment, s: &Setup, logical: usize) -> Result<Vec<Exemplar>> {
+    let proto = protocol(exp, &s.task);
+    let p = s.task.period.len().max(1);
+    let mut out = Vec::new();
+    if let Some(set) = s.task.text_set(exp, proto)? {
+        let n = (set.examples.len() / p).min(logical);
+        for i in 0..n {
+            for &r in &s.task.phases {
+                out.push(Exemplar::of_text(set.example(i, r))?);
+            }
+        }
+        return Ok(out);
+    }
+    let set = s.task.eval_set(proto)?;
+    let assign = if s.task.prompt.assign {
+        s.task.space.assign().len()
+    } else {
+        0
+    };
+    let n = (set.examples.len() / p).min(logical);
+    for i in 0..n {
+        for &r in &s.task.phases {
+            let e = &set.examples[i * p + r as usize];
+            out.push(Exemplar::of_kv(e, s.task.prompt.key_len, assign)?);
+        }
+    }
+    Ok(out)
 }
 
 /// The hook points captured for every layer.
@@ -180,66 +299,74 @@ fn spec_for(info: &ModelInfo) -> HookSpec {
 }
 
 /// One forward of one rendering; its rows.
-fn capture_one(s: &Setup, e: &KvExample, min_weight: f64) -> Result<Vec<ExemplarRow>> {
-    let (prompts, _) = clean_prompts(&[e], |_| 0);
-    let t = prompts.len;
-    let out = s
-        .model
-        .forward(prompts.tokens_of(&[0], &s.device), &spec_for(&s.info))?;
-    let q = *e.target_positions.first().ok_or_else(|| {
-        Error::Input(format!(
-            "logical example {}: no answer position",
-            e.logical_id
-        ))
-    })?;
+fn capture_one(s: &Setup, e: &Exemplar, min_weight: f64) -> Result<Vec<ExemplarRow>> {
+    let t = e.tokens.len();
+    let ids: Vec<i64> = e.tokens.iter().map(|&x| i64::from(x)).collect();
+    let tokens = burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(ids, [1, t]),
+        &s.device,
+    );
+    let out = s.model.forward(tokens, &spec_for(&s.info))?;
+    let q = e.query_pos;
     let mut r = Rendering {
-        logical: e.logical_id as i64,
+        logical: e.logical as i64,
         shift: e.shift as i64,
-        phase: i64::from(e.phase.residue()),
+        phase: i64::from(e.phase),
         rows: Vec::new(),
     };
-    prompt_rows(s, e, t, &mut r);
+    prompt_rows(s, e, &mut r);
     answer_rows(s, e, out.logits, q, &mut r)?;
     for l in 0..s.info.n_layers() {
-        layer_rows(s, &out.cache, l, (t, q), min_weight, &mut r)?;
+        match &s.overlay {
+            Some(o @ (Overlay::Select { .. } | Overlay::Evict { .. })) => {
+                overlay::layer_rows(o, &out.cache, l, (t, q), min_weight, &mut r)?
+            }
+            _ => layer_rows(s, &out.cache, l, (t, q), min_weight, &mut r)?,
+        }
     }
     Ok(r.rows)
 }
 
 /// Tokens (value = id, label = its text) and the positions the viewer marks.
-fn prompt_rows(s: &Setup, e: &KvExample, t: usize, r: &mut Rendering) {
-    for (pos, &id) in e.tokens[..t].iter().enumerate() {
-        let label = s.task.space.render(&[id]);
+fn prompt_rows(s: &Setup, e: &Exemplar, r: &mut Rendering) {
+    for (pos, &id) in e.tokens.iter().enumerate() {
         r.push(
             "token",
             [None, None, Some(pos as i64), None],
             f64::from(id),
-            Some(label),
+            Some(token_text(&s.task.space, id)),
         );
     }
-    let b = &e.bindings[e.scored_query().binding];
-    let assign = if s.task.prompt.assign {
-        s.task.space.assign().len()
-    } else {
-        0
-    };
-    let value_pos = b.key_pos + s.task.prompt.key_len + assign;
     let none = [None; 4];
-    r.push("key_pos", none, e.target_key_pos as f64, None);
-    r.push("value_pos", none, value_pos as f64, None);
-    r.push(
-        "query_pos",
-        none,
-        e.target_positions.first().copied().unwrap_or(0) as f64,
-        None,
-    );
+    r.push("key_pos", none, e.key_pos as f64, None);
+    r.push("value_pos", none, e.value_pos as f64, None);
+    r.push("phase_pos", none, e.phase_pos as f64, None);
+    r.push("query_pos", none, e.query_pos as f64, None);
     r.push("period", none, s.task.period.len() as f64, None);
+    if let Some(o) = &s.overlay {
+        overlay::marks(o, e.tokens.len(), e.query_pos, r);
+    }
+}
+
+/// A token as the tokenizer spells it, its word-start marker (`▁`, `Ġ`) as the space it
+/// stands for (a decoded lone token loses it); the synthetic vocabulary's names.
+fn token_text(space: &TokenSpace, id: u32) -> String {
+    let text = space.render(&[id]);
+    let Some(piece) = space.tokenizer().and_then(|t| t.id_to_token(id)) else {
+        return text;
+    };
+    let spaced = piece.starts_with('\u{2581}') || piece.starts_with('\u{0120}');
+    if spaced && !text.starts_with(' ') {
+        format!(" {text}")
+    } else {
+        text
+    }
 }
 
 /// The answer's probability at the read position, and the model's top token.
 fn answer_rows(
     s: &Setup,
-    e: &KvExample,
+    e: &Exemplar,
     logits: burn::tensor::Tensor<3>,
     q: usize,
     r: &mut Rendering,
@@ -259,10 +386,7 @@ fn answer_rows(
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let z: f64 = row.iter().map(|&x| f64::from((x - max).exp())).sum();
     let prob = |id: usize| f64::from((row[id] - max).exp()) / z;
-    let answer =
-        *e.answers.first().ok_or_else(|| {
-            Error::Input(format!("logical example {}: no answer token", e.logical_id))
-        })? as usize;
+    let answer = e.answer as usize;
     if answer >= v {
         return Err(Error::Input(format!(
             "answer token {answer} is outside the model's vocabulary 0..{v}"
