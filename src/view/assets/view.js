@@ -505,7 +505,7 @@
     var ww = weights(lay, S.head), w = ww[0], who = ww[1], nE = (lay.entry_span || []).length, nH = nHeads(lay);
     var legend = el('div', { 'class': 'legend' });
     ['phase colour band on top of each token (t mod ' + P + '); thick line = window boundary every S=' + st,
-      'red box: target key (t=' + key + ', phase ' + r.phase + '); blue: its value; black: read position (t=' + q + ')',
+      (mark(r, 'phase_pos') === val ? 'red box: the needle sentence (t=' + key + '); blue: its value (t=' + val + ', phase ' + r.phase + ')' : 'red box: target key (t=' + key + ', phase ' + r.phase + '); blue: its value') + '; black: read position (t=' + q + ')',
       'token / entry lightness = attention weight' + (S.head === 'all' ? ' (max over heads; hue = the head that attends most)' : ' of head ' + S.head),
       ovl ? 'overlay ' + lay.layer_kind[1] + ': struck-through grey tokens are in ' + (ovl === 'evict' ? 'evicted chunks' : 'blocks the read position did not select') + '; from t=' + mark(r, 'overlay_window') + ' on, its ' + (ovl === 'evict' ? 'observation window' : 'raw window') + ' (always read)'
         : 'entries: solid = attended, dashed orange = available but not selected by the indexer, dotted grey = masked (window not closed)'].forEach(function (t) { legend.appendChild(el('span', {}, t)); });
