@@ -307,17 +307,7 @@ pub fn experiment_text(
     );
     e.insert("seed".into(), V::Integer(cfg.audit.seed as i64));
     root.insert("experiment".into(), V::Table(e));
-    let mut m = toml::Table::new();
-    match &target.organism {
-        Some(recipe) => m.insert("organism".into(), V::String(path_text(recipe)?)),
-        None => m.insert("path".into(), V::String(path_text(&target.dir)?)),
-    };
-    m.insert("name".into(), V::String(target.name.clone()));
-    if let Some(o) = &cfg.model.compression {
-        let v = V::try_from(o).map_err(|e| Error::Other(format!("audit plan: {e}")))?;
-        m.insert("compression".into(), v);
-    }
-    root.insert("model".into(), V::Table(m));
+    root.insert("model".into(), V::Table(model_table(target, cfg)?));
     let mut t = cfg.task.clone().unwrap_or_default();
     t.insert("period".into(), V::Integer(part.period as i64));
     t.insert("n_logical".into(), V::Integer(n_logical as i64));
@@ -363,6 +353,26 @@ pub fn experiment_text(
         "# Written by `phaselens audit` ({}): one of the runner experiments the audit ran.\n{body}",
         part.why
     ))
+}
+
+/// The `[model]` table of the plan's experiments: the model, its name, and how the
+/// audit loaded it (f32 weights, the overlay), so `phaselens run` reruns the same.
+fn model_table(target: &Target, cfg: &AuditConfig) -> Result<toml::Table> {
+    use toml::Value as V;
+    let mut m = toml::Table::new();
+    match &target.organism {
+        Some(recipe) => m.insert("organism".into(), V::String(path_text(recipe)?)),
+        None => m.insert("path".into(), V::String(path_text(&target.dir)?)),
+    };
+    m.insert("name".into(), V::String(target.name.clone()));
+    if cfg.model.weights == crate::model::stored::Residency::F32 {
+        m.insert("weights".into(), V::String("f32".into()));
+    }
+    if let Some(o) = &cfg.model.compression {
+        let v = V::try_from(o).map_err(|e| Error::Other(format!("audit plan: {e}")))?;
+        m.insert("compression".into(), v);
+    }
+    Ok(m)
 }
 
 /// An absolute path as TOML text (the plan files live in the output folder).
