@@ -33,8 +33,9 @@ pub fn run(markdown: bool, model: Option<&Path>, overlay: Option<&Overlay>) -> R
 
 /// The points `dir`'s model (under `overlay`, if any) fills on a forward of 4 tokens
 /// (batch 1; an `evict` overlay: as many tokens as its observation window and decode
-/// tokens plus two chunks, so that it has chunks to score), grouped over layers:
-/// `blocks.{0..29}.attn.hook_z  [1, 4, 9, 64]`.
+/// tokens plus two chunks, so that it has chunks to score; `pool` / `learned`: a window
+/// plus a stride, so that two entries have closed and show their gates), grouped over
+/// layers: `blocks.{0..29}.attn.hook_z  [1, 4, 9, 64]`.
 fn of_model(dir: &Path, overlay: Option<&Overlay>) -> Result<()> {
     let device = phaselens::device::DeviceSpec::Cpu.device()?;
     let residency = phaselens::model::stored::Residency::default();
@@ -48,6 +49,9 @@ fn of_model(dir: &Path, overlay: Option<&Overlay>) -> Result<()> {
             decode,
             ..
         }) => observe + decode + 2 * chunk,
+        Some(&Overlay::Pool { window, stride, .. } | &Overlay::Learned { window, stride, .. }) => {
+            (window + stride).max(4)
+        }
         _ => 4,
     };
     let ids: Vec<i64> = (0..len).map(|i| (i % info.vocab_size) as i64).collect();

@@ -475,7 +475,11 @@ fn hooks_lists_the_points_of_a_model_under_an_overlay() {
             "{name} missing or not [1, 2] in every layer:\n{text}"
         );
     }
-    let text = list("kind=pool,window=2,stride=2");
-    assert!(text.contains("attn.compressor.hook_key_gate "), "{text}");
+    // pool: a prompt of a window and a stride, so 2 entries with their gates per offset.
+    let text = list("kind=pool,window=4,stride=2");
+    let gate = text
+        .lines()
+        .find(|l| l.contains("attn.compressor.hook_key_gate "));
+    assert!(gate.is_some_and(|l| l.contains("[1, 2, 4, ")), "{text}");
     assert!(!text.contains("attn.indexer."), "{text}");
 }
