@@ -18,10 +18,12 @@
 //! | [`kinds`] | one file per experiment kind ([`Kind`]: settings, cells, rows, figures, report section) |
 //! | [`report`] | the report frame and figure helpers, from the tables alone |
 //! | [`bench`] | batched vs one-forward-per-cell throughput |
+//! | [`grid_shift`] | the grid-shift test of two phase sweeps (`phaselens grid-shift`) |
 
 pub mod bench;
 pub(crate) mod exec;
 pub mod experiment;
+pub mod grid_shift;
 pub(crate) mod heads;
 pub mod kinds;
 pub mod patching;
