@@ -198,7 +198,7 @@ pub fn parts(geo: &Geometry, cfg: &AuditConfig, prompt_len: usize) -> (Vec<Part>
         );
         return (vec![part(p, false, why)], Vec::new());
     }
-    let offset = cfg.model.compression.as_ref().map_or(0, overlay_offset);
+    let offset = cfg.model.compression.as_ref().map_or(0, Overlay::offset);
     if let Some(p) = a.period {
         let mut one = part(p as usize, true, "[audit] period".into());
         one.offset = offset % p as usize;
@@ -250,15 +250,6 @@ pub fn parts(geo: &Geometry, cfg: &AuditConfig, prompt_len: usize) -> (Vec<Part>
         }
     }
     (out, skipped)
-}
-
-/// Where an overlay's block grid starts (`select` and `evict` take an `offset`; the
-/// entries of `pool` and `learned` start at position 0).
-pub fn overlay_offset(o: &Overlay) -> usize {
-    match o {
-        Overlay::Select { offset, .. } | Overlay::Evict { offset, .. } => *offset,
-        Overlay::Pool { .. } | Overlay::Learned { .. } => 0,
-    }
 }
 
 /// Refuse an overlay that compresses nothing in retrieval prompts of `prompt_len`
@@ -566,7 +557,7 @@ mod tests {
             "{e}"
         );
         let pool: Overlay = "kind=pool,window=16,stride=8,local=4".parse().unwrap();
-        assert_eq!(overlay_offset(&pool), 0);
+        assert_eq!(pool.offset(), 0);
         let e = check_overlay(&pool, 10).unwrap_err().to_string();
         assert!(e.contains("compression.window"), "{e}");
     }

@@ -150,6 +150,15 @@ impl Overlay {
         }
     }
 
+    /// Where the block grid starts: `offset` (select, evict); the entries of `pool` and
+    /// `learned` start at position 0.
+    pub fn offset(&self) -> usize {
+        match self {
+            Overlay::Select { offset, .. } | Overlay::Evict { offset, .. } => *offset,
+            Overlay::Pool { .. } | Overlay::Learned { .. } => 0,
+        }
+    }
+
     /// Check every key against the others and against a context of `context`
     /// positions (when known); the error names the key.
     pub fn validate(&self, context: Option<usize>) -> Result<()> {

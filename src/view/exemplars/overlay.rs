@@ -9,36 +9,27 @@ use crate::error::{Error, Result};
 use crate::hooks::{ActivationCache, HookPoint, Site};
 use crate::model::compression::Overlay;
 
-/// The overlay's grid `(period, offset)` and its `layer_kind` label.
-fn grid(o: &Overlay) -> (usize, usize, String) {
+/// The `layer_kind` label of an overlay.
+fn label(o: &Overlay) -> String {
     match *o {
         Overlay::Select {
             block,
             top_k,
             window,
-            offset,
             sinks,
             ..
-        } => (
-            block,
-            offset,
-            format!("select block={block} top={top_k} window={window} sinks={sinks}"),
-        ),
+        } => format!("select block={block} top={top_k} window={window} sinks={sinks}"),
         Overlay::Evict {
             chunk,
             keep,
             observe,
-            offset,
             sinks,
             decode,
-        } => (
-            chunk,
-            offset,
-            format!(
-                "evict chunk={chunk} keep={keep} observe={observe} sinks={sinks} decode={decode}"
-            ),
+            ..
+        } => format!(
+            "evict chunk={chunk} keep={keep} observe={observe} sinks={sinks} decode={decode}"
         ),
-        _ => (o.period(), 0, o.to_string()),
+        _ => o.to_string(),
     }
 }
 
@@ -71,9 +62,8 @@ pub(super) fn layer_rows(
     min_weight: f64,
     r: &mut Rendering,
 ) -> Result<()> {
-    let (period, offset, label) = grid(o);
-    let kind_at = [Some(l as i64), None, None, Some(offset as i64)];
-    r.push("layer_kind", kind_at, period as f64, Some(label));
+    let kind_at = [Some(l as i64), None, None, Some(o.offset() as i64)];
+    r.push("layer_kind", kind_at, o.period() as f64, Some(label(o)));
     let point = HookPoint::block(l, Site::AttnPattern);
     let (shape, vals) = captured(cache, l, Site::AttnPattern)
         .ok_or_else(|| Error::hook(point.to_string(), "not produced by the model"))?;
