@@ -300,6 +300,27 @@ impl<'a> HookRun<'a> {
         Ok(x)
     }
 
+    /// [`HookRun::apply`] for a boolean choice (the kept blocks, chunks or entries of a
+    /// selection): seen by interventions and captures as 1.0 (chosen) / 0.0, read back
+    /// as chosen where the result is above 0.5, then restricted to `allowed` when given
+    /// (an intervention cannot choose what the rule never could). Untouched points pass
+    /// `mask` through as it is.
+    pub fn apply_mask<const D: usize>(
+        &mut self,
+        point: HookPoint,
+        mask: Tensor<D, Bool>,
+        allowed: Option<Tensor<D, Bool>>,
+    ) -> Result<Tensor<D, Bool>> {
+        if !self.touches(&point) {
+            return Ok(mask);
+        }
+        let chosen = self.apply(point, mask.float())?.greater_elem(0.5);
+        Ok(match allowed {
+            Some(a) => chosen.bool_and(a),
+            None => chosen,
+        })
+    }
+
     /// Record an activation that the forward pass does not use further (e.g. indexer
     /// top-k choices), if it is captured.
     pub fn record<const D: usize>(&mut self, point: HookPoint, x: impl FnOnce() -> Tensor<D>) {

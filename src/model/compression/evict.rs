@@ -80,17 +80,14 @@ impl ChunkSelector {
             chunk_scores(q_all, k, (t0, end), grid, scale)
         };
         let scores = hooks.apply(HookPoint::block(layer, Site::IndexerScores), scores)?;
-        let mut kept = if t0 == 0 {
+        let kept = if t0 == 0 {
             scores.zeros_like().greater_elem(0.5)
         } else {
             let n = ((e.keep * grid.n as f64).ceil() as usize).clamp(1, grid.n);
             topk_mask(scores, n)
         };
-        let point = HookPoint::block(layer, Site::IndexerSelected);
-        if hooks.touches(&point) {
-            // 1.0 = kept; an intervention may keep any number of chunks.
-            kept = hooks.apply(point, kept.float())?.greater_elem(0.5);
-        }
+        // 1.0 = kept; an intervention may keep any number of chunks.
+        let kept = hooks.apply_mask(HookPoint::block(layer, Site::IndexerSelected), kept, None)?;
         Ok(ChunkSelector {
             kept,
             grid,

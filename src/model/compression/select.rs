@@ -228,15 +228,10 @@ impl EntrySelector for BlockSelector {
             self.scores(i0, i1),
         )?;
         let masked = scores.mask_fill(candidate.clone().bool_not(), f32::NEG_INFINITY);
-        let mut kept = topk_mask(masked, self.top_k.min(grid.n)).bool_and(candidate.clone());
+        let kept = topk_mask(masked, self.top_k.min(grid.n)).bool_and(candidate.clone());
+        // 1.0 = kept; an intervention may keep any candidate block.
         let point = HookPoint::block(self.layer, Site::IndexerSelected);
-        if hooks.touches(&point) {
-            // 1.0 = kept; an intervention may keep any candidate block.
-            kept = hooks
-                .apply(point, kept.float())?
-                .greater_elem(0.5)
-                .bool_and(candidate);
-        }
+        let kept = hooks.apply_mask(point, kept, Some(candidate))?;
         // Token j: in a kept block (or a sink) and before the query's window.
         let blocks: Vec<usize> = (0..n_vis).map(|j| grid.of(j)).collect();
         let per_token = kept

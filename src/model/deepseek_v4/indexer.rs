@@ -220,12 +220,8 @@ impl EntrySelector for IndexSelector {
             }
             self.picked.push(kept);
         }
-        let point = HookPoint::block(self.layer, Site::IndexerSelected);
-        if !hooks.touches(&point) {
-            return Ok(selected);
-        }
         // 1.0 = kept; an intervention may keep any closed entries (never an open one).
-        let chosen = hooks.apply(point, selected.float())?;
-        Ok(chosen.greater_elem(0.5).bool_and(closed))
+        let point = HookPoint::block(self.layer, Site::IndexerSelected);
+        hooks.apply_mask(point, selected, Some(closed))
     }
 }
