@@ -11,7 +11,9 @@ use tokenizers::Tokenizer;
 
 use crate::error::{Error, Result};
 use crate::tasks::prompts::{PromptMeta, Prompts, Target};
-use crate::tasks::{TaskError, TextNeedleExample, TextNeedleSet, corrupt_text_example};
+use crate::tasks::{
+    TaskError, TextNeedleExample, TextNeedleSet, corrupt_text_example, text_cut_len,
+};
 
 /// The clean / corrupted pairs of `examples` (rendered from `set`'s config with `tok`):
 /// prompt `i` and `n + i` are each other's source; groups 0 = clean, 1 = corrupted.
@@ -22,11 +24,7 @@ pub fn text_paired_prompts(
     examples: &[&TextNeedleExample],
 ) -> std::result::Result<(Prompts, Vec<PromptMeta>), TaskError> {
     let n = examples.len();
-    let len = examples
-        .iter()
-        .map(|e| e.target_positions.last().map_or(1, |p| p + 1))
-        .max()
-        .unwrap_or(1);
+    let len = text_cut_len(examples.iter().copied());
     let mut tokens = Vec::with_capacity(2 * n * len);
     let mut targets = Vec::with_capacity(2 * n);
     let mut meta = Vec::with_capacity(2 * n);

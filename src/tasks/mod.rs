@@ -53,6 +53,7 @@ pub use needle::{
     FILLER_SENTENCES, Fact, MAX_TEXT_LEN, NEEDLE_INTRO, PASSKEY_INTRO, PASSKEY_QUESTION,
     PASSKEY_SENTENCE, TextCorruption, TextNeedleConfig, TextNeedleExample, TextNeedleSet, TextTask,
     TextTokens, VALUE_SLOT, builtin_facts, corrupt_text_example, generate_text_needle_set,
+    text_cut_len,
 };
 pub use vocab::{HfVocabConfig, SyntheticVocabConfig, TokenRange, TokenSpace, TokenSpaceConfig};
 

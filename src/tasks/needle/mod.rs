@@ -154,6 +154,17 @@ pub struct TextNeedleExample {
     pub wrong_first: Vec<u32>,
 }
 
+/// How far a batch of `examples` is read: one past the last target position of any
+/// (1 for none). Scoring and patching cut the prompts there: the tokens after it
+/// affect no logit that is read.
+pub fn text_cut_len<'a>(examples: impl IntoIterator<Item = &'a TextNeedleExample>) -> usize {
+    examples
+        .into_iter()
+        .map(|e| e.target_positions.last().map_or(1, |p| p + 1))
+        .max()
+        .unwrap_or(1)
+}
+
 /// A phase-controlled text set: every logical example rendered once per phase.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TextNeedleSet {

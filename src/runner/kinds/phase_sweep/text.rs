@@ -8,7 +8,7 @@
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::error::{Error, Result};
-use crate::tasks::{Protocol, TextNeedleExample};
+use crate::tasks::{Protocol, TextNeedleExample, text_cut_len};
 
 use super::super::super::patching::Outcome;
 use super::super::Ctx;
@@ -24,11 +24,7 @@ pub(super) struct TextObs {
 
 /// The `[rows.len(), len]` ids of `rows`, cut after the last target position of any.
 fn batch(ctx: &Ctx, ex: &[&TextNeedleExample], rows: &[usize]) -> (Tensor<2, Int>, usize) {
-    let len = rows
-        .iter()
-        .map(|&r| ex[r].target_positions.last().map_or(1, |p| p + 1))
-        .max()
-        .unwrap_or(1);
+    let len = text_cut_len(rows.iter().map(|&r| ex[r]));
     let mut ids = Vec::with_capacity(rows.len() * len);
     for &r in rows {
         ids.extend(ex[r].tokens[..len].iter().map(|&t| i64::from(t)));
