@@ -91,16 +91,16 @@ fn same_frame(old: &Encoded, new: &Encoded) -> bool {
 }
 
 /// The edits that turn `e` into its partner with value `value`, when it tokenizes in
-/// the same frame as the clean value (needle and query); `None` otherwise.
+/// the same frame as the clean value's needle and query `(n0, q0)`; `None` otherwise.
 fn edits_for(
     tok: &Tokenizer,
     (sentence, question): (&str, &str),
+    (n0, q0): (&Encoded, &Encoded),
     e: &TextNeedleExample,
     value: &str,
 ) -> TaskResult<Option<TextCorruption>> {
-    let (n0, q0) = encode_pair(tok, sentence, question, &e.value)?;
     let (n1, q1) = encode_pair(tok, sentence, question, value)?;
-    if !same_frame(&n0, &n1) || !same_frame(&q0, &q1) {
+    if !same_frame(n0, &n1) || !same_frame(q0, &q1) {
         return Ok(None);
     }
     let needle_at = e.needle_span.0;
@@ -175,8 +175,9 @@ pub fn corrupt_text_example(
     e: &TextNeedleExample,
 ) -> TaskResult<TextCorruption> {
     let (sentence, question) = templates(cfg, e)?;
+    let (n0, q0) = encode_pair(tok, &sentence, &question, &e.value)?;
     for value in candidates(cfg, e)? {
-        if let Some(c) = edits_for(tok, (&sentence, &question), e, &value)? {
+        if let Some(c) = edits_for(tok, (&sentence, &question), (&n0, &q0), e, &value)? {
             return Ok(c);
         }
     }
