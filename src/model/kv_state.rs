@@ -273,6 +273,8 @@ enum Mode<'a> {
 /// Where a suffix forward's rows come from.
 struct SuffixIndex<'a> {
     state: &'a PrefixState,
+    /// Each batch row's prompt in the state.
+    rows: Vec<usize>,
     /// `[rows * total]`: each (row, position)'s index in `cat([state rows * total,
     /// recomputed rows * len])`.
     merge: Tensor<1, Int>,
@@ -354,6 +356,7 @@ impl<'a> TokenFlow<'a> {
             },
             mode: Mode::Suffix(Box::new(SuffixIndex {
                 state,
+                rows: suffix.rows.clone(),
                 merge: int_tensor(&merge, device),
                 prev: int_tensor(&prev, device),
             })),
@@ -392,6 +395,83 @@ impl<'a> TokenFlow<'a> {
                 Ok(rows.select(0, to(merge.clone(), &device)).reshape(dims))
             }
         }
+    }
+
+    /// In a suffix forward, the first position any row recomputes (every position
+    /// before it holds the base run's values in every row); `None` in a plain or
+    /// recording forward.
+    pub fn first_recomputed(&self) -> Option<usize> {
+        match (&self.mode, &self.queries) {
+            (Mode::Suffix(_), Queries::Rows { from, .. }) => from.iter().copied().min(),
+            _ => None,
+        }
+    }
+
+    /// Positions `from..total` of what [`TokenFlow::full`] gives, `[rows, total - from,
+    /// ...]`, without building the positions before `from` (a suffix forward merges
+    /// only the later ones; a plain or recording forward slices, and records `new`).
+    pub fn full_from<const D: usize>(
+        &mut self,
+        layer: usize,
+        name: &'static str,
+        new: Tensor<D>,
+        from: usize,
+    ) -> Result<Tensor<D>> {
+        let total = self.queries.total();
+        if from > total {
+            return Err(Error::Input(format!(
+                "positions {from}.. of `{name}` in layer {layer}: the prompts have {total}"
+            )));
+        }
+        let Mode::Suffix(s) = &self.mode else {
+            let full = self.full(layer, name, new)?;
+            return Ok(full.slice_dim(1, from..total));
+        };
+        let SuffixIndex { state, rows, .. } = &**s;
+        let Queries::Rows { from: firsts, len, .. } = &self.queries else {
+            unreachable!("a suffix forward computes rows")
+        };
+        let (b, len) = (firsts.len(), *len);
+        let mut idx = Vec::with_capacity(b * (total - from));
+        for (r, (&p, &f)) in rows.iter().zip(firsts).enumerate() {
+            idx.extend((from..total).map(|q| {
+                if q >= f && q < f + len {
+                    state.rows * total + r * len + q - f
+                } else {
+                    p * total + q
+                }
+            }));
+        }
+        let mut dims = new.dims();
+        dims[0] = b;
+        dims[1] = total - from;
+        let device = new.device();
+        let all = Tensor::cat(
+            vec![base_rows(state, layer, name, &new)?, flat_rows(new)],
+            0,
+        );
+        Ok(all.select(0, int_tensor(&idx, &device)).reshape(dims))
+    }
+
+    /// In a suffix forward, the base run's `name` of `layer` over every position of
+    /// every prompt of the state, `[state rows, total, ...]` (the per-position shape of
+    /// `like`), and each batch row's prompt in it: what values derived only from
+    /// positions before [`TokenFlow::first_recomputed`] can be computed from once per
+    /// prompt. `None` in a plain or recording forward.
+    pub fn base_state<const D: usize>(
+        &self,
+        layer: usize,
+        name: &str,
+        like: &Tensor<D>,
+    ) -> Option<Result<(Tensor<D>, Vec<usize>)>> {
+        let Mode::Suffix(s) = &self.mode else {
+            return None;
+        };
+        let SuffixIndex { state, rows, .. } = &**s;
+        let mut dims = like.dims();
+        dims[0] = state.rows;
+        dims[1] = state.len;
+        Some(base_rows(state, layer, name, like).map(|t| (t.reshape(dims), rows.clone())))
     }
 
     /// `new: [rows, len, ...]` -> the values of `name` in `layer` at each computed

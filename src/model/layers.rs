@@ -282,6 +282,14 @@ pub struct RopeTables {
 }
 
 impl RopeTables {
+    /// The tables of the positions `range` of these (rows of `cos` and `sin`).
+    pub fn rows(&self, range: std::ops::Range<usize>) -> Self {
+        RopeTables {
+            cos: self.cos.clone().slice_dim(0, range.clone()),
+            sin: self.sin.clone().slice_dim(0, range),
+        }
+    }
+
     /// Tables for `positions` with per-pair inverse frequencies `inv_freq`
     /// (`theta^(-2i/r)` for plain RoPE; YaRN-adjusted by callers that need it) and an
     /// optional attention scaling factor multiplied into cos and sin.

@@ -43,12 +43,22 @@ fn suffix_forward_equals_forward_from_at_its_positions() {
         let plain = m.forward(tokens.clone(), &HookSpec::new()).unwrap().logits;
         assert!(max_rel(&vals(out.logits), &vals(plain)) < 1e-5, "{name}");
         let len = 2;
-        let sfx = Suffix {
+        // Rows starting early (before the first compressed window closes) and rows that
+        // all start late (the windows before them pooled once per prompt of the state).
+        let early = Suffix {
             rows: vec![rows - 1, 0, 1, 0],
             from: vec![t - len, 3, t / 2, t - len - 1],
             len,
         };
-        for start in 0..n_layers {
+        let late = Suffix {
+            rows: vec![1, rows - 1, 0, 1],
+            from: vec![t - len, t / 2, t - len - 1, t / 2 + 1],
+            len,
+        };
+        for (sfx, start) in [early, late]
+            .iter()
+            .flat_map(|s| (0..n_layers).map(move |l| (s, l)))
+        {
             let resid = out
                 .cache
                 .get(&HookPoint::block(start, Site::ResidPre))

@@ -261,13 +261,28 @@ impl Attention {
             return Ok(None);
         }
         let (kv, gate) = comp.pooler.project(x);
+        let rate = comp.pooler.rate;
+        let entries = |e: Tensor<4>| Entries {
+            k: e.clone(),
+            v: e,
+            stride: rate,
+            close: rate - 1,
+            offsets: Vec::new(),
+        };
+        if !Compressor::hooked(layer, hooks) {
+            // K = V, pooled once (and, in a suffix forward, only where it changes).
+            let names = ["comp_kv", "comp_gate"];
+            let e = comp
+                .pooler
+                .entries_through(layer, names, (kv, gate), starts, flow)?;
+            return Ok(e.map(entries));
+        }
         let kv = flow.full(layer, "comp_kv", kv)?;
         let gate = flow.full(layer, "comp_gate", gate)?;
         let windows = comp.pooler.window_logits_from((kv, gate));
         let Some(c) = comp.forward_windows(layer, windows, starts, hooks)? else {
             return Ok(None);
         };
-        let rate = comp.pooler.rate;
         Ok(Some(Entries {
             k: c.keys,
             v: c.values,
@@ -293,16 +308,19 @@ impl Attention {
         // training anything but the indexer, as DeepSeek trains it.
         let (x, q_res) = (&x.clone().detach(), &q_res.clone().detach());
         let (kv, gate) = idx.pooler.project(x);
-        let kv = flow.full(layer, "index_kv", kv)?;
-        let gate = flow.full(layer, "index_gate", gate)?;
         let starts = &tables.csa.as_ref().expect("CSA tables").1;
+        let names = ["index_kv", "index_gate"];
+        let keys = idx
+            .pooler
+            .entries_through(layer, names, (kv, gate), starts, flow)?
+            .expect("the caller checked that entries exist");
         let at = IndexQueries {
             x,
             q_res,
             tables: &tables.compress,
             queries: flow.queries(),
         };
-        idx.selector(layer, (kv, gate), starts, at)
+        idx.selector(layer, keys, at)
     }
 
     /// `z: [b, t, nh, dh]` -> the output `[b, t, d_model]`, through `hook_result`

@@ -51,6 +51,22 @@ impl Compressor {
         self.forward_windows(layer, self.pooler.window_logits(x), starts, hooks)
     }
 
+    /// Whether `hooks` capture or change any of this layer's compressor points (the
+    /// gates' logits and weights, the compressed K and V), which
+    /// [`Compressor::forward_windows`] then exposes.
+    pub fn hooked(layer: usize, hooks: &HookRun) -> bool {
+        [
+            Site::KeyGateLogits,
+            Site::ValueGateLogits,
+            Site::KeyGate,
+            Site::ValueGate,
+            Site::CompressedK,
+            Site::CompressedV,
+        ]
+        .into_iter()
+        .any(|s| hooks.touches(&HookPoint::block(layer, s)))
+    }
+
     /// [`Compressor::forward`] from the pooler's window logits and values
     /// ([`Pooler::window_logits`] or [`Pooler::window_logits_from`]).
     pub fn forward_windows(

@@ -88,15 +88,13 @@ impl Indexer {
         })
     }
 
-    /// The selector of layer `layer` in one forward: index keys pooled from the
-    /// per-token projections `(kv, gate)` of every position (`[b, total, *]`,
-    /// [`Pooler::project`]) and rotated at the window starts `starts`, scored for the
-    /// queries `at`.
+    /// The selector of layer `layer` in one forward: the index keys of every closed
+    /// window (`[b, n, 1, index_head_dim]`, pooled by its [`Pooler`] and rotated at the
+    /// window starts: [`Pooler::entries_through`]), scored for the queries `at`.
     pub fn selector(
         &self,
         layer: usize,
-        projections: (Tensor<3>, Tensor<3>),
-        starts: &RopeTables,
+        keys: Tensor<4>,
         at: IndexQueries,
     ) -> Result<IndexSelector> {
         let IndexQueries {
@@ -107,13 +105,8 @@ impl Indexer {
         } = at;
         let [b, t, _] = x.dims();
         let (hi, di) = (self.n_heads, self.head_dim);
-        let (w, values) = self
-            .pooler
-            .windows_from(projections)
-            .expect("the caller checked that entries exist");
-        let n = w.dims()[1];
-        let keys = self.pooler.pool(w, values).reshape([b, n, 1, di]);
-        let keys = rope::rotate(keys, starts, false).reshape([b, n, di]);
+        let n = keys.dims()[1];
+        let keys = keys.reshape([b, n, di]);
         let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, hi, di]);
         let q = rope::rotate(q, tokens, false);
         let weights = self.scorer.weights_proj.forward(x.clone()) * (1.0 / (hi as f64).sqrt());

@@ -7,8 +7,10 @@ use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
 
-use crate::error::Result;
-use crate::model::layers::{Linear, RmsNorm};
+use super::rope;
+use crate::error::{Error, Result};
+use crate::model::kv_state::TokenFlow;
+use crate::model::layers::{Linear, RmsNorm, RopeTables, int_tensor};
 use crate::model::weights::{Init, Vb};
 
 /// The projections and norm of one pooling compressor.
@@ -129,6 +131,69 @@ impl Pooler {
         let values = Tensor::cat(vec![prev_kv, b_kv], 2);
         let logits = Tensor::cat(vec![prev_g, b_g], 2);
         Some((logits, values))
+    }
+
+    /// The entries of every closed window, `[b, n, 1, dim]`: pooled ([`Pooler::pool`]
+    /// of the softmax over slots) and rotated at the window starts `starts`, from this
+    /// forward's per-token projections ([`Pooler::project`] at the positions `flow`
+    /// computes) passed through `flow` as `names` (kv, gate). In a suffix forward the
+    /// windows that close before the first recomputed position are pooled once per
+    /// prompt of the prefix state and shared by its rows, and only the later ones per
+    /// row: the same values (a window reads only its own tokens, and those are the base
+    /// run's) without merging the state over every position of every row. `None` when no
+    /// window has closed.
+    pub fn entries_through(
+        &self,
+        layer: usize,
+        names: [&'static str; 2],
+        (kv, gate): (Tensor<3>, Tensor<3>),
+        starts: &RopeTables,
+        flow: &mut TokenFlow,
+    ) -> Result<Option<Tensor<4>>> {
+        let m = self.rate;
+        let n = flow.queries().total() / m;
+        let pooled = |w: Tensor<4>, v: Tensor<4>, tables: &RopeTables| {
+            let e = self.pool(softmax(w, 2), v);
+            let [b, k, d] = e.dims();
+            rope::rotate(e.reshape([b, k, 1, d]), tables, false)
+        };
+        let w0 = flow.first_recomputed().map_or(0, |f| (f / m).min(n));
+        if n == 0 || w0 == 0 {
+            let kv = flow.full(layer, names[0], kv)?;
+            let gate = flow.full(layer, names[1], gate)?;
+            return Ok(self
+                .window_logits_from((kv, gate))
+                .map(|(w, v)| pooled(w, v, starts)));
+        }
+        let missing = || Error::Other("a suffix forward without its prefix state".into());
+        let (base_kv, rows) = flow.base_state(layer, names[0], &kv).ok_or_else(missing)??;
+        let (base_gate, _) = flow.base_state(layer, names[1], &gate).ok_or_else(missing)??;
+        let head = |x: Tensor<3>| x.slice_dim(1, 0..w0 * m);
+        let (w, v) = self
+            .window_logits_from((head(base_kv), head(base_gate)))
+            .expect("w0 >= 1 closed windows");
+        let base = pooled(w, v, &starts.rows(0..w0));
+        let device = base.device();
+        let mut entries = base.select(0, int_tensor(&rows, &device));
+        if w0 < n {
+            // With overlap, window w0 reads the A half of window w0 - 1's tokens: start
+            // there, and drop that window's entry (its own A half is missing here).
+            let p0 = if self.overlap { (w0 - 1) * m } else { w0 * m };
+            let kv = flow.full_from(layer, names[0], kv, p0)?;
+            let gate = flow.full_from(layer, names[1], gate, p0)?;
+            let (w, v) = self
+                .window_logits_from((kv, gate))
+                .expect("windows close after w0");
+            let skip = w0 - p0 / m;
+            let nt = w.dims()[1];
+            let tail = pooled(
+                w.slice_dim(1, skip..nt),
+                v.slice_dim(1, skip..nt),
+                &starts.rows(w0..n),
+            );
+            entries = Tensor::cat(vec![entries, tail], 1);
+        }
+        Ok(Some(entries))
     }
 
     /// `kv_norm(sum_slots weights * values)`: `[b, n, dim]`.
