@@ -109,6 +109,12 @@ thread_local! {
     static LARGEST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
+/// This thread's per-block budget (score elements): [`BLOCK_BUDGET`] unless
+/// [`with_block_budget`] set another.
+pub fn block_budget() -> usize {
+    BUDGET.with(|b| b.get())
+}
+
 /// Run `f` with another per-block budget (score elements) on this thread: tests use a
 /// tiny budget to force many blocks, benches a larger one.
 pub fn with_block_budget<T>(budget: usize, f: impl FnOnce() -> T) -> T {

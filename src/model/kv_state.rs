@@ -428,7 +428,10 @@ impl<'a> TokenFlow<'a> {
             return Ok(full.slice_dim(1, from..total));
         };
         let SuffixIndex { state, rows, .. } = &**s;
-        let Queries::Rows { from: firsts, len, .. } = &self.queries else {
+        let Queries::Rows {
+            from: firsts, len, ..
+        } = &self.queries
+        else {
             unreachable!("a suffix forward computes rows")
         };
         let (b, len) = (firsts.len(), *len);
@@ -451,6 +454,33 @@ impl<'a> TokenFlow<'a> {
             0,
         );
         Ok(all.select(0, int_tensor(&idx, &device)).reshape(dims))
+    }
+
+    /// In a recording forward, keep `value` (any shape, first axis the prompts) as
+    /// `name` of `layer` in the state: a value derived from every position that a suffix
+    /// forward can reuse where no row recomputed its inputs ([`TokenFlow::kept`]).
+    /// Nothing in a plain or suffix forward.
+    pub fn keep<const D: usize>(&mut self, layer: usize, name: &'static str, value: &Tensor<D>) {
+        if let Mode::Record(state) = &mut self.mode {
+            state.insert(layer, name, Act::new(value.clone()));
+        }
+    }
+
+    /// In a suffix forward, what the recording forward kept as `name` of `layer`
+    /// ([`TokenFlow::keep`]), on this forward's `device`, and each batch row's prompt in
+    /// it; `None` in a plain or recording forward, or when nothing was kept so.
+    pub fn kept<const D: usize>(
+        &self,
+        layer: usize,
+        name: &str,
+        device: &Device,
+    ) -> Option<Result<(Tensor<D>, Vec<usize>)>> {
+        let Mode::Suffix(s) = &self.mode else {
+            return None;
+        };
+        let SuffixIndex { state, rows, .. } = &**s;
+        let act = state.layers.get(layer)?.get(name)?;
+        Some(act.get::<D>().map(|t| (to(t, device), rows.clone())))
     }
 
     /// In a suffix forward, the base run's `name` of `layer` over every position of

@@ -39,6 +39,16 @@ fn suffix_forward_equals_forward_from_at_its_positions() {
         }
         let (out, state) = LanguageModel::forward_with_state(&m, tokens.clone(), &spec).unwrap();
         let state = state.expect("DeepSeek-V4 models keep a prefix state");
+        // A base run that captures the compressed keys keeps no pooled entries (its
+        // compressor runs through its hook points): suffix forwards then pool the
+        // windows before their rows from the recorded projections.
+        let mut hooked = spec.clone();
+        for l in 0..n_layers {
+            hooked = hooked.capture_point(HookPoint::block(l, Site::CompressedK));
+        }
+        let (_, hooked_state) =
+            LanguageModel::forward_with_state(&m, tokens.clone(), &hooked).unwrap();
+        let hooked_state = hooked_state.unwrap();
         // The base forward with state gives the plain forward's logits.
         let plain = m.forward(tokens.clone(), &HookSpec::new()).unwrap().logits;
         assert!(max_rel(&vals(out.logits), &vals(plain)) < 1e-5, "{name}");
@@ -55,9 +65,10 @@ fn suffix_forward_equals_forward_from_at_its_positions() {
             from: vec![t - len, t / 2, t - len - 1, t / 2 + 1],
             len,
         };
-        for (sfx, start) in [early, late]
-            .iter()
-            .flat_map(|s| (0..n_layers).map(move |l| (s, l)))
+        let runs = [(&early, &state), (&late, &state), (&late, &hooked_state)];
+        for (sfx, state, start) in runs
+            .into_iter()
+            .flat_map(|(s, st)| (0..n_layers).map(move |l| (s, st, l)))
         {
             let resid = out
                 .cache
@@ -116,7 +127,7 @@ fn suffix_forward_equals_forward_from_at_its_positions() {
                     .logits;
                 let want = rows_at(want, &sfx.from, len);
                 let got = m
-                    .forward_suffix(start, &state, &sfx, suffix_resid.clone(), &sfx_spec)
+                    .forward_suffix(start, state, sfx, suffix_resid.clone(), &sfx_spec)
                     .unwrap()
                     .logits;
                 assert_eq!(got.dims()[..2], [4, len]);

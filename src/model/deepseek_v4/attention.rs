@@ -271,7 +271,7 @@ impl Attention {
         };
         if !Compressor::hooked(layer, hooks) {
             // K = V, pooled once (and, in a suffix forward, only where it changes).
-            let names = ["comp_kv", "comp_gate"];
+            let names = ["comp_kv", "comp_gate", "comp_entries"];
             let e = comp
                 .pooler
                 .entries_through(layer, names, (kv, gate), starts, flow)?;
@@ -309,7 +309,7 @@ impl Attention {
         let (x, q_res) = (&x.clone().detach(), &q_res.clone().detach());
         let (kv, gate) = idx.pooler.project(x);
         let starts = &tables.csa.as_ref().expect("CSA tables").1;
-        let names = ["index_kv", "index_gate"];
+        let names = ["index_kv", "index_gate", "index_keys"];
         let keys = idx
             .pooler
             .entries_through(layer, names, (kv, gate), starts, flow)?

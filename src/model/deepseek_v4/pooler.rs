@@ -136,16 +136,16 @@ impl Pooler {
     /// The entries of every closed window, `[b, n, 1, dim]`: pooled ([`Pooler::pool`]
     /// of the softmax over slots) and rotated at the window starts `starts`, from this
     /// forward's per-token projections ([`Pooler::project`] at the positions `flow`
-    /// computes) passed through `flow` as `names` (kv, gate). In a suffix forward the
-    /// windows that close before the first recomputed position are pooled once per
-    /// prompt of the prefix state and shared by its rows, and only the later ones per
-    /// row: the same values (a window reads only its own tokens, and those are the base
-    /// run's) without merging the state over every position of every row. `None` when no
-    /// window has closed.
+    /// computes) passed through `flow` as `names[0]` (kv) and `names[1]` (gate). A
+    /// recording forward keeps the entries in the state as `names[2]`; a suffix forward
+    /// takes the windows that close before its first recomputed position from there (the
+    /// same values: a window reads only its own tokens, and those are the base run's)
+    /// and pools only the later ones per row, without merging the state over every
+    /// position of every row. `None` when no window has closed.
     pub fn entries_through(
         &self,
         layer: usize,
-        names: [&'static str; 2],
+        names: [&'static str; 3],
         (kv, gate): (Tensor<3>, Tensor<3>),
         starts: &RopeTables,
         flow: &mut TokenFlow,
@@ -161,20 +161,39 @@ impl Pooler {
         if n == 0 || w0 == 0 {
             let kv = flow.full(layer, names[0], kv)?;
             let gate = flow.full(layer, names[1], gate)?;
-            return Ok(self
+            let e = self
                 .window_logits_from((kv, gate))
-                .map(|(w, v)| pooled(w, v, starts)));
+                .map(|(w, v)| pooled(w, v, starts));
+            if let Some(e) = &e {
+                flow.keep(layer, names[2], e);
+            }
+            return Ok(e);
         }
-        let missing = || Error::Other("a suffix forward without its prefix state".into());
-        let (base_kv, rows) = flow.base_state(layer, names[0], &kv).ok_or_else(missing)??;
-        let (base_gate, _) = flow.base_state(layer, names[1], &gate).ok_or_else(missing)??;
-        let head = |x: Tensor<3>| x.slice_dim(1, 0..w0 * m);
-        let (w, v) = self
-            .window_logits_from((head(base_kv), head(base_gate)))
-            .expect("w0 >= 1 closed windows");
-        let base = pooled(w, v, &starts.rows(0..w0));
-        let device = base.device();
-        let mut entries = base.select(0, int_tensor(&rows, &device));
+        let device = kv.device();
+        let head = match flow.kept::<4>(layer, names[2], &device) {
+            // The entries the base run pooled, of every prompt.
+            Some(kept) => {
+                let (e, rows) = kept?;
+                e.slice_dim(1, 0..w0).select(0, int_tensor(&rows, &device))
+            }
+            // Not kept (the base run's compressor was hooked): pooled from its
+            // projections, once per prompt.
+            None => {
+                let missing = || Error::Other("a suffix forward without its prefix state".into());
+                let (base_kv, rows) = flow
+                    .base_state(layer, names[0], &kv)
+                    .ok_or_else(missing)??;
+                let (base_gate, _) = flow
+                    .base_state(layer, names[1], &gate)
+                    .ok_or_else(missing)??;
+                let cut = |x: Tensor<3>| x.slice_dim(1, 0..w0 * m);
+                let (w, v) = self
+                    .window_logits_from((cut(base_kv), cut(base_gate)))
+                    .expect("w0 >= 1 closed windows");
+                pooled(w, v, &starts.rows(0..w0)).select(0, int_tensor(&rows, &device))
+            }
+        };
+        let mut entries = head;
         if w0 < n {
             // With overlap, window w0 reads the A half of window w0 - 1's tokens: start
             // there, and drop that window's entry (its own A half is missing here).
