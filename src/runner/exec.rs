@@ -6,6 +6,7 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::model::LanguageModel;
 
+use super::concurrent;
 use super::patching::{
     self, Base, Cell, Outcome, Prompts, base_run_for, budget, plan_chunks, run_chunk,
 };
@@ -177,17 +178,28 @@ impl<'a> Executor<'a> {
                 }
             }
             base = Some(b.outcomes.clone());
-            if !cells_needed.is_empty() {
-                check(Some(&b))?;
-            }
-            for i in missing {
-                let out = run_chunk(self.model, &g.prompts, &b, &g.cells, &chunks[i])?;
-                self.stats.forwards += 1;
-                self.store.save(&chunk_key(&g.key, i), &out)?;
-                self.progress.inc(chunks[i].len() as u64);
-                self.stats.cells_computed += chunks[i].len() as u64;
-                results[i] = Some(out);
-            }
+            let chunk_bytes = if cells_needed.is_empty() {
+                None
+            } else {
+                check(Some(&b))?.chunk.map(|c| c.bytes)
+            };
+            // Chunks at once, as many as the threads and the memory allow; each saved
+            // as it finishes.
+            let width = concurrent::width(missing.len(), chunk_bytes);
+            let (model, store) = (self.model, self.store);
+            concurrent::run(
+                &missing,
+                width,
+                |i| run_chunk(model, &g.prompts, &b, &g.cells, &chunks[i]),
+                |i, out| {
+                    self.stats.forwards += 1;
+                    store.save(&chunk_key(&g.key, i), &out)?;
+                    self.progress.inc(chunks[i].len() as u64);
+                    self.stats.cells_computed += chunks[i].len() as u64;
+                    results[i] = Some(out);
+                    Ok(())
+                },
+            )?;
         } else if g.cells.is_empty() {
             self.progress.skip(1);
         }
@@ -239,15 +251,22 @@ pub fn run_cells(
     let keys = (base_keys.as_str(), chunk_keys.as_str());
     budget::check_group(&sizes, prompts, cells, &chunks, None, keys)?;
     let base = base_run_for(model, prompts, cells, max_rows)?;
-    budget::check_group(&sizes, prompts, cells, &chunks, Some(&base), keys)?;
+    let est = budget::check_group(&sizes, prompts, cells, &chunks, Some(&base), keys)?;
     let mut out: Vec<Vec<Outcome>> = vec![Vec::new(); cells.len()];
-    for chunk in chunks {
-        let res = run_chunk(model, prompts, &base, cells, &chunk)?;
-        for (&c, o) in chunk.iter().zip(res) {
-            out[c] = o;
-        }
-        progress.inc(chunk.len() as u64);
-    }
+    let all: Vec<usize> = (0..chunks.len()).collect();
+    let width = concurrent::width(chunks.len(), est.chunk.map(|c| c.bytes));
+    concurrent::run(
+        &all,
+        width,
+        |i| run_chunk(model, prompts, &base, cells, &chunks[i]),
+        |i, res| {
+            for (&c, o) in chunks[i].iter().zip(res) {
+                out[c] = o;
+            }
+            progress.inc(chunks[i].len() as u64);
+            Ok(())
+        },
+    )?;
     Ok(GroupResult {
         base: base.outcomes.clone(),
         cells: out,

@@ -21,6 +21,7 @@
 //! | [`grid_shift`] | the grid-shift test of two phase sweeps (`phaselens grid-shift`) |
 
 pub mod bench;
+pub(crate) mod concurrent;
 pub(crate) mod exec;
 pub mod experiment;
 pub mod grid_shift;

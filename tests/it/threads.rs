@@ -53,3 +53,56 @@ fn logits_are_bit_identical_for_1_2_and_3_threads() {
         }
     }
 }
+
+/// A patching run's chunks run at once on the pool's threads (`runner::concurrent`): a
+/// run in a pool of 3 threads (several chunks in flight, saved as each finishes) writes
+/// the table a run in a pool of 1 thread (one chunk after another) writes, value for
+/// value, and resumes from it.
+#[test]
+fn patching_chunks_at_once_give_the_table_of_one_at_a_time() {
+    use crate::common::runner::{experiment, opts, organism, tiny};
+    use phaselens::output::{Table, read_long_rows};
+    use phaselens::runner::run_experiment;
+
+    const EXP: &str = r#"
+[experiment]
+kind = "patch-heads"
+bootstrap_reps = 20
+max_rows = 8
+
+[model]
+organism = "tiny"
+
+[task]
+n_logical = 8
+"#;
+    let table = |threads: usize| {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        organism(d, "tiny", &tiny(2, 4, 2, 4, 4), 1);
+        let exp = experiment(d, "patch.toml", EXP);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let s = pool.install(|| run_experiment(&exp, &opts(d)).unwrap());
+        assert_eq!(s.stats.cells_computed, 96, "{threads} threads");
+        // 96 cells of 2 rows in chunks of 8 rows: 24 forwards besides the base runs.
+        assert!(
+            s.stats.forwards >= 24,
+            "{threads} threads: {}",
+            s.stats.forwards
+        );
+        let again = pool.install(|| run_experiment(&exp, &opts(d)).unwrap());
+        assert_eq!(again.stats.cells_resumed, 96, "{threads} threads");
+        let t = Table::read_arrow(&d.join("notebooks-data/patch/heads.arrow")).unwrap();
+        read_long_rows(&t)
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.metric.clone(), r.value.to_bits(), r.n))
+            .collect::<Vec<_>>()
+    };
+    let one = table(1);
+    assert!(!one.is_empty());
+    assert_eq!(one, table(3));
+}
