@@ -91,10 +91,10 @@ fn pooled<const K: usize>(s: &[&Obs<K>], phase: Option<usize>, p: usize) -> ([f6
 
 /// `stat(sums, count)` per phase (and pooled over all phases, last), each with a
 /// percentile cluster-bootstrap interval. Phases without observations are `NaN`
-/// without an interval.
+/// without an interval. The estimates run on the rayon pool.
 pub fn per_phase<const K: usize>(
     c: &Clusters<K>,
-    stat: impl Fn(&[f64; K], u64) -> f64,
+    stat: impl Fn(&[f64; K], u64) -> f64 + Sync,
     reps: usize,
     seed: u64,
 ) -> (Vec<Est>, Est) {
@@ -140,7 +140,15 @@ pub fn per_phase<const K: usize>(
             n: clusters,
         }
     };
-    ((0..p).map(|r| est(Some(r))).collect(), est(None))
+    // The phases and the pooled estimate on every core: each is its own resampling
+    // from `seed`, so the results do not depend on the threads.
+    use rayon::prelude::*;
+    let mut all: Vec<Est> = (0..=p)
+        .into_par_iter()
+        .map(|r| est((r < p).then_some(r)))
+        .collect();
+    let pooled = all.pop().expect("the pooled estimate");
+    (all, pooled)
 }
 
 /// Accuracy clusters (one correct/wrong per prompt).

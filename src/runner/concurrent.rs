@@ -62,11 +62,14 @@ pub fn run<T: Send>(
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let (tx, rx) = mpsc::channel::<(usize, Result<T>)>();
-    std::thread::scope(|s| {
+    // The pieces run as jobs of the rayon pool (not threads of their own): their matrix
+    // products and other parallel kernels then run on the same workers, stolen back and
+    // forth, instead of blocking a thread of ours until the pool is free.
+    rayon::in_place_scope(|s| {
         for _ in 0..width.min(items.len()) {
             let tx = tx.clone();
             let (next, stop, work) = (&next, &stop, &work);
-            s.spawn(move || {
+            s.spawn(move |_| {
                 let _dtype = precision::scoped(dtype);
                 attention::with_block_budget(budget, || {
                     while !stop.load(Ordering::Relaxed) {
