@@ -207,6 +207,14 @@ pub fn run(a: RunArgs) -> Result<()> {
         st.forwards,
         s.seconds
     );
+    if st.cells_computed > 0 && st.cell_seconds > 0.0 {
+        eprintln!(
+            "time: base runs {:.1} s, cells {:.1} s ({:.3} s per cell)",
+            st.base_seconds,
+            st.cell_seconds,
+            st.cell_seconds / st.cells_computed as f64
+        );
+    }
     if st.memory_estimate_bytes > 0.0 {
         eprintln!(
             "memory check: a group's forwards estimated at {} at their largest (beyond the weights)",

@@ -43,6 +43,10 @@ pub struct ExecStats {
     pub cells_resumed: u64,
     pub forwards: u64,
     pub seconds: f64,
+    /// Seconds of the groups' base runs (the plain forwards the cells start from).
+    pub base_seconds: f64,
+    /// Seconds of the cells' chunks, from the first one started to the last one saved.
+    pub cell_seconds: f64,
     /// The largest memory estimate the patching budget checked before a group's base
     /// run (bytes beyond the weights; [`budget::GroupEstimate::peak`]), 0 when none.
     pub memory_estimate_bytes: f64,
@@ -55,6 +59,8 @@ impl ExecStats {
         self.cells_resumed += other.cells_resumed;
         self.forwards += other.forwards;
         self.seconds += other.seconds;
+        self.base_seconds += other.base_seconds;
+        self.cell_seconds += other.cell_seconds;
         self.memory_estimate_bytes = self.memory_estimate_bytes.max(other.memory_estimate_bytes);
     }
 }
@@ -158,6 +164,7 @@ impl<'a> Executor<'a> {
                 let est = check(None)?.peak();
                 self.stats.memory_estimate_bytes = self.stats.memory_estimate_bytes.max(est);
             }
+            let t_base = Instant::now();
             let b: Base = if cells_needed.is_empty() {
                 Base {
                     cache: Default::default(),
@@ -169,6 +176,7 @@ impl<'a> Executor<'a> {
             } else {
                 base_run_for(self.model, &g.prompts, &cells_needed, self.max_rows)?
             };
+            self.stats.base_seconds += t_base.elapsed().as_secs_f64();
             self.stats.forwards += 1 + b.stages.forwards;
             if base.is_none() {
                 self.store
@@ -187,6 +195,7 @@ impl<'a> Executor<'a> {
             // as it finishes.
             let width = concurrent::width(missing.len(), chunk_bytes);
             let (model, store) = (self.model, self.store);
+            let t_cells = Instant::now();
             concurrent::run(
                 &missing,
                 width,
@@ -200,6 +209,7 @@ impl<'a> Executor<'a> {
                     Ok(())
                 },
             )?;
+            self.stats.cell_seconds += t_cells.elapsed().as_secs_f64();
         } else if g.cells.is_empty() {
             self.progress.skip(1);
         }

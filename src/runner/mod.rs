@@ -216,13 +216,7 @@ fn merge_model_output(
             notes.push(tagged);
         }
     }
-    stats.cells_computed += ctx.stats.cells_computed;
-    stats.cells_resumed += ctx.stats.cells_resumed;
-    stats.forwards += ctx.stats.forwards;
-    stats.seconds += ctx.stats.seconds;
-    stats.memory_estimate_bytes = stats
-        .memory_estimate_bytes
-        .max(ctx.stats.memory_estimate_bytes);
+    stats.add(&ctx.stats);
     for (t, rows) in out.tables {
         match tables.iter_mut().find(|(n, _)| *n == t) {
             Some((_, acc)) => acc.extend(rows),
