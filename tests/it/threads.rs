@@ -95,7 +95,7 @@ n_logical = 8
         );
         let again = pool.install(|| run_experiment(&exp, &opts(d)).unwrap());
         assert_eq!(again.stats.cells_resumed, 96, "{threads} threads");
-        let t = Table::read_arrow(&d.join("notebooks-data/patch/heads.arrow")).unwrap();
+        let t = Table::read_arrow(d.join("notebooks-data/patch/heads.arrow")).unwrap();
         read_long_rows(&t)
             .unwrap()
             .into_iter()
