@@ -153,6 +153,36 @@ fn submit_slurm(a: &RunArgs, parts: usize) -> Result<()> {
     Ok(())
 }
 
+/// The run's counters: cells, forwards and seconds, where the time went, the memory
+/// estimate.
+fn print_counters(s: &phaselens::runner::RunSummary) {
+    let st = &s.stats;
+    eprintln!(
+        "{} `{}` on {}: {} cells computed, {} resumed, {} forward passes, {:.1} s",
+        s.kind,
+        s.name,
+        s.models.join(", "),
+        st.cells_computed,
+        st.cells_resumed,
+        st.forwards,
+        s.seconds
+    );
+    if st.cells_computed > 0 && st.cell_seconds > 0.0 {
+        eprintln!(
+            "time: base runs {:.1} s, cells {:.1} s ({:.3} s per cell)",
+            st.base_seconds,
+            st.cell_seconds,
+            st.cell_seconds / st.cells_computed as f64
+        );
+    }
+    if st.memory_estimate_bytes > 0.0 {
+        eprintln!(
+            "memory check: a group's forwards estimated at {} at their largest (beyond the weights)",
+            phaselens::model::memory::human(st.memory_estimate_bytes)
+        );
+    }
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
     if let (true, Some(parts)) = (a.slurm, a.shards) {
         return submit_slurm(&a, parts);
@@ -196,31 +226,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     };
     let s = run_experiment(&a.experiment, &opts)
         .with_context(|| format!("running {}", a.experiment.display()))?;
-    let st = &s.stats;
-    eprintln!(
-        "{} `{}` on {}: {} cells computed, {} resumed, {} forward passes, {:.1} s",
-        s.kind,
-        s.name,
-        s.models.join(", "),
-        st.cells_computed,
-        st.cells_resumed,
-        st.forwards,
-        s.seconds
-    );
-    if st.cells_computed > 0 && st.cell_seconds > 0.0 {
-        eprintln!(
-            "time: base runs {:.1} s, cells {:.1} s ({:.3} s per cell)",
-            st.base_seconds,
-            st.cell_seconds,
-            st.cell_seconds / st.cells_computed as f64
-        );
-    }
-    if st.memory_estimate_bytes > 0.0 {
-        eprintln!(
-            "memory check: a group's forwards estimated at {} at their largest (beyond the weights)",
-            phaselens::model::memory::human(st.memory_estimate_bytes)
-        );
-    }
+    print_counters(&s);
     if let Some((i, n)) = a.shard {
         eprintln!(
             "part {i}/{n} done: its shards are in {}; run without --shard to merge",

@@ -113,14 +113,13 @@ impl<'a> Executor<'a> {
         ))
     }
 
-    fn run_inner(&mut self, g: &Group) -> Result<GroupResult> {
-        let t0 = Instant::now();
-        let n = g.prompts.n();
-        let chunks = plan_chunks(&g.cells, self.max_rows)?;
-        let base_key = format!("{}-base", g.key);
-        let mut base: Option<Vec<Outcome>> =
-            self.store.load(&base_key, &[n])?.map(|mut v| v.remove(0));
-        let mut results: Vec<Option<Vec<Vec<Outcome>>>> = Vec::with_capacity(chunks.len());
+    /// The chunks of `g` the store already holds (`None` for the others).
+    fn load_chunks(
+        &mut self,
+        g: &Group,
+        chunks: &[Vec<usize>],
+    ) -> Result<Vec<Option<Vec<Vec<Outcome>>>>> {
+        let mut results = Vec::with_capacity(chunks.len());
         for (i, chunk) in chunks.iter().enumerate() {
             let expected: Vec<usize> = chunk.iter().map(|&c| g.cells[c].prompts.len()).collect();
             let got = self.store.load(&chunk_key(&g.key, i), &expected)?;
@@ -130,6 +129,49 @@ impl<'a> Executor<'a> {
             }
             results.push(got);
         }
+        Ok(results)
+    }
+
+    /// Compute the chunks `missing` of `g` over its base run `b`, as many at once as the
+    /// threads and the memory allow (`chunk_bytes`: the largest chunk's estimate), each
+    /// saved as it finishes.
+    fn run_chunks(
+        &mut self,
+        g: &Group,
+        b: &Base,
+        chunks: &[Vec<usize>],
+        missing: &[usize],
+        chunk_bytes: Option<f64>,
+        results: &mut [Option<Vec<Vec<Outcome>>>],
+    ) -> Result<()> {
+        let width = concurrent::width(missing.len(), chunk_bytes);
+        let (model, store) = (self.model, self.store);
+        let t_cells = Instant::now();
+        concurrent::run(
+            missing,
+            width,
+            |i| run_chunk(model, &g.prompts, b, &g.cells, &chunks[i]),
+            |i, out| {
+                self.stats.forwards += 1;
+                store.save(&chunk_key(&g.key, i), &out)?;
+                self.progress.inc(chunks[i].len() as u64);
+                self.stats.cells_computed += chunks[i].len() as u64;
+                results[i] = Some(out);
+                Ok(())
+            },
+        )?;
+        self.stats.cell_seconds += t_cells.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn run_inner(&mut self, g: &Group) -> Result<GroupResult> {
+        let t0 = Instant::now();
+        let n = g.prompts.n();
+        let chunks = plan_chunks(&g.cells, self.max_rows)?;
+        let base_key = format!("{}-base", g.key);
+        let mut base: Option<Vec<Outcome>> =
+            self.store.load(&base_key, &[n])?.map(|mut v| v.remove(0));
+        let mut results = self.load_chunks(g, &chunks)?;
         // `--shard i/N`: chunks of other parts stay missing (placeholders below).
         let missing: Vec<usize> = (0..chunks.len())
             .filter(|&i| results[i].is_none() && self.store.owns(&chunk_key(&g.key, i)))
@@ -191,25 +233,7 @@ impl<'a> Executor<'a> {
             } else {
                 check(Some(&b))?.chunk.map(|c| c.bytes)
             };
-            // Chunks at once, as many as the threads and the memory allow; each saved
-            // as it finishes.
-            let width = concurrent::width(missing.len(), chunk_bytes);
-            let (model, store) = (self.model, self.store);
-            let t_cells = Instant::now();
-            concurrent::run(
-                &missing,
-                width,
-                |i| run_chunk(model, &g.prompts, &b, &g.cells, &chunks[i]),
-                |i, out| {
-                    self.stats.forwards += 1;
-                    store.save(&chunk_key(&g.key, i), &out)?;
-                    self.progress.inc(chunks[i].len() as u64);
-                    self.stats.cells_computed += chunks[i].len() as u64;
-                    results[i] = Some(out);
-                    Ok(())
-                },
-            )?;
-            self.stats.cell_seconds += t_cells.elapsed().as_secs_f64();
+            self.run_chunks(g, &b, &chunks, &missing, chunk_bytes, &mut results)?;
         } else if g.cells.is_empty() {
             self.progress.skip(1);
         }
