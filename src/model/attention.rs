@@ -33,6 +33,11 @@ pub struct Raw {
     pub v: Tensor<4>,
     /// Query `q` sees raw token `j` iff `q - window < j <= q`; `None`: every `j <= q`.
     pub window: Option<usize>,
+    /// The position of index 0 of axis 1 of `k` and `v` (0: every position is there). A
+    /// suffix forward with a window may pass only the positions its queries can see:
+    /// from its first query's position less `window - 1` on. Only for the blocked path
+    /// with a window: a dense block (a hooked pattern) reads every position.
+    pub start: usize,
 }
 
 /// Compressed entries.
@@ -427,9 +432,14 @@ impl Geometry<'_> {
                     Some(w) if !dense => self.qpos(0, i0).saturating_sub(w - 1),
                     _ => 0,
                 };
+                assert!(
+                    lo >= raw.start,
+                    "raw keys from position {} cannot serve keys from {lo}",
+                    raw.start
+                );
                 (
-                    raw.k.clone().slice_dim(1, lo..hi),
-                    raw.v.clone().slice_dim(1, lo..hi),
+                    raw.k.clone().slice_dim(1, lo - raw.start..hi - raw.start),
+                    raw.v.clone().slice_dim(1, lo - raw.start..hi - raw.start),
                     hi - lo,
                     Box::new(move |_, j| (lo + j) as i64),
                 )
@@ -440,18 +450,20 @@ impl Geometry<'_> {
                 };
                 let len = bq + w - 1;
                 let start = move |r: usize| self.qpos(r, i0) as i64 - (w as i64 - 1);
+                // Positions before `raw.start` (or 0) are invisible: any slot serves.
+                let [_, held, kvh, dh] = raw.k.dims();
+                let first = raw.start as i64;
                 let idx: Vec<usize> = (0..self.b)
                     .flat_map(|r| {
                         (0..len as i64).map(move |j| {
-                            r * total + (start(r) + j).clamp(0, total as i64 - 1) as usize
+                            r * held + (start(r) + j - first).clamp(0, held as i64 - 1) as usize
                         })
                     })
                     .collect();
                 let idx = int_tensor(&idx, &device);
-                let [_, _, kvh, dh] = raw.k.dims();
                 let gather = |x: &Tensor<4>| {
                     x.clone()
-                        .reshape([self.b * total, kvh * dh])
+                        .reshape([self.b * held, kvh * dh])
                         .select(0, idx.clone())
                         .reshape([self.b, len, kvh, dh])
                 };
@@ -486,7 +498,8 @@ impl Geometry<'_> {
     fn raw_band(&self, q: &Tensor<4>, raw: &Raw, w: usize, i0: usize, i1: usize) -> Part {
         let device = q.device();
         let bq = i1 - i0;
-        let [b, total, kvh, dh] = raw.k.dims();
+        let [b, held, kvh, dh] = raw.k.dims();
+        let first = raw.start as i64;
         let mut idx = Vec::with_capacity(bq * w);
         let mut visible = Vec::with_capacity(bq * w);
         for i in i0..i1 {
@@ -494,7 +507,7 @@ impl Geometry<'_> {
             for j in 0..w as i64 {
                 let kp = p - (w as i64 - 1) + j;
                 visible.push(kp >= 0);
-                idx.push(kp.clamp(0, total as i64 - 1) as usize);
+                idx.push((kp - first).clamp(0, held as i64 - 1) as usize);
             }
         }
         let gather = |x: &Tensor<4>| select_positions(x.clone(), &idx).reshape([b, bq, w, kvh, dh]);

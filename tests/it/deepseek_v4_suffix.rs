@@ -65,7 +65,18 @@ fn suffix_forward_equals_forward_from_at_its_positions() {
             from: vec![t - len, t / 2, t - len - 1, t / 2 + 1],
             len,
         };
-        let runs = [(&early, &state), (&late, &state), (&late, &hooked_state)];
+        // Every row at the same positions (the attention gathers each query's window).
+        let shared = Suffix {
+            rows: vec![0, 1, rows - 1, 1],
+            from: vec![t - len; 4],
+            len,
+        };
+        let runs = [
+            (&early, &state),
+            (&late, &state),
+            (&late, &hooked_state),
+            (&shared, &state),
+        ];
         for (sfx, state, start) in runs
             .into_iter()
             .flat_map(|(s, st)| (0..n_layers).map(move |l| (s, st, l)))

@@ -106,7 +106,20 @@ impl Attention {
             _ => &tables.compress,
         };
         let (q, q_res) = self.queries(layer, &x, q_tables, hooks)?;
-        let (k, v) = self.keys(layer, &x, q_tables, flow, hooks)?;
+        // The indexer's hook points see every query and entry at once: one dense block.
+        let scores_hooked = hooks.touches(&HookPoint::block(layer, Site::IndexerScores))
+            || hooks.touches(&HookPoint::block(layer, Site::IndexerSelected));
+        let pattern = HookPoint::block(layer, Site::AttnPattern);
+        let dense = scores_hooked
+            || hooks.touches(&pattern)
+            || hooks.touches(&HookPoint::block(layer, Site::AttnScores));
+        // A suffix forward's blocked attention reads raw keys from its first query's
+        // window on only; a dense block (a hooked pattern) reads every position.
+        let raw_from = match flow.first_recomputed() {
+            Some(f) if !dense => f.saturating_sub(tables.window.saturating_sub(1)),
+            _ => 0,
+        };
+        let (k, v) = self.keys(layer, &x, q_tables, flow, hooks, raw_from)?;
         let entries = self.entries(layer, &x, tables, flow, hooks)?;
         let mut selector = match (&entries, &self.compressor) {
             (
@@ -117,9 +130,6 @@ impl Attention {
             ) => Some(self.selector(idx, layer, &x, &q_res, tables, flow)?),
             _ => None,
         };
-        // The indexer's hook points see every query and entry at once: one dense block.
-        let scores_hooked = hooks.touches(&HookPoint::block(layer, Site::IndexerScores))
-            || hooks.touches(&HookPoint::block(layer, Site::IndexerSelected));
         let keys = Keys {
             entries,
             selector: selector.as_mut().map(|s| s as &mut dyn EntrySelector),
@@ -127,10 +137,10 @@ impl Attention {
                 k,
                 v,
                 window: Some(tables.window),
+                start: raw_from,
             }),
             sink: Some(self.sinks.val()),
         };
-        let pattern = HookPoint::block(layer, Site::AttnPattern);
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let z = attend(
             q,
@@ -175,7 +185,7 @@ impl Attention {
             self.queries(layer, &x, q_tables, hooks)?;
         }
         if kv {
-            self.keys(layer, &x, q_tables, flow, hooks)?;
+            self.keys(layer, &x, q_tables, flow, hooks, 0)?;
         }
         if entries {
             self.entries(layer, &x, tables, flow, hooks)?;
@@ -204,8 +214,9 @@ impl Attention {
         Ok((rope::rotate(q, q_tables, false), q_res))
     }
 
-    /// The shared K = V head of every position `flow` holds: hooked at `attn_k` /
-    /// `attn_v`, rotated at their own positions before they join the state.
+    /// The shared K = V head of the positions `from..` (0: every position) of what
+    /// `flow` holds: hooked at `attn_k` / `attn_v`, rotated at their own positions before
+    /// they join the state.
     fn keys(
         &self,
         layer: usize,
@@ -213,6 +224,7 @@ impl Attention {
         q_tables: &RopeTables,
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
+        from: usize,
     ) -> Result<(Tensor<4>, Tensor<4>)> {
         let [b, t, _] = x.dims();
         let kv = self
@@ -234,7 +246,10 @@ impl Attention {
             let kv = rope::rotate(kv, q_tables, false);
             (kv.clone(), kv)
         };
-        Ok((flow.full(layer, "k", k)?, flow.full(layer, "v", v)?))
+        Ok((
+            flow.full_from(layer, "k", k, from)?,
+            flow.full_from(layer, "v", v, from)?,
+        ))
     }
 
     /// The compressed entries of a CSA / HCA layer (pooled from the per-token

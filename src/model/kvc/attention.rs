@@ -266,6 +266,7 @@ impl Attention {
             k: rope(k, key_rope),
             v,
             window,
+            start: 0,
         });
         let keys = Keys {
             entries,
@@ -347,6 +348,7 @@ impl Attention {
                 k,
                 v,
                 window: Some(window),
+                start: 0,
             }),
             sink,
         };
