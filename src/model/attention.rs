@@ -434,7 +434,7 @@ impl Geometry<'_> {
                 };
                 assert!(
                     lo >= raw.start,
-                    "raw keys from position {} cannot serve keys from {lo}",
+                    "raw keys from {} read from {lo}",
                     raw.start
                 );
                 (
@@ -474,22 +474,36 @@ impl Geometry<'_> {
                     Box::new(move |r, j| start(r) + j as i64),
                 )
             };
-        let mut visible = Vec::with_capacity(rows * bq * n);
-        for r in 0..rows {
-            for i in i0..i1 {
-                let qp = self.qpos(r, i) as i64;
-                for j in 0..n {
-                    let kp = kpos(r, j);
-                    let in_window = raw.window.is_none_or(|w| kp + w as i64 > qp);
-                    visible.push(kp >= 0 && kp <= qp && in_window);
-                }
-            }
-        }
+        let visible = self.raw_visible(&kpos, raw.window, rows, i0..i1, n);
         Part {
             scores: self.shared_scores(q, k),
             bias: bias_from_host(&visible, [rows, 1, bq, n], &device),
             values: PartValues::Shared(v),
         }
+    }
+
+    /// Which of `n` raw key slots (slot `j` of row `r` at position `kpos(r, j)`) each
+    /// query `queries` of rows `0..rows` sees: `q - window < j <= q`, `j >= 0`.
+    fn raw_visible(
+        &self,
+        kpos: &KeyPos<'_>,
+        window: Option<usize>,
+        rows: usize,
+        queries: std::ops::Range<usize>,
+        n: usize,
+    ) -> Vec<bool> {
+        let mut visible = Vec::with_capacity(rows * queries.len() * n);
+        for r in 0..rows {
+            for i in queries.clone() {
+                let qp = self.qpos(r, i) as i64;
+                for j in 0..n {
+                    let kp = kpos(r, j);
+                    let in_window = window.is_none_or(|w| kp + w as i64 > qp);
+                    visible.push(kp >= 0 && kp <= qp && in_window);
+                }
+            }
+        }
+        visible
     }
 
     /// Shared positions, window `w`: query `i` reads the keys at positions `p - w + 1
