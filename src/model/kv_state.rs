@@ -331,17 +331,10 @@ impl<'a> TokenFlow<'a> {
         let (total, len, b) = (state.len, suffix.len, suffix.rows.len());
         let base = |r: usize, p: usize| suffix.rows[r] * total + p;
         let new = |r: usize, i: usize| state.rows * total + r * len + i;
-        let mut merge = Vec::with_capacity(b * total);
+        let merge = merge_index(state.rows, total, &suffix.rows, &suffix.from, len, 0);
         let mut prev = Vec::with_capacity(b * len);
         let zero = state.rows * total + b * len;
         for (r, &f) in suffix.from.iter().enumerate() {
-            merge.extend((0..total).map(|p| {
-                if p >= f && p < f + len {
-                    new(r, p - f)
-                } else {
-                    base(r, p)
-                }
-            }));
             prev.extend((0..len).map(|i| match (i, f) {
                 (0, 0) => zero,
                 (0, f) => base(r, f - 1),
@@ -382,19 +375,50 @@ impl<'a> TokenFlow<'a> {
                 state.insert(layer, name, Act::new(new.clone()));
                 Ok(new)
             }
-            Mode::Suffix(s) => {
-                let SuffixIndex { state, merge, .. } = &**s;
-                let mut dims = new.dims();
-                dims[0] = self.queries.rows();
-                dims[1] = self.queries.total();
-                let device = new.device();
-                let rows = Tensor::cat(
-                    vec![base_rows(state, layer, name, &new)?, flat_rows(new)],
-                    0,
-                );
-                Ok(rows.select(0, to(merge.clone(), &device)).reshape(dims))
-            }
+            Mode::Suffix(_) => self.merged(layer, name, new, 0),
         }
+    }
+
+    /// A suffix forward's `[rows, total - from, ...]`: each row's positions `from..` from
+    /// the base run's state, with its recomputed positions from `new: [rows, len, ...]`.
+    fn merged<const D: usize>(
+        &self,
+        layer: usize,
+        name: &str,
+        new: Tensor<D>,
+        from: usize,
+    ) -> Result<Tensor<D>> {
+        let (
+            Mode::Suffix(s),
+            Queries::Rows {
+                from: firsts,
+                len,
+                total,
+            },
+        ) = (&self.mode, &self.queries)
+        else {
+            unreachable!("only a suffix forward merges")
+        };
+        let SuffixIndex {
+            state, rows, merge, ..
+        } = &**s;
+        let device = new.device();
+        let idx = if from == 0 {
+            to(merge.clone(), &device)
+        } else {
+            int_tensor(
+                &merge_index(state.rows, *total, rows, firsts, *len, from),
+                &device,
+            )
+        };
+        let mut dims = new.dims();
+        dims[0] = firsts.len();
+        dims[1] = total - from;
+        let all = Tensor::cat(
+            vec![base_rows(state, layer, name, &new)?, flat_rows(new)],
+            0,
+        );
+        Ok(all.select(0, idx).reshape(dims))
     }
 
     /// In a suffix forward, the first position any row recomputes (every position
@@ -423,37 +447,11 @@ impl<'a> TokenFlow<'a> {
                 "positions {from}.. of `{name}` in layer {layer}: the prompts have {total}"
             )));
         }
-        let Mode::Suffix(s) = &self.mode else {
+        if !matches!(self.mode, Mode::Suffix(_)) {
             let full = self.full(layer, name, new)?;
             return Ok(full.slice_dim(1, from..total));
-        };
-        let SuffixIndex { state, rows, .. } = &**s;
-        let Queries::Rows {
-            from: firsts, len, ..
-        } = &self.queries
-        else {
-            unreachable!("a suffix forward computes rows")
-        };
-        let (b, len) = (firsts.len(), *len);
-        let mut idx = Vec::with_capacity(b * (total - from));
-        for (r, (&p, &f)) in rows.iter().zip(firsts).enumerate() {
-            idx.extend((from..total).map(|q| {
-                if q >= f && q < f + len {
-                    state.rows * total + r * len + q - f
-                } else {
-                    p * total + q
-                }
-            }));
         }
-        let mut dims = new.dims();
-        dims[0] = b;
-        dims[1] = total - from;
-        let device = new.device();
-        let all = Tensor::cat(
-            vec![base_rows(state, layer, name, &new)?, flat_rows(new)],
-            0,
-        );
-        Ok(all.select(0, int_tensor(&idx, &device)).reshape(dims))
+        self.merged(layer, name, new, from)
     }
 
     /// In a recording forward, keep `value` (any shape, first axis the prompts) as
@@ -545,6 +543,30 @@ impl<'a> TokenFlow<'a> {
             }
         }
     }
+}
+
+/// For batch row `r` (prompt `rows[r]` of a state of `state_rows` prompts of `total`
+/// tokens, recomputing positions `firsts[r] .. firsts[r] + len`), each position
+/// `from..total`'s index in `cat([state rows * total, recomputed rows * len])`.
+fn merge_index(
+    state_rows: usize,
+    total: usize,
+    rows: &[usize],
+    firsts: &[usize],
+    len: usize,
+    from: usize,
+) -> Vec<usize> {
+    let mut idx = Vec::with_capacity(rows.len() * (total - from));
+    for (r, (&p, &f)) in rows.iter().zip(firsts).enumerate() {
+        idx.extend((from..total).map(|q| {
+            if q >= f && q < f + len {
+                state_rows * total + r * len + q - f
+            } else {
+                p * total + q
+            }
+        }));
+    }
+    idx
 }
 
 /// `[rows, len, ...]` -> `[rows * len, per]`.
