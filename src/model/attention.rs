@@ -161,6 +161,18 @@ pub fn select_positions(x: Tensor<4>, pos: &[usize]) -> Tensor<4> {
         .reshape([b, pos.len(), a, c])
 }
 
+/// Whether [`attend`] builds the dense layout of every query over every key (for
+/// `hook_pattern` / `hook_attn_scores` of the layer whose pattern point is `pattern`, or
+/// `force_dense`): then its [`Raw`] keys must hold every position (`start` 0).
+pub fn reads_every_key(pattern: HookPoint, force_dense: bool, hooks: &HookRun) -> bool {
+    force_dense || pattern_hooked(pattern, hooks)
+}
+
+/// Whether `hooks` touch the pattern point or its scores point.
+fn pattern_hooked(pattern: HookPoint, hooks: &HookRun) -> bool {
+    hooks.touches(&pattern) || hooks.touches(&scores_point(pattern))
+}
+
 /// `q: [b, lq, n_heads, d_head]` (rotated) at the positions `queries` names -> `z: [b, lq,
 /// n_heads, d_head]`. `pattern` is the layer's `hook_pattern` point; the layer runs as
 /// one dense block when that point is hooked or `force_dense` (another hook of the layer
@@ -194,7 +206,7 @@ pub fn attend(
     if force_dense {
         return g.dense(q, &mut keys, pattern, hooks);
     }
-    if hooks.touches(&pattern) || hooks.touches(&scores_point(pattern)) {
+    if pattern_hooked(pattern, hooks) {
         let intervened = hooks.spec().interventions().iter().any(|i| {
             i.target.matches_point(&pattern) || i.target.matches_point(&scores_point(pattern))
         });

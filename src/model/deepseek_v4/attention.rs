@@ -22,7 +22,7 @@ use super::indexer::{IndexQueries, IndexSelector, Indexer};
 use super::rope;
 use crate::error::Result;
 use crate::hooks::{HookPoint, HookRun, Site};
-use crate::model::attention::{Entries, EntrySelector, Keys, Raw, attend};
+use crate::model::attention::{Entries, EntrySelector, Keys, Raw, attend, reads_every_key};
 use crate::model::flops::Mm;
 use crate::model::kv_state::{Queries, TokenFlow};
 use crate::model::layers::{Linear, RmsNorm, RopeTables, rms_normalize};
@@ -110,13 +110,12 @@ impl Attention {
         let scores_hooked = hooks.touches(&HookPoint::block(layer, Site::IndexerScores))
             || hooks.touches(&HookPoint::block(layer, Site::IndexerSelected));
         let pattern = HookPoint::block(layer, Site::AttnPattern);
-        let dense = scores_hooked
-            || hooks.touches(&pattern)
-            || hooks.touches(&HookPoint::block(layer, Site::AttnScores));
         // A suffix forward's blocked attention reads raw keys from its first query's
         // window on only; a dense block (a hooked pattern) reads every position.
         let raw_from = match flow.first_recomputed() {
-            Some(f) if !dense => f.saturating_sub(tables.window.saturating_sub(1)),
+            Some(f) if !reads_every_key(pattern, scores_hooked, hooks) => {
+                f.saturating_sub(tables.window.saturating_sub(1))
+            }
             _ => 0,
         };
         let (k, v) = self.keys(layer, &x, q_tables, flow, hooks, raw_from)?;
