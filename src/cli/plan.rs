@@ -1,7 +1,7 @@
 //! `phaselens plan`: the memory a DeepSeek-V4 model needs per device at a sequence
 //! length, and the layer / expert placement it would use (src/model/plan.rs).
-//! `--measure` loads the model here and runs one forward to compare the estimate with
-//! the process's peak resident set.
+//! `--measure` loads the model here and runs one forward (after a short warm-up forward)
+//! to compare the estimate with the process's peak resident set.
 
 use std::path::PathBuf;
 
@@ -147,12 +147,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
         print_plan(&p);
         if let Some(m) = &measured {
             println!(
-                "measured here ({}): one device, load + one forward of 1 x {} tokens: peak RSS increase {} vs estimate {} (ratio {:.3})",
+                "measured here ({}): one device, load + one forward of 1 x {} tokens: peak RSS increase {} vs estimate {} (ratio {:.3}; not counted: {} left by a {WARM_UP_TOKENS}-token warm-up forward, the code and worker threads)",
                 args.device,
                 args.tokens,
                 human(m.peak_rss_increase),
                 human(m.estimate),
-                m.peak_rss_increase / m.estimate
+                m.peak_rss_increase / m.estimate,
+                human(m.warm_up_rss_increase)
             );
         }
     }
@@ -163,7 +164,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
 #[derive(serde::Serialize)]
 struct Measured {
     estimate: f64,
+    /// The larger of loading's peak and (resident after loading + the measured
+    /// forward's peak over the resident set before it), over the resident set before
+    /// loading.
     peak_rss_increase: f64,
+    /// What the warm-up forward left resident (code, worker threads): not counted.
+    warm_up_rss_increase: f64,
     load_s: f64,
     forward_s: f64,
 }
@@ -205,27 +211,51 @@ fn measure(
     let model = load_model_with(dir, &device, args.weights)
         .with_context(|| format!("loading {}", dir.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
-    // deterministic token ids (a fixed LCG over the vocabulary)
+    let (rss_loaded, load_hwm) = rss().context("reading the resident set after loading")?;
+    let forward = |t: usize| -> Result<f64> {
+        let tokens =
+            Tensor::<2, Int>::from_data(TensorData::new(lcg_ids(t, c.vocab_size), [1, t]), &device);
+        let t1 = std::time::Instant::now();
+        let _ = model.forward(tokens, &HookSpec::new())?.logits.into_data();
+        Ok(t1.elapsed().as_secs_f64())
+    };
+    // A short forward first: the code a forward runs and the worker threads (stacks,
+    // GEMM packing slabs) are touched once per process, not per token; they are not the
+    // model's memory, and on a small model they would be a large part of its peak.
+    let warm = reset && args.tokens > WARM_UP_TOKENS;
+    let (rss_warm, process) = if warm {
+        forward(WARM_UP_TOKENS)?;
+        phaselens::model::bench::reset_peak_rss();
+        let (r, _) = rss().context("reading the resident set after the warm-up")?;
+        (r, r - rss_loaded)
+    } else {
+        (rss_loaded, 0.0)
+    };
+    let forward_s = forward(args.tokens)?;
+    let (_, hwm) = rss().context("reading the peak RSS")?;
+    Ok(Measured {
+        estimate,
+        peak_rss_increase: (load_hwm - rss0).max(rss_loaded - rss0 + hwm - rss_warm),
+        warm_up_rss_increase: process,
+        load_s,
+        forward_s,
+    })
+}
+
+/// Tokens of the warm-up forward before the measured one (when it is longer).
+const WARM_UP_TOKENS: usize = 16;
+
+/// `t` deterministic token ids below `vocab` (a fixed LCG).
+fn lcg_ids(t: usize, vocab: usize) -> Vec<i64> {
     let mut s = 0x2545_f491_4f6c_dd1du64;
-    let ids: Vec<i64> = (0..args.tokens)
+    (0..t)
         .map(|_| {
             s = s
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            ((s >> 33) % c.vocab_size as u64) as i64
+            ((s >> 33) % vocab as u64) as i64
         })
-        .collect();
-    let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, args.tokens]), &device);
-    let t1 = std::time::Instant::now();
-    let _ = model.forward(tokens, &HookSpec::new())?.logits.into_data();
-    let forward_s = t1.elapsed().as_secs_f64();
-    let (_, hwm) = rss().context("reading the peak RSS")?;
-    Ok(Measured {
-        estimate,
-        peak_rss_increase: hwm - rss0,
-        load_s,
-        forward_s,
-    })
+        .collect()
 }
 
 fn print_plan(p: &Plan) {
