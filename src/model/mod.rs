@@ -397,6 +397,33 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<(ForwardOutput, Option<PrefixState>)> {
         Ok((self.forward(tokens, spec)?, None))
     }
+    /// [`forward`](Self::forward) (with `state`: [`forward_with_state`](Self::forward_with_state))
+    /// with the logits at the flat positions `rows` only (indices into `[batch * pos]`,
+    /// row-major): `([rows, vocab], captures, state)`. Every hook and capture sees every
+    /// position, as in `forward`; models may run the LM head at `rows` alone (a patching
+    /// base run reads the answer positions, and at a 129,280-word vocabulary the LM head
+    /// over every position of two 8K-token prompts is most of the forward). The default
+    /// runs the full forward and selects the rows.
+    fn forward_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+        rows: Tensor<1, Int>,
+        state: bool,
+    ) -> Result<(Tensor<2>, ActivationCache, Option<PrefixState>)> {
+        let (out, st) = if state {
+            self.forward_with_state(tokens, spec)?
+        } else {
+            (self.forward(tokens, spec)?, None)
+        };
+        let [b, t, v] = out.logits.dims();
+        let rows = rows.to_device(&out.logits.device());
+        Ok((
+            out.logits.reshape([b * t, v]).select(0, rows),
+            out.cache,
+            st,
+        ))
+    }
     /// Logits at the flat positions `rows` only (indices into `[batch * pos]`,
     /// row-major): `[rows, vocab]`, the rows of [`forward`](Self::forward)'s logits
     /// (training reads the answer positions; models may skip the LM head elsewhere). The

@@ -522,11 +522,22 @@ impl DeepseekV4Model {
     /// hyper-head collapse, final norm (`hook_final_norm`), LM head.
     fn head_logits(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
         let _stage = profile::region(profile::Region::Head);
-        let home = self.model.embed_tokens.weight.device();
+        let h = self.final_hidden(x, hooks)?;
+        Ok(self.lm(h))
+    }
+
+    /// The streams after the last layer `[b, t, hc, d]` -> the hyper-head collapse and
+    /// final norm `[b, t, d]`, through `hook_final_norm` (on the norm's device).
+    fn final_hidden(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
         let x = to(x, &self.model.norm.weight.val().device());
         let h = self.model.hc_head.forward(x, hooks)?;
         let h = self.model.norm.forward(h);
-        let h = hooks.apply(HookPoint::global(Site::FinalNorm), h)?;
+        hooks.apply(HookPoint::global(Site::FinalNorm), h)
+    }
+
+    /// The LM head over `h: [b, t, d]` -> `[b, t, vocab]` on the home device.
+    fn lm(&self, h: Tensor<3>) -> Tensor<3> {
+        let home = self.model.embed_tokens.weight.device();
         let logits = match &self.lm_head {
             Some(head) => head.forward(h),
             None => {
@@ -537,7 +548,44 @@ impl DeepseekV4Model {
                     .reshape([b, t, v])
             }
         };
-        Ok(to(logits, &home))
+        to(logits, &home)
+    }
+
+    /// [`crate::model::LanguageModel::forward_rows`]: every layer, the hyper-head and the
+    /// final norm over every position (hooks and captures as in a forward), the LM head
+    /// at the flat positions `rows` alone; with `state`, the state of
+    /// [`DeepseekV4Model::forward_with_state`].
+    pub fn forward_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+        rows: Tensor<1, Int>,
+        state: bool,
+    ) -> Result<(Tensor<2>, ActivationCache, Option<PrefixState>)> {
+        let ids = self.token_ids(&tokens)?;
+        let [b, t] = tokens.dims();
+        let mut hooks = spec.run();
+        let x = self.streams(tokens, &mut hooks)?;
+        let n = self.model.layers.len();
+        let mut kept = state.then(|| PrefixState::new(MODEL_TYPE, b, t));
+        let x = match &mut kept {
+            Some(st) => self.run_blocks(x, 0..n, &ids, &mut TokenFlow::record(st), &mut hooks)?,
+            None => self.run_blocks(x, 0..n, &ids, &mut TokenFlow::plain(b, t), &mut hooks)?,
+        };
+        let stage = profile::region(profile::Region::Head);
+        let h = self.final_hidden(x, &mut hooks)?;
+        let d = h.dims()[2];
+        let k = rows.dims()[0];
+        let rows = to(rows, &h.device());
+        let logits = self.lm(h.reshape([b * t, d]).select(0, rows).reshape([1, k, d]));
+        drop(stage);
+        let v = logits.dims()[2];
+        let home = self.model.embed_tokens.weight.device();
+        Ok((
+            logits.reshape([k, v]),
+            hooks.finish().to_device(&home),
+            kept.map(|st| st.with_ids(ids)),
+        ))
     }
 
     fn layer_at(&self, l: usize) -> Result<&DecoderLayer> {
@@ -740,6 +788,15 @@ impl crate::model::LanguageModel for DeepseekV4Model {
         rows: Tensor<1, Int>,
     ) -> Result<Tensor<2>> {
         DeepseekV4Model::forward_logit_rows(self, tokens, rows)
+    }
+    fn forward_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+        rows: Tensor<1, Int>,
+        state: bool,
+    ) -> Result<(Tensor<2>, ActivationCache, Option<PrefixState>)> {
+        DeepseekV4Model::forward_rows(self, tokens, spec, rows, state)
     }
     fn forward_with_state(
         &self,

@@ -10,7 +10,7 @@ use super::attention::{Attention, LayerAt, Need, Tables};
 use super::compressor::{Compressor, CompressorStack};
 use super::config::{AttentionKind, CompressionConfig, GateMode, KvcConfig, MODEL_TYPE, MlpAct};
 use crate::error::{Error, Result};
-use crate::hooks::{Act, HookPoint, HookRun, HookSpec, Site};
+use crate::hooks::{Act, ActivationCache, HookPoint, HookRun, HookSpec, Site};
 use crate::model::compression::{Overlay, learned};
 use crate::model::kv_state::{PrefixState, Suffix, TokenFlow};
 use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu, gelu_tanh};
@@ -509,6 +509,33 @@ impl KvcModel {
         }
     }
 
+    /// [`LanguageModel::forward_rows`]: every block and the final norm over every
+    /// position (hooks and captures as in [`KvcModel::forward`]), the LM head only at
+    /// the flat positions `rows`; with `state`, the state of
+    /// [`KvcModel::forward_with_state`].
+    pub fn forward_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+        rows: Tensor<1, Int>,
+        state: bool,
+    ) -> Result<(Tensor<2>, ActivationCache, Option<PrefixState>)> {
+        let [b, t] = self.check_tokens(&tokens)?;
+        let mut kept = state.then(|| PrefixState::new(MODEL_TYPE, b, t));
+        let mut hooks = spec.run();
+        let x = self.embed_tokens(tokens);
+        let x = hooks.apply(HookPoint::global(Site::Embed), x)?;
+        let x = match &mut kept {
+            Some(st) => self.final_hidden(x, 0, &mut TokenFlow::record(st), &mut hooks)?,
+            None => self.final_hidden(x, 0, &mut TokenFlow::plain(b, t), &mut hooks)?,
+        };
+        let d = self.config.d_model;
+        let rows = to(rows, &x.device());
+        let home = self.home();
+        let logits = to(self.head(x.reshape([b * t, d]).select(0, rows)), &home);
+        Ok((logits, hooks.finish().to_device(&home), kept))
+    }
+
     /// [`LanguageModel::forward_logit_rows`]: the LM head only at `rows`.
     pub fn forward_logit_rows(
         &self,
@@ -689,6 +716,15 @@ impl LanguageModel for KvcModel {
         rows: Tensor<1, Int>,
     ) -> Result<Tensor<2>> {
         KvcModel::forward_logit_rows(self, tokens, rows)
+    }
+    fn forward_rows(
+        &self,
+        tokens: Tensor<2, Int>,
+        spec: &HookSpec,
+        rows: Tensor<1, Int>,
+        state: bool,
+    ) -> Result<(Tensor<2>, ActivationCache, Option<PrefixState>)> {
+        KvcModel::forward_rows(self, tokens, spec, rows, state)
     }
     fn forward_from(
         &self,
