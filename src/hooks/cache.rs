@@ -210,6 +210,36 @@ impl ActivationCache {
         }
     }
 
+    /// The caches of consecutive blocks of rows of one batch (the same points, in
+    /// order), every activation stacked along the batch axis. Each point's pieces are
+    /// dropped once stacked, so at most one point is held twice.
+    pub fn cat_batch(mut parts: Vec<ActivationCache>) -> Result<ActivationCache> {
+        let points: Vec<HookPoint> = parts
+            .first()
+            .map(|c| c.map.keys().copied().collect())
+            .unwrap_or_default();
+        if let Some(c) = parts.iter().find(|c| c.map.len() != points.len()) {
+            return Err(Error::Other(format!(
+                "caches of {} and {} points cannot be stacked along the batch",
+                points.len(),
+                c.map.len()
+            )));
+        }
+        let mut out = ActivationCache::new();
+        for p in points {
+            let pieces = parts
+                .iter_mut()
+                .map(|c| {
+                    c.map.remove(&p).ok_or_else(|| {
+                        Error::Other(format!("{p} is missing from a block's captures"))
+                    })
+                })
+                .collect::<Result<Vec<Act>>>()?;
+            out.insert(p, Act::cat_batch(&pieces)?);
+        }
+        Ok(out)
+    }
+
     /// Keep only the given batch rows of every activation.
     pub fn select_batch(&self, rows: &[usize]) -> Result<ActivationCache> {
         let mut out = ActivationCache::new();

@@ -188,6 +188,68 @@ impl PrefixState {
         }
     }
 
+    /// The states of consecutive blocks of rows of one batch, recorded by the same
+    /// model over prompts of one length, stacked along the batch (each tensor's first
+    /// axis). Each tensor's pieces are dropped once stacked.
+    pub fn cat(mut parts: Vec<PrefixState>) -> Result<PrefixState> {
+        let Some(first) = parts.first() else {
+            return Err(Error::Other("no prefix states to stack".into()));
+        };
+        let (arch, len) = (first.arch, first.len);
+        let names: Vec<Vec<&'static str>> = first
+            .layers
+            .iter()
+            .map(|m| m.keys().copied().collect())
+            .collect();
+        let keeps_ids = !first.ids.is_empty();
+        for p in &parts {
+            let same = p.arch == arch
+                && p.len == len
+                && keeps_ids != p.ids.is_empty()
+                && p.layers.len() == names.len()
+                && p.layers.iter().zip(&names).all(|(m, n)| m.len() == n.len());
+            if !same {
+                return Err(Error::Other(format!(
+                    "prefix states of {arch} x {len} tokens ({} layers) and {} x {} tokens ({} layers) cannot be stacked",
+                    names.len(),
+                    p.arch,
+                    p.len,
+                    p.layers.len()
+                )));
+            }
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let ids = parts
+            .iter_mut()
+            .flat_map(|p| std::mem::take(&mut p.ids))
+            .collect();
+        let mut layers = Vec::with_capacity(names.len());
+        for (l, names) in names.iter().enumerate() {
+            let mut out = BTreeMap::new();
+            for &name in names {
+                let pieces = parts
+                    .iter_mut()
+                    .map(|p| {
+                        p.layers[l].remove(name).ok_or_else(|| {
+                            Error::Other(format!(
+                                "layer {l}'s {name} is missing from a block's state"
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<Act>>>()?;
+                out.insert(name, Act::cat_batch(&pieces)?);
+            }
+            layers.push(out);
+        }
+        Ok(PrefixState {
+            arch,
+            rows,
+            len,
+            ids,
+            layers,
+        })
+    }
+
     /// Keep the prompts' token ids (row-major `[rows * len]`).
     pub fn with_ids(mut self, ids: Vec<i64>) -> Self {
         self.ids = ids;

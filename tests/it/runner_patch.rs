@@ -677,3 +677,152 @@ fn windowed_base_run_gives_the_outcomes_of_a_whole_one() {
         );
     }
 }
+
+/// A base run over more tokens than one block (`budget::BASE_BLOCK_TOKENS`) runs as
+/// blocks of rows, several at once, stacked: its outcomes, captures and prefix state are
+/// those of one forward over every prompt (within float rounding: a row's products are
+/// shared with fewer rows), its chunks (suffix forwards over its state) give that
+/// forward's chunks' outcomes, and it is bit-identical in pools of 1 and 3 threads.
+/// kvc with compression and DeepSeek-V4 (whose state also holds pooled entries), in
+/// uneven blocks of 3 + 1 rows.
+#[test]
+fn a_base_run_in_blocks_of_rows_is_one_forward_over_every_prompt() {
+    use phaselens::hooks::HookSpec;
+    use phaselens::model::LanguageModel;
+    use phaselens::runner::patching::{Base, budget, readout};
+    use std::sync::Arc;
+    let len = 1100;
+    let prompts = pair_prompts(len, len - 40);
+    assert_eq!(budget::base_blocks(4, len), vec![0..3, 3..4]);
+    let kvc = random_model(&tiny(3, 4, 2, 4, 4), 3);
+    let v4 = crate::edges::tiny_v4(13);
+    let models: [(&str, &dyn LanguageModel); 2] = [("kvc", &kvc), ("deepseek-v4", &v4)];
+    let (clean, corrupted) = (vec![0, 1], vec![2, 3]);
+    let cells = replace_cells(
+        3,
+        |l| vec![(Site::AttnZ, Some(vec![l % 2])), (Site::ResidPre, None)],
+        &[
+            (Positions::Answer, Fill::Source, &corrupted),
+            (Positions::Final(3), Fill::Mean, &clean),
+        ],
+    );
+    let captures = captures_for(&cells).unwrap();
+    let bits =
+        |a: &phaselens::hooks::Act| a.to_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (name, model) in models {
+        let in_pool = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| base_run(model, &prompts, &captures).unwrap())
+        };
+        let blocked = in_pool(3);
+        let one = in_pool(1);
+        let ld = |b: &Base| {
+            b.outcomes
+                .iter()
+                .map(|o| o.ld.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            ld(&blocked),
+            ld(&one),
+            "{name}: outcomes at 1 and 3 threads"
+        );
+        for (p, a) in blocked.cache.iter() {
+            assert_eq!(bits(a), bits(one.cache.get(p).unwrap()), "{name}: {p}");
+        }
+        // One forward over every prompt.
+        let mut spec = HookSpec::new();
+        for p in &captures {
+            spec = spec.capture_point(*p);
+        }
+        let all: Vec<usize> = (0..4).collect();
+        let (out, state) = model
+            .forward_with_state(prompts.tokens_of(&all, &crate::common::dev()), &spec)
+            .unwrap();
+        let targets: Vec<_> = prompts.targets.iter().collect();
+        let whole = Base {
+            outcomes: readout(out.logits, &targets).unwrap(),
+            cache: Arc::new(out.cache),
+            state: state.map(Arc::new),
+            stages: Default::default(),
+            window: None,
+        };
+        for (a, b) in blocked.outcomes.iter().zip(&whole.outcomes) {
+            assert!((a.ld - b.ld).abs() < 1e-4, "{name}: {} vs {}", a.ld, b.ld);
+        }
+        assert_eq!(blocked.cache.len(), whole.cache.len(), "{name}");
+        for (p, a) in blocked.cache.iter() {
+            let b = whole.cache.get(p).unwrap();
+            assert_eq!(a.shape(), b.shape(), "{name}: {p}");
+            let far = a
+                .to_vec()
+                .iter()
+                .zip(b.to_vec())
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(far < 1e-4, "{name}: {p} differs by {far}");
+        }
+        let mut moved = 0;
+        for ch in plan_chunks(&cells, 8).unwrap() {
+            let a = run_chunk(model, &prompts, &blocked, &cells, &ch).unwrap();
+            let b = run_chunk(model, &prompts, &whole, &cells, &ch).unwrap();
+            for ((&c, a), b) in ch.iter().zip(&a).zip(&b) {
+                for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                    assert!(
+                        (x.ld - y.ld).abs() < 1e-4,
+                        "{name}: cell {c} row {i}: {} vs {}",
+                        x.ld,
+                        y.ld
+                    );
+                    if (x.ld - blocked.outcomes[cells[c].prompts[i]].ld).abs() > 1e-3 {
+                        moved += 1;
+                    }
+                }
+            }
+        }
+        assert!(moved > 0, "{name}: no cell changed an outcome");
+    }
+}
+
+/// Stacking the blocks of a base run refuses pieces that do not belong together,
+/// naming what differs.
+#[test]
+fn blocks_that_do_not_stack_are_refused_by_name() {
+    use phaselens::hooks::{Act, ActivationCache};
+    use phaselens::model::PrefixState;
+    let e = PrefixState::cat(vec![
+        PrefixState::new("kvc", 2, 16),
+        PrefixState::new("kvc", 1, 17),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("16 tokens") && e.contains("17 tokens"), "{e}");
+    assert!(PrefixState::cat(Vec::new()).is_err());
+    let stacked = PrefixState::cat(vec![
+        PrefixState::new("kvc", 2, 16),
+        PrefixState::new("kvc", 1, 16),
+    ])
+    .unwrap();
+    assert_eq!((stacked.rows(), stacked.len()), (3, 16));
+    let dev = crate::common::dev();
+    let act = |rows: usize| Act::from_vec(vec![0.5; rows * 6], vec![rows, 2, 3], &dev).unwrap();
+    let (z, r) = (
+        HookPoint::block(0, Site::AttnZ),
+        HookPoint::block(1, Site::ResidPre),
+    );
+    let mut a = ActivationCache::new();
+    a.insert(z, act(2));
+    a.insert(r, act(2));
+    let mut b = ActivationCache::new();
+    b.insert(z, act(1));
+    let e = ActivationCache::cat_batch(vec![a.clone(), b.clone()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("2 and 1 points"), "{e}");
+    b.insert(r, act(1));
+    let c = ActivationCache::cat_batch(vec![a, b]).unwrap();
+    assert_eq!(c.get(&r).unwrap().shape(), &[3, 2, 3]);
+}

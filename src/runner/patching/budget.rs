@@ -37,6 +37,48 @@ impl Sizes {
     pub fn forward_bytes(&self, rows: usize, len: usize) -> f64 {
         memory::forward_bytes_with(&self.info, &self.widths, rows, len, len)
     }
+
+    /// Bytes of a forward over `rows x len` tokens whose LM head runs at `logit_len`
+    /// positions per row ([`crate::model::LanguageModel::forward_rows`]).
+    pub fn forward_bytes_logits(&self, rows: usize, len: usize, logit_len: usize) -> f64 {
+        memory::forward_bytes_with(&self.info, &self.widths, rows, len, logit_len)
+    }
+}
+
+/// Tokens per block of rows of a base run: a base run over many prompts runs as
+/// blocks of `BASE_BLOCK_TOKENS / len` rows (at least 1), several at once
+/// ([`crate::runner::concurrent`]). The split depends on the prompts' number and length
+/// alone, never on the threads or the memory, so the base run's values do not either
+/// (a row's logits depend at float level on the rows that share its forward).
+pub const BASE_BLOCK_TOKENS: usize = 4096;
+
+/// The blocks of rows of a base run over `n` prompts of `len` tokens.
+pub fn base_blocks(n: usize, len: usize) -> Vec<std::ops::Range<usize>> {
+    let per = (BASE_BLOCK_TOKENS / len.max(1)).max(1);
+    (0..n).step_by(per).map(|a| a..(a + per).min(n)).collect()
+}
+
+/// Positions per prompt the base run's LM head reads (its targets').
+fn read_positions(prompts: &Prompts) -> usize {
+    prompts
+        .targets
+        .iter()
+        .map(|t| t.positions.len())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Bytes of one base-run forward over `rows` of `prompts` (the LM head at the
+/// targets' positions only).
+pub fn base_block_bytes(sizes: &Sizes, prompts: &Prompts, rows: usize) -> f64 {
+    sizes.forward_bytes_logits(rows, prompts.len, read_positions(prompts))
+}
+
+/// How many of a base run's blocks run at once (see [`crate::runner::concurrent::width`]).
+pub fn base_width(sizes: &Sizes, prompts: &Prompts) -> usize {
+    let blocks = base_blocks(prompts.n(), prompts.len);
+    let rows = blocks.first().map_or(0, |b| b.len());
+    crate::runner::concurrent::width(blocks.len(), Some(base_block_bytes(sizes, prompts, rows)))
 }
 
 /// Values per token of a capture of `point` (f32), from the model's widths. Sites
@@ -212,7 +254,20 @@ pub fn estimate_group(
         } else {
             0.0
         };
-        (sizes.forward_bytes(n, len) + captures, captures + state)
+        // The base run's LM head runs at the targets' positions alone, in blocks of
+        // rows, `width` at once (base_run_windowed); the finished blocks' captures and
+        // state are held until they are stacked, one point or layer at a time.
+        let blocks = base_blocks(n, len);
+        let held = captures + state;
+        let base = if blocks.len() == 1 {
+            base_block_bytes(sizes, prompts, n) + captures
+        } else {
+            let one = base_block_bytes(sizes, prompts, blocks[0].len());
+            let width = base_width(sizes, prompts) as f64;
+            let widest = (4.0 * sizes.widths.state_max() * (n * len) as f64).max(captures);
+            (width * one + held).max(held + widest)
+        };
+        (base, held)
     } else {
         (0.0, 0.0)
     };

@@ -438,8 +438,6 @@ pub fn base_run_windowed(
     window: Option<std::ops::Range<usize>>,
 ) -> Result<Base> {
     prompts.check()?;
-    let device = model.device();
-    let all: Vec<usize> = (0..prompts.n()).collect();
     let mut spec = HookSpec::new();
     for p in captures {
         spec = spec.capture_point(*p);
@@ -447,24 +445,36 @@ pub fn base_run_windowed(
     if let Some(w) = &window {
         spec = spec.capture_window(w.clone());
     }
-    let tokens = prompts.tokens_of(&all, &device);
-    let (out, state) = if keep_state {
-        model.forward_with_state(tokens, &spec)?
+    // Blocks of rows fixed by the prompts' shape, several at once: a forward keeps about
+    // one core busy (burn-flex's elementwise passes run on the calling thread).
+    let blocks = budget::base_blocks(prompts.n(), prompts.len);
+    let width = budget::base_width(&budget::Sizes::of(model), prompts);
+    let mut parts: Vec<Option<BasePart>> = blocks.iter().map(|_| None).collect();
+    let items: Vec<usize> = (0..blocks.len()).collect();
+    crate::runner::concurrent::run(
+        &items,
+        width,
+        |i| base_part(model, prompts, &spec, blocks[i].clone(), keep_state),
+        |i, part| {
+            parts[i] = Some(part);
+            Ok(())
+        },
+    )?;
+    let parts: Vec<BasePart> = parts.into_iter().flatten().collect();
+    let outcomes = parts.iter().flat_map(|p| p.outcomes.clone()).collect();
+    let (caches, states): (Vec<_>, Vec<_>) = parts.into_iter().map(|p| (p.cache, p.state)).unzip();
+    let cache = if caches.len() == 1 {
+        caches.into_iter().next().unwrap_or_default()
     } else {
-        (model.forward(tokens, &spec)?, None)
+        ActivationCache::cat_batch(caches)?
     };
-    let targets: Vec<&Target> = prompts.targets.iter().collect();
-    let outcomes = match readout(out.logits, &targets) {
-        Err(Error::NonFinite(what)) => {
-            let tokens = prompts.tokens_of(&all, &device);
-            return Err(crate::model::diagnose::non_finite_error(
-                model, tokens, &what,
-            ));
-        }
-        r => r?,
+    let state = match states.into_iter().collect::<Option<Vec<PrefixState>>>() {
+        Some(s) if s.len() == 1 => s.into_iter().next(),
+        Some(s) => Some(PrefixState::cat(s)?),
+        None => None,
     };
     for p in captures {
-        if out.cache.get(p).is_none() {
+        if cache.get(p).is_none() {
             return Err(Error::hook(
                 p.to_string(),
                 "the model did not produce this activation (is the layer of the right kind?)",
@@ -472,11 +482,51 @@ pub fn base_run_windowed(
         }
     }
     Ok(Base {
-        cache: Arc::new(out.cache),
+        cache: Arc::new(cache),
         outcomes,
         state: state.map(Arc::new),
         stages: Default::default(),
         window,
+    })
+}
+
+/// One block of rows of a base run.
+struct BasePart {
+    outcomes: Vec<Outcome>,
+    cache: ActivationCache,
+    state: Option<PrefixState>,
+}
+
+/// The base run's forward over the prompts `rows`: captures, state, and the outcomes
+/// from the LM head at the positions the targets read (only there).
+fn base_part(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    spec: &HookSpec,
+    rows: std::ops::Range<usize>,
+    keep_state: bool,
+) -> Result<BasePart> {
+    let device = model.device();
+    let rows: Vec<usize> = rows.collect();
+    let tokens = prompts.tokens_of(&rows, &device);
+    let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
+    let (flat, pairs) = target_rows(&targets, tokens.dims()[1], model.info().vocab_size)?;
+    let k = flat.len();
+    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
+    let (logit_rows, cache, state) = model.forward_rows(tokens, spec, idx, keep_state)?;
+    let outcomes = match outcomes_of(logit_rows, pairs, &targets) {
+        Err(Error::NonFinite(what)) => {
+            let tokens = prompts.tokens_of(&rows, &device);
+            return Err(crate::model::diagnose::non_finite_error(
+                model, tokens, &what,
+            ));
+        }
+        r => r?,
+    };
+    Ok(BasePart {
+        outcomes,
+        cache,
+        state,
     })
 }
 
