@@ -719,6 +719,24 @@ fn a_base_run_in_blocks_of_rows_is_one_forward_over_every_prompt() {
         };
         let blocked = in_pool(3);
         let one = in_pool(1);
+        // Plain forwards of one prompt each, several at once, give the same outcomes.
+        let eval = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| phaselens::runner::patching::evaluate(model, &prompts, 1).unwrap())
+        };
+        let (e1, e3) = (eval(1), eval(3));
+        for ((a, b), c) in e1.iter().zip(&e3).zip(&blocked.outcomes) {
+            assert_eq!(
+                a.ld.to_bits(),
+                b.ld.to_bits(),
+                "{name}: evaluate at 1 and 3 threads"
+            );
+            assert!((a.ld - c.ld).abs() < 1e-4, "{name}: {} vs {}", a.ld, c.ld);
+        }
+        assert_eq!(e1.len(), 4);
         let ld = |b: &Base| {
             b.outcomes
                 .iter()

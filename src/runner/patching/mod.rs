@@ -506,28 +506,42 @@ fn base_part(
     rows: std::ops::Range<usize>,
     keep_state: bool,
 ) -> Result<BasePart> {
-    let device = model.device();
     let rows: Vec<usize> = rows.collect();
-    let tokens = prompts.tokens_of(&rows, &device);
-    let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
-    let (flat, pairs) = target_rows(&targets, tokens.dims()[1], model.info().vocab_size)?;
-    let k = flat.len();
-    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
-    let (logit_rows, cache, state) = model.forward_rows(tokens, spec, idx, keep_state)?;
-    let outcomes = match outcomes_of(logit_rows, pairs, &targets) {
-        Err(Error::NonFinite(what)) => {
-            let tokens = prompts.tokens_of(&rows, &device);
-            return Err(crate::model::diagnose::non_finite_error(
-                model, tokens, &what,
-            ));
-        }
-        r => r?,
-    };
+    let (outcomes, (cache, state)) = outcomes_at(model, prompts, &rows, |tokens, idx| {
+        let (logits, cache, state) = model.forward_rows(tokens, spec, idx, keep_state)?;
+        Ok((logits, (cache, state)))
+    })?;
     Ok(BasePart {
         outcomes,
         cache,
         state,
     })
+}
+
+/// The outcomes of the prompts `rows` from `forward(tokens, flat target positions) ->
+/// (logits there, what else it returns)`; a non-finite logit is diagnosed by layer.
+fn outcomes_at<T>(
+    model: &dyn LanguageModel,
+    prompts: &Prompts,
+    rows: &[usize],
+    forward: impl FnOnce(Tensor<2, Int>, Tensor<1, Int>) -> Result<(Tensor<2>, T)>,
+) -> Result<(Vec<Outcome>, T)> {
+    let device = model.device();
+    let tokens = prompts.tokens_of(rows, &device);
+    let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
+    let (flat, pairs) = target_rows(&targets, tokens.dims()[1], model.info().vocab_size)?;
+    let k = flat.len();
+    let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
+    let (logit_rows, rest) = forward(tokens, idx)?;
+    match outcomes_of(logit_rows, pairs, &targets) {
+        Err(Error::NonFinite(what)) => {
+            let tokens = prompts.tokens_of(rows, &device);
+            Err(crate::model::diagnose::non_finite_error(
+                model, tokens, &what,
+            ))
+        }
+        r => Ok((r?, rest)),
+    }
 }
 
 /// Outcomes of plain forwards over every prompt, `max_rows` prompts at a time.
@@ -537,31 +551,34 @@ pub fn evaluate(
     max_rows: usize,
 ) -> Result<Vec<Outcome>> {
     prompts.check()?;
-    let device = model.device();
-    let mut out = Vec::with_capacity(prompts.n());
     let idx: Vec<usize> = (0..prompts.n()).collect();
-    let v = model.info().vocab_size;
-    for rows in idx.chunks(max_rows.max(1)) {
-        // The LM head only at the positions the targets read (the model may skip it
-        // elsewhere: at a 262,144-word vocabulary it is most of a short forward).
-        let tokens = prompts.tokens_of(rows, &device);
-        let t = tokens.dims()[1];
-        let targets: Vec<&Target> = rows.iter().map(|&r| &prompts.targets[r]).collect();
-        let (flat, pairs) = target_rows(&targets, t, v)?;
-        let k = flat.len();
-        let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [k]), &device);
-        let logit_rows = model.forward_logit_rows(tokens, idx)?;
-        match outcomes_of(logit_rows, pairs, &targets) {
-            Err(Error::NonFinite(what)) => {
-                let tokens = prompts.tokens_of(rows, &device);
-                return Err(crate::model::diagnose::non_finite_error(
-                    model, tokens, &what,
-                ));
-            }
-            r => out.extend(r?),
-        }
-    }
-    Ok(out)
+    let chunks: Vec<&[usize]> = idx.chunks(max_rows.max(1)).collect();
+    let rows = chunks.first().map_or(0, |c| c.len());
+    let sizes = budget::Sizes::of(model);
+    let width = crate::runner::concurrent::width(
+        chunks.len(),
+        Some(budget::base_block_bytes(&sizes, prompts, rows)),
+    );
+    let mut parts: Vec<Vec<Outcome>> = vec![Vec::new(); chunks.len()];
+    let items: Vec<usize> = (0..chunks.len()).collect();
+    // Chunks of `max_rows` prompts (fixed by it, not by the threads), several at once;
+    // the LM head only at the positions the targets read (at a 262,144-word vocabulary
+    // it is most of a short forward).
+    crate::runner::concurrent::run(
+        &items,
+        width,
+        |i| {
+            let (o, ()) = outcomes_at(model, prompts, chunks[i], |tokens, idx| {
+                Ok((model.forward_logit_rows(tokens, idx)?, ()))
+            })?;
+            Ok(o)
+        },
+        |i, o| {
+            parts[i] = o;
+            Ok(())
+        },
+    )?;
+    Ok(parts.concat())
 }
 
 /// Split `cells` into chunks that share a start layer and hold at most `max_rows`
