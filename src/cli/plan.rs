@@ -117,11 +117,15 @@ fn weights(
 
 pub fn run(args: PlanArgs) -> Result<()> {
     let (c, w) = weights(&args)?;
-    let chunk_rows = match &args.experiment {
+    let (chunk_rows, chunk_positions) = match &args.experiment {
         Some(p) => {
-            phaselens::runner::experiment::Experiment::load(p)?.max_rows(&DeviceSpec::TchCuda(0))
+            let exp = phaselens::runner::experiment::Experiment::load(p)?;
+            (
+                exp.max_rows(&DeviceSpec::TchCuda(0)),
+                exp.suffix_positions(),
+            )
         }
-        None => 1,
+        None => (1, None),
     };
     let req = PlanRequest {
         devices: args.devices,
@@ -129,6 +133,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         host_memory: args.host_memory,
         tokens: args.tokens,
         chunk_rows,
+        chunk_positions,
         residency: args.weights,
     };
     let p = plan::plan(&c, &w, &req)?;
@@ -190,6 +195,7 @@ fn measure(
         host_memory: None,
         tokens: args.tokens,
         chunk_rows: 1,
+        chunk_positions: None,
         residency: args.weights,
     };
     let estimate = plan::plan(c, w, &one)?.devices[0].total;

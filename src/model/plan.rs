@@ -416,6 +416,18 @@ pub fn block_scratch() -> f64 {
 /// a block: 256 KiB per query for a window of 128, and a sliding layer's block holds up
 /// to 2000 queries at 4 heads.
 pub fn attention_block_bytes(c: &DeepseekV4Config, l: usize, t: usize, rows: usize) -> f64 {
+    attention_block_bytes_at(c, l, t, t, rows)
+}
+
+/// [`attention_block_bytes`] when each row computes `queries` of its `t` positions (a
+/// suffix forward).
+pub fn attention_block_bytes_at(
+    c: &DeepseekV4Config,
+    l: usize,
+    t: usize,
+    queries: usize,
+    rows: usize,
+) -> f64 {
     let (nh, d) = (c.num_attention_heads, c.head_dim);
     let w = c.sliding_window.min(t);
     let (n, selecting, kk) = match c.layer_types[l] {
@@ -427,7 +439,7 @@ pub fn attention_block_bytes(c: &DeepseekV4Config, l: usize, t: usize, rows: usi
         }
     };
     let entries = if selecting > 0 { kk } else { n };
-    let bq = crate::model::attention::rows_within_budget(t, |bq| {
+    let bq = crate::model::attention::rows_within_budget(queries.min(t), |bq| {
         rows * bq * (nh * (entries + w + 1) + selecting)
     });
     let per_query = (2 * kk).max(kk + w) * d;
@@ -491,6 +503,10 @@ pub struct PlanRequest {
     pub tokens: usize,
     /// Rows of one patching chunk (`[experiment] max_rows`; 1 = one forward).
     pub chunk_rows: usize,
+    /// Positions each chunk row recomputes when the experiment's cells run as suffix
+    /// forwards (edits at the answer or final positions: [`chunk_positions`]); `None`:
+    /// every position (edits everywhere, or no experiment).
+    pub chunk_positions: Option<usize>,
     /// How the weights are held (the weights' `resident` bytes must be counted so too:
     /// [`weights_from_config`], [`weights_from_checkpoint`]).
     pub residency: Residency,
@@ -546,18 +562,59 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    /// `rows` rows' activations on a device holding `layers` (and the head: logits):
-    /// per token, plus one attention block's gathered keys and its score scratch.
-    fn working_set(&self, layers: std::ops::Range<usize>, head: bool, rows: usize) -> f64 {
-        let t = self.r.tokens as f64 * rows as f64;
+    /// `rows` rows' activations on a device holding `layers` (and the head: logits),
+    /// each row computing `queries` of its positions: per token, plus one attention
+    /// block's gathered keys and its score scratch.
+    fn working_set(
+        &self,
+        layers: std::ops::Range<usize>,
+        head: bool,
+        rows: usize,
+        queries: usize,
+    ) -> f64 {
+        let t = queries as f64 * rows as f64;
         let per_token = layers
             .clone()
             .map(|l| layer_activation_per_token(self.c, l))
             .fold(0.0, f64::max);
         let block = layers
-            .map(|l| attention_block_bytes(self.c, l, self.r.tokens, rows))
+            .map(|l| attention_block_bytes_at(self.c, l, self.r.tokens, queries, rows))
             .fold(0.0, f64::max);
         t * (per_token + self.logits_per_token(head)) + block + block_scratch()
+    }
+
+    /// The K/V a chunk row holds on a device with `layers`: every layer's at full
+    /// length, or for a suffix chunk one layer's at a time (DeepSeek-V4's suffix forward
+    /// gathers a layer's pooled entries from the base run's state for its rows, and its
+    /// raw keys from the first query's window on, then frees them): the largest
+    /// [`Ctx::suffix_kv`].
+    fn chunk_kv_per_row(&self, layers: std::ops::Range<usize>) -> f64 {
+        let t = self.r.tokens;
+        match self.r.chunk_positions {
+            None => layers
+                .map(|l| {
+                    let (a, b) = layer_kv(self.c, l, t);
+                    a + b
+                })
+                .sum(),
+            Some(_) => layers.map(|l| self.suffix_kv(l)).fold(0.0, f64::max),
+        }
+    }
+
+    /// Layer `l`'s K/V that one suffix-chunk row gathers: the raw window its queries
+    /// read and every compressed entry.
+    fn suffix_kv(&self, l: usize) -> f64 {
+        let t = self.r.tokens.max(1);
+        let (raw, compressed) = layer_kv(self.c, l, t);
+        let seen = (self.c.sliding_window + self.chunk_queries()).min(t);
+        raw * seen as f64 / t as f64 + compressed
+    }
+
+    /// Positions each chunk row computes: [`PlanRequest::chunk_positions`] or every one.
+    fn chunk_queries(&self) -> usize {
+        self.r
+            .chunk_positions
+            .map_or(self.r.tokens, |p| p.clamp(1, self.r.tokens.max(1)))
     }
 
     /// Logit bytes per token on the device holding the head (`head`): one `vocab` row
@@ -598,9 +655,11 @@ impl Ctx<'_> {
         let (kv_raw, kv_compressed) = self.kv(layers.clone());
         let rows = self.r.chunk_rows.max(1);
         let dq = self.dequant(lt, head);
-        let forward = self.working_set(layers.clone(), head, 1) + dq;
-        let chunk = self.working_set(layers.clone(), head, rows) + dq;
-        let kv_rows = (kv_raw + kv_compressed) * rows as f64;
+        let forward = self.working_set(layers.clone(), head, 1, self.r.tokens) + dq;
+        let chunk = self.working_set(layers.clone(), head, rows, self.chunk_queries()) + dq;
+        let kv_rows = self.chunk_kv_per_row(layers.clone()) * rows as f64;
+        // A suffix chunk may hold less than the one-row forward (the base run's block).
+        let run = (kv_rows + chunk).max(kv_raw + kv_compressed + forward);
         DevicePlan {
             device: d,
             first_layer: layers.start,
@@ -617,7 +676,7 @@ impl Ctx<'_> {
             forward_working_set: forward,
             chunk_working_set: chunk,
             load_transient: 2.0 * lt,
-            total: wt.resident + (2.0 * lt).max(kv_rows + chunk),
+            total: wt.resident + (2.0 * lt).max(run),
             capacity: self.r.device_memory,
         }
     }
@@ -628,10 +687,14 @@ impl Ctx<'_> {
 #[derive(Default, Clone, Copy)]
 struct Running {
     weights: f64,
+    /// K/V of one row at full length; the largest layer's of a suffix-chunk row.
     kv: f64,
+    suffix_kv: f64,
     per_token: f64,
-    /// The largest attention block's gathered keys ([`attention_block_bytes`]).
+    /// The largest attention block's gathered keys ([`attention_block_bytes`]) of a
+    /// chunk, and of a one-row forward.
     block: f64,
+    block_one: f64,
     /// The largest tensor built at once (load: twice it).
     largest: f64,
 }
@@ -654,11 +717,12 @@ impl Ctx<'_> {
         r.weights += lw.dense.resident + lw.expert.resident * experts as f64;
         let (a, b) = layer_kv(self.c, l, self.r.tokens);
         r.kv += a + b;
+        r.suffix_kv = r.suffix_kv.max(self.suffix_kv(l));
         r.per_token = r.per_token.max(layer_activation_per_token(self.c, l));
         let rows = self.r.chunk_rows.max(1);
-        r.block = r
-            .block
-            .max(attention_block_bytes(self.c, l, self.r.tokens, rows));
+        let (t, q) = (self.r.tokens, self.chunk_queries());
+        r.block = r.block.max(attention_block_bytes_at(self.c, l, t, q, rows));
+        r.block_one = r.block_one.max(attention_block_bytes(self.c, l, t, 1));
         r.largest = r.largest.max(lw.largest_resident);
         r
     }
@@ -666,7 +730,7 @@ impl Ctx<'_> {
     /// The total of [`Ctx::device`] from running totals.
     fn total(&self, r: Running, first: bool, head: bool) -> f64 {
         let rows = self.r.chunk_rows.max(1) as f64;
-        let t = self.r.tokens as f64 * rows;
+        let t = self.chunk_queries() as f64 * rows;
         let logits = self.logits_per_token(head);
         let mut w = r.weights;
         if first {
@@ -677,7 +741,14 @@ impl Ctx<'_> {
         }
         let dq = self.dequant(r.largest, head);
         let ws = t * (r.per_token + logits) + r.block + block_scratch() + dq;
-        w + (2.0 * r.largest).max(r.kv * rows + ws)
+        let one =
+            self.r.tokens as f64 * (r.per_token + logits) + r.block_one + block_scratch() + dq;
+        let per_row = match self.r.chunk_positions {
+            None => r.kv,
+            Some(_) => r.suffix_kv,
+        };
+        let kv_rows = per_row * rows;
+        w + (2.0 * r.largest).max(kv_rows + ws).max(r.kv + one)
     }
 }
 
@@ -761,7 +832,7 @@ fn fill_experts(x: &Ctx, d: usize, layers: std::ops::Range<usize>) -> Vec<usize>
 fn over_error(p: &DevicePlan) -> Error {
     let gib = super::memory::human;
     Error::Memory(format!(
-        "the placement does not fit: device {} ({} of memory) would need {} for layers {}..{} with no routed experts (weights {}, KV {} + {} per row, working set {}, load transient {}): {} ({:.0} bytes) over; add devices or memory, or lower --tokens",
+        "the placement does not fit: device {} ({} of memory) would need {} for layers {}..{} with no routed experts (weights {}, KV {} + {} per row at full length, a patching chunk's working set {}, load transient {}): {} ({:.0} bytes) over; add devices or memory, or lower --tokens",
         p.device,
         gib(p.capacity),
         gib(p.total),
@@ -818,13 +889,8 @@ pub fn plan(c: &DeepseekV4Config, w: &ModelWeights, r: &PlanRequest) -> Result<P
     let per_token = (0..w.layers.len())
         .map(|l| layer_activation_per_token(c, l))
         .fold(0.0, f64::max);
-    let per_row = r.tokens as f64 * (per_token + x.logits_per_token(true))
-        + (0..w.layers.len())
-            .map(|l| {
-                let (a, b) = layer_kv(c, l, r.tokens);
-                a + b
-            })
-            .sum::<f64>();
+    let per_row = x.chunk_queries() as f64 * (per_token + x.logits_per_token(true))
+        + x.chunk_kv_per_row(0..w.layers.len());
     Ok(Plan {
         request: r.clone(),
         weights: w.total(),
@@ -1039,6 +1105,7 @@ mod tests {
             host_memory: None,
             tokens: 131072,
             chunk_rows: 1,
+            chunk_positions: None,
             residency: Residency::F32,
         };
         let pl = plan(&c, &w, &r).unwrap();
@@ -1076,6 +1143,7 @@ mod tests {
             host_memory: None,
             tokens: 131072,
             chunk_rows: 1,
+            chunk_positions: None,
             residency,
         };
         let stored = plan(

@@ -398,6 +398,36 @@ impl Experiment {
             .unwrap_or_else(|| default_max_rows(device))
     }
 
+    /// Positions a chunk row recomputes when the cells run as suffix forwards (edits at
+    /// given positions: the answer's, the last `k`, one `k` before the answer), from the
+    /// first edited position to the last target position, for the memory plan
+    /// (`phaselens plan --experiment`). `None`: every position (edits everywhere, or a
+    /// kind without positions).
+    pub fn suffix_positions(&self) -> Option<usize> {
+        use crate::runner::kinds::KindConfig as K;
+        use crate::runner::patching::Positions;
+        let positions = match &self.file.kind {
+            K::PatchHeads(c) => &c.positions,
+            K::AblateHeads(c) => &c.positions,
+            K::Knockout(c) => &c.positions,
+            K::PathPatching(c) => &c.positions,
+            _ => return None,
+        };
+        // The scored answer's teacher-forced tokens are consecutive target positions.
+        let answer = self
+            .file
+            .task
+            .prompt
+            .as_ref()
+            .map_or(1, |p| p.value_len.max(1));
+        match positions {
+            Positions::All => None,
+            Positions::Answer => Some(answer),
+            Positions::Final(k) => Some((*k).max(answer)),
+            Positions::Offset(k) => Some(k + answer),
+        }
+    }
+
     /// Read, parse and check the structure of an experiment TOML.
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
@@ -706,6 +736,21 @@ mod tests {
             "[experiment]\nkind = \"patch-heads\"\n[model]\norganism = \"x\"\n[patch]\nlayers = [1, 3]\nheads = \"all\"\npositions = { final = 4 }\n",
         )
         .unwrap();
+        // The plan sizes a chunk row by the positions it recomputes.
+        assert_eq!(e.suffix_positions(), Some(4));
+        let kind = |body: &str| {
+            parse(&format!(
+                "[experiment]\nkind = \"patch-heads\"\n[model]\norganism = \"x\"\n{body}"
+            ))
+            .unwrap()
+            .suffix_positions()
+        };
+        assert_eq!(kind("[patch]\npositions = \"answer\"\n"), Some(1));
+        assert_eq!(
+            kind("[task]\nprompt = { value_len = 3 }\n[patch]\npositions = \"answer\"\n"),
+            Some(3)
+        );
+        assert_eq!(kind("[patch]\npositions = \"all\"\n"), None);
         let KindConfig::PatchHeads(p) = e.file.kind else {
             panic!("{:?}", e.file.kind)
         };

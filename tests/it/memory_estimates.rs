@@ -140,4 +140,37 @@ fn the_patching_estimate_is_within_20_percent_of_the_realwidth_ci_patch_peak() {
         human(est),
         human(peak)
     );
+    // `phaselens plan --experiment` sizes the same job from the config alone (its
+    // chunks as suffix forwards of the answer positions, the one-row forward that the
+    // base run's blocks are): within 20% of the same peak too. Before it counted every
+    // chunk row at every position (9.5 GiB, 15x).
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_phaselens"))
+        .args(["plan", "--model"])
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/deepseek_v4/realwidth_ci"),
+        )
+        .args(["--tokens", "2009", "--json", "--experiment"])
+        .arg(&exp)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let plan = j["devices"][0]["total"].as_f64().unwrap();
+    eprintln!(
+        "plan --experiment: {} (ratio {:.3})",
+        human(plan),
+        plan / peak
+    );
+    assert_eq!(j["request"]["chunk_positions"], 1, "{}", j["request"]);
+    assert!(
+        (0.8..=1.2).contains(&(plan / peak)),
+        "the plan's {} is not within 20% of the measured peak {}",
+        human(plan),
+        human(peak)
+    );
 }
