@@ -38,6 +38,9 @@ use crate::model::flops::Mm;
 pub const FP4_GROUP: usize = 32;
 
 /// The e2m1 value of each 4-bit code (bit 3 is the sign).
+/// Bytes per task of [`Block::surely_finite`]'s scan.
+const FINITE_SCAN_BYTES: usize = 1 << 18;
+
 pub const E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
@@ -178,6 +181,13 @@ impl Scales {
         })
     }
 
+    /// The largest magnitude of a scale when every scale is finite; `None` otherwise.
+    fn largest_finite(&self) -> Option<f32> {
+        let s = decode_scales(self.dtype, &self.bytes)?;
+        s.iter()
+            .try_fold(0.0f32, |m, v| v.is_finite().then(|| m.max(v.abs())))
+    }
+
     /// `v` (rows `r0..r1` of `cols` values) times their scales.
     fn apply(&self, v: &mut [f32], r0: usize, r1: usize, cols: usize) {
         if r1 <= r0 {
@@ -260,6 +270,64 @@ impl Block {
 
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// Whether every value the block dequantises to is finite, decided from its bytes
+    /// without dequantising: FP4 codes (all finite), FP8 e4m3 codes other than NaN,
+    /// BF16 / F16 codes without an all-ones exponent, times scales that are all finite
+    /// and small enough that no product overflows f32. `false` means undecided (GGUF
+    /// blocks, other dtypes, a bad code or a scale too large): the caller dequantises and
+    /// checks every value, which names the first bad one.
+    pub fn surely_finite(&self) -> bool {
+        use rayon::prelude::*;
+        if self.ggml.is_some() {
+            return false;
+        }
+        let any = |bad: &(dyn Fn(&[u8]) -> bool + Sync), width: usize| {
+            self.bytes
+                .par_chunks(FINITE_SCAN_BYTES / width * width)
+                .any(bad)
+        };
+        let largest = if self.packed() {
+            6.0
+        } else {
+            match self.dtype {
+                StDtype::F8E4M3 => {
+                    let lut = &*E4M3;
+                    if any(&|c| c.iter().any(|&b| !lut[b as usize].is_finite()), 1) {
+                        return false;
+                    }
+                    448.0
+                }
+                StDtype::BF16 | StDtype::F16 => {
+                    let mask = if self.dtype == StDtype::BF16 {
+                        0x7f80
+                    } else {
+                        0x7c00
+                    };
+                    let bad = move |c: &[u8]| {
+                        c.chunks_exact(2)
+                            .any(|h| u16::from_le_bytes([h[0], h[1]]) & mask == mask)
+                    };
+                    if any(&bad, 2) {
+                        return false;
+                    }
+                    // The largest finite value of the dtype.
+                    if self.dtype == StDtype::BF16 {
+                        f32::MAX as f64
+                    } else {
+                        65504.0
+                    }
+                }
+                _ => return false,
+            }
+        };
+        match &self.scales {
+            None => true,
+            Some(s) => s
+                .largest_finite()
+                .is_some_and(|m| m as f64 * largest < f32::MAX as f64),
+        }
     }
 
     pub fn cols(&self) -> usize {
@@ -633,5 +701,65 @@ mod tests {
         assert_eq!(m.rows_f32(2, 4), vec![4.0, 4.0, 1.0, 1.0]);
         assert!(Block::new([3, 2], StDtype::I64, vec![0; 48], None).is_none());
         assert!(Scales::new(StDtype::I8, [1, 1], [1, 1], vec![0]).is_none());
+    }
+
+    /// Loading decides finiteness from the bytes where it can: never "finite" when a
+    /// dequantised value is not (every FP8 code and FP4 pair under every E8M0 scale,
+    /// BF16 / F16 codes), and "finite" for the usual weights (small scales, no NaN code).
+    #[test]
+    fn surely_finite_is_never_wrong_and_decides_the_usual_weights() {
+        let finite = |b: &Block| b.to_f32().iter().all(|v| v.is_finite());
+        for scale in 0..=255u8 {
+            for code in 0..=255u8 {
+                let s = Scales::new(StDtype::F8E8M0, [1, 1], [128, 128], vec![scale]).unwrap();
+                let b = Block::new([1, 2], StDtype::F8E4M3, vec![code, 0x38], Some(s)).unwrap();
+                assert!(
+                    !b.surely_finite() || finite(&b),
+                    "fp8 {code:#x} scale {scale}"
+                );
+                let s = Scales::new(StDtype::U8, [1, 1], [1, FP4_GROUP], vec![scale]).unwrap();
+                let b = Block::new([1, 2], StDtype::U8, vec![code], Some(s)).unwrap();
+                assert!(
+                    !b.surely_finite() || finite(&b),
+                    "fp4 {code:#x} scale {scale}"
+                );
+            }
+        }
+        for hi in 0..=255u8 {
+            for dtype in [StDtype::BF16, StDtype::F16] {
+                let b = Block::new([1, 2], dtype, vec![0, hi, 0x80, 0x3f], None).unwrap();
+                assert_eq!(b.surely_finite(), finite(&b), "{dtype:?} {hi:#x}");
+            }
+        }
+        // The usual weights: scales near 1, codes without NaN.
+        let s = Scales::new(StDtype::F8E8M0, [1, 1], [128, 128], vec![120]).unwrap();
+        let codes: Vec<u8> = (0..=255u8).filter(|c| c & 0x7f != 0x7f).collect();
+        let n = codes.len();
+        assert!(
+            Block::new([1, n], StDtype::F8E4M3, codes, Some(s))
+                .unwrap()
+                .surely_finite()
+        );
+        let s = Scales::new(StDtype::U8, [1, 1], [1, FP4_GROUP], vec![130]).unwrap();
+        let b = Block::new(
+            [1, 32],
+            StDtype::U8,
+            (0..16).map(|i| i * 17).collect(),
+            Some(s),
+        );
+        assert!(b.unwrap().surely_finite());
+        // A NaN code, or a scale whose product overflows: undecided, so checked.
+        let s = Scales::new(StDtype::F8E8M0, [1, 1], [128, 128], vec![127]).unwrap();
+        assert!(
+            !Block::new([1, 2], StDtype::F8E4M3, vec![0x7f, 0], Some(s))
+                .unwrap()
+                .surely_finite()
+        );
+        let s = Scales::new(StDtype::F8E8M0, [1, 1], [128, 128], vec![254]).unwrap();
+        assert!(
+            !Block::new([1, 2], StDtype::F8E4M3, vec![0x7e, 0], Some(s))
+                .unwrap()
+                .surely_finite()
+        );
     }
 }
