@@ -154,6 +154,29 @@ impl Act {
     }
 }
 
+/// Maps of the activations of consecutive blocks of rows of one batch, stacked key by
+/// key along the batch axis (the first map's keys, in order); each key's pieces are
+/// taken out of the maps and dropped once stacked, so at most one key is held twice.
+/// `missing(key)` words the error for a key that a later map lacks.
+pub(crate) fn stack_maps<K: Ord + Clone>(
+    mut parts: Vec<&mut BTreeMap<K, Act>>,
+    missing: impl Fn(&K) -> String,
+) -> Result<BTreeMap<K, Act>> {
+    let keys: Vec<K> = parts
+        .first()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default();
+    let mut out = BTreeMap::new();
+    for k in keys {
+        let pieces = parts
+            .iter_mut()
+            .map(|m| m.remove(&k).ok_or_else(|| Error::Other(missing(&k))))
+            .collect::<Result<Vec<Act>>>()?;
+        out.insert(k, Act::cat_batch(&pieces)?);
+    }
+    Ok(out)
+}
+
 /// Activations captured by one forward pass, keyed by hook point.
 #[derive(Debug, Clone, Default)]
 pub struct ActivationCache {
@@ -225,19 +248,10 @@ impl ActivationCache {
                 c.map.len()
             )));
         }
-        let mut out = ActivationCache::new();
-        for p in points {
-            let pieces = parts
-                .iter_mut()
-                .map(|c| {
-                    c.map.remove(&p).ok_or_else(|| {
-                        Error::Other(format!("{p} is missing from a block's captures"))
-                    })
-                })
-                .collect::<Result<Vec<Act>>>()?;
-            out.insert(p, Act::cat_batch(&pieces)?);
-        }
-        Ok(out)
+        let map = stack_maps(parts.iter_mut().map(|c| &mut c.map).collect(), |p| {
+            format!("{p} is missing from a block's captures")
+        })?;
+        Ok(ActivationCache { map })
     }
 
     /// Keep only the given batch rows of every activation.

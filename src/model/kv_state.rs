@@ -30,6 +30,7 @@ use super::layers::int_tensor;
 use super::placement::to;
 use crate::error::{Error, Result};
 use crate::hooks::Act;
+use crate::hooks::cache::stack_maps;
 
 /// Which positions of the prompts a forward computes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -196,22 +197,19 @@ impl PrefixState {
             return Err(Error::Other("no prefix states to stack".into()));
         };
         let (arch, len) = (first.arch, first.len);
-        let names: Vec<Vec<&'static str>> = first
-            .layers
-            .iter()
-            .map(|m| m.keys().copied().collect())
-            .collect();
+        // Entries per layer: the stacking names any entry a later block lacks.
+        let sizes: Vec<usize> = first.layers.iter().map(|m| m.len()).collect();
         let keeps_ids = !first.ids.is_empty();
         for p in &parts {
             let same = p.arch == arch
                 && p.len == len
                 && keeps_ids != p.ids.is_empty()
-                && p.layers.len() == names.len()
-                && p.layers.iter().zip(&names).all(|(m, n)| m.len() == n.len());
+                && p.layers.len() == sizes.len()
+                && p.layers.iter().zip(&sizes).all(|(m, &n)| m.len() == n);
             if !same {
                 return Err(Error::Other(format!(
                     "prefix states of {arch} x {len} tokens ({} layers) and {} x {} tokens ({} layers) cannot be stacked",
-                    names.len(),
+                    sizes.len(),
                     p.arch,
                     p.len,
                     p.layers.len()
@@ -223,24 +221,14 @@ impl PrefixState {
             .iter_mut()
             .flat_map(|p| std::mem::take(&mut p.ids))
             .collect();
-        let mut layers = Vec::with_capacity(names.len());
-        for (l, names) in names.iter().enumerate() {
-            let mut out = BTreeMap::new();
-            for &name in names {
-                let pieces = parts
-                    .iter_mut()
-                    .map(|p| {
-                        p.layers[l].remove(name).ok_or_else(|| {
-                            Error::Other(format!(
-                                "layer {l}'s {name} is missing from a block's state"
-                            ))
-                        })
-                    })
-                    .collect::<Result<Vec<Act>>>()?;
-                out.insert(name, Act::cat_batch(&pieces)?);
-            }
-            layers.push(out);
-        }
+        let layers = (0..sizes.len())
+            .map(|l| {
+                stack_maps(
+                    parts.iter_mut().map(|p| &mut p.layers[l]).collect(),
+                    |name| format!("layer {l}'s {name} is missing from a block's state"),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(PrefixState {
             arch,
             rows,

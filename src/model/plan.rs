@@ -504,8 +504,8 @@ pub struct PlanRequest {
     /// Rows of one patching chunk (`[experiment] max_rows`; 1 = one forward).
     pub chunk_rows: usize,
     /// Positions each chunk row recomputes when the experiment's cells run as suffix
-    /// forwards (edits at the answer or final positions: [`chunk_positions`]); `None`:
-    /// every position (edits everywhere, or no experiment).
+    /// forwards (edits at the answer or final positions: `Experiment::suffix_positions`
+    /// in the runner); `None`: every position (edits everywhere, or no experiment).
     pub chunk_positions: Option<usize>,
     /// How the weights are held (the weights' `resident` bytes must be counted so too:
     /// [`weights_from_config`], [`weights_from_checkpoint`]).
@@ -589,14 +589,11 @@ impl Ctx<'_> {
     /// raw keys from the first query's window on, then frees them): the largest
     /// [`Ctx::suffix_kv`].
     fn chunk_kv_per_row(&self, layers: std::ops::Range<usize>) -> f64 {
-        let t = self.r.tokens;
         match self.r.chunk_positions {
-            None => layers
-                .map(|l| {
-                    let (a, b) = layer_kv(self.c, l, t);
-                    a + b
-                })
-                .sum(),
+            None => {
+                let (raw, compressed) = self.kv(layers);
+                raw + compressed
+            }
             Some(_) => layers.map(|l| self.suffix_kv(l)).fold(0.0, f64::max),
         }
     }

@@ -144,16 +144,17 @@ fn the_patching_estimate_is_within_20_percent_of_the_realwidth_ci_patch_peak() {
     // chunks as suffix forwards of the answer positions, the one-row forward that the
     // base run's blocks are): within 20% of the same peak too. Before it counted every
     // chunk row at every position (9.5 GiB, 15x).
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_phaselens"))
-        .args(["plan", "--model"])
-        .arg(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/deepseek_v4/realwidth_ci"),
-        )
-        .args(["--tokens", "2009", "--json", "--experiment"])
-        .arg(&exp)
-        .output()
-        .unwrap();
+    let model = crate::common::v4_fixture("realwidth_ci");
+    let out = crate::common::phaselens(&[
+        "plan",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        "2009",
+        "--json",
+        "--experiment",
+        exp.to_str().unwrap(),
+    ]);
     assert!(
         out.status.success(),
         "{}",

@@ -710,22 +710,21 @@ fn a_base_run_in_blocks_of_rows_is_one_forward_over_every_prompt() {
     let bits =
         |a: &phaselens::hooks::Act| a.to_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for (name, model) in models {
-        let in_pool = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
+        let pool = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .build()
-                .unwrap();
-            pool.install(|| base_run(model, &prompts, &captures).unwrap())
+                .unwrap()
+        };
+        let in_pool = |threads: usize| {
+            pool(threads).install(|| base_run(model, &prompts, &captures).unwrap())
         };
         let blocked = in_pool(3);
         let one = in_pool(1);
         // Plain forwards of one prompt each, several at once, give the same outcomes.
         let eval = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| phaselens::runner::patching::evaluate(model, &prompts, 1).unwrap())
+            pool(threads)
+                .install(|| phaselens::runner::patching::evaluate(model, &prompts, 1).unwrap())
         };
         let (e1, e3) = (eval(1), eval(3));
         for ((a, b), c) in e1.iter().zip(&e3).zip(&blocked.outcomes) {

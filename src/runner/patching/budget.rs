@@ -74,9 +74,9 @@ pub fn base_block_bytes(sizes: &Sizes, prompts: &Prompts, rows: usize) -> f64 {
     sizes.forward_bytes_logits(rows, prompts.len, read_positions(prompts))
 }
 
-/// How many of a base run's blocks run at once (see [`crate::runner::concurrent::width`]).
-pub fn base_width(sizes: &Sizes, prompts: &Prompts) -> usize {
-    let blocks = base_blocks(prompts.n(), prompts.len);
+/// How many of a base run's `blocks` ([`base_blocks`]) run at once (see
+/// [`crate::runner::concurrent::width`]).
+pub fn base_width(sizes: &Sizes, prompts: &Prompts, blocks: &[std::ops::Range<usize>]) -> usize {
     let rows = blocks.first().map_or(0, |b| b.len());
     crate::runner::concurrent::width(blocks.len(), Some(base_block_bytes(sizes, prompts, rows)))
 }
@@ -263,7 +263,7 @@ pub fn estimate_group(
             base_block_bytes(sizes, prompts, n) + captures
         } else {
             let one = base_block_bytes(sizes, prompts, blocks[0].len());
-            let width = base_width(sizes, prompts) as f64;
+            let width = base_width(sizes, prompts, &blocks) as f64;
             let widest = (4.0 * sizes.widths.state_max() * (n * len) as f64).max(captures);
             (width * one + held).max(held + widest)
         };

@@ -448,7 +448,7 @@ pub fn base_run_windowed(
     // Blocks of rows fixed by the prompts' shape, several at once: a forward keeps about
     // one core busy (burn-flex's elementwise passes run on the calling thread).
     let blocks = budget::base_blocks(prompts.n(), prompts.len);
-    let width = budget::base_width(&budget::Sizes::of(model), prompts);
+    let width = budget::base_width(&budget::Sizes::of(model), prompts, &blocks);
     let mut parts: Vec<Option<BasePart>> = blocks.iter().map(|_| None).collect();
     let items: Vec<usize> = (0..blocks.len()).collect();
     crate::runner::concurrent::run(
