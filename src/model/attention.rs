@@ -218,19 +218,139 @@ pub fn attend(
         // forward without hooks.
         g.capture_pattern(&q, &mut keys, pattern, hooks)?;
     }
-    let block = g.block_size(&keys);
-    let mut parts = Vec::with_capacity(lq.div_ceil(block));
-    let mut i0 = 0;
-    while i0 < lq {
-        let i1 = (i0 + block).min(lq);
-        parts.push(g.block(q.clone().slice_dim(1, i0..i1), i0, i1, &mut keys, hooks)?);
-        i0 = i1;
+    let (block, block_bytes) = g.block_size(&keys);
+    let blocks: Vec<QueryBlock> = (0..lq)
+        .step_by(block)
+        .map(|i0| QueryBlock::blocked(i0, (i0 + block).min(lq)))
+        .collect();
+    let width = blocks_at_once(&g.device, blocks.len(), block_bytes);
+    let mut parts = Vec::with_capacity(blocks.len());
+    for group in blocks.chunks(width) {
+        // The selector's choices, block after block on this thread (it may run hooks);
+        // then the group's blocks, each on its own thread where `width` > 1.
+        let kept = group
+            .iter()
+            .map(|&b| g.selection(&mut keys, b, hooks))
+            .collect::<Result<Vec<_>>>()?;
+        let view = KeyParts::of(&keys);
+        let one = |(b, kept): (&QueryBlock, Choice)| {
+            g.block(q.clone().slice_dim(1, b.i0..b.i1), *b, &view, kept)
+        };
+        let done: Vec<(Tensor<4>, usize)> = if group.len() == 1 {
+            group.iter().zip(kept).map(one).collect()
+        } else {
+            use rayon::prelude::*;
+            let dtype = super::precision::compute();
+            group
+                .par_iter()
+                .zip(kept.into_par_iter())
+                .map(|x| {
+                    let _dtype = super::precision::scoped(dtype);
+                    one(x)
+                })
+                .collect()
+        };
+        for (z, elements) in done {
+            LARGEST.with(|l| l.set(l.get().max(elements)));
+            parts.push(z);
+        }
     }
     Ok(if parts.len() == 1 {
         parts.pop().expect("one block")
     } else {
         Tensor::cat(parts, 1)
     })
+}
+
+/// The environment variable that caps how many query blocks of one attention call run
+/// at once (`1`: one after another).
+pub const BLOCKS_AT_ONCE_ENV: &str = "PHASELENS_BLOCKS_AT_ONCE";
+
+/// Bytes of score scratch of one attention block of [`BLOCK_BUDGET`] score elements
+/// (scores, exponentials, probabilities: f32).
+pub fn block_scratch_bytes() -> f64 {
+    3.0 * 4.0 * BLOCK_BUDGET as f64
+}
+
+/// The largest block (bytes: scores three times over and the keys and values it
+/// reads) that runs beside others: twice one block's score scratch. A block that reads
+/// wide gathered keys (DeepSeek-V4's 512-wide heads, a query's selected entries) runs
+/// alone, so that blocks at once add at most this much per thread.
+pub fn concurrent_block_bytes() -> f64 {
+    2.0 * block_scratch_bytes()
+}
+
+/// How many of a layer's `blocks` query blocks of about `block_bytes` each run at once
+/// on `device`: [`concurrent_width`] on the flex (CPU) backend, whose elementwise passes
+/// (masks, softmax, gathers) run on the calling thread; one on other backends (their
+/// kernels already fill the device), under autodiff (the graph records in order) and
+/// while stages are profiled (each stage is timed on the calling thread). The blocks
+/// are the same at any width (their size depends on the budget alone), so the output
+/// does not depend on the threads.
+pub fn blocks_at_once(device: &Device, blocks: usize, block_bytes: f64) -> usize {
+    if blocks <= 1 || !splits_blocks(device) || super::profile::enabled() {
+        return 1;
+    }
+    concurrent_width(blocks, block_bytes)
+}
+
+/// Blocks at once on a backend that splits them: the rayon pool's threads (capped by
+/// [`BLOCKS_AT_ONCE_ENV`]) and no more than `blocks`, when a block holds at most
+/// [`concurrent_block_bytes`]; else 1. The memory plan counts the blocks so.
+pub fn concurrent_width(blocks: usize, block_bytes: f64) -> usize {
+    if block_bytes > concurrent_block_bytes() {
+        return 1;
+    }
+    let mut w = rayon::current_num_threads();
+    if let Some(cap) = std::env::var(BLOCKS_AT_ONCE_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        w = w.min(cap.max(1));
+    }
+    w.min(blocks).max(1)
+}
+
+/// Whether `device` runs a layer's query blocks on several threads.
+#[cfg(feature = "flex")]
+fn splits_blocks(device: &Device) -> bool {
+    !device.is_autodiff() && *device == Device::flex()
+}
+#[cfg(not(feature = "flex"))]
+fn splits_blocks(_: &Device) -> bool {
+    false
+}
+
+/// What an entry selector chose for one block of queries ([`Geometry::selection`]).
+enum Choice {
+    /// No selector: the block reads every closed entry.
+    NoSelector,
+    /// The block's queries see no entry yet (the selector was not asked).
+    NoEntries,
+    /// `[b, bq, n]`, true for the kept entries among the `n` the block may see; each
+    /// query keeps at most `k`.
+    Kept {
+        mask: Box<Tensor<3, Bool>>,
+        k: usize,
+    },
+}
+
+/// The parts of [`Keys`] a block reads once the selector has chosen: shared by the
+/// blocks that run at once.
+struct KeyParts<'k> {
+    entries: Option<&'k Entries>,
+    raw: Option<&'k Raw>,
+    sink: Option<&'k Tensor<1>>,
+}
+
+impl<'k> KeyParts<'k> {
+    fn of(keys: &'k Keys<'_>) -> Self {
+        KeyParts {
+            entries: keys.entries.as_ref(),
+            raw: keys.raw.as_ref(),
+            sink: keys.sink.as_ref(),
+        }
+    }
 }
 
 /// The queries a block's parts are built for: indices `i0..i1` of the computed
@@ -327,8 +447,11 @@ impl Geometry<'_> {
         self.nh / self.kvh
     }
 
-    /// Query rows per block so that one block's scores stay within [`BLOCK_BUDGET`].
-    fn block_size(&self, keys: &Keys) -> usize {
+    /// Query rows per block so that one block's scores stay within [`BLOCK_BUDGET`],
+    /// and the bytes such a block holds: its scores three times over (scores,
+    /// exponentials, probabilities) and the keys and values it reads (gathered per query
+    /// or sliced per block).
+    fn block_size(&self, keys: &Keys) -> (usize, f64) {
         let lq = self.queries.len();
         let total = self.queries.total();
         let n = keys.entries.as_ref().map_or(0, |e| e.k.dims()[1]);
@@ -338,20 +461,31 @@ impl Geometry<'_> {
             _ => (n, 0),
         };
         let shared = self.queries.shared();
-        let raw = |bq: usize| match &keys.raw {
-            // Shared positions, a narrow window: each query's own `w` keys, gathered.
+        // Shared positions, a narrow window: each query's own `w` keys, gathered.
+        let per_query_band = match &keys.raw {
             Some(Raw {
                 window: Some(w), ..
-            }) if shared && *w <= GATHERED_BAND_MAX => (*w).min(total),
-            Some(Raw {
-                window: Some(w), ..
-            }) => (bq + w).min(total),
-            Some(_) => total,
-            None => 0,
+            }) if shared && *w <= GATHERED_BAND_MAX => Some((*w).min(total)),
+            _ => None,
         };
-        rows_within_budget(lq, |bq| {
-            self.b * bq * (self.nh * (entries + raw(bq) + 1) + selecting)
-        })
+        let raw = |bq: usize| match (&keys.raw, per_query_band) {
+            (_, Some(w)) => w,
+            (
+                Some(Raw {
+                    window: Some(w), ..
+                }),
+                None,
+            ) => (bq + w).min(total),
+            (Some(_), None) => total,
+            (None, _) => 0,
+        };
+        let scores = |bq: usize| self.b * bq * (self.nh * (entries + raw(bq) + 1) + selecting);
+        let bq = rows_within_budget(lq, scores);
+        // Keys and values read: per query where gathered per query, else per block.
+        let raw_keys = per_query_band.map_or(raw(bq), |w| bq * w);
+        let entry_keys = if selecting > 0 { bq * entries } else { entries };
+        let read = self.b * 2 * self.kvh * self.dh * (raw_keys + entry_keys);
+        (bq, 4.0 * (3 * scores(bq) + read) as f64)
     }
 
     /// Rows whose query positions differ: 1 when every row computes the same positions.
@@ -551,17 +685,14 @@ impl Geometry<'_> {
         &self,
         q: &Tensor<4>,
         e: &Entries,
-        selector: Option<&mut dyn EntrySelector>,
+        selected: Choice,
         block: QueryBlock,
-        hooks: &mut HookRun,
-    ) -> Result<Option<Part>> {
-        let QueryBlock { i0, i1, dense } = block;
+    ) -> Option<Part> {
+        let QueryBlock { i0, i1, .. } = block;
         let device = q.device();
-        let n_all = e.k.dims()[1];
-        let last = (0..self.b).map(|r| self.qpos(r, i1 - 1)).max().unwrap_or(0);
-        let n = if dense { n_all } else { e.visible_at(last) };
+        let n = self.entries_seen(e, block);
         if n == 0 {
-            return Ok(None);
+            return None;
         }
         let bq = i1 - i0;
         let rows = self.mask_rows();
@@ -583,31 +714,28 @@ impl Geometry<'_> {
             .collect();
         let k = e.k.clone().slice_dim(1, 0..n);
         let v = e.v.clone().slice_dim(1, 0..n);
-        let Some(sel) = selector else {
-            return Ok(Some(Part {
-                scores: self.shared_scores(q, k),
-                bias: bias_from_host(&closed, [rows, heads, bq, n], &device),
-                values: PartValues::Shared(v),
-            }));
+        let (kept, kk) = match selected {
+            Choice::Kept { mask, k } => (*mask, k.min(n)),
+            Choice::NoSelector | Choice::NoEntries => {
+                return Some(Part {
+                    scores: self.shared_scores(q, k),
+                    bias: bias_from_host(&closed, [rows, heads, bq, n], &device),
+                    values: PartValues::Shared(v),
+                });
+            }
         };
-        if heads > 1 {
-            return Err(Error::Other(
-                "staggered compression windows with an entry selector are not supported".into(),
-            ));
-        }
         let closed =
             Tensor::<1, Bool>::from_data(TensorData::new(closed, [rows * bq * n]), &device)
                 .reshape([rows, bq, n])
                 .expand([self.b, bq, n]);
-        let kept = sel.select(i0, i1, n, hooks)?.bool_and(closed);
-        if dense {
-            return Ok(Some(Part {
+        let kept = kept.bool_and(closed);
+        if block.dense {
+            return Some(Part {
                 scores: self.shared_scores(q, k),
                 bias: bias_from_mask(kept),
                 values: PartValues::Shared(v),
-            }));
+            });
         }
-        let kk = sel.k().min(n);
         let (idx, valid) = selected_indices(kept, kk);
         let [_, _, kvh, dh] = k.dims();
         let rows = Tensor::<1, Int>::arange(0..self.b as i64, &device)
@@ -621,27 +749,60 @@ impl Geometry<'_> {
                 .reshape([self.b, bq, kk, kvh, dh])
         };
         let (kg, vg) = (gather(k), gather(v));
-        Ok(Some(Part {
+        Some(Part {
             scores: self.per_query_scores(q, kg),
             bias: bias_from_mask(valid),
             values: PartValues::PerQuery(vg),
-        }))
+        })
     }
 
-    /// One block of queries `i0..i1` (`q: [b, bq, nh, dh]`) -> `[b, bq, nh, dh]`.
+    /// Entries the block's queries may see: those closed by its last query (all `n`
+    /// when dense).
+    fn entries_seen(&self, e: &Entries, block: QueryBlock) -> usize {
+        if block.dense {
+            return e.k.dims()[1];
+        }
+        let last = (0..self.b)
+            .map(|r| self.qpos(r, block.i1 - 1))
+            .max()
+            .unwrap_or(0);
+        e.visible_at(last)
+    }
+
+    /// The selector's choice for the block's queries. Runs on the calling thread, in
+    /// block order: the selector may run hooks.
+    fn selection(&self, keys: &mut Keys, block: QueryBlock, hooks: &mut HookRun) -> Result<Choice> {
+        let (Some(e), Some(sel)) = (&keys.entries, keys.selector.as_mut()) else {
+            return Ok(Choice::NoSelector);
+        };
+        let n = self.entries_seen(e, block);
+        if n == 0 {
+            return Ok(Choice::NoEntries);
+        }
+        if !e.offsets.is_empty() {
+            return Err(Error::Other(
+                "staggered compression windows with an entry selector are not supported".into(),
+            ));
+        }
+        Ok(Choice::Kept {
+            mask: Box::new(sel.select(block.i0, block.i1, n, hooks)?),
+            k: sel.k(),
+        })
+    }
+
+    /// One block of queries (`q: [b, bq, nh, dh]`) with the selector's choice for it
+    /// ([`Geometry::selection`]) -> `[b, bq, nh, dh]` and its score elements.
     fn block(
         &self,
         q: Tensor<4>,
-        i0: usize,
-        i1: usize,
-        keys: &mut Keys,
-        hooks: &mut HookRun,
-    ) -> Result<Tensor<4>> {
-        let parts = self.parts(&q, QueryBlock::blocked(i0, i1), keys, hooks)?;
+        block: QueryBlock,
+        keys: &KeyParts,
+        selected: Choice,
+    ) -> (Tensor<4>, usize) {
+        let parts = self.parts_of(&q, block, keys, selected);
         let elements: usize = parts.iter().map(|p| p.scores.shape().num_elements()).sum();
-        LARGEST.with(|l| l.set(l.get().max(elements)));
         let (p, values) = softmax_parts(parts);
-        Ok(self.combine(p, values, i1 - i0))
+        (self.combine(p, values, block.i1 - block.i0), elements)
     }
 
     /// The block's key parts, in slot order: entries, raw tokens, sink.
@@ -652,23 +813,31 @@ impl Geometry<'_> {
         keys: &mut Keys,
         hooks: &mut HookRun,
     ) -> Result<Vec<Part>> {
+        let selected = self.selection(keys, block, hooks)?;
+        Ok(self.parts_of(q, block, &KeyParts::of(keys), selected))
+    }
+
+    /// [`Geometry::parts`] once the selector has chosen.
+    fn parts_of(
+        &self,
+        q: &Tensor<4>,
+        block: QueryBlock,
+        keys: &KeyParts,
+        selected: Choice,
+    ) -> Vec<Part> {
         let mut parts = Vec::with_capacity(3);
-        if let Some(e) = &keys.entries {
-            let sel = keys
-                .selector
-                .as_mut()
-                .map(|s| &mut **s as &mut dyn EntrySelector);
-            if let Some(p) = self.entries(q, e, sel, block, hooks)? {
-                parts.push(p);
-            }
+        if let Some(e) = keys.entries
+            && let Some(p) = self.entries(q, e, selected, block)
+        {
+            parts.push(p);
         }
-        if let Some(raw) = &keys.raw {
+        if let Some(raw) = keys.raw {
             parts.push(self.raw(q, raw, block));
         }
-        if let Some(s) = &keys.sink {
+        if let Some(s) = keys.sink {
             parts.push(self.sink(s, block.i1 - block.i0));
         }
-        Ok(parts)
+        parts
     }
 
     /// Per-part probabilities -> `[b, bq, nh, dh]`.

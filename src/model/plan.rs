@@ -15,7 +15,8 @@
 //!   (mHC streams, query and output heads, compressor and indexer projections, routed and
 //!   shared expert intermediates), plus the logits on the device holding the head, plus
 //!   one attention block's gathered keys and
-//!   values ([`attention_block_bytes`]) and score scratch, plus (stored residency) the
+//!   values ([`attention_block_bytes`]) and score scratch (times the blocks that run at
+//!   once on the CPU: [`attention_blocks_held_at`]), plus (stored residency) the
 //!   most dequantised at once (one matrix, at most [`DEQUANT_BUDGET`] values: larger
 //!   ones are multiplied in row blocks);
 //! - a **patching chunk**: the same per row, times the rows of a chunk;
@@ -403,7 +404,7 @@ fn add_module(w: &mut ModelWeights, c: &DeepseekV4Config, m: &str, b: Bytes) -> 
 /// Bytes of score scratch per attention block (scores, exponentials, probabilities of
 /// [`crate::model::attention::BLOCK_BUDGET`] f32 elements).
 pub fn block_scratch() -> f64 {
-    3.0 * 4.0 * crate::model::attention::BLOCK_BUDGET as f64
+    crate::model::attention::block_scratch_bytes()
 }
 
 /// Bytes of keys and values one attention block of layer `l` gathers, for `rows` rows
@@ -428,6 +429,18 @@ pub fn attention_block_bytes_at(
     queries: usize,
     rows: usize,
 ) -> f64 {
+    attention_block_at(c, l, t, queries, rows).1
+}
+
+/// Query rows per attention block of layer `l` and that block's gathered keys' bytes
+/// ([`attention_block_bytes_at`]).
+fn attention_block_at(
+    c: &DeepseekV4Config,
+    l: usize,
+    t: usize,
+    queries: usize,
+    rows: usize,
+) -> (usize, f64) {
     let (nh, d) = (c.num_attention_heads, c.head_dim);
     let w = c.sliding_window.min(t);
     let (n, selecting, kk) = match c.layer_types[l] {
@@ -443,7 +456,24 @@ pub fn attention_block_bytes_at(
         rows * bq * (nh * (entries + w + 1) + selecting)
     });
     let per_query = (2 * kk).max(kk + w) * d;
-    4.0 * (rows * bq * per_query) as f64
+    (bq, 4.0 * (rows * bq * per_query) as f64)
+}
+
+/// Bytes the attention blocks of layer `l` hold at once (see
+/// [`attention_block_bytes_at`]): one block's gathered keys and score scratch, times the
+/// blocks that run at once on the CPU ([`crate::model::attention::concurrent_width`]:
+/// small blocks on every thread of the pool).
+pub fn attention_blocks_held_at(
+    c: &DeepseekV4Config,
+    l: usize,
+    t: usize,
+    queries: usize,
+    rows: usize,
+) -> f64 {
+    let (bq, gathered) = attention_block_at(c, l, t, queries, rows);
+    let one = gathered + block_scratch();
+    let blocks = queries.min(t).max(1).div_ceil(bq.max(1));
+    crate::model::attention::concurrent_width(blocks, one) as f64 * one
 }
 
 /// KV of layer `l` for one row of `t` tokens in f32: (raw K = V head, compressed
@@ -577,10 +607,10 @@ impl Ctx<'_> {
             .clone()
             .map(|l| layer_activation_per_token(self.c, l))
             .fold(0.0, f64::max);
-        let block = layers
-            .map(|l| attention_block_bytes_at(self.c, l, self.r.tokens, queries, rows))
+        let blocks = layers
+            .map(|l| attention_blocks_held_at(self.c, l, self.r.tokens, queries, rows))
             .fold(0.0, f64::max);
-        t * (per_token + self.logits_per_token(head)) + block + block_scratch()
+        t * (per_token + self.logits_per_token(head)) + blocks
     }
 
     /// The K/V a chunk row holds on a device with `layers`: every layer's at full
@@ -688,8 +718,8 @@ struct Running {
     kv: f64,
     suffix_kv: f64,
     per_token: f64,
-    /// The largest attention block's gathered keys ([`attention_block_bytes`]) of a
-    /// chunk, and of a one-row forward.
+    /// The most a layer's attention blocks hold at once ([`attention_blocks_held_at`]:
+    /// gathered keys and score scratch) in a chunk, and in a one-row forward.
     block: f64,
     block_one: f64,
     /// The largest tensor built at once (load: twice it).
@@ -718,8 +748,10 @@ impl Ctx<'_> {
         r.per_token = r.per_token.max(layer_activation_per_token(self.c, l));
         let rows = self.r.chunk_rows.max(1);
         let (t, q) = (self.r.tokens, self.chunk_queries());
-        r.block = r.block.max(attention_block_bytes_at(self.c, l, t, q, rows));
-        r.block_one = r.block_one.max(attention_block_bytes(self.c, l, t, 1));
+        r.block = r.block.max(attention_blocks_held_at(self.c, l, t, q, rows));
+        r.block_one = r
+            .block_one
+            .max(attention_blocks_held_at(self.c, l, t, t, 1));
         r.largest = r.largest.max(lw.largest_resident);
         r
     }
@@ -737,9 +769,8 @@ impl Ctx<'_> {
             w += self.w.head.resident;
         }
         let dq = self.dequant(r.largest, head);
-        let ws = t * (r.per_token + logits) + r.block + block_scratch() + dq;
-        let one =
-            self.r.tokens as f64 * (r.per_token + logits) + r.block_one + block_scratch() + dq;
+        let ws = t * (r.per_token + logits) + r.block + dq;
+        let one = self.r.tokens as f64 * (r.per_token + logits) + r.block_one + dq;
         let per_row = match self.r.chunk_positions {
             None => r.kv,
             Some(_) => r.suffix_kv,

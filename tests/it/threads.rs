@@ -106,3 +106,65 @@ n_logical = 8
     assert!(!one.is_empty());
     assert_eq!(one, table(3));
 }
+
+/// A layer's query blocks run at once on the pool's threads on flex
+/// (`attention::blocks_at_once`): with a block budget small enough for many blocks,
+/// forwards of kvc (full causal attention; a window with compressed entries) and of
+/// DeepSeek-V4 (CSA's indexer choosing for every block, HCA, sliding), plain and patched,
+/// give bit-identical logits in pools of 1, 2 and 3 threads. Under autodiff, where the
+/// graph records in order, blocks run one after another.
+#[test]
+fn attention_blocks_at_once_give_the_logits_of_one_at_a_time() {
+    use phaselens::model::LanguageModel;
+    use phaselens::model::attention::{blocks_at_once, take_largest_block, with_block_budget};
+
+    fn logits<M: LanguageModel + Sync>(m: &M, threads: usize, spec: &HookSpec) -> Vec<f32> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            assert_eq!(blocks_at_once(&dev(), 8, 1.0), threads.min(8));
+            assert_eq!(blocks_at_once(&dev(), 1, 1.0), 1);
+            assert_eq!(blocks_at_once(&dev().autodiff(), 8, 1.0), 1);
+            // Blocks that would hold more than every thread's scratch run alone.
+            assert_eq!(blocks_at_once(&dev(), 8, 1e12), 1);
+            let vocab = m.info().vocab_size as i64;
+            let ids: Vec<i64> = (0..2 * 96).map(|i| (i * 7 + 3) % vocab).collect();
+            let t = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 96]), &dev());
+            take_largest_block();
+            let out = with_block_budget(1 << 9, || vals(m.forward(t, spec).unwrap().logits));
+            // The budget was small enough for many blocks, and the calling thread saw them.
+            let largest = take_largest_block();
+            assert!(largest > 0 && largest <= 1 << 11, "{largest}");
+            out
+        })
+    }
+    fn check<M: LanguageModel + Sync>(name: &str, m: &M) {
+        let patched = HookSpec::new()
+            .intervene(
+                "blocks.1.attn.hook_z",
+                Action::Scale(0.5),
+                Scope::heads([1]),
+            )
+            .unwrap();
+        for spec in [HookSpec::new(), patched] {
+            let one = logits(m, 1, &spec);
+            for n in [2, 3] {
+                let other = logits(m, n, &spec);
+                let same = one
+                    .iter()
+                    .zip(&other)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{name}: logits differ between 1 and {n} threads");
+            }
+        }
+    }
+    let kvc = |c: KvcConfig| KvcModel::new(&c, &Vb::new(&RandomInit { seed: 3 }, &dev())).unwrap();
+    check("kvc full", &kvc(KvcConfig::tiny().full_attention()));
+    check(
+        "kvc w4s4 tail 8",
+        &kvc(KvcConfig::tiny().with_compression(4, 4, 8)),
+    );
+    check("deepseek-v4", &crate::edges::tiny_v4(5));
+}
