@@ -383,8 +383,9 @@ impl QueryBlock {
     }
 }
 
-/// The position of key slot `j` of batch row `r` in a raw part.
-type KeyPos<'a> = Box<dyn Fn(usize, usize) -> i64 + 'a>;
+/// The position of key slot 0 of batch row `r` in a raw part (slot `j` is at that
+/// position plus `j`).
+type KeyBase<'a> = Box<dyn Fn(usize) -> i64 + 'a>;
 
 struct Geometry<'q> {
     b: usize,
@@ -404,24 +405,73 @@ struct Part {
     /// [`HIDDEN`] where not (the same for every head unless windows are staggered).
     bias: Tensor<4>,
     values: PartValues,
+    /// Every query of every row and head sees at least one slot of this part (known on
+    /// the host): then no row of the joint softmax is empty.
+    sees_slot: bool,
 }
 
 /// The additive mask value of an invisible slot: `score + HIDDEN == HIDDEN` exactly for
 /// any finite attention score, so its probability is exactly 0 (as with a mask fill).
 const HIDDEN: f32 = -1.0e30;
 
-/// `[rows, heads, bq, n]` additive mask from host visibility (row-major, that shape;
-/// `heads` is 1 unless visibility differs per head).
-fn bias_from_host(
-    visible: &[bool],
-    [rows, heads, bq, n]: [usize; 4],
-    device: &Device,
-) -> Tensor<4> {
-    let v: Vec<f32> = visible
-        .iter()
-        .map(|&s| if s { 0.0 } else { HIDDEN })
-        .collect();
-    Tensor::from_data(TensorData::new(v, [rows, heads, bq, n]), device)
+/// The slots each query sees, as one range per query row of a `[rows, heads, bq, n]`
+/// layout (row-major; `heads` is 1 unless visibility differs per head):
+/// `seen(r, h, i)` gives slots `lo..hi` (any integers: clipped to `0..n`).
+struct Visible {
+    shape: [usize; 4],
+    ranges: Vec<(usize, usize)>,
+}
+
+impl Visible {
+    fn new(shape: [usize; 4], seen: impl Fn(usize, usize, usize) -> (i64, i64)) -> Self {
+        let [rows, heads, bq, n] = shape;
+        let clip = |x: i64| x.clamp(0, n as i64) as usize;
+        let mut ranges = Vec::with_capacity(rows * heads * bq);
+        for r in 0..rows {
+            for h in 0..heads {
+                for i in 0..bq {
+                    let (lo, hi) = seen(r, h, i);
+                    ranges.push((clip(lo), clip(hi).max(clip(lo))));
+                }
+            }
+        }
+        Visible { shape, ranges }
+    }
+
+    /// Whether every query sees at least one slot.
+    fn every_query_sees_one(&self) -> bool {
+        self.ranges.iter().all(|&(lo, hi)| hi > lo)
+    }
+
+    /// The additive mask: 0 where visible, [`HIDDEN`] where not.
+    fn bias(&self, device: &Device) -> Tensor<4> {
+        let n = self.shape[3];
+        let mut v = vec![HIDDEN; self.ranges.len() * n];
+        for (row, &(lo, hi)) in v.chunks_exact_mut(n.max(1)).zip(&self.ranges) {
+            row[lo..hi].fill(0.0);
+        }
+        Tensor::from_data(TensorData::new(v, self.shape), device)
+    }
+
+    /// Visibility as booleans, row-major.
+    fn bools(&self) -> Vec<bool> {
+        let n = self.shape[3];
+        let mut v = vec![false; self.ranges.len() * n];
+        for (row, &(lo, hi)) in v.chunks_exact_mut(n.max(1)).zip(&self.ranges) {
+            row[lo..hi].fill(true);
+        }
+        v
+    }
+
+    /// A part over these slots.
+    fn part(&self, scores: Tensor<4>, values: PartValues, device: &Device) -> Part {
+        Part {
+            scores,
+            bias: self.bias(device),
+            values,
+            sees_slot: self.every_query_sees_one(),
+        }
+    }
 }
 
 /// `[b, bq, n]` visibility computed on the device -> `[b, 1, bq, n]` additive mask.
@@ -549,6 +599,7 @@ impl Geometry<'_> {
             scores,
             bias: Tensor::zeros([1, 1, bq, 1], &self.device),
             values: PartValues::Sink,
+            sees_slot: true,
         }
     }
 
@@ -567,8 +618,8 @@ impl Geometry<'_> {
         let total = self.queries.total();
         let bq = i1 - i0;
         let rows = self.mask_rows();
-        // Key position of slot `j` of row `r`.
-        let (k, v, n, kpos): (_, _, usize, KeyPos<'_>) =
+        // Key position of slot 0 of row `r`.
+        let (k, v, n, base): (_, _, usize, KeyBase<'_>) =
             if dense || raw.window.is_none() || self.queries.shared() {
                 let last = (0..self.b).map(|r| self.qpos(r, i1 - 1)).max().unwrap_or(0);
                 let hi = if dense { total } else { last + 1 };
@@ -587,7 +638,7 @@ impl Geometry<'_> {
                     raw.k.clone().slice_dim(1, lo - raw.start..hi - raw.start),
                     raw.v.clone().slice_dim(1, lo - raw.start..hi - raw.start),
                     hi - lo,
-                    Box::new(move |_, j| (lo + j) as i64),
+                    Box::new(move |_| lo as i64),
                 )
             } else {
                 // Rows at different positions, banded keys: gather each row's own band.
@@ -613,43 +664,16 @@ impl Geometry<'_> {
                         .select(0, idx.clone())
                         .reshape([self.b, len, kvh, dh])
                 };
-                (
-                    gather(&raw.k),
-                    gather(&raw.v),
-                    len,
-                    Box::new(move |r, j| start(r) + j as i64),
-                )
+                (gather(&raw.k), gather(&raw.v), len, Box::new(start))
             };
-        let visible = self.raw_visible(&kpos, raw.window, rows, i0..i1, n);
-        Part {
-            scores: self.shared_scores(q, k),
-            bias: bias_from_host(&visible, [rows, 1, bq, n], &device),
-            values: PartValues::Shared(v),
-        }
-    }
-
-    /// Which of `n` raw key slots (slot `j` of row `r` at position `kpos(r, j)`) each
-    /// query `queries` of rows `0..rows` sees: `q - window < j <= q`, `j >= 0`.
-    fn raw_visible(
-        &self,
-        kpos: &KeyPos<'_>,
-        window: Option<usize>,
-        rows: usize,
-        queries: std::ops::Range<usize>,
-        n: usize,
-    ) -> Vec<bool> {
-        let mut visible = Vec::with_capacity(rows * queries.len() * n);
-        for r in 0..rows {
-            for i in queries.clone() {
-                let qp = self.qpos(r, i) as i64;
-                for j in 0..n {
-                    let kp = kpos(r, j);
-                    let in_window = window.is_none_or(|w| kp + w as i64 > qp);
-                    visible.push(kp >= 0 && kp <= qp && in_window);
-                }
-            }
-        }
-        visible
+        // Query `i` of row `r` at position `qp` sees the keys at `max(0, qp - window +
+        // 1) ..= qp`.
+        let visible = Visible::new([rows, 1, bq, n], |r, _, i| {
+            let qp = self.qpos(r, i0 + i) as i64;
+            let first = raw.window.map_or(0, |w| qp - w as i64 + 1).max(0);
+            (first - base(r), qp + 1 - base(r))
+        });
+        visible.part(self.shared_scores(q, k), PartValues::Shared(v), &device)
     }
 
     /// Shared positions, window `w`: query `i` reads the keys at positions `p - w + 1
@@ -661,21 +685,24 @@ impl Geometry<'_> {
         let [b, held, kvh, dh] = raw.k.dims();
         let first = raw.start as i64;
         let mut idx = Vec::with_capacity(bq * w);
-        let mut visible = Vec::with_capacity(bq * w);
         for i in i0..i1 {
             let p = self.qpos(0, i) as i64;
             for j in 0..w as i64 {
                 let kp = p - (w as i64 - 1) + j;
-                visible.push(kp >= 0);
                 idx.push((kp - first).clamp(0, held as i64 - 1) as usize);
             }
         }
+        // Slot `j` of query `i` is at `p - w + 1 + j`: visible from position 0 on.
+        let visible = Visible::new([1, 1, bq, w], |_, _, i| {
+            let p = self.qpos(0, i0 + i) as i64;
+            (w as i64 - 1 - p, w as i64)
+        });
         let gather = |x: &Tensor<4>| select_positions(x.clone(), &idx).reshape([b, bq, w, kvh, dh]);
-        Part {
-            scores: self.per_query_scores(q, gather(&raw.k)),
-            bias: bias_from_host(&visible, [1, 1, bq, w], &device),
-            values: PartValues::PerQuery(gather(&raw.v)),
-        }
+        visible.part(
+            self.per_query_scores(q, gather(&raw.k)),
+            PartValues::PerQuery(gather(&raw.v)),
+            &device,
+        )
     }
 
     /// Entries for the block's queries `i0..i1`: those closed by the last query (all `n`
@@ -704,28 +731,27 @@ impl Geometry<'_> {
         } else {
             (self.nh, self.group())
         };
-        let closed: Vec<bool> = (0..rows)
-            .flat_map(|r| (0..heads).map(move |h| (r, h)))
-            .flat_map(|(r, h)| {
-                let shift = e.close + e.offsets.get(h / g).copied().unwrap_or(0);
-                (i0..i1)
-                    .flat_map(move |i| (0..n).map(move |c| c * e.stride + shift <= self.qpos(r, i)))
-            })
-            .collect();
+        // Entry `c` is closed for a query at `qp` when `c * stride + shift <= qp`.
+        let closed = Visible::new([rows, heads, bq, n], |r, h, i| {
+            let shift = (e.close + e.offsets.get(h / g).copied().unwrap_or(0)) as i64;
+            let qp = self.qpos(r, i0 + i) as i64;
+            let count = if qp < shift {
+                0
+            } else {
+                (qp - shift) / e.stride as i64 + 1
+            };
+            (0, count)
+        });
         let k = e.k.clone().slice_dim(1, 0..n);
         let v = e.v.clone().slice_dim(1, 0..n);
         let (kept, kk) = match selected {
             Choice::Kept { mask, k } => (*mask, k.min(n)),
             Choice::NoSelector | Choice::NoEntries => {
-                return Some(Part {
-                    scores: self.shared_scores(q, k),
-                    bias: bias_from_host(&closed, [rows, heads, bq, n], &device),
-                    values: PartValues::Shared(v),
-                });
+                return Some(closed.part(self.shared_scores(q, k), PartValues::Shared(v), &device));
             }
         };
         let closed =
-            Tensor::<1, Bool>::from_data(TensorData::new(closed, [rows * bq * n]), &device)
+            Tensor::<1, Bool>::from_data(TensorData::new(closed.bools(), [rows * bq * n]), &device)
                 .reshape([rows, bq, n])
                 .expand([self.b, bq, n]);
         let kept = kept.bool_and(closed);
@@ -734,6 +760,7 @@ impl Geometry<'_> {
                 scores: self.shared_scores(q, k),
                 bias: bias_from_mask(kept),
                 values: PartValues::Shared(v),
+                sees_slot: false,
             });
         }
         let (idx, valid) = selected_indices(kept, kk);
@@ -753,6 +780,7 @@ impl Geometry<'_> {
             scores: self.per_query_scores(q, kg),
             bias: bias_from_mask(valid),
             values: PartValues::PerQuery(vg),
+            sees_slot: false,
         })
     }
 
@@ -950,8 +978,9 @@ fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
         return (Vec::new(), Vec::new());
     }
     let widths: Vec<usize> = parts.iter().map(|p| p.scores.dims()[3]).collect();
-    // A sink is visible to every query: then no row can be empty.
-    let has_sink = parts.iter().any(|p| matches!(p.values, PartValues::Sink));
+    // A sink is visible to every query, and so may be another part (known on the
+    // host): then no row can be empty.
+    let never_empty = parts.iter().any(|p| p.sees_slot);
     let rows = parts.iter().map(|p| p.bias.dims()[0]).max().unwrap_or(1);
     let heads = parts.iter().map(|p| p.bias.dims()[1]).max().unwrap_or(1);
     let mut scores = Vec::with_capacity(parts.len());
@@ -974,7 +1003,7 @@ fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
             Tensor::cat(v, 3)
         }
     };
-    let p = biased_softmax(cat(scores), cat(biases), !has_sink);
+    let p = biased_softmax(cat(scores), cat(biases), !never_empty);
     if widths.len() == 1 {
         return (vec![p], values);
     }
