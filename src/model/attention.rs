@@ -311,14 +311,10 @@ pub fn concurrent_width(blocks: usize, block_bytes: f64) -> usize {
     w.min(blocks).max(1)
 }
 
-/// Whether `device` runs a layer's query blocks on several threads.
-#[cfg(feature = "flex")]
+/// Whether `device` runs a layer's query blocks on several threads: flex without
+/// autodiff.
 fn splits_blocks(device: &Device) -> bool {
-    !device.is_autodiff() && *device == Device::flex()
-}
-#[cfg(not(feature = "flex"))]
-fn splits_blocks(_: &Device) -> bool {
-    false
+    super::layers::is_flex(device)
 }
 
 /// What an entry selector chose for one block of queries ([`Geometry::selection`]).

@@ -251,6 +251,18 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     x * burn::tensor::activation::sigmoid(inner)
 }
 
+/// Whether `device` is the flex (CPU) backend without autodiff: its tensors are host
+/// buffers, its elementwise passes run on the calling thread.
+#[cfg(feature = "flex")]
+pub fn is_flex(device: &Device) -> bool {
+    !device.is_autodiff() && *device == Device::flex()
+}
+/// Whether `device` is the flex (CPU) backend without autodiff (not built in).
+#[cfg(not(feature = "flex"))]
+pub fn is_flex(_: &Device) -> bool {
+    false
+}
+
 /// Rows per chunk of position-wise work on long inputs.
 pub const ROW_CHUNK: usize = 8192;
 
