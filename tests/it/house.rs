@@ -26,10 +26,11 @@ fn package_overrides(path: &Path) -> BTreeMap<String, String> {
 #[test]
 fn dependent_crate_mirrors_the_dependency_profile() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let ours = package_overrides(&root.join("Cargo.toml"));
+    let mut ours = package_overrides(&root.join("Cargo.toml"));
     let mut theirs = package_overrides(&root.join("examples/dependent/Cargo.toml"));
-    // phaselens is a workspace member here and a dependency there: only there it has
-    // an override.
+    // phaselens is the workspace member here (opt-level 3 for the run recipes' build)
+    // and a dependency there (built once per CI run, at 0): each sets its own.
+    ours.remove("phaselens");
     theirs.remove("phaselens");
     assert!(
         ours.contains_key("*"),
