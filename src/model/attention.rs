@@ -187,7 +187,7 @@ pub fn attend(
     hooks: &mut HookRun,
 ) -> Result<Tensor<4>> {
     let _stage = super::profile::region(super::profile::Region::Attention);
-    let [b, lq, nh, dh] = q.dims();
+    let [b, _, nh, dh] = q.dims();
     let kvh = keys
         .raw
         .as_ref()
@@ -218,43 +218,7 @@ pub fn attend(
         // forward without hooks.
         g.capture_pattern(&q, &mut keys, pattern, hooks)?;
     }
-    let (block, block_bytes) = g.block_size(&keys);
-    let blocks: Vec<QueryBlock> = (0..lq)
-        .step_by(block)
-        .map(|i0| QueryBlock::blocked(i0, (i0 + block).min(lq)))
-        .collect();
-    let width = blocks_at_once(&g.device, blocks.len(), block_bytes);
-    let mut parts = Vec::with_capacity(blocks.len());
-    for group in blocks.chunks(width) {
-        // The selector's choices, block after block on this thread (it may run hooks);
-        // then the group's blocks, each on its own thread where `width` > 1.
-        let kept = group
-            .iter()
-            .map(|&b| g.selection(&mut keys, b, hooks))
-            .collect::<Result<Vec<_>>>()?;
-        let view = KeyParts::of(&keys);
-        let one = |(b, kept): (&QueryBlock, Choice)| {
-            g.block(q.clone().slice_dim(1, b.i0..b.i1), *b, &view, kept)
-        };
-        let done: Vec<(Tensor<4>, usize)> = if group.len() == 1 {
-            group.iter().zip(kept).map(one).collect()
-        } else {
-            use rayon::prelude::*;
-            let dtype = super::precision::compute();
-            group
-                .par_iter()
-                .zip(kept.into_par_iter())
-                .map(|x| {
-                    let _dtype = super::precision::scoped(dtype);
-                    one(x)
-                })
-                .collect()
-        };
-        for (z, elements) in done {
-            LARGEST.with(|l| l.set(l.get().max(elements)));
-            parts.push(z);
-        }
-    }
+    let mut parts = g.blocked(&q, &mut keys, hooks)?;
     Ok(if parts.len() == 1 {
         parts.pop().expect("one block")
     } else {
@@ -532,6 +496,55 @@ impl Geometry<'_> {
         let entry_keys = if selecting > 0 { bq * entries } else { entries };
         let read = self.b * 2 * self.kvh * self.dh * (raw_keys + entry_keys);
         (bq, 4.0 * (3 * scores(bq) + read) as f64)
+    }
+
+    /// Every query in blocks (`q: [b, lq, nh, dh]`) -> each block's output, in order.
+    /// Up to [`blocks_at_once`] blocks run at once: the selector chooses for a group of
+    /// blocks, block after block on this thread (it may run hooks), then the group's
+    /// blocks are computed, each on its own thread where the group has several.
+    fn blocked(
+        &self,
+        q: &Tensor<4>,
+        keys: &mut Keys,
+        hooks: &mut HookRun,
+    ) -> Result<Vec<Tensor<4>>> {
+        let lq = self.queries.len();
+        let (block, block_bytes) = self.block_size(keys);
+        let blocks: Vec<QueryBlock> = (0..lq)
+            .step_by(block)
+            .map(|i0| QueryBlock::blocked(i0, (i0 + block).min(lq)))
+            .collect();
+        let width = blocks_at_once(&self.device, blocks.len(), block_bytes);
+        let mut parts = Vec::with_capacity(blocks.len());
+        for group in blocks.chunks(width) {
+            let kept = group
+                .iter()
+                .map(|&b| self.selection(keys, b, hooks))
+                .collect::<Result<Vec<_>>>()?;
+            let view = KeyParts::of(keys);
+            let one = |(b, kept): (&QueryBlock, Choice)| {
+                self.block(q.clone().slice_dim(1, b.i0..b.i1), *b, &view, kept)
+            };
+            let done: Vec<(Tensor<4>, usize)> = if group.len() == 1 {
+                group.iter().zip(kept).map(one).collect()
+            } else {
+                use rayon::prelude::*;
+                let dtype = super::precision::compute();
+                group
+                    .par_iter()
+                    .zip(kept.into_par_iter())
+                    .map(|x| {
+                        let _dtype = super::precision::scoped(dtype);
+                        one(x)
+                    })
+                    .collect()
+            };
+            for (z, elements) in done {
+                LARGEST.with(|l| l.set(l.get().max(elements)));
+                parts.push(z);
+            }
+        }
+        Ok(parts)
     }
 
     /// Rows whose query positions differ: 1 when every row computes the same positions.

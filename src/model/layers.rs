@@ -438,7 +438,7 @@ mod tests {
         ];
         let dev = Device::flex();
         let t = Tensor::<1>::from_data(TensorData::new(xs.clone(), [xs.len()]), &dev);
-        let got: Vec<f32> = gelu_tanh(t).into_data().to_vec().unwrap();
+        let got: Vec<f32> = gelu_tanh(t).into_data().try_to_vec::<f32>().unwrap();
         let k = (2.0f64 / std::f64::consts::PI).sqrt();
         for (&x, &g) in xs.iter().zip(&got) {
             let x = x as f64;

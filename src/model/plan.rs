@@ -417,23 +417,12 @@ pub fn block_scratch() -> f64 {
 /// a block: 256 KiB per query for a window of 128, and a sliding layer's block holds up
 /// to 2000 queries at 4 heads.
 pub fn attention_block_bytes(c: &DeepseekV4Config, l: usize, t: usize, rows: usize) -> f64 {
-    attention_block_bytes_at(c, l, t, t, rows)
-}
-
-/// [`attention_block_bytes`] when each row computes `queries` of its `t` positions (a
-/// suffix forward).
-pub fn attention_block_bytes_at(
-    c: &DeepseekV4Config,
-    l: usize,
-    t: usize,
-    queries: usize,
-    rows: usize,
-) -> f64 {
-    attention_block_at(c, l, t, queries, rows).1
+    attention_block_at(c, l, t, t, rows).1
 }
 
 /// Query rows per attention block of layer `l` and that block's gathered keys' bytes
-/// ([`attention_block_bytes_at`]).
+/// ([`attention_block_bytes`]) when each row computes `queries` of its `t` positions (a
+/// suffix forward: fewer than `t`).
 fn attention_block_at(
     c: &DeepseekV4Config,
     l: usize,
@@ -459,8 +448,8 @@ fn attention_block_at(
     (bq, 4.0 * (rows * bq * per_query) as f64)
 }
 
-/// Bytes the attention blocks of layer `l` hold at once (see
-/// [`attention_block_bytes_at`]): one block's gathered keys and score scratch, times the
+/// Bytes the attention blocks of layer `l` hold at once when each of `rows` rows
+/// computes `queries` of its `t` positions (see [`attention_block_bytes`]): one block's gathered keys and score scratch, times the
 /// blocks that run at once on the CPU ([`crate::model::attention::concurrent_width`]:
 /// small blocks on every thread of the pool).
 pub fn attention_blocks_held_at(
