@@ -252,7 +252,7 @@ pub fn concurrent_block_bytes() -> f64 {
 /// are the same at any width (their size depends on the budget alone), so the output
 /// does not depend on the threads.
 pub fn blocks_at_once(device: &Device, blocks: usize, block_bytes: f64) -> usize {
-    if blocks <= 1 || !splits_blocks(device) || super::profile::enabled() {
+    if blocks <= 1 || !super::layers::is_flex(device) || super::profile::enabled() {
         return 1;
     }
     concurrent_width(blocks, block_bytes)
@@ -273,12 +273,6 @@ pub fn concurrent_width(blocks: usize, block_bytes: f64) -> usize {
         w = w.min(cap.max(1));
     }
     w.min(blocks).max(1)
-}
-
-/// Whether `device` runs a layer's query blocks on several threads: flex without
-/// autodiff.
-fn splits_blocks(device: &Device) -> bool {
-    super::layers::is_flex(device)
 }
 
 /// What an entry selector chose for one block of queries ([`Geometry::selection`]).
@@ -403,24 +397,27 @@ impl Visible {
         self.ranges.iter().all(|&(lo, hi)| hi > lo)
     }
 
+    /// Every slot, row-major: `seen` where visible, `hidden` where not.
+    fn filled<T: Copy>(&self, hidden: T, seen: T) -> Vec<T> {
+        let n = self.shape[3];
+        let mut v = vec![hidden; self.ranges.len() * n];
+        for (row, &(lo, hi)) in v.chunks_exact_mut(n.max(1)).zip(&self.ranges) {
+            row[lo..hi].fill(seen);
+        }
+        v
+    }
+
     /// The additive mask: 0 where visible, [`HIDDEN`] where not.
     fn bias(&self, device: &Device) -> Tensor<4> {
-        let n = self.shape[3];
-        let mut v = vec![HIDDEN; self.ranges.len() * n];
-        for (row, &(lo, hi)) in v.chunks_exact_mut(n.max(1)).zip(&self.ranges) {
-            row[lo..hi].fill(0.0);
-        }
-        Tensor::from_data(TensorData::new(v, self.shape), device)
+        Tensor::from_data(
+            TensorData::new(self.filled(HIDDEN, 0.0), self.shape),
+            device,
+        )
     }
 
     /// Visibility as booleans, row-major.
     fn bools(&self) -> Vec<bool> {
-        let n = self.shape[3];
-        let mut v = vec![false; self.ranges.len() * n];
-        for (row, &(lo, hi)) in v.chunks_exact_mut(n.max(1)).zip(&self.ranges) {
-            row[lo..hi].fill(true);
-        }
-        v
+        self.filled(false, true)
     }
 
     /// A part over these slots.

@@ -21,6 +21,11 @@ fn logits_in_pool(threads: usize, m: &KvcModel, spec: &HookSpec) -> Vec<f32> {
     })
 }
 
+/// Whether `a` and `b` hold the same values bit for bit (and as many).
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 #[test]
 fn logits_are_bit_identical_for_1_2_and_3_threads() {
     // Wide enough that gemm and the reductions split the work across threads.
@@ -45,11 +50,10 @@ fn logits_are_bit_identical_for_1_2_and_3_threads() {
         let one = logits_in_pool(1, &m, &spec);
         for n in [2, 3] {
             let other = logits_in_pool(n, &m, &spec);
-            let same = one
-                .iter()
-                .zip(&other)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "logits differ between 1 and {n} threads");
+            assert!(
+                same_bits(&one, &other),
+                "logits differ between 1 and {n} threads"
+            );
         }
     }
 }
@@ -152,11 +156,10 @@ fn attention_blocks_at_once_give_the_logits_of_one_at_a_time() {
             let one = logits(m, 1, &spec);
             for n in [2, 3] {
                 let other = logits(m, n, &spec);
-                let same = one
-                    .iter()
-                    .zip(&other)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{name}: logits differ between 1 and {n} threads");
+                assert!(
+                    same_bits(&one, &other),
+                    "{name}: logits differ between 1 and {n} threads"
+                );
             }
         }
     }
