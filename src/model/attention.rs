@@ -41,6 +41,7 @@ pub struct Raw {
 }
 
 /// Compressed entries.
+#[derive(Clone)]
 pub struct Entries {
     /// `[b, n, kv_heads, d_head]`, rotated.
     pub k: Tensor<4>,

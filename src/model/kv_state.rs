@@ -406,6 +406,11 @@ impl<'a> TokenFlow<'a> {
         })
     }
 
+    /// Whether this is a plain forward over every position that keeps no state.
+    pub fn is_plain(&self) -> bool {
+        matches!(self.mode, Mode::Plain)
+    }
+
     /// The positions this forward computes.
     pub fn queries(&self) -> &Queries {
         &self.queries

@@ -19,6 +19,7 @@ mod deepseek_v4_parity;
 mod deepseek_v4_plan;
 mod deepseek_v4_realwidth;
 mod deepseek_v4_suffix;
+mod deepseek_v4_token_blocks;
 mod edges;
 mod gguf;
 mod grid;

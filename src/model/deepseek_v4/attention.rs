@@ -54,6 +54,18 @@ pub struct Attention {
     pub eps: f64,
 }
 
+/// What every query block of one layer reads in a plain forward in blocks
+/// ([`Attention::block_keys`]).
+pub struct BlockKeys {
+    /// The K = V head `[b, t, 1, head_dim]`, rotated, over every position.
+    k: Tensor<4>,
+    entries: Option<Entries>,
+    /// The CSA indexer's pooled keys `[b, n, 1, index_head_dim]`.
+    index: Option<Tensor<4>>,
+    /// Positions.
+    total: usize,
+}
+
 /// What every layer of one forward shares: RoPE tables (main and compress rotary) at the
 /// computed positions (per-token keys are rotated at their own position before they join
 /// the state), the sliding window, and per compression rate the number of entries and
@@ -101,10 +113,7 @@ impl Attention {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
-        let q_tables = match self.kind {
-            AttnType::Sliding => &tables.main,
-            _ => &tables.compress,
-        };
+        let q_tables = self.q_tables(tables);
         let (q, q_res) = self.queries(layer, &x, q_tables, hooks)?;
         // The indexer's hook points see every query and entry at once: one dense block.
         let scores_hooked = hooks.touches(&HookPoint::block(layer, Site::IndexerScores))
@@ -126,7 +135,16 @@ impl Attention {
                 Some(Compressor {
                     indexer: Some(idx), ..
                 }),
-            ) => Some(self.selector(idx, layer, &x, &q_res, tables, flow)?),
+            ) => {
+                let keys = self.index_keys(idx, layer, &x, tables, flow)?;
+                let at = IndexQueries {
+                    x: &x,
+                    q_res: &q_res,
+                    tables: &tables.compress,
+                    queries: flow.queries(),
+                };
+                Some(Self::selector(idx, layer, keys, at)?)
+            }
             _ => None,
         };
         let keys = Keys {
@@ -170,10 +188,7 @@ impl Attention {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<()> {
-        let q_tables = match self.kind {
-            AttnType::Sliding => &tables.main,
-            _ => &tables.compress,
-        };
+        let q_tables = self.q_tables(tables);
         let at = |s: Site| hooks.touches(&HookPoint::block(layer, s));
         let (q, kv, entries) = (
             at(Site::AttnQ),
@@ -306,35 +321,216 @@ impl Attention {
         }))
     }
 
-    /// The lightning indexer's selector over the pooled index keys of every position.
-    fn selector(
+    /// The lightning indexer's pooled index keys over every position of what `flow`
+    /// holds (`[b, n, 1, index_head_dim]`).
+    fn index_keys(
         &self,
         idx: &Indexer,
         layer: usize,
         x: &Tensor<3>,
-        q_res: &Tensor<3>,
         tables: &Tables,
         flow: &mut TokenFlow,
-    ) -> Result<IndexSelector> {
+    ) -> Result<Tensor<4>> {
         // The indexer reads its inputs detached. Its top-k passes no gradient to the
         // rest of the model anyway, so this changes no value and no gradient of the
         // main loss; it keeps the distillation loss (`[train] indexer_distill`) from
         // training anything but the indexer, as DeepSeek trains it.
-        let (x, q_res) = (&x.clone().detach(), &q_res.clone().detach());
-        let (kv, gate) = idx.pooler.project(x);
+        let (kv, gate) = idx.pooler.project(&x.clone().detach());
         let starts = &tables.csa.as_ref().expect("CSA tables").1;
         let names = ["index_kv", "index_gate", "index_keys"];
-        let keys = idx
+        Ok(idx
             .pooler
             .entries_through(layer, names, (kv, gate), starts, flow)?
-            .expect("the caller checked that entries exist");
-        let at = IndexQueries {
-            x,
-            q_res,
-            tables: &tables.compress,
-            queries: flow.queries(),
+            .expect("the caller checked that entries exist"))
+    }
+
+    /// The lightning indexer's selector over the index `keys` for the queries `at`
+    /// (read detached, as [`Attention::index_keys`] reads its input).
+    fn selector(
+        idx: &Indexer,
+        layer: usize,
+        keys: Tensor<4>,
+        at: IndexQueries,
+    ) -> Result<IndexSelector> {
+        let (x, q_res) = (&at.x.clone().detach(), &at.q_res.clone().detach());
+        idx.selector(layer, keys, IndexQueries { x, q_res, ..at })
+    }
+
+    /// The RoPE tables the queries and keys of this layer rotate with.
+    fn q_tables<'t>(&self, tables: &'t Tables) -> &'t RopeTables {
+        match self.kind {
+            AttnType::Sliding => &tables.main,
+            _ => &tables.compress,
+        }
+    }
+
+    /// The keys every query block of a plain forward without hooks reads, from the
+    /// attention input in blocks of positions (`x`: `[b, bq, d_model]` each, in order,
+    /// after `input_layernorm`): the K = V head, the compressed entries and the CSA
+    /// indexer's pooled keys over every position. Each block's per-token projections
+    /// are computed on its own and joined; pooling needs them all. With
+    /// [`Attention::block_output`], [`Attention::forward`] for `flow` (plain, every
+    /// position) in blocks.
+    pub fn block_keys(
+        &self,
+        layer: usize,
+        x: &[Tensor<3>],
+        tables: &Tables,
+        flow: &mut TokenFlow,
+    ) -> Result<BlockKeys> {
+        let q_tables = self.q_tables(tables);
+        let mut f = 0;
+        let mut kv = Vec::with_capacity(x.len());
+        for xb in x {
+            let [b, bq, _] = xb.dims();
+            let k = self
+                .kv_norm
+                .forward(self.kv_proj.forward(xb.clone()))
+                .reshape([b, bq, 1, self.head_dim]);
+            kv.push(rope::rotate(k, &q_tables.rows(f..f + bq), false));
+            f += bq;
+        }
+        let (entries, index) = self.block_entries(layer, x, tables, flow)?;
+        Ok(BlockKeys {
+            k: join(kv),
+            entries,
+            index,
+            total: f,
+        })
+    }
+
+    /// The compressed entries and the CSA indexer's pooled keys of
+    /// [`Attention::block_keys`].
+    fn block_entries(
+        &self,
+        layer: usize,
+        x: &[Tensor<3>],
+        tables: &Tables,
+        flow: &mut TokenFlow,
+    ) -> Result<(Option<Entries>, Option<Tensor<4>>)> {
+        // Per-token projections of a pooler over every position, block by block (the
+        // indexer's from its input detached, as in `index_keys`).
+        let projected = |p: &super::pooler::Pooler, detached: bool| {
+            let (kv, gate): (Vec<_>, Vec<_>) = x
+                .iter()
+                .map(|xb| match detached {
+                    true => p.project(&xb.clone().detach()),
+                    false => p.project(xb),
+                })
+                .unzip();
+            (join(kv), join(gate))
         };
-        idx.selector(layer, keys, at)
+        let rates = match self.kind {
+            AttnType::Hca => &tables.hca,
+            AttnType::Csa => &tables.csa,
+            AttnType::Sliding => &None,
+        };
+        let (Some(comp), Some((n, starts))) = (&self.compressor, rates) else {
+            return Ok((None, None));
+        };
+        if *n == 0 {
+            return Ok((None, None));
+        }
+        let names = ["comp_kv", "comp_gate", "comp_entries"];
+        let e = comp.pooler.entries_through(
+            layer,
+            names,
+            projected(&comp.pooler, false),
+            starts,
+            flow,
+        )?;
+        let index = match (&e, &comp.indexer) {
+            (Some(_), Some(idx)) => {
+                let names = ["index_kv", "index_gate", "index_keys"];
+                idx.pooler.entries_through(
+                    layer,
+                    names,
+                    projected(&idx.pooler, true),
+                    starts,
+                    flow,
+                )?
+            }
+            _ => None,
+        };
+        let entries = e.map(|e| Entries {
+            k: e.clone(),
+            v: e,
+            stride: comp.pooler.rate,
+            close: comp.pooler.rate - 1,
+            offsets: Vec::new(),
+        });
+        Ok((entries, index))
+    }
+
+    /// The output `[b, bq, d_model]` of the block of queries at positions `f..f + bq`
+    /// (`x: [b, bq, d_model]`, after `input_layernorm`) over the `keys` of
+    /// [`Attention::block_keys`]: in sub-blocks of `sub` queries, each one's queries,
+    /// attention, inverse rotation and output projection. The queries and per-head
+    /// outputs (`n_heads * head_dim` values per token, 8x `d_model` at DeepSeek-V4's
+    /// width) exist for one sub-block at a time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn block_output(
+        &self,
+        layer: usize,
+        f: usize,
+        x: Tensor<3>,
+        keys: &BlockKeys,
+        tables: &Tables,
+        hooks: &mut HookRun,
+        sub: usize,
+    ) -> Result<Tensor<3>> {
+        let t = x.dims()[1];
+        let sub = sub.max(1);
+        if t > sub {
+            let parts = (0..t)
+                .step_by(sub)
+                .map(|i| {
+                    let xs = x.clone().slice_dim(1, i..(i + sub).min(t));
+                    self.block_output(layer, f + i, xs, keys, tables, hooks, sub)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(join(parts));
+        }
+        let [b, bq, _] = x.dims();
+        let rows = f..f + bq;
+        let qt = self.q_tables(tables).rows(rows.clone());
+        let (q, q_res) = self.queries(layer, &x, &qt, hooks)?;
+        let queries = Queries::Rows {
+            from: vec![f; b],
+            len: bq,
+            total: keys.total,
+        };
+        let indexer = self.compressor.as_ref().and_then(|c| c.indexer.as_ref());
+        let mut selector = match (indexer, &keys.index) {
+            (Some(idx), Some(index)) => {
+                let at = IndexQueries {
+                    x: &x,
+                    q_res: &q_res,
+                    tables: &tables.compress.rows(rows),
+                    queries: &queries,
+                };
+                Some(Self::selector(idx, layer, index.clone(), at)?)
+            }
+            _ => None,
+        };
+        let attend_to = Keys {
+            entries: keys.entries.clone(),
+            selector: selector.as_mut().map(|s| s as &mut dyn EntrySelector),
+            raw: Some(Raw {
+                k: keys.k.clone(),
+                v: keys.k.clone(),
+                window: Some(tables.window),
+                start: 0,
+            }),
+            sink: Some(self.sinks.val()),
+        };
+        let pattern = HookPoint::block(layer, Site::AttnPattern);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let z = attend(q, &queries, attend_to, scale, pattern, false, hooks)?;
+        if let Some(s) = selector {
+            s.finish(hooks);
+        }
+        Ok(self.project(rope::rotate(z, &qt, true)))
     }
 
     /// `z: [b, t, nh, dh]` -> the output `[b, t, d_model]`, through `hook_result`
@@ -414,5 +610,14 @@ impl Attention {
         zh.mm(m.swap_dims(1, 2)) // [nh, t*b, d]
             .reshape([nh, t, b, d])
             .swap_dims(0, 2) // [b, t, nh, d]
+    }
+}
+
+/// Blocks of positions (dimension 1), in order -> one tensor.
+fn join<const D: usize>(mut parts: Vec<Tensor<D>>) -> Tensor<D> {
+    if parts.len() == 1 {
+        parts.pop().expect("one block")
+    } else {
+        Tensor::cat(parts, 1)
     }
 }

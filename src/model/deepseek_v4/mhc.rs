@@ -311,7 +311,7 @@ pub fn expand(x: Tensor<4>, out: Tensor<3>, hc: &HcOut) -> Tensor<4> {
 }
 
 /// [`expand`] with the weights given: `post: [b, t, N]`, `comb: [b, t, N, N]`.
-fn mix_streams(x: Tensor<4>, out: Tensor<3>, post: Tensor<3>, comb: Tensor<4>) -> Tensor<4> {
+pub fn mix_streams(x: Tensor<4>, out: Tensor<3>, post: Tensor<3>, comb: Tensor<4>) -> Tensor<4> {
     let [b, t, n, d] = x.dims();
     let mixed = comb
         .reshape([b * t, n, n])

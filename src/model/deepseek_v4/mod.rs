@@ -28,6 +28,8 @@ pub mod moe;
 pub mod pooler;
 pub mod rope;
 pub mod save;
+pub mod streams;
+pub mod token_blocks;
 
 use std::path::Path;
 

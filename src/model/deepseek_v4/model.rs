@@ -13,6 +13,7 @@ use super::config::{AttnType, DeepseekV4Config, MODEL_TYPE};
 use super::indexer::Indexer;
 use super::mhc::{self, HyperConnection, HyperHead, Sublayer};
 use super::moe::Moe;
+use super::streams::Streams;
 use crate::error::{Error, Result};
 use crate::hooks::{Act, ActivationCache, HookPoint, HookRun, HookSpec, Site};
 use crate::model::kv_state::{PrefixState, Queries, Suffix, TokenFlow};
@@ -440,54 +441,102 @@ impl DeepseekV4Model {
     /// leaving the last (on its device).
     fn run_blocks(
         &self,
-        mut x: Tensor<4>,
+        x: Tensor<4>,
         layers: std::ops::Range<usize>,
         ids: &[i64],
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<4>> {
+        Ok(self
+            .run_streams(Streams::Whole(Box::new(x)), layers, ids, flow, hooks)?
+            .whole())
+    }
+
+    /// [`DeepseekV4Model::run_blocks`], the streams whole or, in a plain forward of a
+    /// long prompt without hooks, in blocks of positions (`deepseek_v4::token_blocks`).
+    fn run_streams(
+        &self,
+        mut x: Streams,
+        layers: std::ops::Range<usize>,
+        ids: &[i64],
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Streams> {
         // A placed model: the streams move to each layer's device, per-forward tables
         // are built once per device, logits and captures come back home.
         let mut per_device = PerDevice::new();
+        let block = self.blocks_of(flow, hooks);
         let (start, n) = (layers.start, layers.len());
         for (l, layer) in self.model.layers.iter().enumerate().skip(start).take(n) {
             let here = layer.input_layernorm.weight.val().device();
-            x = to(x, &here);
             let tables = per_device.get(&here, |d| Tables::new(&self.config, flow.queries(), d));
-            x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
-            let mhc = profile::region(profile::Region::Mhc);
-            let hc = layer.attn_hc.forward(l, Sublayer::Attention, &x, hooks)?;
-            drop(mhc);
-            let a = layer.self_attn.forward(
-                l,
-                layer.input_layernorm.forward(hc.collapsed.clone()),
-                tables,
-                flow,
-                hooks,
-            )?;
-            let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
-            let mhc = profile::region(profile::Region::Mhc);
-            x = mhc::expand(x, a, &hc);
-            drop(mhc);
-            x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
-            let mhc = profile::region(profile::Region::Mhc);
-            let hc = layer.ffn_hc.forward(l, Sublayer::Mlp, &x, hooks)?;
-            drop(mhc);
-            let experts = profile::region(profile::Region::Experts);
-            let m = layer.mlp.forward(
-                l,
-                layer.post_attention_layernorm.forward(hc.collapsed.clone()),
-                ids,
-                hooks,
-            )?;
-            drop(experts);
-            let m = hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
-            let mhc = profile::region(profile::Region::Mhc);
-            x = mhc::expand(x, m, &hc);
-            drop(mhc);
-            x = hooks.apply(HookPoint::block(l, Site::ResidPost), x)?;
+            x = match block {
+                Some(block) => {
+                    let blocks = x.blocks(block);
+                    Streams::Blocks(self.layer_in_blocks(
+                        (l, layer),
+                        blocks,
+                        tables,
+                        ids,
+                        flow,
+                        hooks,
+                    )?)
+                }
+                None => Streams::Whole(Box::new(self.layer_whole(
+                    (l, layer),
+                    to(x.whole(), &here),
+                    tables,
+                    ids,
+                    flow,
+                    hooks,
+                )?)),
+            };
         }
         Ok(x)
+    }
+
+    /// Layer `l` over the whole streams `x` (on its device), through its hook points.
+    fn layer_whole(
+        &self,
+        (l, layer): (usize, &DecoderLayer),
+        x: Tensor<4>,
+        tables: &Tables,
+        ids: &[i64],
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<4>> {
+        let x = hooks.apply(HookPoint::block(l, Site::ResidPre), x)?;
+        let mhc = profile::region(profile::Region::Mhc);
+        let hc = layer.attn_hc.forward(l, Sublayer::Attention, &x, hooks)?;
+        drop(mhc);
+        let a = layer.self_attn.forward(
+            l,
+            layer.input_layernorm.forward(hc.collapsed.clone()),
+            tables,
+            flow,
+            hooks,
+        )?;
+        let a = hooks.apply(HookPoint::block(l, Site::AttnOut), a)?;
+        let mhc = profile::region(profile::Region::Mhc);
+        let x = mhc::expand(x, a, &hc);
+        drop(mhc);
+        let x = hooks.apply(HookPoint::block(l, Site::ResidMid), x)?;
+        let mhc = profile::region(profile::Region::Mhc);
+        let hc = layer.ffn_hc.forward(l, Sublayer::Mlp, &x, hooks)?;
+        drop(mhc);
+        let experts = profile::region(profile::Region::Experts);
+        let m = layer.mlp.forward(
+            l,
+            layer.post_attention_layernorm.forward(hc.collapsed.clone()),
+            ids,
+            hooks,
+        )?;
+        drop(experts);
+        let m = hooks.apply(HookPoint::block(l, Site::MlpOut), m)?;
+        let mhc = profile::region(profile::Region::Mhc);
+        let x = mhc::expand(x, m, &hc);
+        drop(mhc);
+        hooks.apply(HookPoint::block(l, Site::ResidPost), x)
     }
 
     /// Logits at the flat positions `rows` (indices into `[batch * pos]`) only: every
@@ -503,16 +552,11 @@ impl DeepseekV4Model {
         let [b, t] = tokens.dims();
         let spec = HookSpec::new();
         let mut hooks = spec.run();
-        let x = self.streams(tokens, &mut hooks)?;
+        let x = Streams::Whole(Box::new(self.streams(tokens, &mut hooks)?));
         let n = self.model.layers.len();
-        let x = self.run_blocks(x, 0..n, &ids, &mut TokenFlow::plain(b, t), &mut hooks)?;
-        let [_, _, hc, d] = x.dims();
+        let x = self.run_streams(x, 0..n, &ids, &mut TokenFlow::plain(b, t), &mut hooks)?;
         let k = rows.dims()[0];
-        let here = x.device();
-        let picked = x
-            .reshape([b * t, hc, d])
-            .select(0, to(rows, &here))
-            .reshape([1, k, hc, d]);
+        let picked = x.rows(rows)?;
         let logits = self.head_logits(picked, &mut hooks)?;
         let v = logits.dims()[2];
         Ok(logits.reshape([k, v]))

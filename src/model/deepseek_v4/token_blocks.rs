@@ -1,0 +1,178 @@
+//! A plain DeepSeek-V4 forward over a long prompt in blocks of positions.
+//!
+//! At DeepSeek-V4's width a token's activations are large beside its K/V: the `hc_mult`
+//! residual streams (4 x 4,096 f32, 64 KiB), and in the attention the queries and the
+//! per-head outputs (64 heads x 512 f32, 128 KiB each, with their normalised and rotated
+//! copies). Held for every position at once they made a 16K-token forward peak at 4.0x
+//! its stored weights + K/V (docs/performance.md).
+//!
+//! When no hook touches a forward and it keeps no state (`bench forward`, a prefill's
+//! last-position logits, any forward without captures or interventions) and the prompt
+//! is longer than one block ([`token_block`]), each layer runs so:
+//! - the streams stay in blocks of positions from layer to layer ([`Streams`]); a layer
+//!   replaces them block by block, so the old and new streams are never both whole;
+//! - the attention's hyper-connection and `input_layernorm` run per block, and only the
+//!   normalised input (`d_model` per token) is joined over every position: the K = V
+//!   head, the compressed entries and the index keys need every position;
+//! - the attention computes its queries, attention and output projection block by block
+//!   ([`super::attention::Attention::forward_blocks`]);
+//! - the stream update, the MoE's hyper-connection, norm, router and experts run per
+//!   block.
+//!
+//! Every value is computed by the same operations as in the whole forward, over fewer
+//! rows at a time; matrix products over a subset of rows may round differently in the
+//! last bits (tests compare the logits within 1e-4 relative, and bit for bit across
+//! thread counts). Block sizes depend on the model's shape alone, never on the threads.
+
+use std::cell::Cell;
+
+use burn::tensor::Tensor;
+
+use super::attention::Tables;
+use super::config::DeepseekV4Config;
+use super::mhc::{self, Sublayer};
+use super::model::{DecoderLayer, DeepseekV4Model};
+use crate::error::Result;
+use crate::hooks::HookRun;
+use crate::model::kv_state::TokenFlow;
+use crate::model::placement::to;
+use crate::model::profile;
+
+/// Bytes of one block's residual streams (`hc_mult * d_model` f32 per position): the
+/// per-token stages (hyper-connections, norms, router and experts) run over blocks of
+/// this size. Each routed expert's stored weights are dequantised once per block it
+/// serves, so larger blocks cost fewer dequantisations and more memory.
+pub const STREAM_BLOCK_BYTES: usize = 256 << 20;
+
+/// Bytes of one attention block's queries (`n_heads * head_dim` f32 per position): a
+/// stream block's queries are computed, attended and projected in sub-blocks of this
+/// size, which hold their queries, their normalised and rotated copies and their
+/// per-head outputs, about four times this.
+pub const QUERY_BLOCK_BYTES: usize = 128 << 20;
+
+/// The fewest positions per block (the products stay wide enough for the GEMM kernels).
+pub const MIN_TOKEN_BLOCK: usize = 256;
+
+/// The environment variable that sets the positions per stream block ([`token_block`];
+/// a prompt no longer than one block runs whole).
+pub const TOKEN_BLOCK_ENV: &str = "PHASELENS_TOKEN_BLOCK";
+
+/// The environment variable that sets the query positions per attention sub-block
+/// ([`query_block`]).
+pub const QUERY_BLOCK_ENV: &str = "PHASELENS_QUERY_BLOCK";
+
+thread_local! {
+    /// (stream block, query sub-block) set by [`with_token_blocks`].
+    static TOKEN_BLOCK: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
+    static BLOCKED_LAYERS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Positions per stream block of a plain forward of a `c` model: [`STREAM_BLOCK_BYTES`]
+/// of streams (4,096 at DeepSeek-V4's width), at least [`MIN_TOKEN_BLOCK`], unless
+/// [`with_token_blocks`] set another on this thread or [`TOKEN_BLOCK_ENV`] another for
+/// the process.
+pub fn token_block(c: &DeepseekV4Config) -> usize {
+    let set = TOKEN_BLOCK.with(|b| b.get()).map(|(s, _)| s);
+    set.or_else(|| positions_from_env(TOKEN_BLOCK_ENV))
+        .unwrap_or_else(|| {
+            let per_token = 4 * c.hc_mult.max(1) * c.hidden_size.max(1);
+            (STREAM_BLOCK_BYTES / per_token).max(MIN_TOKEN_BLOCK)
+        })
+}
+
+/// Query positions per attention sub-block of a stream block of `block` positions:
+/// [`QUERY_BLOCK_BYTES`] of queries (1,024 at DeepSeek-V4's width), at least
+/// [`MIN_TOKEN_BLOCK`], unless [`with_token_blocks`] set another on this thread or
+/// [`QUERY_BLOCK_ENV`] another for the process; at most `block`.
+pub fn query_block(c: &DeepseekV4Config, block: usize) -> usize {
+    let per_token = 4 * c.num_attention_heads.max(1) * c.head_dim.max(1);
+    let set = TOKEN_BLOCK.with(|b| b.get()).map(|(_, q)| q);
+    set.or_else(|| positions_from_env(QUERY_BLOCK_ENV))
+        .unwrap_or((QUERY_BLOCK_BYTES / per_token).max(MIN_TOKEN_BLOCK))
+        .min(block.max(1))
+}
+
+/// A positive number of positions from the environment variable `name`, if set.
+fn positions_from_env(name: &str) -> Option<usize> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+}
+
+/// Run `f` with `stream` positions per stream block and `query` per attention
+/// sub-block on this thread (tests force many blocks on short prompts).
+pub fn with_token_blocks<T>(stream: usize, query: usize, f: impl FnOnce() -> T) -> T {
+    let old = TOKEN_BLOCK.with(|b| b.replace(Some((stream.max(1), query.max(1)))));
+    let out = f();
+    TOKEN_BLOCK.with(|b| b.set(old));
+    out
+}
+
+/// Layers this thread ran in blocks of positions since the last call; resets it.
+pub fn take_blocked_layers() -> usize {
+    BLOCKED_LAYERS.with(|n| n.replace(0))
+}
+
+impl DeepseekV4Model {
+    /// Positions per block when this forward runs in blocks ([`token_block`]): a plain
+    /// flow, no hook, more positions than one block; otherwise `None`.
+    pub(super) fn blocks_of(&self, flow: &TokenFlow, hooks: &HookRun) -> Option<usize> {
+        let block = token_block(&self.config);
+        (flow.is_plain() && hooks.spec().is_empty() && flow.queries().len() > block)
+            .then_some(block)
+    }
+
+    /// Layer `l` over the streams `x` in blocks of positions (see the module docs) ->
+    /// the streams leaving it, in the same blocks.
+    pub(super) fn layer_in_blocks(
+        &self,
+        (l, layer): (usize, &DecoderLayer),
+        x: Vec<Tensor<4>>,
+        tables: &Tables,
+        ids: &[i64],
+        flow: &mut TokenFlow,
+        hooks: &mut HookRun,
+    ) -> Result<Vec<Tensor<4>>> {
+        BLOCKED_LAYERS.with(|n| n.set(n.get() + 1));
+        let here = layer.input_layernorm.weight.val().device();
+        let x: Vec<Tensor<4>> = x.into_iter().map(|x| to(x, &here)).collect();
+        let mut weights = Vec::with_capacity(x.len());
+        let mut normed = Vec::with_capacity(x.len());
+        for xb in &x {
+            let mhc = profile::region(profile::Region::Mhc);
+            let hc = layer.attn_hc.forward(l, Sublayer::Attention, xb, hooks)?;
+            drop(mhc);
+            normed.push(layer.input_layernorm.forward(hc.collapsed));
+            weights.push((hc.post, hc.comb));
+        }
+        let keys = layer.self_attn.block_keys(l, &normed, tables, flow)?;
+        let sub = query_block(&self.config, x[0].dims()[1]);
+        let [b, t] = [x[0].dims()[0], flow.queries().len()];
+        let mut f = 0;
+        x.into_iter()
+            .zip(weights)
+            .zip(normed)
+            .map(|((xb, (post, comb)), normed)| {
+                let e = f + xb.dims()[1];
+                let a = layer
+                    .self_attn
+                    .block_output(l, f, normed, &keys, tables, hooks, sub)?;
+                let block_ids: Vec<i64> = (0..b)
+                    .flat_map(|r| ids[r * t + f..r * t + e].iter().copied())
+                    .collect();
+                f = e;
+                let mhc = profile::region(profile::Region::Mhc);
+                let xb = mhc::mix_streams(xb, a, post, comb);
+                let hc = layer.ffn_hc.forward(l, Sublayer::Mlp, &xb, hooks)?;
+                drop(mhc);
+                let experts = profile::region(profile::Region::Experts);
+                let y = layer.post_attention_layernorm.forward(hc.collapsed.clone());
+                let m = layer.mlp.forward(l, y, &block_ids, hooks)?;
+                drop(experts);
+                let _mhc = profile::region(profile::Region::Mhc);
+                Ok(mhc::expand(xb, m, &hc))
+            })
+            .collect()
+    }
+}
