@@ -11,6 +11,7 @@ use clap::Args;
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::HookSpec;
+use phaselens::model::deepseek_v4::token_blocks::with_token_blocks;
 use phaselens::model::load_model_with;
 use phaselens::model::memory::human;
 use phaselens::model::plan::{
@@ -222,7 +223,13 @@ fn measure(
         let tokens =
             Tensor::<2, Int>::from_data(TensorData::new(lcg_ids(t, c.vocab_size), [1, t]), &device);
         let t1 = std::time::Instant::now();
-        let _ = model.forward(tokens, &HookSpec::new())?.logits.into_data();
+        // The plan sizes forwards with hooks (the runner's base runs), which run whole:
+        // so does the measured one, however long (a hook-free forward of a long prompt
+        // would otherwise run in blocks of positions and hold less).
+        let whole = || model.forward(tokens, &HookSpec::new());
+        let _ = with_token_blocks(usize::MAX, usize::MAX, whole)?
+            .logits
+            .into_data();
         Ok(t1.elapsed().as_secs_f64())
     };
     // A short forward first: the code a forward runs and the worker threads (stacks,
