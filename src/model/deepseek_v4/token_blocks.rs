@@ -8,21 +8,24 @@
 //!
 //! When no hook touches a forward and it keeps no state (`bench forward`, a prefill's
 //! last-position logits, any forward without captures or interventions) and the prompt
-//! is longer than one block ([`token_block`]), each layer runs so:
-//! - the streams stay in blocks of positions from layer to layer ([`Streams`]); a layer
-//!   replaces them block by block, so the old and new streams are never both whole;
-//! - the attention's hyper-connection and `input_layernorm` run per block, and only the
-//!   normalised input (`d_model` per token) is joined over every position: the K = V
-//!   head, the compressed entries and the index keys need every position;
-//! - the attention computes its queries, attention and output projection block by block
-//!   ([`super::attention::Attention::forward_blocks`]);
-//! - the stream update, the MoE's hyper-connection, norm, router and experts run per
-//!   block.
+//! is longer than one stream block ([`token_block`]), each layer runs so:
+//! - the streams stay in stream blocks of positions from layer to layer
+//!   (`deepseek_v4::streams::Streams`); a layer replaces them block by block, so the old
+//!   and new streams are never both whole;
+//! - per stream block, the attention's hyper-connection and `input_layernorm`; then the
+//!   per-token projections that need every position (the K = V head, the compressor's
+//!   and the indexer's pooler inputs) block by block, joined and pooled once
+//!   ([`super::attention::Attention::block_keys`]);
+//! - per stream block again, the queries, attention and output projection in query
+//!   sub-blocks ([`query_block`], [`super::attention::Attention::block_output`]), then
+//!   the stream update, the MoE's hyper-connection, norm, router and experts.
 //!
-//! Every value is computed by the same operations as in the whole forward, over fewer
-//! rows at a time; matrix products over a subset of rows may round differently in the
-//! last bits (tests compare the logits within 1e-4 relative, and bit for bit across
-//! thread counts). Block sizes depend on the model's shape alone, never on the threads.
+//! Forwards with hooks, recording and suffix forwards run whole. Every value is computed
+//! by the same operations as in the whole forward, over fewer rows at a time; matrix
+//! products over a subset of rows may round differently in the last bits (tests compare
+//! the logits within 1e-5 relative, and bit for bit across thread counts). Block sizes
+//! depend on the model's shape (or [`TOKEN_BLOCK_ENV`] / [`QUERY_BLOCK_ENV`]) alone,
+//! never on the threads.
 
 use std::cell::Cell;
 
