@@ -11,7 +11,7 @@ use clap::Args;
 
 use phaselens::device::DeviceSpec;
 use phaselens::hooks::HookSpec;
-use phaselens::model::deepseek_v4::token_blocks::with_token_blocks;
+use phaselens::model::deepseek_v4::token_blocks::{BlockSizes, with_token_blocks};
 use phaselens::model::load_model_with;
 use phaselens::model::memory::human;
 use phaselens::model::plan::{
@@ -227,9 +227,12 @@ fn measure(
         // so does the measured one, however long (a hook-free forward of a long prompt
         // would otherwise run in blocks of positions and hold less).
         let whole = || model.forward(tokens, &HookSpec::new());
-        let _ = with_token_blocks(usize::MAX, usize::MAX, whole)?
-            .logits
-            .into_data();
+        let all = BlockSizes {
+            stream: usize::MAX,
+            query: usize::MAX,
+            experts: usize::MAX,
+        };
+        let _ = with_token_blocks(all, whole)?.logits.into_data();
         Ok(t1.elapsed().as_secs_f64())
     };
     // A short forward first: the code a forward runs and the worker threads (stacks,

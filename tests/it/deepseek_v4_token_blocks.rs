@@ -8,11 +8,21 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use phaselens::hooks::HookSpec;
-use phaselens::model::deepseek_v4::token_blocks::{take_blocked_layers, with_token_blocks};
+use phaselens::model::deepseek_v4::token_blocks::{
+    BlockSizes, take_blocked_layers, with_token_blocks,
+};
 
 use crate::common::{dev, vals};
 
 const T: usize = 96;
+
+fn sizes(stream: usize, query: usize, experts: usize) -> BlockSizes {
+    BlockSizes {
+        stream,
+        query,
+        experts,
+    }
+}
 
 fn prompts(vocab: usize) -> Tensor<2, Int> {
     let ids: Vec<i64> = (0..2 * T as i64)
@@ -40,21 +50,26 @@ fn a_forward_in_blocks_of_positions_gives_the_logits_of_the_whole_forward() {
     take_blocked_layers();
     let whole = vals(m.forward(prompts(vocab), &plain).unwrap().logits);
     assert_eq!(take_blocked_layers(), 0, "a short prompt runs whole");
-    // Stream blocks with query sub-blocks of every kind: even, uneven, one query.
-    for (stream, query) in [(32, 32), (40, 16), (95, 7), (17, 1)] {
-        let blocked = with_token_blocks(stream, query, || {
+    // Stream blocks with query sub-blocks and expert groups of every kind: even, uneven,
+    // one query, groups of one block, of several, of every block.
+    for (stream, query, experts) in [
+        (32, 32, 32),
+        (40, 16, 80),
+        (95, 7, 95),
+        (17, 1, 40),
+        (16, 8, 1000),
+    ] {
+        let blocked = with_token_blocks(sizes(stream, query, experts), || {
             vals(m.forward(prompts(vocab), &plain).unwrap().logits)
         });
-        assert_eq!(take_blocked_layers(), 3, "blocks {stream}/{query}");
+        let what = format!("blocks {stream}/{query}/{experts}");
+        assert_eq!(take_blocked_layers(), 3, "{what}");
         let r = relative(&whole, &blocked);
-        assert!(
-            r < 1e-5,
-            "blocks {stream}/{query}: relative difference {r:e}"
-        );
+        assert!(r < 1e-5, "{what}: relative difference {r:e}");
     }
     // Rows of both prompts, in the first, a middle and the last block.
     let rows = [0i64, 5, 39, 40, 95, 96, 136, 191];
-    let picked = with_token_blocks(40, 16, || {
+    let picked = with_token_blocks(sizes(40, 16, 80), || {
         let r = Tensor::<1, Int>::from_data(TensorData::new(rows.to_vec(), [rows.len()]), &dev());
         vals(m.forward_logit_rows(prompts(vocab), r).unwrap())
     });
@@ -66,7 +81,7 @@ fn a_forward_in_blocks_of_positions_gives_the_logits_of_the_whole_forward() {
     let r = relative(&want, &picked);
     assert!(r < 1e-5, "logit rows: relative difference {r:e}");
     // A row past the end is refused, naming it.
-    let err = with_token_blocks(40, 16, || {
+    let err = with_token_blocks(sizes(40, 16, 80), || {
         let r = Tensor::<1, Int>::from_data(TensorData::new(vec![192i64], [1]), &dev());
         m.forward_logit_rows(prompts(vocab), r)
             .unwrap_err()
@@ -76,7 +91,7 @@ fn a_forward_in_blocks_of_positions_gives_the_logits_of_the_whole_forward() {
     take_blocked_layers();
     // Hooks see whole tensors: a forward with a capture runs whole.
     let spec = HookSpec::new().capture("blocks.1.hook_resid_pre").unwrap();
-    let hooked = with_token_blocks(32, 16, || {
+    let hooked = with_token_blocks(sizes(32, 16, 64), || {
         vals(m.forward(prompts(vocab), &spec).unwrap().logits)
     });
     assert_eq!(take_blocked_layers(), 0);
@@ -93,7 +108,7 @@ fn a_forward_in_blocks_of_positions_is_bit_identical_for_1_and_2_threads() {
             .build()
             .unwrap();
         pool.install(|| {
-            with_token_blocks(40, 16, || {
+            with_token_blocks(sizes(40, 16, 80), || {
                 let out = vals(m.forward(prompts(vocab), &HookSpec::new()).unwrap().logits);
                 assert_eq!(take_blocked_layers(), 3);
                 out

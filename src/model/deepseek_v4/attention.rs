@@ -54,6 +54,26 @@ pub struct Attention {
     pub eps: f64,
 }
 
+/// What one block of positions contributes to the keys of a plain forward in blocks
+/// ([`Attention::key_inputs`]).
+pub struct KeyInputs {
+    /// The K = V head `[b, bq, 1, head_dim]`, rotated.
+    k: Tensor<4>,
+    /// The compressor's pooler inputs (`kv`, `gate`), per token.
+    comp: Option<(Tensor<3>, Tensor<3>)>,
+    /// The CSA indexer's pooler inputs.
+    index: Option<(Tensor<3>, Tensor<3>)>,
+}
+
+/// What one block's queries are computed from in a plain forward in blocks
+/// ([`Attention::query_inputs`]).
+pub struct QueryInputs {
+    /// `[b, bq, q_lora_rank]`
+    q_res: Tensor<3>,
+    /// The CSA indexer's head weights `[b, bq, index_n_heads]`.
+    heads: Option<Tensor<3>>,
+}
+
 /// What every query block of one layer reads in a plain forward in blocks
 /// ([`Attention::block_keys`]).
 pub struct BlockKeys {
@@ -138,7 +158,7 @@ impl Attention {
             ) => {
                 let keys = self.index_keys(idx, layer, &x, tables, flow)?;
                 let at = IndexQueries {
-                    x: &x,
+                    heads: &idx.head_weights(&x.clone().detach()),
                     q_res: &q_res,
                     tables: &tables.compress,
                     queries: flow.queries(),
@@ -217,15 +237,27 @@ impl Attention {
         q_tables: &RopeTables,
         hooks: &mut HookRun,
     ) -> Result<(Tensor<4>, Tensor<3>)> {
-        let [b, t, _] = x.dims();
         let q_res = self.q_a_norm.forward(self.q_a_proj.forward(x.clone()));
+        Ok((self.queries_from(layer, &q_res, q_tables, hooks)?, q_res))
+    }
+
+    /// The queries `[b, t, n_heads, head_dim]` from the query residual `q_res: [b, t,
+    /// q_lora_rank]` ([`Attention::queries`]).
+    fn queries_from(
+        &self,
+        layer: usize,
+        q_res: &Tensor<3>,
+        q_tables: &RopeTables,
+        hooks: &mut HookRun,
+    ) -> Result<Tensor<4>> {
+        let [b, t, _] = q_res.dims();
         let q = self
             .q_b_proj
             .forward(q_res.clone())
             .reshape([b, t, self.n_heads, self.head_dim]);
         let q = rms_normalize(q, self.eps);
         let q = hooks.apply(HookPoint::block(layer, Site::AttnQ), q)?;
-        Ok((rope::rotate(q, q_tables, false), q_res))
+        Ok(rope::rotate(q, q_tables, false))
     }
 
     /// The shared K = V head of the positions `from..` (0: every position) of what
@@ -352,8 +384,11 @@ impl Attention {
         keys: Tensor<4>,
         at: IndexQueries,
     ) -> Result<IndexSelector> {
-        let (x, q_res) = (&at.x.clone().detach(), &at.q_res.clone().detach());
-        idx.selector(layer, keys, IndexQueries { x, q_res, ..at })
+        // `heads` come from the detached input already (callers pass
+        // `head_weights(x.detach())`): detaching them again would cut the gradient of
+        // the indexer's own `weights_proj`.
+        let q_res = &at.q_res.clone().detach();
+        idx.selector(layer, keys, IndexQueries { q_res, ..at })
     }
 
     /// The RoPE tables the queries and keys of this layer rotate with.
@@ -364,60 +399,79 @@ impl Attention {
         }
     }
 
-    /// The keys every query block of a plain forward without hooks reads, from the
-    /// attention input in blocks of positions (`x`: `[b, bq, d_model]` each, in order,
-    /// after `input_layernorm`): the K = V head, the compressed entries and the CSA
-    /// indexer's pooled keys over every position. Each block's per-token projections
-    /// are computed on its own and joined; pooling needs them all. With
+    /// What block `f..f + bq` of a plain forward without hooks contributes to the keys
+    /// every query reads (`x: [b, bq, d_model]`, after `input_layernorm`): its K = V head,
+    /// rotated at its positions, and its compressor's and indexer's pooler inputs.
+    pub fn key_inputs(&self, f: usize, x: &Tensor<3>, tables: &Tables) -> KeyInputs {
+        let [b, bq, _] = x.dims();
+        let k = self
+            .kv_norm
+            .forward(self.kv_proj.forward(x.clone()))
+            .reshape([b, bq, 1, self.head_dim]);
+        let comp = self.compressor.as_ref();
+        KeyInputs {
+            k: rope::rotate(k, &self.q_tables(tables).rows(f..f + bq), false),
+            comp: comp.map(|c| c.pooler.project(x)),
+            // The indexer reads its input detached, as in `index_keys`.
+            index: comp
+                .and_then(|c| c.indexer.as_ref())
+                .map(|i| i.pooler.project(&x.clone().detach())),
+        }
+    }
+
+    /// What the queries of block `x: [b, bq, d_model]` (after `input_layernorm`) are
+    /// computed from: the low-rank query residual and, in a CSA layer, the indexer's head
+    /// weights (`q_lora_rank + index_n_heads` values per token, against `d_model`).
+    pub fn query_inputs(&self, x: &Tensor<3>) -> QueryInputs {
+        let indexer = self.compressor.as_ref().and_then(|c| c.indexer.as_ref());
+        QueryInputs {
+            q_res: self.q_a_norm.forward(self.q_a_proj.forward(x.clone())),
+            heads: indexer.map(|i| i.head_weights(&x.clone().detach())),
+        }
+    }
+
+    /// The keys every query block reads, from every block's [`Attention::key_inputs`]
+    /// (in order): the K = V head, the compressed entries and the CSA indexer's pooled
+    /// keys over every position. With [`Attention::query_inputs`] and
     /// [`Attention::block_output`], [`Attention::forward`] for `flow` (plain, every
     /// position) in blocks.
     pub fn block_keys(
         &self,
         layer: usize,
-        x: &[Tensor<3>],
+        inputs: Vec<KeyInputs>,
         tables: &Tables,
         flow: &mut TokenFlow,
     ) -> Result<BlockKeys> {
-        let q_tables = self.q_tables(tables);
-        let mut f = 0;
-        let mut kv = Vec::with_capacity(x.len());
-        for xb in x {
-            let [b, bq, _] = xb.dims();
-            let k = self
-                .kv_norm
-                .forward(self.kv_proj.forward(xb.clone()))
-                .reshape([b, bq, 1, self.head_dim]);
-            kv.push(rope::rotate(k, &q_tables.rows(f..f + bq), false));
-            f += bq;
+        let mut k = Vec::with_capacity(inputs.len());
+        let (mut comp, mut index) = (Vec::new(), Vec::new());
+        for i in inputs {
+            k.push(i.k);
+            comp.extend(i.comp);
+            index.extend(i.index);
         }
-        let (entries, index) = self.block_entries(layer, x, tables, flow)?;
+        let k = join(k);
+        let total = k.dims()[1];
+        let (entries, index) = self.block_entries(layer, comp, index, tables, flow)?;
         Ok(BlockKeys {
-            k: join(kv),
+            k,
             entries,
             index,
-            total: f,
+            total,
         })
     }
 
     /// The compressed entries and the CSA indexer's pooled keys of
-    /// [`Attention::block_keys`].
+    /// [`Attention::block_keys`], from every block's pooler inputs.
     fn block_entries(
         &self,
         layer: usize,
-        x: &[Tensor<3>],
+        comp: Vec<(Tensor<3>, Tensor<3>)>,
+        index: Vec<(Tensor<3>, Tensor<3>)>,
         tables: &Tables,
         flow: &mut TokenFlow,
     ) -> Result<(Option<Entries>, Option<Tensor<4>>)> {
-        // Per-token projections of a pooler over every position, block by block (the
-        // indexer's from its input detached, as in `index_keys`).
-        let projected = |p: &super::pooler::Pooler, detached: bool| {
-            let (kv, gate): (Vec<_>, Vec<_>) = x
-                .iter()
-                .map(|xb| match detached {
-                    true => p.project(&xb.clone().detach()),
-                    false => p.project(xb),
-                })
-                .unzip();
+        let joined = |parts: Vec<(Tensor<3>, Tensor<3>)>| {
+            let (kv, gate): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
             (join(kv), join(gate))
         };
         let rates = match self.kind {
@@ -425,112 +479,100 @@ impl Attention {
             AttnType::Csa => &tables.csa,
             AttnType::Sliding => &None,
         };
-        let (Some(comp), Some((n, starts))) = (&self.compressor, rates) else {
+        let (Some(c), Some((n, starts))) = (&self.compressor, rates) else {
             return Ok((None, None));
         };
-        if *n == 0 {
+        if *n == 0 || comp.is_empty() {
             return Ok((None, None));
         }
         let names = ["comp_kv", "comp_gate", "comp_entries"];
-        let e = comp.pooler.entries_through(
-            layer,
-            names,
-            projected(&comp.pooler, false),
-            starts,
-            flow,
-        )?;
-        let index = match (&e, &comp.indexer) {
-            (Some(_), Some(idx)) => {
+        let e = c
+            .pooler
+            .entries_through(layer, names, joined(comp), starts, flow)?;
+        let index = match (&e, &c.indexer) {
+            (Some(_), Some(idx)) if !index.is_empty() => {
                 let names = ["index_kv", "index_gate", "index_keys"];
-                idx.pooler.entries_through(
-                    layer,
-                    names,
-                    projected(&idx.pooler, true),
-                    starts,
-                    flow,
-                )?
+                idx.pooler
+                    .entries_through(layer, names, joined(index), starts, flow)?
             }
             _ => None,
         };
         let entries = e.map(|e| Entries {
             k: e.clone(),
             v: e,
-            stride: comp.pooler.rate,
-            close: comp.pooler.rate - 1,
+            stride: c.pooler.rate,
+            close: c.pooler.rate - 1,
             offsets: Vec::new(),
         });
         Ok((entries, index))
     }
 
     /// The output `[b, bq, d_model]` of the block of queries at positions `f..f + bq`
-    /// (`x: [b, bq, d_model]`, after `input_layernorm`) over the `keys` of
-    /// [`Attention::block_keys`]: in sub-blocks of `sub` queries, each one's queries,
-    /// attention, inverse rotation and output projection. The queries and per-head
-    /// outputs (`n_heads * head_dim` values per token, 8x `d_model` at DeepSeek-V4's
-    /// width) exist for one sub-block at a time.
+    /// (their [`Attention::query_inputs`]) over the `keys` of [`Attention::block_keys`]:
+    /// in sub-blocks of `sub` queries, each one's queries, attention, inverse rotation and
+    /// output projection. The queries and per-head outputs (`n_heads * head_dim` values
+    /// per token, 8x `d_model` at DeepSeek-V4's width) exist for one sub-block at a time.
     #[allow(clippy::too_many_arguments)]
     pub fn block_output(
         &self,
         layer: usize,
         f: usize,
-        x: Tensor<3>,
+        at: &QueryInputs,
         keys: &BlockKeys,
         tables: &Tables,
         hooks: &mut HookRun,
         sub: usize,
     ) -> Result<Tensor<3>> {
-        let t = x.dims()[1];
+        let [b, t, _] = at.q_res.dims();
         let sub = sub.max(1);
-        if t > sub {
-            let parts = (0..t)
-                .step_by(sub)
-                .map(|i| {
-                    let xs = x.clone().slice_dim(1, i..(i + sub).min(t));
-                    self.block_output(layer, f + i, xs, keys, tables, hooks, sub)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            return Ok(join(parts));
-        }
-        let [b, bq, _] = x.dims();
-        let rows = f..f + bq;
-        let qt = self.q_tables(tables).rows(rows.clone());
-        let (q, q_res) = self.queries(layer, &x, &qt, hooks)?;
-        let queries = Queries::Rows {
-            from: vec![f; b],
-            len: bq,
-            total: keys.total,
-        };
-        let indexer = self.compressor.as_ref().and_then(|c| c.indexer.as_ref());
-        let mut selector = match (indexer, &keys.index) {
-            (Some(idx), Some(index)) => {
-                let at = IndexQueries {
-                    x: &x,
-                    q_res: &q_res,
-                    tables: &tables.compress.rows(rows),
-                    queries: &queries,
-                };
-                Some(Self::selector(idx, layer, index.clone(), at)?)
+        let mut parts = Vec::with_capacity(t.div_ceil(sub));
+        for i in (0..t).step_by(sub) {
+            let rows = i..(i + sub).min(t);
+            let part = QueryInputs {
+                q_res: at.q_res.clone().slice_dim(1, rows.clone()),
+                heads: at.heads.clone().map(|h| h.slice_dim(1, rows.clone())),
+            };
+            let (f, bq) = (f + i, rows.len());
+            let qt = self.q_tables(tables).rows(f..f + bq);
+            let q = self.queries_from(layer, &part.q_res, &qt, hooks)?;
+            let queries = Queries::Rows {
+                from: vec![f; b],
+                len: bq,
+                total: keys.total,
+            };
+            let indexer = self.compressor.as_ref().and_then(|c| c.indexer.as_ref());
+            let mut selector = match (indexer, &keys.index, &part.heads) {
+                (Some(idx), Some(index), Some(heads)) => {
+                    let at = IndexQueries {
+                        heads,
+                        q_res: &part.q_res,
+                        tables: &tables.compress.rows(f..f + bq),
+                        queries: &queries,
+                    };
+                    Some(Self::selector(idx, layer, index.clone(), at)?)
+                }
+                _ => None,
+            };
+            let attend_to = Keys {
+                entries: keys.entries.clone(),
+                selector: selector.as_mut().map(|s| s as &mut dyn EntrySelector),
+                raw: Some(Raw {
+                    k: keys.k.clone(),
+                    v: keys.k.clone(),
+                    window: Some(tables.window),
+                    start: 0,
+                }),
+                sink: Some(self.sinks.val()),
+            };
+            let pattern = HookPoint::block(layer, Site::AttnPattern);
+            let scale = 1.0 / (self.head_dim as f64).sqrt();
+            let z = attend(q, &queries, attend_to, scale, pattern, false, hooks)?;
+            if let Some(s) = selector {
+                s.finish(hooks);
             }
-            _ => None,
-        };
-        let attend_to = Keys {
-            entries: keys.entries.clone(),
-            selector: selector.as_mut().map(|s| s as &mut dyn EntrySelector),
-            raw: Some(Raw {
-                k: keys.k.clone(),
-                v: keys.k.clone(),
-                window: Some(tables.window),
-                start: 0,
-            }),
-            sink: Some(self.sinks.val()),
-        };
-        let pattern = HookPoint::block(layer, Site::AttnPattern);
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let z = attend(q, &queries, attend_to, scale, pattern, false, hooks)?;
-        if let Some(s) = selector {
-            s.finish(hooks);
+            parts.push(self.project(rope::rotate(z, &qt, true)));
         }
-        Ok(self.project(rope::rotate(z, &qt, true)))
+        Ok(join(parts))
     }
 
     /// `z: [b, t, nh, dh]` -> the output `[b, t, d_model]`, through `hook_result`

@@ -46,12 +46,12 @@ pub struct Indexer {
     pub topk: usize,
 }
 
-/// The queries an index selection scores: the attention input `x` and the low-rank
-/// query residual `q_res` (`[b, lq, *]`) at the computed positions `queries`, with the
-/// compress RoPE tables there.
+/// The queries an index selection scores: the head weights ([`Indexer::head_weights`]
+/// of the attention input) and the low-rank query residual `q_res` (`[b, lq, *]`) at the
+/// computed positions `queries`, with the compress RoPE tables there.
 pub struct IndexQueries<'a> {
-    /// `[b, lq, d_model]`, the attention input (for the head weights).
-    pub x: &'a Tensor<3>,
+    /// `[b, lq, index_n_heads]`, [`Indexer::head_weights`].
+    pub heads: &'a Tensor<3>,
     /// `[b, lq, q_lora_rank]`, the attention's query residual.
     pub q_res: &'a Tensor<3>,
     /// Compress RoPE tables at the computed positions.
@@ -88,6 +88,12 @@ impl Indexer {
         })
     }
 
+    /// The per-query head weights `w[t, h]` (`[b, lq, index_n_heads]`, scaled by `1 /
+    /// sqrt(index_n_heads)`) from the attention input `x: [b, lq, d_model]`.
+    pub fn head_weights(&self, x: &Tensor<3>) -> Tensor<3> {
+        self.scorer.weights_proj.forward(x.clone()) * (1.0 / (self.n_heads as f64).sqrt())
+    }
+
     /// The selector of layer `layer` in one forward: the index keys of every closed
     /// window (`[b, n, 1, index_head_dim]`, pooled by its [`Pooler`] and rotated at the
     /// window starts: [`Pooler::entries_through`]), scored for the queries `at`.
@@ -98,24 +104,23 @@ impl Indexer {
         at: IndexQueries,
     ) -> Result<IndexSelector> {
         let IndexQueries {
-            x,
+            heads,
             q_res,
             tables: tokens,
             queries,
         } = at;
-        let [b, t, _] = x.dims();
+        let [b, t, _] = heads.dims();
         let (hi, di) = (self.n_heads, self.head_dim);
         let n = keys.dims()[1];
         let keys = keys.reshape([b, n, di]);
         let q = self.q_b_proj.forward(q_res.clone()).reshape([b, t, hi, di]);
         let q = rope::rotate(q, tokens, false);
-        let weights = self.scorer.weights_proj.forward(x.clone()) * (1.0 / (hi as f64).sqrt());
         Ok(IndexSelector {
             layer,
             topk: self.topk.min(n),
             rate: self.pooler.rate,
             q,
-            weights,
+            weights: heads.clone(),
             keys,
             first: (0..b).map(|r| queries.first(r)).collect(),
             picked: Vec::new(),

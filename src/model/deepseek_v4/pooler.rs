@@ -13,6 +13,10 @@ use crate::model::kv_state::TokenFlow;
 use crate::model::layers::{Linear, RmsNorm, RopeTables, int_tensor};
 use crate::model::weights::{Init, Vb};
 
+/// Positions of windows pooled at once by [`Pooler::entries_through`] over every
+/// position (a plain or recording forward; a long prompt's windows in chunks).
+pub const POOL_CHUNK_POSITIONS: usize = 2048;
+
 /// The projections and norm of one pooling compressor.
 #[derive(Module, Debug)]
 pub struct Pooler {
@@ -152,18 +156,12 @@ impl Pooler {
     ) -> Result<Option<Tensor<4>>> {
         let m = self.rate;
         let n = flow.queries().total() / m;
-        let pooled = |w: Tensor<4>, v: Tensor<4>, tables: &RopeTables| {
-            let e = self.pool(softmax(w, 2), v);
-            let [b, k, d] = e.dims();
-            rope::rotate(e.reshape([b, k, 1, d]), tables, false)
-        };
+        let pooled = |w: Tensor<4>, v: Tensor<4>, tables: &RopeTables| self.pooled(w, v, tables);
         let w0 = flow.first_recomputed().map_or(0, |f| (f / m).min(n));
         if n == 0 || w0 == 0 {
             let kv = flow.full(layer, names[0], kv)?;
             let gate = flow.full(layer, names[1], gate)?;
-            let e = self
-                .window_logits_from((kv, gate))
-                .map(|(w, v)| pooled(w, v, starts));
+            let e = self.pooled_in_chunks(kv, gate, starts, POOL_CHUNK_POSITIONS);
             if let Some(e) = &e {
                 flow.keep(layer, names[2], e);
             }
@@ -215,10 +213,105 @@ impl Pooler {
         Ok(Some(entries))
     }
 
+    /// Entries `[b, k, 1, dim]` from window logits and values (`[b, k, slots, dim]`),
+    /// rotated with `tables` (one row per entry).
+    fn pooled(&self, w: Tensor<4>, v: Tensor<4>, tables: &RopeTables) -> Tensor<4> {
+        let e = self.pool(softmax(w, 2), v);
+        let [b, k, d] = e.dims();
+        rope::rotate(e.reshape([b, k, 1, d]), tables, false)
+    }
+
+    /// The entries of every closed window from every position's projections (`kv`,
+    /// `gate`: `[b, t, *]`), `chunk` positions of windows at a time: the
+    /// windows' logits, values, softmax and products (several copies of the projections)
+    /// exist for one chunk at a time. Each window reads its own tokens (and, overlapping,
+    /// the previous window's first half), so every entry is the one pooled at once.
+    fn pooled_in_chunks(
+        &self,
+        kv: Tensor<3>,
+        gate: Tensor<3>,
+        starts: &RopeTables,
+        chunk: usize,
+    ) -> Option<Tensor<4>> {
+        let m = self.rate;
+        let n = kv.dims()[1] / m;
+        let chunk = (chunk / m).max(1);
+        if n <= chunk {
+            let (w, v) = self.window_logits_from((kv, gate))?;
+            return Some(self.pooled(w, v, starts));
+        }
+        let parts: Vec<Tensor<4>> = (0..n)
+            .step_by(chunk)
+            .map(|c0| {
+                let c1 = (c0 + chunk).min(n);
+                // Overlapping windows read the previous window's first half: start one
+                // window early and drop that window's entry.
+                let p0 = if self.overlap && c0 > 0 {
+                    (c0 - 1) * m
+                } else {
+                    c0 * m
+                };
+                let cut = |x: &Tensor<3>| x.clone().slice_dim(1, p0..c1 * m);
+                let (w, v) = self
+                    .window_logits_from((cut(&kv), cut(&gate)))
+                    .expect("a chunk holds at least one window");
+                let (skip, k) = (c0 - p0 / m, w.dims()[1]);
+                self.pooled(
+                    w.slice_dim(1, skip..k),
+                    v.slice_dim(1, skip..k),
+                    &starts.rows(c0..c1),
+                )
+            })
+            .collect();
+        Some(Tensor::cat(parts, 1))
+    }
+
     /// `kv_norm(sum_slots weights * values)`: `[b, n, dim]`.
     pub fn pool(&self, weights: Tensor<4>, values: Tensor<4>) -> Tensor<3> {
         let [b, n, _, d] = values.dims();
         self.kv_norm
             .forward((weights * values).sum_dim(2).reshape([b, n, d]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, TensorData};
+
+    use super::*;
+    use crate::model::weights::RandomInit;
+
+    /// Pooling in chunks of windows gives every entry bit for bit as pooling every
+    /// window at once: overlapping (CSA) and plain (HCA) windows, chunks of one window,
+    /// of several, uneven, and positions past the last closed window.
+    #[test]
+    fn pooling_in_chunks_gives_the_entries_of_pooling_at_once() {
+        let dev = Device::flex();
+        let (b, t, d_model, dim) = (2, 61, 12, 8);
+        for (rate, overlap) in [(4, true), (8, false)] {
+            let vb = Vb::new(&RandomInit { seed: 11 }, &dev);
+            let p = Pooler::new(&vb, d_model, dim, rate, overlap, 1e-6).unwrap();
+            let x: Vec<f32> = (0..b * t * d_model)
+                .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+                .collect();
+            let x = Tensor::<3>::from_data(TensorData::new(x, [b, t, d_model]), &dev);
+            let (kv, gate) = p.project(&x);
+            let n = t / rate;
+            let starts: Vec<usize> = (0..n).map(|w| w * rate).collect();
+            let starts = RopeTables::new(&starts, &[1.0, 0.1], 1.0, &dev);
+            let bits = |e: Tensor<4>| -> Vec<u32> {
+                let v = e.into_data().try_to_vec::<f32>().unwrap();
+                v.into_iter().map(f32::to_bits).collect()
+            };
+            let once = bits(
+                p.pooled_in_chunks(kv.clone(), gate.clone(), &starts, t)
+                    .unwrap(),
+            );
+            assert_eq!(once.len(), b * n * dim);
+            for chunk in [1, rate, 2 * rate, 3 * rate + 1, 5 * rate] {
+                let chunked = p.pooled_in_chunks(kv.clone(), gate.clone(), &starts, chunk);
+                assert_eq!(bits(chunked.unwrap()), once, "rate {rate}, chunk {chunk}");
+            }
+        }
     }
 }

@@ -42,10 +42,15 @@ use crate::model::placement::to;
 use crate::model::profile;
 
 /// Bytes of one block's residual streams (`hc_mult * d_model` f32 per position): the
-/// per-token stages (hyper-connections, norms, router and experts) run over blocks of
-/// this size. Each routed expert's stored weights are dequantised once per block it
-/// serves, so larger blocks cost fewer dequantisations and more memory.
-pub const STREAM_BLOCK_BYTES: usize = 256 << 20;
+/// streams are held in blocks of this size, and the hyper-connections and stream updates
+/// run over one block at a time (each holds a few copies of its block).
+pub const STREAM_BLOCK_BYTES: usize = 64 << 20;
+
+/// Bytes of one expert group's input (`d_model` f32 per position): the MoE (router,
+/// routed and shared experts) runs over consecutive stream blocks together, this many
+/// bytes of input at a time. Each routed expert's stored weights are dequantised once per
+/// group it serves, so larger groups cost fewer dequantisations and more memory.
+pub const EXPERT_BLOCK_BYTES: usize = 64 << 20;
 
 /// Bytes of one attention block's queries (`n_heads * head_dim` f32 per position): a
 /// stream block's queries are computed, attended and projected in sub-blocks of this
@@ -64,23 +69,37 @@ pub const TOKEN_BLOCK_ENV: &str = "PHASELENS_TOKEN_BLOCK";
 /// ([`query_block`]).
 pub const QUERY_BLOCK_ENV: &str = "PHASELENS_QUERY_BLOCK";
 
+/// The environment variable that sets the positions per expert group
+/// ([`expert_group`]).
+pub const EXPERT_BLOCK_ENV: &str = "PHASELENS_EXPERT_BLOCK";
+
+/// Block sizes in positions: stream block, query sub-block, expert group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSizes {
+    pub stream: usize,
+    pub query: usize,
+    pub experts: usize,
+}
+
 thread_local! {
-    /// (stream block, query sub-block) set by [`with_token_blocks`].
-    static TOKEN_BLOCK: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
+    /// Set by [`with_token_blocks`].
+    static TOKEN_BLOCK: Cell<Option<BlockSizes>> = const { Cell::new(None) };
     static BLOCKED_LAYERS: Cell<usize> = const { Cell::new(0) };
 }
 
+/// `bytes / per_token` positions, at least [`MIN_TOKEN_BLOCK`].
+fn positions(bytes: usize, per_token: usize) -> usize {
+    (bytes / (4 * per_token).max(1)).max(MIN_TOKEN_BLOCK)
+}
+
 /// Positions per stream block of a plain forward of a `c` model: [`STREAM_BLOCK_BYTES`]
-/// of streams (4,096 at DeepSeek-V4's width), at least [`MIN_TOKEN_BLOCK`], unless
+/// of streams (1,024 at DeepSeek-V4's width), at least [`MIN_TOKEN_BLOCK`], unless
 /// [`with_token_blocks`] set another on this thread or [`TOKEN_BLOCK_ENV`] another for
 /// the process.
 pub fn token_block(c: &DeepseekV4Config) -> usize {
-    let set = TOKEN_BLOCK.with(|b| b.get()).map(|(s, _)| s);
+    let set = TOKEN_BLOCK.with(|b| b.get()).map(|b| b.stream);
     set.or_else(|| positions_from_env(TOKEN_BLOCK_ENV))
-        .unwrap_or_else(|| {
-            let per_token = 4 * c.hc_mult.max(1) * c.hidden_size.max(1);
-            (STREAM_BLOCK_BYTES / per_token).max(MIN_TOKEN_BLOCK)
-        })
+        .unwrap_or_else(|| positions(STREAM_BLOCK_BYTES, c.hc_mult * c.hidden_size))
 }
 
 /// Query positions per attention sub-block of a stream block of `block` positions:
@@ -88,25 +107,33 @@ pub fn token_block(c: &DeepseekV4Config) -> usize {
 /// [`MIN_TOKEN_BLOCK`], unless [`with_token_blocks`] set another on this thread or
 /// [`QUERY_BLOCK_ENV`] another for the process; at most `block`.
 pub fn query_block(c: &DeepseekV4Config, block: usize) -> usize {
-    let per_token = 4 * c.num_attention_heads.max(1) * c.head_dim.max(1);
-    let set = TOKEN_BLOCK.with(|b| b.get()).map(|(_, q)| q);
+    let set = TOKEN_BLOCK.with(|b| b.get()).map(|b| b.query);
     set.or_else(|| positions_from_env(QUERY_BLOCK_ENV))
-        .unwrap_or((QUERY_BLOCK_BYTES / per_token).max(MIN_TOKEN_BLOCK))
+        .unwrap_or_else(|| positions(QUERY_BLOCK_BYTES, c.num_attention_heads * c.head_dim))
         .min(block.max(1))
 }
 
-/// A positive number of positions from the environment variable `name`, if set.
-fn positions_from_env(name: &str) -> Option<usize> {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&n| n > 0)
+/// Stream blocks of `block` positions per expert group: [`EXPERT_BLOCK_BYTES`] of input
+/// (4,096 positions at DeepSeek-V4's width: 4 stream blocks), unless
+/// [`with_token_blocks`] set another on this thread or [`EXPERT_BLOCK_ENV`] another for
+/// the process; at least 1.
+pub fn expert_group(c: &DeepseekV4Config, block: usize) -> usize {
+    let set = TOKEN_BLOCK.with(|b| b.get()).map(|b| b.experts);
+    let n = set
+        .or_else(|| positions_from_env(EXPERT_BLOCK_ENV))
+        .unwrap_or_else(|| positions(EXPERT_BLOCK_BYTES, c.hidden_size));
+    (n / block.max(1)).max(1)
 }
 
-/// Run `f` with `stream` positions per stream block and `query` per attention
-/// sub-block on this thread (tests force many blocks on short prompts).
-pub fn with_token_blocks<T>(stream: usize, query: usize, f: impl FnOnce() -> T) -> T {
-    let old = TOKEN_BLOCK.with(|b| b.replace(Some((stream.max(1), query.max(1)))));
+/// Run `f` with these block sizes on this thread (tests force many blocks on short
+/// prompts).
+pub fn with_token_blocks<T>(sizes: BlockSizes, f: impl FnOnce() -> T) -> T {
+    let sizes = BlockSizes {
+        stream: sizes.stream.max(1),
+        query: sizes.query.max(1),
+        experts: sizes.experts.max(1),
+    };
+    let old = TOKEN_BLOCK.with(|b| b.replace(Some(sizes)));
     let out = f();
     TOKEN_BLOCK.with(|b| b.set(old));
     out
@@ -115,6 +142,14 @@ pub fn with_token_blocks<T>(stream: usize, query: usize, f: impl FnOnce() -> T) 
 /// Layers this thread ran in blocks of positions since the last call; resets it.
 pub fn take_blocked_layers() -> usize {
     BLOCKED_LAYERS.with(|n| n.replace(0))
+}
+
+/// A positive number of positions from the environment variable `name`, if set.
+fn positions_from_env(name: &str) -> Option<usize> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
 }
 
 impl DeepseekV4Model {
@@ -140,42 +175,72 @@ impl DeepseekV4Model {
         BLOCKED_LAYERS.with(|n| n.set(n.get() + 1));
         let here = layer.input_layernorm.weight.val().device();
         let x: Vec<Tensor<4>> = x.into_iter().map(|x| to(x, &here)).collect();
+        let attn = &layer.self_attn;
         let mut weights = Vec::with_capacity(x.len());
-        let mut normed = Vec::with_capacity(x.len());
+        let (mut keys, mut queries) = (Vec::with_capacity(x.len()), Vec::with_capacity(x.len()));
+        let mut f = 0;
         for xb in &x {
             let mhc = profile::region(profile::Region::Mhc);
             let hc = layer.attn_hc.forward(l, Sublayer::Attention, xb, hooks)?;
             drop(mhc);
-            normed.push(layer.input_layernorm.forward(hc.collapsed));
+            // The normalised input lives for this block only: the keys' and the queries'
+            // inputs are a few percent of it.
+            let normed = layer.input_layernorm.forward(hc.collapsed);
+            keys.push(attn.key_inputs(f, &normed, tables));
+            queries.push(attn.query_inputs(&normed));
             weights.push((hc.post, hc.comb));
+            f += xb.dims()[1];
         }
-        let keys = layer.self_attn.block_keys(l, &normed, tables, flow)?;
-        let sub = query_block(&self.config, x[0].dims()[1]);
+        let keys = attn.block_keys(l, keys, tables, flow)?;
+        let len = x[0].dims()[1];
+        let (sub, group) = (
+            query_block(&self.config, len),
+            expert_group(&self.config, len),
+        );
         let [b, t] = [x[0].dims()[0], flow.queries().len()];
+        let mut items = x.into_iter().zip(weights).zip(queries);
+        let mut out = Vec::new();
         let mut f = 0;
-        x.into_iter()
-            .zip(weights)
-            .zip(normed)
-            .map(|((xb, (post, comb)), normed)| {
-                let e = f + xb.dims()[1];
-                let a = layer
-                    .self_attn
-                    .block_output(l, f, normed, &keys, tables, hooks, sub)?;
-                let block_ids: Vec<i64> = (0..b)
-                    .flat_map(|r| ids[r * t + f..r * t + e].iter().copied())
-                    .collect();
-                f = e;
+        loop {
+            // One expert group: its stream blocks' attention and first stream update one
+            // block at a time, then the MoE over the group's positions at once.
+            let g0 = f;
+            let (mut streams, mut hcs, mut ys) = (Vec::new(), Vec::new(), Vec::new());
+            for ((xb, (post, comb)), at) in items.by_ref().take(group) {
+                let a = attn.block_output(l, f, &at, &keys, tables, hooks, sub)?;
+                drop(at);
+                f += xb.dims()[1];
                 let mhc = profile::region(profile::Region::Mhc);
                 let xb = mhc::mix_streams(xb, a, post, comb);
                 let hc = layer.ffn_hc.forward(l, Sublayer::Mlp, &xb, hooks)?;
                 drop(mhc);
-                let experts = profile::region(profile::Region::Experts);
-                let y = layer.post_attention_layernorm.forward(hc.collapsed.clone());
-                let m = layer.mlp.forward(l, y, &block_ids, hooks)?;
-                drop(experts);
-                let _mhc = profile::region(profile::Region::Mhc);
-                Ok(mhc::expand(xb, m, &hc))
-            })
-            .collect()
+                let _experts = profile::region(profile::Region::Experts);
+                ys.push(layer.post_attention_layernorm.forward(hc.collapsed));
+                streams.push(xb);
+                hcs.push((hc.post, hc.comb));
+            }
+            if streams.is_empty() {
+                return Ok(out);
+            }
+            let group_ids: Vec<i64> = (0..b)
+                .flat_map(|r| ids[r * t + g0..r * t + f].iter().copied())
+                .collect();
+            let experts = profile::region(profile::Region::Experts);
+            let y = if ys.len() == 1 {
+                ys.pop().expect("one block")
+            } else {
+                Tensor::cat(ys, 1)
+            };
+            let m = layer.mlp.forward(l, y, &group_ids, hooks)?;
+            drop(experts);
+            let _mhc = profile::region(profile::Region::Mhc);
+            let mut at = 0;
+            for (xb, (post, comb)) in streams.into_iter().zip(hcs) {
+                let n = xb.dims()[1];
+                let mb = m.clone().slice_dim(1, at..at + n);
+                at += n;
+                out.push(mhc::mix_streams(xb, mb, post, comb));
+            }
+        }
     }
 }
