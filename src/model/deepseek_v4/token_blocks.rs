@@ -12,19 +12,23 @@
 //! - the streams stay in stream blocks of positions from layer to layer
 //!   (`deepseek_v4::streams::Streams`); a layer replaces them block by block, so the old
 //!   and new streams are never both whole;
-//! - per stream block, the attention's hyper-connection and `input_layernorm`; then the
-//!   per-token projections that need every position (the K = V head, the compressor's
-//!   and the indexer's pooler inputs) block by block, joined and pooled once
+//! - per stream block, the attention's hyper-connection and `input_layernorm`; then what
+//!   the keys and queries need per position (the K = V head, the compressor's and the
+//!   indexer's pooler inputs, the low-rank query residual, the indexer's head weights);
+//!   the keys' inputs are joined and pooled once
 //!   ([`super::attention::Attention::block_keys`]);
 //! - per stream block again, the queries, attention and output projection in query
-//!   sub-blocks ([`query_block`], [`super::attention::Attention::block_output`]), then
-//!   the stream update, the MoE's hyper-connection, norm, router and experts.
+//!   sub-blocks ([`query_block`], [`super::attention::Attention::block_output`]), the
+//!   stream update and the MoE's hyper-connection and norm; the MoE runs over expert
+//!   groups of consecutive stream blocks ([`expert_group`]), then each block's second
+//!   stream update.
 //!
 //! Forwards with hooks, recording and suffix forwards run whole. Every value is computed
 //! by the same operations as in the whole forward, over fewer rows at a time; matrix
 //! products over a subset of rows may round differently in the last bits (tests compare
 //! the logits within 1e-5 relative, and bit for bit across thread counts). Block sizes
-//! depend on the model's shape (or [`TOKEN_BLOCK_ENV`] / [`QUERY_BLOCK_ENV`]) alone,
+//! depend on the model's shape (or [`TOKEN_BLOCK_ENV`], [`QUERY_BLOCK_ENV`],
+//! [`EXPERT_BLOCK_ENV`]) alone,
 //! never on the threads.
 
 use std::cell::Cell;
