@@ -219,12 +219,7 @@ pub fn attend(
         // forward without hooks.
         g.capture_pattern(&q, &mut keys, pattern, hooks)?;
     }
-    let mut parts = g.blocked(&q, &mut keys, hooks)?;
-    Ok(if parts.len() == 1 {
-        parts.pop().expect("one block")
-    } else {
-        Tensor::cat(parts, 1)
-    })
+    Ok(super::layers::cat_dim1(g.blocked(&q, &mut keys, hooks)?))
 }
 
 /// The environment variable that caps how many query blocks of one attention call run

@@ -280,6 +280,16 @@ pub fn row_chunks(x: Tensor<2>, f: impl Fn(Tensor<2>) -> Tensor<2>) -> Tensor<2>
     Tensor::cat(parts, 0)
 }
 
+/// Parts along dimension 1 (blocks of positions, groups of heads), in order -> one
+/// tensor; a single part passes through without a copy.
+pub fn cat_dim1<const D: usize>(mut parts: Vec<Tensor<D>>) -> Tensor<D> {
+    if parts.len() == 1 {
+        parts.pop().expect("one part")
+    } else {
+        Tensor::cat(parts, 1)
+    }
+}
+
 /// How rotary dims are paired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeLayout {

@@ -25,7 +25,7 @@ use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::{Entries, EntrySelector, Keys, Raw, attend, reads_every_key};
 use crate::model::flops::Mm;
 use crate::model::kv_state::{Queries, TokenFlow};
-use crate::model::layers::{Linear, RmsNorm, RopeTables, rms_normalize};
+use crate::model::layers::{Linear, RmsNorm, RopeTables, cat_dim1, rms_normalize};
 
 /// One attention layer (`self_attn`).
 #[derive(Module, Debug)]
@@ -272,11 +272,7 @@ impl Attention {
         hooks: &mut HookRun,
         from: usize,
     ) -> Result<(Tensor<4>, Tensor<4>)> {
-        let [b, t, _] = x.dims();
-        let kv = self
-            .kv_norm
-            .forward(self.kv_proj.forward(x.clone()))
-            .reshape([b, t, 1, self.head_dim]);
+        let kv = self.kv_head(x);
         let (kp, vp) = (
             HookPoint::block(layer, Site::AttnK),
             HookPoint::block(layer, Site::AttnV),
@@ -308,49 +304,50 @@ impl Attention {
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Option<Entries>> {
-        let (Some(comp), Some((n, starts))) = (
-            &self.compressor,
-            match self.kind {
-                AttnType::Hca => &tables.hca,
-                AttnType::Csa => &tables.csa,
-                AttnType::Sliding => &None,
-            },
-        ) else {
+        let Some((comp, starts)) = self.compressed(tables) else {
             return Ok(None);
         };
-        if *n == 0 {
-            return Ok(None);
-        }
         let (kv, gate) = comp.pooler.project(x);
-        let rate = comp.pooler.rate;
-        let entries = |e: Tensor<4>| Entries {
-            k: e.clone(),
-            v: e,
-            stride: rate,
-            close: rate - 1,
-            offsets: Vec::new(),
-        };
         if !Compressor::hooked(layer, hooks) {
             // K = V, pooled once (and, in a suffix forward, only where it changes).
-            let names = ["comp_kv", "comp_gate", "comp_entries"];
             let e = comp
                 .pooler
-                .entries_through(layer, names, (kv, gate), starts, flow)?;
-            return Ok(e.map(entries));
+                .entries_through(layer, COMP_NAMES, (kv, gate), starts, flow)?;
+            return Ok(e.map(|e| entries(comp, e.clone(), e)));
         }
-        let kv = flow.full(layer, "comp_kv", kv)?;
-        let gate = flow.full(layer, "comp_gate", gate)?;
+        let kv = flow.full(layer, COMP_NAMES[0], kv)?;
+        let gate = flow.full(layer, COMP_NAMES[1], gate)?;
         let windows = comp.pooler.window_logits_from((kv, gate));
         let Some(c) = comp.forward_windows(layer, windows, starts, hooks)? else {
             return Ok(None);
         };
-        Ok(Some(Entries {
-            k: c.keys,
-            v: c.values,
-            stride: rate,
-            close: rate - 1,
-            offsets: Vec::new(),
-        }))
+        Ok(Some(entries(comp, c.keys, c.values)))
+    }
+
+    /// The compressor of a CSA / HCA layer and the RoPE tables at its window starts,
+    /// when a window has closed (`None`: a sliding layer, or no closed window).
+    fn compressed<'s, 't>(
+        &'s self,
+        tables: &'t Tables,
+    ) -> Option<(&'s Compressor, &'t RopeTables)> {
+        let rate = match self.kind {
+            AttnType::Hca => &tables.hca,
+            AttnType::Csa => &tables.csa,
+            AttnType::Sliding => &None,
+        };
+        match (&self.compressor, rate) {
+            (Some(c), Some((n, starts))) if *n > 0 => Some((c, starts)),
+            _ => None,
+        }
+    }
+
+    /// The shared K = V head `[b, t, 1, head_dim]` of `x` (after `input_layernorm`),
+    /// before its rotation.
+    fn kv_head(&self, x: &Tensor<3>) -> Tensor<4> {
+        let [b, t, _] = x.dims();
+        self.kv_norm
+            .forward(self.kv_proj.forward(x.clone()))
+            .reshape([b, t, 1, self.head_dim])
     }
 
     /// The lightning indexer's pooled index keys over every position of what `flow`
@@ -369,10 +366,9 @@ impl Attention {
         // training anything but the indexer, as DeepSeek trains it.
         let (kv, gate) = idx.pooler.project(&x.clone().detach());
         let starts = &tables.csa.as_ref().expect("CSA tables").1;
-        let names = ["index_kv", "index_gate", "index_keys"];
         Ok(idx
             .pooler
-            .entries_through(layer, names, (kv, gate), starts, flow)?
+            .entries_through(layer, INDEX_NAMES, (kv, gate), starts, flow)?
             .expect("the caller checked that entries exist"))
     }
 
@@ -403,14 +399,14 @@ impl Attention {
     /// every query reads (`x: [b, bq, d_model]`, after `input_layernorm`): its K = V head,
     /// rotated at its positions, and its compressor's and indexer's pooler inputs.
     pub fn key_inputs(&self, f: usize, x: &Tensor<3>, tables: &Tables) -> KeyInputs {
-        let [b, bq, _] = x.dims();
-        let k = self
-            .kv_norm
-            .forward(self.kv_proj.forward(x.clone()))
-            .reshape([b, bq, 1, self.head_dim]);
+        let bq = x.dims()[1];
         let comp = self.compressor.as_ref();
         KeyInputs {
-            k: rope::rotate(k, &self.q_tables(tables).rows(f..f + bq), false),
+            k: rope::rotate(
+                self.kv_head(x),
+                &self.q_tables(tables).rows(f..f + bq),
+                false,
+            ),
             comp: comp.map(|c| c.pooler.project(x)),
             // The indexer reads its input detached, as in `index_keys`.
             index: comp
@@ -449,7 +445,7 @@ impl Attention {
             comp.extend(i.comp);
             index.extend(i.index);
         }
-        let k = join(k);
+        let k = cat_dim1(k);
         let total = k.dims()[1];
         let (entries, index) = self.block_entries(layer, comp, index, tables, flow)?;
         Ok(BlockKeys {
@@ -472,39 +468,25 @@ impl Attention {
     ) -> Result<(Option<Entries>, Option<Tensor<4>>)> {
         let joined = |parts: Vec<(Tensor<3>, Tensor<3>)>| {
             let (kv, gate): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
-            (join(kv), join(gate))
+            (cat_dim1(kv), cat_dim1(gate))
         };
-        let rates = match self.kind {
-            AttnType::Hca => &tables.hca,
-            AttnType::Csa => &tables.csa,
-            AttnType::Sliding => &None,
-        };
-        let (Some(c), Some((n, starts))) = (&self.compressor, rates) else {
+        let Some((c, starts)) = self.compressed(tables) else {
             return Ok((None, None));
         };
-        if *n == 0 || comp.is_empty() {
+        if comp.is_empty() {
             return Ok((None, None));
         }
-        let names = ["comp_kv", "comp_gate", "comp_entries"];
         let e = c
             .pooler
-            .entries_through(layer, names, joined(comp), starts, flow)?;
+            .entries_through(layer, COMP_NAMES, joined(comp), starts, flow)?;
         let index = match (&e, &c.indexer) {
             (Some(_), Some(idx)) if !index.is_empty() => {
-                let names = ["index_kv", "index_gate", "index_keys"];
                 idx.pooler
-                    .entries_through(layer, names, joined(index), starts, flow)?
+                    .entries_through(layer, INDEX_NAMES, joined(index), starts, flow)?
             }
             _ => None,
         };
-        let entries = e.map(|e| Entries {
-            k: e.clone(),
-            v: e,
-            stride: c.pooler.rate,
-            close: c.pooler.rate - 1,
-            offsets: Vec::new(),
-        });
-        Ok((entries, index))
+        Ok((e.map(|e| entries(c, e.clone(), e)), index))
     }
 
     /// The output `[b, bq, d_model]` of the block of queries at positions `f..f + bq`
@@ -525,6 +507,9 @@ impl Attention {
     ) -> Result<Tensor<3>> {
         let [b, t, _] = at.q_res.dims();
         let sub = sub.max(1);
+        let indexer = self.compressor.as_ref().and_then(|c| c.indexer.as_ref());
+        let pattern = HookPoint::block(layer, Site::AttnPattern);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
         let mut parts = Vec::with_capacity(t.div_ceil(sub));
         for i in (0..t).step_by(sub) {
             let rows = i..(i + sub).min(t);
@@ -540,7 +525,6 @@ impl Attention {
                 len: bq,
                 total: keys.total,
             };
-            let indexer = self.compressor.as_ref().and_then(|c| c.indexer.as_ref());
             let mut selector = match (indexer, &keys.index, &part.heads) {
                 (Some(idx), Some(index), Some(heads)) => {
                     let at = IndexQueries {
@@ -564,15 +548,13 @@ impl Attention {
                 }),
                 sink: Some(self.sinks.val()),
             };
-            let pattern = HookPoint::block(layer, Site::AttnPattern);
-            let scale = 1.0 / (self.head_dim as f64).sqrt();
             let z = attend(q, &queries, attend_to, scale, pattern, false, hooks)?;
             if let Some(s) = selector {
                 s.finish(hooks);
             }
             parts.push(self.project(rope::rotate(z, &qt, true)));
         }
-        Ok(join(parts))
+        Ok(cat_dim1(parts))
     }
 
     /// `z: [b, t, nh, dh]` -> the output `[b, t, d_model]`, through `hook_result`
@@ -612,12 +594,7 @@ impl Attention {
                     s.matmul_t_rows(0, gi * r..(gi + 1) * r, x)
                 })
                 .collect();
-            let y = if g == 1 {
-                y.into_iter().next().expect("one group")
-            } else {
-                Tensor::cat(y, 1)
-            };
-            return self.o_b_proj.forward(y.reshape([b, t, g * r]));
+            return self.o_b_proj.forward(cat_dim1(y).reshape([b, t, g * r]));
         }
         let wa = self.o_a_proj.weight.val(); // [g * r, in_g]
         let r = wa.dims()[0] / g;
@@ -655,11 +632,21 @@ impl Attention {
     }
 }
 
-/// Blocks of positions (dimension 1), in order -> one tensor.
-fn join<const D: usize>(mut parts: Vec<Tensor<D>>) -> Tensor<D> {
-    if parts.len() == 1 {
-        parts.pop().expect("one block")
-    } else {
-        Tensor::cat(parts, 1)
+/// The state names of the compressor's pooler inputs and entries
+/// ([`super::pooler::Pooler::entries_through`]).
+const COMP_NAMES: [&str; 3] = ["comp_kv", "comp_gate", "comp_entries"];
+
+/// The state names of the CSA indexer's pooler inputs and keys.
+const INDEX_NAMES: [&str; 3] = ["index_kv", "index_gate", "index_keys"];
+
+/// Compressed entries of `comp`'s windows (keys `k`, values `v`: `[b, n, 1, d]`).
+fn entries(comp: &Compressor, k: Tensor<4>, v: Tensor<4>) -> Entries {
+    let rate = comp.pooler.rate;
+    Entries {
+        k,
+        v,
+        stride: rate,
+        close: rate - 1,
+        offsets: Vec::new(),
     }
 }

@@ -18,7 +18,7 @@ use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::attention::EntrySelector;
 use crate::model::flops::Mm;
 use crate::model::kv_state::Queries;
-use crate::model::layers::{Linear, RopeTables, int_tensor};
+use crate::model::layers::{Linear, RopeTables, cat_dim1, int_tensor};
 use crate::model::topk::{selected_indices, topk_mask};
 use crate::model::weights::Vb;
 
@@ -153,13 +153,7 @@ impl IndexSelector {
     pub fn finish(self, hooks: &mut HookRun) {
         let point = HookPoint::block(self.layer, Site::IndexerTopk);
         let picked = self.picked;
-        hooks.record(point, || {
-            if picked.len() == 1 {
-                picked.into_iter().next().expect("one block")
-            } else {
-                Tensor::cat(picked, 1)
-            }
-        });
+        hooks.record(point, || cat_dim1(picked));
     }
 }
 

@@ -156,7 +156,6 @@ impl Pooler {
     ) -> Result<Option<Tensor<4>>> {
         let m = self.rate;
         let n = flow.queries().total() / m;
-        let pooled = |w: Tensor<4>, v: Tensor<4>, tables: &RopeTables| self.pooled(w, v, tables);
         let w0 = flow.first_recomputed().map_or(0, |f| (f / m).min(n));
         if n == 0 || w0 == 0 {
             let kv = flow.full(layer, names[0], kv)?;
@@ -188,26 +187,18 @@ impl Pooler {
                 let (w, v) = self
                     .window_logits_from((cut(base_kv), cut(base_gate)))
                     .expect("w0 >= 1 closed windows");
-                pooled(w, v, &starts.rows(0..w0)).select(0, int_tensor(&rows, &device))
+                self.pooled(w, v, &starts.rows(0..w0))
+                    .select(0, int_tensor(&rows, &device))
             }
         };
         let mut entries = head;
         if w0 < n {
-            // With overlap, window w0 reads the A half of window w0 - 1's tokens: start
-            // there, and drop that window's entry (its own A half is missing here).
-            let p0 = if self.overlap { (w0 - 1) * m } else { w0 * m };
+            let p0 = self.first_read(w0);
             let kv = flow.full_from(layer, names[0], kv, p0)?;
             let gate = flow.full_from(layer, names[1], gate, p0)?;
-            let (w, v) = self
-                .window_logits_from((kv, gate))
+            let tail = self
+                .pooled_from((kv, gate), w0, &starts.rows(w0..n))
                 .expect("windows close after w0");
-            let skip = w0 - p0 / m;
-            let nt = w.dims()[1];
-            let tail = pooled(
-                w.slice_dim(1, skip..nt),
-                v.slice_dim(1, skip..nt),
-                &starts.rows(w0..n),
-            );
             entries = Tensor::cat(vec![entries, tail], 1);
         }
         Ok(Some(entries))
@@ -219,6 +210,31 @@ impl Pooler {
         let e = self.pool(softmax(w, 2), v);
         let [b, k, d] = e.dims();
         rope::rotate(e.reshape([b, k, 1, d]), tables, false)
+    }
+
+    /// The first position the windows from `w0` on read: window `w0`'s start or, with
+    /// overlap, window `w0 - 1`'s (window `w0` reads the first half of its tokens).
+    fn first_read(&self, w0: usize) -> usize {
+        if self.overlap && w0 > 0 {
+            (w0 - 1) * self.rate
+        } else {
+            w0 * self.rate
+        }
+    }
+
+    /// The entries of windows `w0..` from the projections of the positions from
+    /// [`Pooler::first_read`]`(w0)` on, rotated with `tables` (one row per entry): with
+    /// overlap, window `w0 - 1`'s own entry is dropped (its first half is missing here).
+    /// `None` when no window closes.
+    fn pooled_from(
+        &self,
+        projections: (Tensor<3>, Tensor<3>),
+        w0: usize,
+        tables: &RopeTables,
+    ) -> Option<Tensor<4>> {
+        let (w, v) = self.window_logits_from(projections)?;
+        let (skip, k) = (w0 - self.first_read(w0) / self.rate, w.dims()[1]);
+        Some(self.pooled(w.slice_dim(1, skip..k), v.slice_dim(1, skip..k), tables))
     }
 
     /// The entries of every closed window from every position's projections (`kv`,
@@ -244,23 +260,9 @@ impl Pooler {
             .step_by(chunk)
             .map(|c0| {
                 let c1 = (c0 + chunk).min(n);
-                // Overlapping windows read the previous window's first half: start one
-                // window early and drop that window's entry.
-                let p0 = if self.overlap && c0 > 0 {
-                    (c0 - 1) * m
-                } else {
-                    c0 * m
-                };
-                let cut = |x: &Tensor<3>| x.clone().slice_dim(1, p0..c1 * m);
-                let (w, v) = self
-                    .window_logits_from((cut(&kv), cut(&gate)))
-                    .expect("a chunk holds at least one window");
-                let (skip, k) = (c0 - p0 / m, w.dims()[1]);
-                self.pooled(
-                    w.slice_dim(1, skip..k),
-                    v.slice_dim(1, skip..k),
-                    &starts.rows(c0..c1),
-                )
+                let cut = |x: &Tensor<3>| x.clone().slice_dim(1, self.first_read(c0)..c1 * m);
+                self.pooled_from((cut(&kv), cut(&gate)), c0, &starts.rows(c0..c1))
+                    .expect("a chunk holds at least one window")
             })
             .collect();
         Some(Tensor::cat(parts, 1))

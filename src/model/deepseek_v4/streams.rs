@@ -4,6 +4,7 @@
 use burn::tensor::{Int, Tensor};
 
 use crate::error::{Error, Result};
+use crate::model::layers::cat_dim1;
 use crate::model::placement::to;
 
 /// The residual streams `[b, t, hc_mult, d_model]` of a forward: whole, or in blocks of
@@ -18,8 +19,7 @@ impl Streams {
     pub fn whole(self) -> Tensor<4> {
         match self {
             Streams::Whole(x) => *x,
-            Streams::Blocks(mut v) if v.len() == 1 => v.pop().expect("one block"),
-            Streams::Blocks(v) => Tensor::cat(v, 1),
+            Streams::Blocks(v) => cat_dim1(v),
         }
     }
 

@@ -42,6 +42,7 @@ use super::model::{DecoderLayer, DeepseekV4Model};
 use crate::error::Result;
 use crate::hooks::HookRun;
 use crate::model::kv_state::TokenFlow;
+use crate::model::layers::cat_dim1;
 use crate::model::placement::to;
 use crate::model::profile;
 
@@ -230,12 +231,7 @@ impl DeepseekV4Model {
                 .flat_map(|r| ids[r * t + g0..r * t + f].iter().copied())
                 .collect();
             let experts = profile::region(profile::Region::Experts);
-            let y = if ys.len() == 1 {
-                ys.pop().expect("one block")
-            } else {
-                Tensor::cat(ys, 1)
-            };
-            let m = layer.mlp.forward(l, y, &group_ids, hooks)?;
+            let m = layer.mlp.forward(l, cat_dim1(ys), &group_ids, hooks)?;
             drop(experts);
             let _mhc = profile::region(profile::Region::Mhc);
             let mut at = 0;
