@@ -58,11 +58,11 @@ pub struct Attention {
 /// ([`Attention::key_inputs`]).
 pub struct KeyInputs {
     /// The K = V head `[b, bq, 1, head_dim]`, rotated.
-    k: Tensor<4>,
+    pub(super) k: Tensor<4>,
     /// The compressor's pooler inputs (`kv`, `gate`), per token.
-    comp: Option<(Tensor<3>, Tensor<3>)>,
+    pub(super) comp: Option<(Tensor<3>, Tensor<3>)>,
     /// The CSA indexer's pooler inputs.
-    index: Option<(Tensor<3>, Tensor<3>)>,
+    pub(super) index: Option<(Tensor<3>, Tensor<3>)>,
 }
 
 /// What one block's queries are computed from in a plain forward in blocks
@@ -74,16 +74,20 @@ pub struct QueryInputs {
     heads: Option<Tensor<3>>,
 }
 
-/// What every query block of one layer reads in a plain forward in blocks
-/// ([`Attention::block_keys`]).
+/// What the query blocks of one span of a plain forward in spans read
+/// ([`Attention::span_keys`]).
 pub struct BlockKeys {
-    /// The K = V head `[b, t, 1, head_dim]`, rotated, over every position.
-    k: Tensor<4>,
-    entries: Option<Entries>,
+    /// The K = V head `[b, total - start, 1, head_dim]`, rotated, at the positions
+    /// `start..total`.
+    pub(super) k: Tensor<4>,
+    /// The position of `k`'s first row (the span's first less `window - 1`, or 0).
+    pub(super) start: usize,
+    /// The compressed entries of the windows closed by `total`.
+    pub(super) entries: Option<Entries>,
     /// The CSA indexer's pooled keys `[b, n, 1, index_head_dim]`.
-    index: Option<Tensor<4>>,
-    /// Positions.
-    total: usize,
+    pub(super) index: Option<Tensor<4>>,
+    /// Positions up to the span's end.
+    pub(super) total: usize,
 }
 
 /// What every layer of one forward shares: RoPE tables (main and compress rotary) at the
@@ -326,7 +330,7 @@ impl Attention {
 
     /// The compressor of a CSA / HCA layer and the RoPE tables at its window starts,
     /// when a window has closed (`None`: a sliding layer, or no closed window).
-    fn compressed<'s, 't>(
+    pub(super) fn compressed<'s, 't>(
         &'s self,
         tables: &'t Tables,
     ) -> Option<(&'s Compressor, &'t RopeTables)> {
@@ -426,71 +430,8 @@ impl Attention {
         }
     }
 
-    /// The keys every query block reads, from every block's [`Attention::key_inputs`]
-    /// (in order): the K = V head, the compressed entries and the CSA indexer's pooled
-    /// keys over every position. With [`Attention::query_inputs`] and
-    /// [`Attention::block_output`], [`Attention::forward`] for `flow` (plain, every
-    /// position) in blocks.
-    pub fn block_keys(
-        &self,
-        layer: usize,
-        inputs: Vec<KeyInputs>,
-        tables: &Tables,
-        flow: &mut TokenFlow,
-    ) -> Result<BlockKeys> {
-        let mut k = Vec::with_capacity(inputs.len());
-        let (mut comp, mut index) = (Vec::new(), Vec::new());
-        for i in inputs {
-            k.push(i.k);
-            comp.extend(i.comp);
-            index.extend(i.index);
-        }
-        let k = cat_dim1(k);
-        let total = k.dims()[1];
-        let (entries, index) = self.block_entries(layer, comp, index, tables, flow)?;
-        Ok(BlockKeys {
-            k,
-            entries,
-            index,
-            total,
-        })
-    }
-
-    /// The compressed entries and the CSA indexer's pooled keys of
-    /// [`Attention::block_keys`], from every block's pooler inputs.
-    fn block_entries(
-        &self,
-        layer: usize,
-        comp: Vec<(Tensor<3>, Tensor<3>)>,
-        index: Vec<(Tensor<3>, Tensor<3>)>,
-        tables: &Tables,
-        flow: &mut TokenFlow,
-    ) -> Result<(Option<Entries>, Option<Tensor<4>>)> {
-        let joined = |parts: Vec<(Tensor<3>, Tensor<3>)>| {
-            let (kv, gate): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
-            (cat_dim1(kv), cat_dim1(gate))
-        };
-        let Some((c, starts)) = self.compressed(tables) else {
-            return Ok((None, None));
-        };
-        if comp.is_empty() {
-            return Ok((None, None));
-        }
-        let e = c
-            .pooler
-            .entries_through(layer, COMP_NAMES, joined(comp), starts, flow)?;
-        let index = match (&e, &c.indexer) {
-            (Some(_), Some(idx)) if !index.is_empty() => {
-                idx.pooler
-                    .entries_through(layer, INDEX_NAMES, joined(index), starts, flow)?
-            }
-            _ => None,
-        };
-        Ok((e.map(|e| entries(c, e.clone(), e)), index))
-    }
-
     /// The output `[b, bq, d_model]` of the block of queries at positions `f..f + bq`
-    /// (their [`Attention::query_inputs`]) over the `keys` of [`Attention::block_keys`]:
+    /// (their [`Attention::query_inputs`]) over the `keys` of [`Attention::span_keys`]:
     /// in sub-blocks of `sub` queries, each one's queries, attention, inverse rotation and
     /// output projection. The queries and per-head outputs (`n_heads * head_dim` values
     /// per token, 8x `d_model` at DeepSeek-V4's width) exist for one sub-block at a time.
@@ -544,7 +485,7 @@ impl Attention {
                     k: keys.k.clone(),
                     v: keys.k.clone(),
                     window: Some(tables.window),
-                    start: 0,
+                    start: keys.start,
                 }),
                 sink: Some(self.sinks.val()),
             };
@@ -640,7 +581,7 @@ const COMP_NAMES: [&str; 3] = ["comp_kv", "comp_gate", "comp_entries"];
 const INDEX_NAMES: [&str; 3] = ["index_kv", "index_gate", "index_keys"];
 
 /// Compressed entries of `comp`'s windows (keys `k`, values `v`: `[b, n, 1, d]`).
-fn entries(comp: &Compressor, k: Tensor<4>, v: Tensor<4>) -> Entries {
+pub(super) fn entries(comp: &Compressor, k: Tensor<4>, v: Tensor<4>) -> Entries {
     let rate = comp.pooler.rate;
     Entries {
         k,

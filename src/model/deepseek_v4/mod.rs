@@ -28,6 +28,7 @@ pub mod moe;
 pub mod pooler;
 pub mod rope;
 pub mod save;
+pub mod span_cache;
 pub mod streams;
 pub mod token_blocks;
 

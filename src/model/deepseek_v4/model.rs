@@ -203,11 +203,16 @@ impl DeepseekV4Model {
 
     /// Embed `[b, t]` ids and copy them into the `hc_mult` streams `[b, t, hc, d]`.
     fn streams(&self, tokens: Tensor<2, Int>, hooks: &mut HookRun) -> Result<Tensor<4>> {
-        let [b, t] = tokens.dims();
         let e = self.model.embed_tokens.forward(tokens);
-        let e = hooks.apply(HookPoint::global(Site::Embed), e)?;
-        let (n, h) = (self.config.hc_mult, self.config.hidden_size);
-        Ok(e.reshape([b, t, 1, h]).expand([b, t, n, h]))
+        Ok(self.expand_streams(hooks.apply(HookPoint::global(Site::Embed), e)?))
+    }
+
+    /// The embeddings `e: [b, t, d_model]` copied into the `hc_mult` streams `[b, t, hc,
+    /// d]` (a broadcast view).
+    pub(super) fn expand_streams(&self, e: Tensor<3>) -> Tensor<4> {
+        let [b, t, h] = e.dims();
+        let n = self.config.hc_mult;
+        e.reshape([b, t, 1, h]).expand([b, t, n, h])
     }
 
     /// [`DeepseekV4Model::forward`], also keeping every layer's per-token state (and the
@@ -464,33 +469,25 @@ impl DeepseekV4Model {
     ) -> Result<Streams> {
         // A placed model: the streams move to each layer's device, per-forward tables
         // are built once per device, logits and captures come back home.
+        if let Some(block) = self.blocks_of(flow, hooks) {
+            let x = x.whole();
+            let [b, t, _, _] = x.dims();
+            let mut out = Vec::new();
+            let input = |r| Ok(x.clone().slice_dim(1, r));
+            self.run_spans([b, t], layers, block, ids, hooks, input, |_, blocks| {
+                out.extend(blocks);
+                Ok(())
+            })?;
+            return Ok(Streams::Blocks(out));
+        }
         let mut per_device = PerDevice::new();
-        let block = self.blocks_of(flow, hooks);
         let (start, n) = (layers.start, layers.len());
         for (l, layer) in self.model.layers.iter().enumerate().skip(start).take(n) {
             let here = layer.input_layernorm.weight.val().device();
             let tables = per_device.get(&here, |d| Tables::new(&self.config, flow.queries(), d));
-            x = match block {
-                Some(block) => {
-                    let blocks = x.blocks(block);
-                    Streams::Blocks(self.layer_in_blocks(
-                        (l, layer),
-                        blocks,
-                        tables,
-                        ids,
-                        flow,
-                        hooks,
-                    )?)
-                }
-                None => Streams::Whole(Box::new(self.layer_whole(
-                    (l, layer),
-                    to(x.whole(), &here),
-                    tables,
-                    ids,
-                    flow,
-                    hooks,
-                )?)),
-            };
+            let x1 =
+                self.layer_whole((l, layer), to(x.whole(), &here), tables, ids, flow, hooks)?;
+            x = Streams::Whole(Box::new(x1));
         }
         Ok(x)
     }
@@ -552,6 +549,10 @@ impl DeepseekV4Model {
         let [b, t] = tokens.dims();
         let spec = HookSpec::new();
         let mut hooks = spec.run();
+        let plain = TokenFlow::plain(b, t);
+        if let Some(block) = self.blocks_of(&plain, &hooks) {
+            return self.logit_rows_in_spans(tokens, &ids, rows, block, &mut hooks);
+        }
         let x = Streams::Whole(Box::new(self.streams(tokens, &mut hooks)?));
         let n = self.model.layers.len();
         let x = self.run_streams(x, 0..n, &ids, &mut TokenFlow::plain(b, t), &mut hooks)?;
@@ -564,7 +565,7 @@ impl DeepseekV4Model {
 
     /// The streams after the last layer `[b, t, hc, d]` -> logits (on the home device):
     /// hyper-head collapse, final norm (`hook_final_norm`), LM head.
-    fn head_logits(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
+    pub(super) fn head_logits(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
         let _stage = profile::region(profile::Region::Head);
         let h = self.final_hidden(x, hooks)?;
         Ok(self.lm(h))

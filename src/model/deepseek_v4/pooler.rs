@@ -214,7 +214,7 @@ impl Pooler {
 
     /// The first position the windows from `w0` on read: window `w0`'s start or, with
     /// overlap, window `w0 - 1`'s (window `w0` reads the first half of its tokens).
-    fn first_read(&self, w0: usize) -> usize {
+    pub(super) fn first_read(&self, w0: usize) -> usize {
         if self.overlap && w0 > 0 {
             (w0 - 1) * self.rate
         } else {
@@ -226,7 +226,7 @@ impl Pooler {
     /// [`Pooler::first_read`]`(w0)` on, rotated with `tables` (one row per entry): with
     /// overlap, window `w0 - 1`'s own entry is dropped (its first half is missing here).
     /// `None` when no window closes.
-    fn pooled_from(
+    pub(super) fn pooled_from(
         &self,
         projections: (Tensor<3>, Tensor<3>),
         w0: usize,

@@ -23,20 +23,6 @@ impl Streams {
         }
     }
 
-    /// The streams in blocks of `block` positions (the last may be shorter).
-    pub fn blocks(self, block: usize) -> Vec<Tensor<4>> {
-        match self {
-            Streams::Blocks(v) => v,
-            Streams::Whole(x) => {
-                let t = x.dims()[1];
-                (0..t)
-                    .step_by(block.max(1))
-                    .map(|f| x.clone().slice_dim(1, f..(f + block).min(t)))
-                    .collect()
-            }
-        }
-    }
-
     /// The streams at the flat positions `rows` (indices into `[b * t]`) ->
     /// `[1, rows, hc_mult, d_model]`.
     pub fn rows(self, rows: Tensor<1, Int>) -> Result<Tensor<4>> {
