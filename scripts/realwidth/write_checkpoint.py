@@ -19,7 +19,11 @@ naming, one shard for the embedding / head / final norms and one per layer.
 Deterministic: one torch.Generator seeded with --seed, one thread; the same seed gives
 identical files with torch 2.9.0 (tests/fixtures/deepseek_v4/requirements.txt).
 
-    python scripts/realwidth/write_checkpoint.py DIR [--experts 8] [--seed 22022]
+    python scripts/realwidth/write_checkpoint.py DIR [--experts 8] [--seed 22022] [--width real|mid]
+
+`--width mid` writes the same design at d_model 1024 (MIDWIDTH: 16 heads x 256, q_lora
+512, 4 output groups of rank 256, indexer 16 x 128 keeping 128, experts of width 512) for
+the cost table's middle column.
 
 About 2.7 GiB on disk; peak memory about 4 GiB (the f32 embedding while it is made).
 """
@@ -66,6 +70,24 @@ REALWIDTH = dict(
     hc_mult=4,
     expert_dtype="fp4",
 )
+
+# A mid width for the cost table (docs/performance.md, "Cost as the length grows"): a
+# quarter of V4-Flash's d_model, the same layer pattern, rates, window, hc_mult, vocabulary
+# and quantisation (every FP8 matrix side still a multiple of 128).
+MIDWIDTH = dict(
+    REALWIDTH,
+    hidden_size=1024,
+    moe_intermediate_size=512,
+    num_attention_heads=16,
+    head_dim=256,
+    q_lora_rank=512,
+    o_groups=4,
+    o_lora_rank=256,
+    index_n_heads=16,
+    index_topk=128,
+)
+
+WIDTHS = {"real": REALWIDTH, "mid": MIDWIDTH}
 
 
 def quantize_fp8_blocks(w: torch.Tensor):
@@ -138,10 +160,14 @@ def main() -> None:
     ap.add_argument("dir")
     ap.add_argument("--experts", type=int, default=8, help="routed experts per layer (default 8)")
     ap.add_argument("--seed", type=int, default=22022)
+    ap.add_argument(
+        "--width", choices=sorted(WIDTHS), default="real",
+        help="real: V4-Flash's width (default); mid: d_model 1024 (see MIDWIDTH)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    config = dict(REALWIDTH, n_routed_experts=a.experts)
+    config = dict(WIDTHS[a.width], n_routed_experts=a.experts)
     drop = ("quantization_config", "architectures", "model_type", "expert_dtype")
     cfg = DeepseekV4Config(**{k: v for k, v in config.items() if k not in drop})
     with torch.device("meta"):
@@ -183,6 +209,7 @@ def main() -> None:
                 "writer": "scripts/realwidth/write_checkpoint.py",
                 "seed": a.seed,
                 "experts": a.experts,
+                "width": a.width,
                 "torch": torch.__version__,
                 "tensors_by_storage": counts,
                 "stored_bytes": total,

@@ -477,8 +477,17 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
     for &t in &b.tokens {
         // With --last-logits only each row's last position goes through the LM head.
         let logit_len = if b.last_logits { 1 } else { t };
-        let bytes =
-            phaselens::model::memory::forward_bytes_with(&info, &widths, b.batch, t, logit_len);
+        // A prefill run span by span holds one span's activations and the cache of the
+        // positions before it.
+        let bytes = match (b.last_logits, model.prefill_span()) {
+            (true, Some((span, cached))) if t > span => {
+                phaselens::model::memory::forward_bytes_with(&info, &widths, b.batch, span, 1)
+                    + 4.0 * (b.batch * t) as f64 * cached
+            }
+            _ => {
+                phaselens::model::memory::forward_bytes_with(&info, &widths, b.batch, t, logit_len)
+            }
+        };
         phaselens::model::memory::check(
             &format!("a forward over {} x {t} tokens", b.batch),
             "--tokens / --batch",

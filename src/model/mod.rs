@@ -387,6 +387,13 @@ pub trait LanguageModel: Send + Sync {
     fn memory_widths(&self) -> memory::Widths {
         memory::Widths::from_info(&self.info())
     }
+    /// When a hook-free [`forward_logit_rows`](Self::forward_logit_rows) runs a long
+    /// prompt span by span (DeepSeek-V4: `deepseek_v4::token_blocks`): the positions it
+    /// holds activations for at once, and the f32 values per position its cache keeps
+    /// for the later spans. `None`: every position at once.
+    fn prefill_span(&self) -> Option<(usize, f64)> {
+        None
+    }
     /// [`forward`](Self::forward), also returning the state that
     /// [`forward_suffix`](Self::forward_suffix) needs (`None`: the model has no
     /// suffix path).

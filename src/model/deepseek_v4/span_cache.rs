@@ -14,6 +14,7 @@
 use burn::tensor::Tensor;
 
 use super::attention::{Attention, BlockKeys, KeyInputs, Tables, entries as entries_of};
+use super::config::{AttnType, DeepseekV4Config};
 use super::pooler::Pooler;
 use crate::model::layers::{RopeTables, cat_dim1};
 
@@ -83,6 +84,20 @@ impl Pooled {
         });
         self.done = n;
     }
+}
+
+/// f32 values per position the layers of a `c` model keep between spans: each closed
+/// window's entry (`head_dim`) and, in CSA, its index key (`index_head_dim`), per `rate`
+/// positions. (The raw tail and the open windows' inputs are a constant beside it.)
+pub fn cached_per_token(c: &DeepseekV4Config) -> f64 {
+    c.layer_types
+        .iter()
+        .map(|t| match t {
+            AttnType::Csa => (c.head_dim + c.index_head_dim) as f64 / c.csa_rate as f64,
+            AttnType::Hca => c.head_dim as f64 / c.hca_rate as f64,
+            AttnType::Sliding => 0.0,
+        })
+        .sum()
 }
 
 /// A copy of `x` in its own buffer: a slice is a view that would keep the whole buffer
