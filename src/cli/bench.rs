@@ -209,6 +209,8 @@ pub struct ForwardBench {
     pub json: Option<std::path::PathBuf>,
     /// With --model: compute only each row's last-position logits (a prefill), not the
     /// `tokens x vocab` logits of every position (8.5 GB at 16K tokens and 129,280 words).
+    /// A DeepSeek-V4 prefill of a long prompt then runs span by span and holds one span's
+    /// activations (docs/performance.md, "Spans"); the memory check counts so.
     #[arg(long, requires = "model")]
     pub last_logits: bool,
     /// Also time each stage of the timed forwards: matrix products, dequantisation of

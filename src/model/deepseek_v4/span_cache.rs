@@ -32,6 +32,27 @@ pub struct SpanCache {
     end: usize,
 }
 
+impl SpanCache {
+    /// f32 values held: `(entries and index keys, raw tail + pending pooler inputs)`.
+    /// The first grows with the positions seen (as [`cached_per_token`] counts), the
+    /// second is bounded by the window and two windows of pooler inputs.
+    pub fn held_values(&self) -> (usize, usize) {
+        let n = |x: &Tensor<4>| x.dims().iter().product::<usize>();
+        let n3 = |x: &Tensor<3>| x.dims().iter().product::<usize>();
+        let entries = [&self.comp, &self.index]
+            .iter()
+            .filter_map(|p| p.entries.as_ref())
+            .map(n)
+            .sum();
+        let pending: usize = [&self.comp, &self.index]
+            .iter()
+            .filter_map(|p| p.pending.as_ref())
+            .map(|(k, g)| n3(k) + n3(g))
+            .sum();
+        (entries, self.tail.as_ref().map_or(0, n) + pending)
+    }
+}
+
 /// One pooler's entries of the windows closed so far, and the inputs of the rest.
 #[derive(Default)]
 struct Pooled {
@@ -223,5 +244,71 @@ mod tests {
                 assert_eq!(got, once, "rate {rate}, spans {spans:?}");
             }
         }
+    }
+
+    /// What a layer's cache holds after many spans: the entries (and index keys) grow as
+    /// [`cached_per_token`] counts, the rest (raw tail, open windows' pooler inputs) stays
+    /// within the window and two windows, whatever the prompt's length.
+    #[test]
+    fn a_layers_cache_holds_its_entries_and_a_bounded_rest() {
+        use crate::model::deepseek_v4::DeepseekV4Model;
+        use crate::model::kv_state::Queries;
+        let dev = Device::flex();
+        let json = r#"{"model_type": "deepseek_v4", "vocab_size": 64, "hidden_size": 16,
+            "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 8,
+            "qk_rope_head_dim": 4, "q_lora_rank": 8, "o_groups": 2, "o_lora_rank": 4,
+            "n_routed_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 4,
+            "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention",
+                            "sliding_attention"],
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            "sliding_window": 6, "index_n_heads": 1, "index_head_dim": 4, "index_topk": 2,
+            "hc_mult": 2}"#;
+        let c = DeepseekV4Config::from_json(json).unwrap();
+        let m = DeepseekV4Model::new(&c, &Vb::new(&RandomInit { seed: 3 }, &dev)).unwrap();
+        let (b, t, span) = (2, 203, 13);
+        let tables = Tables::new(&c, &Queries::All { rows: b, len: t }, &dev);
+        let x: Vec<f32> = (0..b * t * 16)
+            .map(|i| ((i * 13 % 31) as f32 / 15.0) - 1.0)
+            .collect();
+        let x = Tensor::<3>::from_data(TensorData::new(x, [b, t, 16]), &dev);
+        let mut per_token = 0.0;
+        for layer in &m.model.layers {
+            let attn = &layer.self_attn;
+            let mut cache = SpanCache::default();
+            let mut rest_max = 0;
+            for s0 in (0..t).step_by(span) {
+                let s1 = (s0 + span).min(t);
+                let inputs = attn.key_inputs(s0, &x.clone().slice_dim(1, s0..s1), &tables);
+                let keys = attn.span_keys(vec![inputs], s0, &mut cache, &tables);
+                assert_eq!(keys.total, s1);
+                assert_eq!(keys.start, s0.saturating_sub(c.sliding_window - 1));
+                rest_max = rest_max.max(cache.held_values().1);
+            }
+            // Entries of every closed window: `t / rate` per row, `dim` values each (the
+            // compressor's, and in CSA the indexer's).
+            let (entries, _) = cache.held_values();
+            let (closed, dims, rate) = attn.compressor.as_ref().map_or((0, 0, 1), |cp| {
+                let dims = cp.pooler.dim + cp.indexer.as_ref().map_or(0, |i| i.pooler.dim);
+                (t / cp.pooler.rate, dims, cp.pooler.rate)
+            });
+            assert_eq!(entries, b * closed * dims);
+            per_token += dims as f64 / rate as f64;
+            // The rest: the raw tail (window - 1 positions of head_dim) and at most two
+            // windows of pooler inputs (kv + gate, twice the width when overlapping).
+            let bound = b
+                * ((c.sliding_window - 1) * c.head_dim
+                    + attn.compressor.as_ref().map_or(0, |cp| {
+                        let w = |p: &Pooler| 2 * p.rate * 2 * p.dim * if p.overlap { 2 } else { 1 };
+                        w(&cp.pooler) + cp.indexer.as_ref().map_or(0, |i| w(&i.pooler))
+                    }));
+            assert!(
+                rest_max <= bound,
+                "{rest_max} values held beside the entries > {bound}"
+            );
+        }
+        assert!(
+            (per_token - cached_per_token(&c)).abs() < 1e-9,
+            "{per_token}"
+        );
     }
 }
