@@ -236,6 +236,9 @@ impl DeepseekV4Model {
     ) -> Result<Tensor<2>> {
         let [b, t] = tokens.dims();
         let wanted = flat_rows(rows, b * t)?;
+        if wanted.is_empty() {
+            return Err(Error::Input("no logit rows asked for".into()));
+        }
         let mut picked: Vec<Option<Tensor<4>>> = vec![None; wanted.len()];
         let n = self.model.layers.len();
         let embed = &self.model.embed_tokens;
