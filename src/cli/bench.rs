@@ -463,6 +463,32 @@ fn sweep_model(
     })
 }
 
+/// Refuse a sweep length whose forward cannot fit this machine's memory.
+fn check_sweep_memory(
+    b: &ForwardBench,
+    model: &dyn phaselens::model::LanguageModel,
+    t: usize,
+) -> Result<()> {
+    use phaselens::model::memory::{check, forward_bytes_with};
+    let (info, widths) = (model.info(), model.memory_widths());
+    // With --last-logits only each row's last position goes through the LM head, and a
+    // prefill run span by span holds one span's activations and the cache of the
+    // positions before it.
+    let bytes = match (b.last_logits, model.prefill_span()) {
+        (true, Some((span, cached))) if t > span => {
+            forward_bytes_with(&info, &widths, b.batch, span, 1)
+                + 4.0 * (b.batch * t) as f64 * cached
+        }
+        (last, _) => forward_bytes_with(&info, &widths, b.batch, t, if last { 1 } else { t }),
+    };
+    check(
+        &format!("a forward over {} x {t} tokens", b.batch),
+        "--tokens / --batch",
+        bytes,
+    )?;
+    Ok(())
+}
+
 /// `bench forward --model DIR --tokens ...`: tokens/s and peak RSS per length.
 fn length_sweep(b: ForwardBench) -> Result<()> {
     use anyhow::Context;
@@ -475,26 +501,8 @@ fn length_sweep(b: ForwardBench) -> Result<()> {
         .map_or("synthetic kvc".to_string(), |d| d.display().to_string());
     let mib = |x: u64| x as f64 / (1 << 20) as f64;
     let info = model.info();
-    let widths = model.memory_widths();
     for &t in &b.tokens {
-        // With --last-logits only each row's last position goes through the LM head.
-        let logit_len = if b.last_logits { 1 } else { t };
-        // A prefill run span by span holds one span's activations and the cache of the
-        // positions before it.
-        let bytes = match (b.last_logits, model.prefill_span()) {
-            (true, Some((span, cached))) if t > span => {
-                phaselens::model::memory::forward_bytes_with(&info, &widths, b.batch, span, 1)
-                    + 4.0 * (b.batch * t) as f64 * cached
-            }
-            _ => {
-                phaselens::model::memory::forward_bytes_with(&info, &widths, b.batch, t, logit_len)
-            }
-        };
-        phaselens::model::memory::check(
-            &format!("a forward over {} x {t} tokens", b.batch),
-            "--tokens / --batch",
-            bytes,
-        )?;
+        check_sweep_memory(&b, model.as_ref(), t)?;
     }
     println!(
         "{name}: {} ({} layers, d_model {}), batch {}, {} rep(s) per length (median), device {}, compute dtype {}",

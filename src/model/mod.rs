@@ -389,8 +389,9 @@ pub trait LanguageModel: Send + Sync {
     }
     /// When a hook-free [`forward_logit_rows`](Self::forward_logit_rows) runs a long
     /// prompt span by span (DeepSeek-V4: `deepseek_v4::token_blocks`): the positions it
-    /// holds activations for at once, and the f32 values per position its cache keeps
-    /// for the later spans. `None`: every position at once.
+    /// holds activations for at once, and the f32 values per position it keeps for the
+    /// whole forward (its cache for the later spans, per-position tables). `None`: every
+    /// position at once.
     fn prefill_span(&self) -> Option<(usize, f64)> {
         None
     }

@@ -813,10 +813,7 @@ impl crate::model::LanguageModel for DeepseekV4Model {
         self.config.memory_widths()
     }
     fn prefill_span(&self) -> Option<(usize, f64)> {
-        let c = &self.config;
-        let block = super::token_blocks::token_block(c);
-        let span = super::token_blocks::expert_group(c, block) * block;
-        Some((span, super::span_cache::cached_per_token(c)))
+        Some(self.span_and_cache())
     }
     fn device(&self) -> Device {
         self.model.embed_tokens.weight.device()

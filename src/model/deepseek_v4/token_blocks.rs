@@ -47,7 +47,7 @@ use super::attention::Tables;
 use super::config::DeepseekV4Config;
 use super::mhc::{self, Sublayer};
 use super::model::{DecoderLayer, DeepseekV4Model};
-use super::span_cache::{SpanCache, owned};
+use super::span_cache::{SpanCache, cached_per_token, owned};
 use crate::error::{Error, Result};
 use crate::hooks::HookRun;
 use crate::model::kv_state::{Queries, TokenFlow};
@@ -174,6 +174,18 @@ impl DeepseekV4Model {
         let block = token_block(&self.config);
         (flow.is_plain() && hooks.spec().is_empty() && flow.queries().len() > block)
             .then_some(block)
+    }
+
+    /// Positions per span of a long prompt's plain forward, and the f32 values per
+    /// position it keeps for the whole forward: its layers' caches
+    /// ([`super::span_cache::cached_per_token`]) and the RoPE tables (cos and sin, main and
+    /// compress rotary, at every position): what
+    /// [`crate::model::LanguageModel::prefill_span`] reports.
+    pub(super) fn span_and_cache(&self) -> (usize, f64) {
+        let c = &self.config;
+        let block = token_block(c);
+        let tables = (c.rope_main.rot_dims + c.rope_compress.rot_dims) as f64;
+        (expert_group(c, block) * block, cached_per_token(c) + tables)
     }
 
     /// Layers `layers` of a plain forward over `b` prompts of `t` positions, span by
