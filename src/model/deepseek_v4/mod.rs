@@ -29,7 +29,6 @@ pub mod pooler;
 pub mod rope;
 pub mod save;
 pub mod span_cache;
-pub mod streams;
 pub mod token_blocks;
 
 use std::path::Path;

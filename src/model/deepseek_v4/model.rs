@@ -13,11 +13,10 @@ use super::config::{AttnType, DeepseekV4Config, MODEL_TYPE};
 use super::indexer::Indexer;
 use super::mhc::{self, HyperConnection, HyperHead, Sublayer};
 use super::moe::Moe;
-use super::streams::Streams;
 use crate::error::{Error, Result};
 use crate::hooks::{Act, ActivationCache, HookPoint, HookRun, HookSpec, Site};
 use crate::model::kv_state::{PrefixState, Queries, Suffix, TokenFlow};
-use crate::model::layers::{Embedding, Linear, RmsNorm};
+use crate::model::layers::{Embedding, Linear, RmsNorm, cat_dim1};
 use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::profile;
 use crate::model::stored::StoredWeight;
@@ -443,34 +442,18 @@ impl DeepseekV4Model {
     }
 
     /// Layers `layers` over the streams `x` entering the first of them -> the streams
-    /// leaving the last (on its device).
+    /// leaving the last (on its device): layer by layer over the whole streams or, in a
+    /// plain forward of a long prompt without hooks, span by span
+    /// (`deepseek_v4::token_blocks`).
     fn run_blocks(
         &self,
-        x: Tensor<4>,
+        mut x: Tensor<4>,
         layers: std::ops::Range<usize>,
         ids: &[i64],
         flow: &mut TokenFlow,
         hooks: &mut HookRun,
     ) -> Result<Tensor<4>> {
-        Ok(self
-            .run_streams(Streams::Whole(Box::new(x)), layers, ids, flow, hooks)?
-            .whole())
-    }
-
-    /// [`DeepseekV4Model::run_blocks`], the streams whole or, in a plain forward of a
-    /// long prompt without hooks, in blocks of positions (`deepseek_v4::token_blocks`).
-    fn run_streams(
-        &self,
-        mut x: Streams,
-        layers: std::ops::Range<usize>,
-        ids: &[i64],
-        flow: &mut TokenFlow,
-        hooks: &mut HookRun,
-    ) -> Result<Streams> {
-        // A placed model: the streams move to each layer's device, per-forward tables
-        // are built once per device, logits and captures come back home.
         if let Some(block) = self.blocks_of(flow, hooks) {
-            let x = x.whole();
             let [b, t, _, _] = x.dims();
             let mut out = Vec::new();
             let input = |r| Ok(x.clone().slice_dim(1, r));
@@ -478,16 +461,16 @@ impl DeepseekV4Model {
                 out.extend(blocks);
                 Ok(())
             })?;
-            return Ok(Streams::Blocks(out));
+            return Ok(cat_dim1(out));
         }
+        // A placed model: the streams move to each layer's device, per-forward tables
+        // are built once per device, logits and captures come back home.
         let mut per_device = PerDevice::new();
         let (start, n) = (layers.start, layers.len());
         for (l, layer) in self.model.layers.iter().enumerate().skip(start).take(n) {
             let here = layer.input_layernorm.weight.val().device();
             let tables = per_device.get(&here, |d| Tables::new(&self.config, flow.queries(), d));
-            let x1 =
-                self.layer_whole((l, layer), to(x.whole(), &here), tables, ids, flow, hooks)?;
-            x = Streams::Whole(Box::new(x1));
+            x = self.layer_whole((l, layer), to(x, &here), tables, ids, flow, hooks)?;
         }
         Ok(x)
     }
@@ -553,11 +536,16 @@ impl DeepseekV4Model {
         if let Some(block) = self.blocks_of(&plain, &hooks) {
             return self.logit_rows_in_spans(tokens, &ids, rows, block, &mut hooks);
         }
-        let x = Streams::Whole(Box::new(self.streams(tokens, &mut hooks)?));
+        let x = self.streams(tokens, &mut hooks)?;
         let n = self.model.layers.len();
-        let x = self.run_streams(x, 0..n, &ids, &mut TokenFlow::plain(b, t), &mut hooks)?;
+        let x = self.run_blocks(x, 0..n, &ids, &mut TokenFlow::plain(b, t), &mut hooks)?;
+        let [_, _, hc, d] = x.dims();
         let k = rows.dims()[0];
-        let picked = x.rows(rows)?;
+        let rows = to(rows, &x.device());
+        let picked = x
+            .reshape([b * t, hc, d])
+            .select(0, rows)
+            .reshape([1, k, hc, d]);
         let logits = self.head_logits(picked, &mut hooks)?;
         let v = logits.dims()[2];
         Ok(logits.reshape([k, v]))
