@@ -29,6 +29,8 @@ pub mod flops;
 pub mod generate;
 /// GGUF files: metadata, the tensor directory, ggml's block formats dequantised to f32.
 pub mod gguf;
+/// Host kernels on flex's f32 buffers, over every core.
+pub mod host;
 #[doc(hidden)] // upfront memory checks: the CLI sets and prints them, tests/it compare them
 pub mod memory;
 #[doc(hidden)] // `phaselens plan`

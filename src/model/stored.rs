@@ -342,18 +342,23 @@ impl Block {
     /// computes them. Runs over the rayon pool in blocks of rows (each value is decoded
     /// alone, so the result does not depend on the threads).
     pub fn rows_f32(&self, r0: usize, r1: usize) -> Vec<f32> {
+        let mut v = vec![0.0f32; (r1 - r0) * self.cols];
+        self.rows_into(r0, &mut v);
+        v
+    }
+
+    /// [`Block::rows_f32`] written into `out` (whole rows from `r0` on, as many as fit).
+    fn rows_into(&self, r0: usize, out: &mut [f32]) {
         use rayon::prelude::*;
         let cols = self.cols.max(1);
-        let mut v = vec![0.0f32; (r1 - r0) * self.cols];
         // About 64K values per task: enough work per task, every core busy on a matrix.
         let rows = (DEQUANT_TASK_VALUES / cols).max(1);
-        v.par_chunks_mut(rows * cols)
+        out.par_chunks_mut(rows * cols)
             .enumerate()
             .for_each(|(j, out)| {
                 let a = r0 + j * rows;
                 self.fill_rows(a, a + out.len() / cols, out);
             });
-        v
     }
 
     /// Rows `r0..r1` dequantised into `out` (`(r1 - r0) x cols` values).
@@ -449,13 +454,15 @@ impl StoredMatrix {
     }
 
     /// Rows `r0..r1`, dequantised, row-major.
+    /// Each part writes its rows straight into the one result (no copy of a part's).
     pub fn rows_f32(&self, r0: usize, r1: usize) -> Vec<f32> {
-        let mut out = Vec::with_capacity(r1.saturating_sub(r0) * self.cols());
+        let cols = self.cols();
+        let mut out = vec![0.0f32; r1.saturating_sub(r0) * cols];
         let mut first = 0;
         for p in &self.parts {
             let (a, b) = (r0.max(first), r1.min(first + p.rows));
             if a < b {
-                out.extend(p.rows_f32(a - first, b - first));
+                p.rows_into(a - first, &mut out[(a - r0) * cols..(b - r0) * cols]);
             }
             first += p.rows;
         }

@@ -13,9 +13,12 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{Tensor, TensorData};
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::flops::Mm;
+use crate::model::host::{self, ROWS_PER_TASK};
 use crate::model::layers::rms_normalize;
 use crate::model::weights::{Init, Vb};
 
@@ -84,8 +87,11 @@ impl HyperConnection {
     /// streams `x: [b, t, N, d]`.
     fn mix(&self, x: &Tensor<4>) -> Tensor<2> {
         let [b, t, n, d] = x.dims();
-        rms_normalize(x.clone().reshape([b * t, n * d]), self.norm_eps)
-            .mm(self.fn_weight.val().transpose())
+        normalized_mm(
+            x.clone().reshape([b * t, n * d]),
+            self.fn_weight.val().transpose(),
+            self.norm_eps,
+        )
     }
 
     /// The pre (`[bt, N]`), post (`[bt, N]`) and comb (`[bt, N, N]`, `[from j, to k]`)
@@ -118,7 +124,7 @@ impl HyperConnection {
         x: &Tensor<4>,
         hooks: &mut HookRun,
     ) -> Result<HcOut> {
-        let [b, t, n, d] = x.dims();
+        let [b, t, n, _] = x.dims();
         let mix = self.mix(x);
         let (pre, post, comb) = self.weights(mix);
         let (ps, qs, cs) = match which {
@@ -128,9 +134,7 @@ impl HyperConnection {
         let pre = hooks.apply(HookPoint::block(layer, ps), pre.reshape([b, t, n]))?;
         let post = hooks.apply(HookPoint::block(layer, qs), post.reshape([b, t, n]))?;
         let comb = hooks.apply(HookPoint::block(layer, cs), comb.reshape([b, t, n, n]))?;
-        let collapsed = (pre.reshape([b, t, n, 1]) * x.clone())
-            .sum_dim(2)
-            .reshape([b, t, d]);
+        let collapsed = collapse(pre, x);
         Ok(HcOut {
             post,
             comb,
@@ -312,6 +316,11 @@ pub fn expand(x: Tensor<4>, out: Tensor<3>, hc: &HcOut) -> Tensor<4> {
 
 /// [`expand`] with the weights given: `post: [b, t, N]`, `comb: [b, t, N, N]`.
 pub fn mix_streams(x: Tensor<4>, out: Tensor<3>, post: Tensor<3>, comb: Tensor<4>) -> Tensor<4> {
+    let mut slot = Some(x);
+    if let Some(next) = mix_streams_host(&mut slot, &out, &post, &comb) {
+        return next;
+    }
+    let x = slot.expect("mix_streams_host takes the streams only when it mixes them");
     let [b, t, n, d] = x.dims();
     let mixed = comb
         .reshape([b * t, n, n])
@@ -319,6 +328,150 @@ pub fn mix_streams(x: Tensor<4>, out: Tensor<3>, post: Tensor<3>, comb: Tensor<4
         .mm(x.reshape([b * t, n, d]))
         .reshape([b, t, n, d]);
     post.reshape([b, t, n, 1]) * out.reshape([b, t, 1, d]) + mixed
+}
+
+/// `rms_normalize(x) w` for `x: [rows, k]`, `w: [k, m]`, computed as `s (x w)` with
+/// `s = (mean(x^2) + eps)^(-1/2)` per row: the normalised copy of `x` (`4 x d_model`
+/// values per position) is never written. On flex the row scales are one pass over `x`
+/// on every core; elsewhere tensor operations.
+fn normalized_mm(x: Tensor<2>, w: Tensor<2>, eps: f64) -> Tensor<2> {
+    let [rows, k] = x.dims();
+    let scales = host::with_values(&x, |v| {
+        let mut s = vec![0f32; rows];
+        s.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(c, part)| {
+                for (i, si) in part.iter_mut().enumerate() {
+                    let r = c * ROWS_PER_TASK + i;
+                    *si = inv_rms(&v[r * k..(r + 1) * k], eps);
+                }
+            });
+        s
+    });
+    match scales {
+        Some(s) => {
+            let s = host::tensor_from(s, [rows, 1], &x);
+            x.mm(w) * s
+        }
+        None => rms_normalize(x, eps).mm(w),
+    }
+}
+
+/// `(mean(v^2) + eps)^(-1/2)`, the squares summed in 16 lanes (vectorised), then the
+/// lanes and the rest in order.
+fn inv_rms(v: &[f32], eps: f64) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0f32; LANES];
+    let chunks = v.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &e) in acc.iter_mut().zip(c) {
+            *a += e * e;
+        }
+    }
+    let sum: f32 = acc.iter().sum::<f32>() + rest.iter().map(|e| e * e).sum::<f32>();
+    ((sum as f64 / v.len() as f64 + eps).sqrt().recip()) as f32
+}
+
+/// `sum_n w[n] X[n]`: the weights `w: [b, t, N]` collapse the streams `x: [b, t, N, d]`
+/// into `[b, t, d]`. On flex one pass per position (every core, no `[b, t, N, d]`
+/// product written); elsewhere a broadcast product and a sum.
+pub fn collapse(w: Tensor<3>, x: &Tensor<4>) -> Tensor<3> {
+    let [b, t, n, d] = x.dims();
+    let values = host::with_values(&w, |w| {
+        host::with_values(x, |xs| {
+            let mut out = vec![0f32; b * t * d];
+            out.par_chunks_mut(d * ROWS_PER_TASK)
+                .enumerate()
+                .for_each(|(c, part)| {
+                    for (i, row) in part.chunks_mut(d).enumerate() {
+                        let r = c * ROWS_PER_TASK + i;
+                        for j in 0..n {
+                            let wj = w[r * n + j];
+                            let xj = &xs[(r * n + j) * d..(r * n + j + 1) * d];
+                            for (o, &e) in row.iter_mut().zip(xj) {
+                                *o += wj * e;
+                            }
+                        }
+                    }
+                });
+            out
+        })
+    })
+    .flatten();
+    match values {
+        Some(v) => host::tensor_from(v, [b, t, d], x),
+        None => (w.reshape([b, t, n, 1]) * x.clone())
+            .sum_dim(2)
+            .reshape([b, t, d]),
+    }
+}
+
+/// [`mix_streams`] on flex: each position's `N x d` stream values are replaced in place
+/// (through one position's scratch), positions over every core. `None`, and the streams
+/// left in `slot`, where the values cannot be reached.
+fn mix_streams_host(
+    slot: &mut Option<Tensor<4>>,
+    out: &Tensor<3>,
+    post: &Tensor<3>,
+    comb: &Tensor<4>,
+) -> Option<Tensor<4>> {
+    let x = slot.as_ref()?;
+    let [_, _, n, d] = x.dims();
+    let all = host::reachable(x)
+        && host::reachable(out)
+        && host::reachable(post)
+        && host::reachable(comb);
+    if !all {
+        return None;
+    }
+    host::with_values(out, |a| {
+        host::with_values(post, |p| {
+            host::with_values(comb, |c| {
+                let x = slot.take().expect("the streams are taken once");
+                host::update(x, |xs| {
+                    xs.par_chunks_mut(n * d * ROWS_PER_TASK)
+                        .enumerate()
+                        .for_each(|(ch, part)| {
+                            let mut next = vec![0f32; n * d];
+                            for (i, row) in part.chunks_mut(n * d).enumerate() {
+                                let r = ch * ROWS_PER_TASK + i;
+                                mix_position(
+                                    row,
+                                    &mut next,
+                                    &a[r * d..(r + 1) * d],
+                                    &p[r * n..(r + 1) * n],
+                                    &c[r * n * n..(r + 1) * n * n],
+                                );
+                            }
+                        });
+                })
+            })
+        })
+    })
+    .flatten()
+    .flatten()
+}
+
+/// One position of [`mix_streams`]: `row` (`N x d`, the streams) becomes `post[k] out +
+/// sum_j comb[j, k] row[j]`, through `next` (`N x d` scratch).
+fn mix_position(row: &mut [f32], next: &mut [f32], out: &[f32], post: &[f32], comb: &[f32]) {
+    let (n, d) = (post.len(), out.len());
+    for k in 0..n {
+        let nk = &mut next[k * d..(k + 1) * d];
+        nk.fill(0.0);
+        for j in 0..n {
+            let c = comb[j * n + k];
+            for (o, &e) in nk.iter_mut().zip(&row[j * d..(j + 1) * d]) {
+                *o += c * e;
+            }
+        }
+        let pk = post[k];
+        for (o, &e) in nk.iter_mut().zip(out) {
+            *o += pk * e;
+        }
+    }
+    row.copy_from_slice(next);
 }
 
 /// The final collapse of the streams (`hc_head`).
@@ -354,14 +507,91 @@ impl HyperHead {
     /// `[b, t, N, d]` -> `[b, t, d]`.
     pub fn forward(&self, x: Tensor<4>, hooks: &mut HookRun) -> Result<Tensor<3>> {
         let [b, t, n, d] = x.dims();
-        let flat = rms_normalize(x.clone().reshape([b * t, n * d]), self.norm_eps);
-        let mix = flat.mm(self.hc_fn.val().transpose());
+        let mix = normalized_mm(
+            x.clone().reshape([b * t, n * d]),
+            self.hc_fn.val().transpose(),
+            self.norm_eps,
+        );
         let pre =
             sigmoid(mix * self.hc_scale.val().reshape([1, 1]) + self.hc_base.val().reshape([1, n]))
                 + self.hc_eps;
         let pre = hooks.apply(HookPoint::global(Site::HcHeadPre), pre.reshape([b, t, n]))?;
-        Ok((pre.reshape([b, t, n, 1]) * x)
-            .sum_dim(2)
-            .reshape([b, t, d]))
+        Ok(collapse(pre, &x))
+    }
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, Distribution};
+
+    fn close(a: Tensor<2>, b: Tensor<2>, what: &str) {
+        let (a, b) = (
+            a.to_data().try_into_vec::<f32>().unwrap(),
+            b.to_data().try_into_vec::<f32>().unwrap(),
+        );
+        assert_eq!(a.len(), b.len(), "{what}: sizes");
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{what}[{i}]: {x} vs {y}"
+            );
+        }
+    }
+
+    /// The host kernels (flex) give the tensor expressions they replace (computed on the
+    /// autodiff device, where the kernels decline), on shapes that leave a partial task of
+    /// rows and on strided inputs.
+    #[test]
+    fn host_kernels_give_the_tensor_expressions() {
+        let (dev, ad) = (Device::flex(), Device::flex().autodiff());
+        let (b, t, n, d) = (2, 2 * ROWS_PER_TASK + 3, 4, 24);
+        let rnd =
+            |shape: [usize; 4]| Tensor::<4>::random(shape, Distribution::Normal(0.0, 2.0), &dev);
+        let x = rnd([b, t, n, d]);
+        let out = rnd([b, t, 1, d]).reshape([b, t, d]);
+        let post = rnd([b, t, n, 1]).reshape([b, t, n]);
+        // Strided weights (a transposed view): the kernels read them in logical order.
+        let comb = rnd([b, t, n, n]).swap_dims(2, 3);
+        let on = |x: &Tensor<4>, d: &Device| Tensor::<4>::from_data(x.to_data(), d);
+        let on3 = |x: &Tensor<3>, d: &Device| Tensor::<3>::from_data(x.to_data(), d);
+        let flat = |x: Tensor<4>| {
+            let [b, t, n, d] = x.dims();
+            x.reshape([b * t, n * d])
+        };
+
+        let host = mix_streams(x.clone(), out.clone(), post.clone(), comb.clone());
+        let want = mix_streams(on(&x, &ad), on3(&out, &ad), on3(&post, &ad), on(&comb, &ad));
+        close(flat(host), flat(want).inner_flex(), "mix_streams");
+
+        let host = collapse(post.clone(), &x);
+        let want = collapse(on3(&post, &ad), &on(&x, &ad));
+        close(
+            host.reshape([b * t, d]),
+            want.reshape([b * t, d]).inner_flex(),
+            "collapse",
+        );
+
+        let w = Tensor::<2>::random([n * d, 6], Distribution::Normal(0.0, 1.0), &dev);
+        let host = normalized_mm(flat(x.clone()), w.clone(), 1e-6);
+        let want = normalized_mm(
+            flat(on(&x, &ad)),
+            Tensor::<2>::from_data(w.to_data(), &ad),
+            1e-6,
+        );
+        close(host, want.inner_flex(), "normalized_mm");
+        // The streams the mix consumed were its own: a shared input is left as it was.
+        let before = x.to_data();
+        let _ = mix_streams(x.clone(), out, post, comb);
+        assert_eq!(x.to_data(), before);
+    }
+
+    trait Inner {
+        fn inner_flex(self) -> Tensor<2>;
+    }
+    impl Inner for Tensor<2> {
+        fn inner_flex(self) -> Tensor<2> {
+            Tensor::from_data(self.to_data(), &Device::flex())
+        }
     }
 }
