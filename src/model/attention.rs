@@ -248,7 +248,7 @@ pub fn concurrent_block_bytes() -> f64 {
 /// are the same at any width (their size depends on the budget alone), so the output
 /// does not depend on the threads.
 pub fn blocks_at_once(device: &Device, blocks: usize, block_bytes: f64) -> usize {
-    if blocks <= 1 || !super::layers::is_flex(device) || super::profile::enabled() {
+    if blocks <= 1 || !super::host::is_flex(device) || super::profile::enabled() {
         return 1;
     }
     concurrent_width(blocks, block_bytes)

@@ -11,9 +11,19 @@
 //! Each output row is computed from its own inputs in a fixed order, so results do not
 //! depend on the number of threads.
 
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 
-use super::layers::is_flex;
+/// Whether `device` is the flex (CPU) backend without autodiff: its tensors are host
+/// buffers, its elementwise passes run on the calling thread.
+#[cfg(feature = "flex")]
+pub fn is_flex(device: &Device) -> bool {
+    !device.is_autodiff() && *device == Device::flex()
+}
+/// Whether `device` is the flex (CPU) backend without autodiff (not built in).
+#[cfg(not(feature = "flex"))]
+pub fn is_flex(_: &Device) -> bool {
+    false
+}
 
 /// Positions per rayon task in the row kernels: rows of a few KiB each, enough per task
 /// to amortise the scheduling, few enough to split a short prompt over the cores.
@@ -83,7 +93,6 @@ pub fn tensor_from<const D: usize, const E: usize>(
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
-    use burn::tensor::Device;
 
     #[test]
     fn values_are_lent_and_updated_in_place_or_copied_when_shared() {

@@ -5,6 +5,7 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
+use super::host;
 use super::stored::StoredWeight;
 use super::weights::{Init, Vb};
 use crate::error::Result;
@@ -251,18 +252,6 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     x * burn::tensor::activation::sigmoid(inner)
 }
 
-/// Whether `device` is the flex (CPU) backend without autodiff: its tensors are host
-/// buffers, its elementwise passes run on the calling thread.
-#[cfg(feature = "flex")]
-pub fn is_flex(device: &Device) -> bool {
-    !device.is_autodiff() && *device == Device::flex()
-}
-/// Whether `device` is the flex (CPU) backend without autodiff (not built in).
-#[cfg(not(feature = "flex"))]
-pub fn is_flex(_: &Device) -> bool {
-    false
-}
-
 /// Rows per chunk of position-wise work on long inputs.
 pub const ROW_CHUNK: usize = 8192;
 
@@ -369,6 +358,9 @@ pub fn apply_rope_range(
     if rot == 0 {
         return x;
     }
+    if host::reachable(&x) && host::reachable(&t.cos) && host::reachable(&t.sin) {
+        return rope_host(x, t, layout, inverse, start);
+    }
     let tb = if t.cos.dims()[0] == n { 1 } else { b };
     let cos = t.cos.clone().reshape([tb, n, 1, half]);
     let sin = if inverse {
@@ -406,6 +398,69 @@ pub fn apply_rope_range(
         parts.pop().expect("one part")
     } else {
         Tensor::cat(parts, 3)
+    }
+}
+
+/// [`apply_rope_range`] on flex: each head's rotated dims are replaced in place (the
+/// other dims are not touched or copied), positions over every core. The same products
+/// and sums as the tensor expression, so the same values.
+fn rope_host(
+    x: Tensor<4>,
+    t: &RopeTables,
+    layout: RopeLayout,
+    inverse: bool,
+    start: usize,
+) -> Tensor<4> {
+    use rayon::prelude::*;
+    let [_, n, h, d] = x.dims();
+    let half = t.cos.dims()[1];
+    let per_batch_row = t.cos.dims()[0] != n;
+    let sign = if inverse { -1.0f32 } else { 1.0 };
+    let rotated = host::with_values(&t.cos, |cos| {
+        host::with_values(&t.sin, |sin| {
+            host::update(x, |xs| {
+                xs.par_chunks_mut(h * d * host::ROWS_PER_TASK)
+                    .enumerate()
+                    .for_each(|(ch, part)| {
+                        for (i, pos) in part.chunks_mut(h * d).enumerate() {
+                            // Row `b * n + p` of the batch; the tables' row is `p` or that.
+                            let row = ch * host::ROWS_PER_TASK + i;
+                            let tr = if per_batch_row { row } else { row % n };
+                            let c = &cos[tr * half..(tr + 1) * half];
+                            let s = &sin[tr * half..(tr + 1) * half];
+                            for head in pos.chunks_mut(d) {
+                                rotate(&mut head[start..start + 2 * half], c, s, sign, layout);
+                            }
+                        }
+                    });
+            })
+        })
+    });
+    rotated
+        .flatten()
+        .expect("reachable tables lend their values")
+}
+
+/// Rotates the pairs of `v` (`2 * half` values) by the angles of `cos` / `sin` (`sign`
+/// -1: the negative angles): `(x1 c - x2 s, x2 c + x1 s)`.
+fn rotate(v: &mut [f32], cos: &[f32], sin: &[f32], sign: f32, layout: RopeLayout) {
+    let half = cos.len();
+    match layout {
+        RopeLayout::HalfSplit => {
+            let (a, b) = v.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2, c, s) = (a[i], b[i], cos[i], sign * sin[i]);
+                a[i] = x1 * c - x2 * s;
+                b[i] = x2 * c + x1 * s;
+            }
+        }
+        RopeLayout::Interleaved => {
+            for (i, p) in v.chunks_exact_mut(2).enumerate() {
+                let (x1, x2, c, s) = (p[0], p[1], cos[i], sign * sin[i]);
+                p[0] = x1 * c - x2 * s;
+                p[1] = x2 * c + x1 * s;
+            }
+        }
     }
 }
 

@@ -417,7 +417,18 @@ pub fn block_scratch() -> f64 {
 /// a block: 256 KiB per query for a window of 128, and a sliding layer's block holds up
 /// to 2000 queries at 4 heads.
 pub fn attention_block_bytes(c: &DeepseekV4Config, l: usize, t: usize, rows: usize) -> f64 {
-    attention_block_at(c, l, t, t, rows).1
+    attention_block_at(c, l, t, t, rows).gathered
+}
+
+/// One attention block of a layer, as the blocked attention sizes it.
+struct BlockAt {
+    /// Query rows.
+    queries: usize,
+    /// Bytes of the keys and values it gathers.
+    gathered: f64,
+    /// Bytes of its score scratch (scores, exponentials, probabilities: f32): at most
+    /// the budget's ([`block_scratch`]), less for a short prompt's block.
+    scratch: f64,
 }
 
 /// Query rows per attention block of layer `l` and that block's gathered keys' bytes
@@ -429,7 +440,7 @@ fn attention_block_at(
     t: usize,
     queries: usize,
     rows: usize,
-) -> (usize, f64) {
+) -> BlockAt {
     let (nh, d) = (c.num_attention_heads, c.head_dim);
     let w = c.sliding_window.min(t);
     let (n, selecting, kk) = match c.layer_types[l] {
@@ -441,11 +452,15 @@ fn attention_block_at(
         }
     };
     let entries = if selecting > 0 { kk } else { n };
-    let bq = crate::model::attention::rows_within_budget(queries.min(t), |bq| {
-        rows * bq * (nh * (entries + w + 1) + selecting)
-    });
+    let scores = |bq: usize| rows * bq * (nh * (entries + w + 1) + selecting);
+    let bq = crate::model::attention::rows_within_budget(queries.min(t), scores);
     let per_query = (2 * kk).max(kk + w) * d;
-    (bq, 4.0 * (rows * bq * per_query) as f64)
+    let budget = crate::model::attention::block_budget();
+    BlockAt {
+        queries: bq,
+        gathered: 4.0 * (rows * bq * per_query) as f64,
+        scratch: 3.0 * 4.0 * scores(bq).min(budget) as f64,
+    }
 }
 
 /// Bytes the attention blocks of layer `l` hold at once when each of `rows` rows
@@ -459,9 +474,9 @@ pub fn attention_blocks_held_at(
     queries: usize,
     rows: usize,
 ) -> f64 {
-    let (bq, gathered) = attention_block_at(c, l, t, queries, rows);
-    let one = gathered + block_scratch();
-    let blocks = queries.min(t).max(1).div_ceil(bq.max(1));
+    let block = attention_block_at(c, l, t, queries, rows);
+    let one = block.gathered + block.scratch;
+    let blocks = queries.min(t).max(1).div_ceil(block.queries.max(1));
     crate::model::attention::concurrent_width(blocks, one) as f64 * one
 }
 
@@ -478,7 +493,9 @@ pub fn layer_kv(c: &DeepseekV4Config, l: usize, t: usize) -> (f64, f64) {
 }
 
 /// Bytes per token of the activations of layer `l` alive at once in a forward (f32):
-/// the mHC streams (in, mixed, out) and the layer input / output, plus the larger of the
+/// the mHC streams (in and out: on flex the mix replaces a layer's streams in place;
+/// other backends also hold the mixed streams for a moment, not counted) and the layer
+/// input / output, plus the larger of the
 /// attention phase (low-rank and full query, the attention output heads, the K = V head,
 /// the grouped output projection, compressor and indexer projections) and the MoE phase
 /// (router scores, the intermediates of the k routed experts and the shared expert).
@@ -504,7 +521,7 @@ pub fn layer_activation_per_token(c: &DeepseekV4Config, l: usize) -> f64 {
     let attention =
         f(c.q_lora_rank) + 2.0 * nh * d + d + f(c.o_groups * c.o_lora_rank) + compressor;
     let moe = f(c.n_routed_experts) + 3.0 * k * i + 3.0 * i;
-    4.0 * (3.0 * n * h + 2.0 * h + attention.max(moe))
+    4.0 * (2.0 * n * h + 2.0 * h + attention.max(moe))
 }
 
 // ---------------------------------------------------------------------------------------

@@ -194,7 +194,8 @@ fn a_placement_that_does_not_fit_names_the_device_and_the_bytes_over() {
         e.contains("host memory") && e.contains("over") && e.contains("routed experts"),
         "{e}"
     );
-    // the logits and activations of a 262144-token forward overflow the head's device
+    // the activations of a 262144-token forward overflow a device (which one depends on
+    // how the layers were spread; the error names it)
     let out = phaselens(&[
         "--config",
         "v4-flash",
@@ -209,7 +210,7 @@ fn a_placement_that_does_not_fit_names_the_device_and_the_bytes_over() {
     ]);
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && e.contains("does not fit: device 1") && e.contains("over"),
+        !out.status.success() && e.contains("does not fit: device ") && e.contains("over"),
         "{e}"
     );
 }
