@@ -16,6 +16,7 @@ use super::config::{DeepseekV4Config, MlpType, ScoringFunc};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::flops::Mm;
+use crate::model::host::{self, ROWS_PER_TASK};
 use crate::model::layers::{Linear, Weight, int_tensor, row_chunks};
 use crate::model::placement::to;
 use crate::model::stored::StoredWeight;
@@ -157,9 +158,66 @@ pub struct Moe {
     pub limit: f64,
 }
 
-/// `down(silu(min(gate, L)) * clamp(up, -L, L))` given the two pre-activations.
+/// `silu(min(gate, L)) * clamp(up, -L, L)` given the two pre-activations (`[rows, d_ff]`
+/// each): the input of `down`.
 pub fn clamped_swiglu(gate: Tensor<2>, up: Tensor<2>, limit: f64) -> Tensor<2> {
-    silu(gate.clamp_max(limit)) * up.clamp(-limit, limit)
+    let [rows, d_ff] = gate.dims();
+    let host = host::with_values(&gate, |g| {
+        host::with_values(&up, |u| {
+            swiglu_rows(rows, d_ff, limit, |r| {
+                (&g[r * d_ff..][..d_ff], &u[r * d_ff..][..d_ff])
+            })
+        })
+    });
+    match host.flatten() {
+        Some(v) => host::tensor_from(v, [rows, d_ff], &gate),
+        None => silu(gate.clamp_max(limit)) * up.clamp(-limit, limit),
+    }
+}
+
+/// [`clamped_swiglu`] of the two halves of one product `gu: [rows, 2 d_ff]` (gate, then
+/// up): on flex read in place, without a copy of either half.
+pub fn clamped_swiglu_halves(gu: Tensor<2>, d_ff: usize, limit: f64) -> Tensor<2> {
+    let [rows, w] = gu.dims();
+    let host = host::with_values(&gu, |v| {
+        swiglu_rows(rows, d_ff, limit, |r| {
+            (&v[r * w..][..d_ff], &v[r * w + d_ff..][..d_ff])
+        })
+    });
+    match host {
+        Some(v) => host::tensor_from(v, [rows, d_ff], &gu),
+        None => clamped_swiglu(
+            gu.clone().slice_dim(1, 0..d_ff),
+            gu.slice_dim(1, d_ff..2 * d_ff),
+            limit,
+        ),
+    }
+}
+
+/// `rows x d_ff` values of [`clamped_swiglu`], row `r`'s gate and up from `row(r)`,
+/// rows over every core: `silu(g) = g sigmoid(g) = g / (1 + exp(-g))`.
+fn swiglu_rows<'a>(
+    rows: usize,
+    d_ff: usize,
+    limit: f64,
+    row: impl Fn(usize) -> (&'a [f32], &'a [f32]) + Sync,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let l = limit as f32;
+    let mut out = vec![0f32; rows * d_ff];
+    out.par_chunks_mut(d_ff.max(1) * ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(c, part)| {
+            for (i, o) in part.chunks_mut(d_ff.max(1)).enumerate() {
+                let (g, u) = row(c * ROWS_PER_TASK + i);
+                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                    // As `clamp_max`: a NaN stays NaN (`f32::min` would drop it).
+                    let g = if g > l { l } else { g };
+                    *o = g / (1.0 + (-g).exp()) * u.clamp(-l, l);
+                }
+            }
+        });
+    out
 }
 
 impl Moe {
@@ -380,13 +438,8 @@ impl Moe {
                 // dequantised here, for this call, in blocks of rows when large).
                 let ti = int_tensor(toks, &device);
                 let rows = to(flat.clone().select(0, ti.clone()), &here);
-                let swiglu = |gu: Tensor<2>, d_ff: usize| {
-                    clamped_swiglu(
-                        gu.clone().slice_dim(1, 0..d_ff),
-                        gu.slice_dim(1, d_ff..2 * d_ff),
-                        self.limit,
-                    )
-                };
+                let swiglu =
+                    |gu: Tensor<2>, d_ff: usize| clamped_swiglu_halves(gu, d_ff, self.limit);
                 let out = match (bank.gate_up_proj.stored(), bank.down_proj.stored()) {
                     (Some(gu), Some(down)) => {
                         let d_ff = down.dims()[1];
@@ -418,5 +471,44 @@ impl Moe {
             )));
         }
         Ok(routed)
+    }
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use super::*;
+    use burn::tensor::Distribution;
+
+    /// The flex kernel of the clamped SwiGLU gives the tensor expression (computed on the
+    /// autodiff device, where the kernel declines), from two tensors and from the halves
+    /// of one; a NaN gate stays NaN, as `clamp_max` keeps it.
+    #[test]
+    fn clamped_swiglu_kernel_gives_the_tensor_expression() {
+        let (dev, ad) = (Device::flex(), Device::flex().autodiff());
+        let (rows, d_ff, limit) = (2 * ROWS_PER_TASK + 5, 12, 1.5);
+        let mut gu = Tensor::<2>::random([rows, 2 * d_ff], Distribution::Normal(0.0, 3.0), &dev)
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap();
+        gu[3] = f32::NAN;
+        let gu = Tensor::<2>::from_data(TensorData::new(gu, [rows, 2 * d_ff]), &dev);
+        let on_ad = |x: &Tensor<2>| Tensor::<2>::from_data(x.to_data(), &ad);
+        let values = |x: Tensor<2>| x.into_data().try_into_vec::<f32>().unwrap();
+        let want = values(clamped_swiglu_halves(on_ad(&gu), d_ff, limit));
+        let halves = values(clamped_swiglu_halves(gu.clone(), d_ff, limit));
+        let (gate, up) = (
+            gu.clone().slice_dim(1, 0..d_ff),
+            gu.slice_dim(1, d_ff..2 * d_ff),
+        );
+        let two = values(clamped_swiglu(gate, up, limit));
+        assert!(want[3].is_nan() && halves[3].is_nan() && two[3].is_nan());
+        for (i, w) in want.iter().enumerate().filter(|(i, _)| *i != 3) {
+            for (got, what) in [(halves[i], "halves"), (two[i], "two tensors")] {
+                assert!(
+                    (got - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                    "{what}[{i}]: {got} vs {w}"
+                );
+            }
+        }
     }
 }
