@@ -490,6 +490,46 @@ pub fn int_tensor(values: &[usize], device: &Device) -> Tensor<1, Int> {
 
 #[cfg(all(test, feature = "flex"))]
 mod tests {
+
+    /// RoPE on flex (in place, over the pool) gives the tensor expression bit for bit
+    /// (computed on the autodiff device, where the kernel declines): both layouts, the
+    /// inverse, a rotated range inside the head, tables per position and per (batch row,
+    /// position), and a strided input; a shared input is left as it was.
+    #[cfg(feature = "flex")]
+    #[test]
+    fn rope_on_flex_gives_the_tensor_expression_bit_for_bit() {
+        use burn::tensor::Distribution;
+        let (dev, ad) = (Device::flex(), Device::flex().autodiff());
+        let (b, n, h, d) = (2, 37, 3, 20);
+        let inv = rope_inv_freq(8, 10000.0);
+        let shared: Vec<usize> = (5..5 + n).collect();
+        let per_row: Vec<usize> = (0..b * n).map(|i| 3 * i + 1).collect();
+        let x = Tensor::<4>::random([b, n, h, d], Distribution::Normal(0.0, 1.0), &dev);
+        let xs =
+            Tensor::<4>::random([b, h, n, d], Distribution::Normal(0.0, 1.0), &dev).swap_dims(1, 2);
+        for positions in [&shared, &per_row] {
+            let (tf, ta) = (
+                RopeTables::new(positions, &inv, 0.9, &dev),
+                RopeTables::new(positions, &inv, 0.9, &ad),
+            );
+            for layout in [RopeLayout::HalfSplit, RopeLayout::Interleaved] {
+                for (inverse, start) in [(false, 0), (true, 0), (false, 12), (true, 5)] {
+                    for input in [&x, &xs] {
+                        let before = input.to_data();
+                        let got = apply_rope_range(input.clone(), &tf, layout, inverse, start);
+                        let on_ad = Tensor::<4>::from_data(input.to_data(), &ad);
+                        let want = apply_rope_range(on_ad, &ta, layout, inverse, start);
+                        assert_eq!(
+                            got.to_data(),
+                            want.to_data(),
+                            "{layout:?} {inverse} {start}"
+                        );
+                        assert_eq!(input.to_data(), before);
+                    }
+                }
+            }
+        }
+    }
     use super::*;
 
     /// `gelu_tanh` is PyTorch's `0.5 x (1 + tanh(u))`, computed here in f64, to float
