@@ -229,7 +229,13 @@ pub const BLOCKS_AT_ONCE_ENV: &str = "PHASELENS_BLOCKS_AT_ONCE";
 /// Bytes of score scratch of one attention block of [`BLOCK_BUDGET`] score elements
 /// (scores, exponentials, probabilities: f32).
 pub fn block_scratch_bytes() -> f64 {
-    3.0 * 4.0 * BLOCK_BUDGET as f64
+    scratch_bytes(BLOCK_BUDGET)
+}
+
+/// Bytes of score scratch of an attention block of `scores` score elements: the scores,
+/// their exponentials and the probabilities, f32.
+pub fn scratch_bytes(scores: usize) -> f64 {
+    3.0 * 4.0 * scores as f64
 }
 
 /// The largest block (bytes: scores three times over and the keys and values it

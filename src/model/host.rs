@@ -29,6 +29,35 @@ pub fn is_flex(_: &Device) -> bool {
 /// to amortise the scheduling, few enough to split a short prompt over the cores.
 pub const ROWS_PER_TASK: usize = 16;
 
+/// `f(r, row)` for every row `r` of `values` (rows of `width` values), [`ROWS_PER_TASK`]
+/// rows per rayon task. Nothing runs when `width` is 0.
+pub fn par_rows(values: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    par_rows_with(values, width, || (), |_, r, row| f(r, row));
+}
+
+/// [`par_rows`] with a scratch value made by `init` once per task and lent to each of its
+/// rows.
+pub fn par_rows_with<S>(
+    values: &mut [f32],
+    width: usize,
+    init: impl Fn() -> S + Sync,
+    f: impl Fn(&mut S, usize, &mut [f32]) + Sync,
+) {
+    use rayon::prelude::*;
+    if width == 0 {
+        return;
+    }
+    values
+        .par_chunks_mut(width * ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(task, part)| {
+            let mut scratch = init();
+            for (i, row) in part.chunks_mut(width).enumerate() {
+                f(&mut scratch, task * ROWS_PER_TASK + i, row);
+            }
+        });
+}
+
 /// Whether `x` is a flex (non-autodiff) f32 tensor, whose values the helpers can reach.
 pub fn reachable<const D: usize>(x: &Tensor<D>) -> bool {
     x.dtype() == DType::F32 && is_flex(&x.device())

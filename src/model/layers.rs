@@ -411,7 +411,6 @@ fn rope_host(
     inverse: bool,
     start: usize,
 ) -> Tensor<4> {
-    use rayon::prelude::*;
     let [_, n, h, d] = x.dims();
     let half = t.cos.dims()[1];
     let per_batch_row = t.cos.dims()[0] != n;
@@ -419,20 +418,15 @@ fn rope_host(
     let rotated = host::with_values(&t.cos, |cos| {
         host::with_values(&t.sin, |sin| {
             host::update(x, |xs| {
-                xs.par_chunks_mut(h * d * host::ROWS_PER_TASK)
-                    .enumerate()
-                    .for_each(|(ch, part)| {
-                        for (i, pos) in part.chunks_mut(h * d).enumerate() {
-                            // Row `b * n + p` of the batch; the tables' row is `p` or that.
-                            let row = ch * host::ROWS_PER_TASK + i;
-                            let tr = if per_batch_row { row } else { row % n };
-                            let c = &cos[tr * half..(tr + 1) * half];
-                            let s = &sin[tr * half..(tr + 1) * half];
-                            for head in pos.chunks_mut(d) {
-                                rotate(&mut head[start..start + 2 * half], c, s, sign, layout);
-                            }
-                        }
-                    });
+                host::par_rows(xs, h * d, |row, pos| {
+                    // Row `b * n + p` of the batch; the tables' row is `p` or that.
+                    let tr = if per_batch_row { row } else { row % n };
+                    let c = &cos[tr * half..(tr + 1) * half];
+                    let s = &sin[tr * half..(tr + 1) * half];
+                    for head in pos.chunks_mut(d) {
+                        rotate(&mut head[start..start + 2 * half], c, s, sign, layout);
+                    }
+                });
             })
         })
     });

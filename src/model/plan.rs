@@ -401,12 +401,6 @@ fn add_module(w: &mut ModelWeights, c: &DeepseekV4Config, m: &str, b: Bytes) -> 
 // ---------------------------------------------------------------------------------------
 // Activations
 
-/// Bytes of score scratch per attention block (scores, exponentials, probabilities of
-/// [`crate::model::attention::BLOCK_BUDGET`] f32 elements).
-pub fn block_scratch() -> f64 {
-    crate::model::attention::block_scratch_bytes()
-}
-
 /// Bytes of keys and values one attention block of layer `l` gathers, for `rows` rows
 /// of `t` tokens at shared positions (a forward). The blocked attention sizes a block
 /// by its score elements ([`crate::model::attention::rows_within_budget`]); each query
@@ -427,7 +421,7 @@ struct BlockAt {
     /// Bytes of the keys and values it gathers.
     gathered: f64,
     /// Bytes of its score scratch (scores, exponentials, probabilities: f32): at most
-    /// the budget's ([`block_scratch`]), less for a short prompt's block.
+    /// the budget's, less for a short prompt's block.
     scratch: f64,
 }
 
@@ -459,7 +453,7 @@ fn attention_block_at(
     BlockAt {
         queries: bq,
         gathered: 4.0 * (rows * bq * per_query) as f64,
-        scratch: 3.0 * 4.0 * scores(bq).min(budget) as f64,
+        scratch: crate::model::attention::scratch_bytes(scores(bq).min(budget)),
     }
 }
 

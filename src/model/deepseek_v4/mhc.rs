@@ -13,12 +13,10 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{Tensor, TensorData};
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::flops::Mm;
-use crate::model::host::{self, ROWS_PER_TASK};
+use crate::model::host;
 use crate::model::layers::rms_normalize;
 use crate::model::weights::{Init, Vb};
 
@@ -316,11 +314,13 @@ pub fn expand(x: Tensor<4>, out: Tensor<3>, hc: &HcOut) -> Tensor<4> {
 
 /// [`expand`] with the weights given: `post: [b, t, N]`, `comb: [b, t, N, N]`.
 pub fn mix_streams(x: Tensor<4>, out: Tensor<3>, post: Tensor<3>, comb: Tensor<4>) -> Tensor<4> {
-    let mut slot = Some(x);
-    if let Some(next) = mix_streams_host(&mut slot, &out, &post, &comb) {
-        return next;
+    let reachable = host::reachable(&x)
+        && host::reachable(&out)
+        && host::reachable(&post)
+        && host::reachable(&comb);
+    if reachable {
+        return mix_streams_host(x, &out, &post, &comb);
     }
-    let x = slot.expect("mix_streams_host takes the streams only when it mixes them");
     let [b, t, n, d] = x.dims();
     let mixed = comb
         .reshape([b * t, n, n])
@@ -338,14 +338,9 @@ fn normalized_mm(x: Tensor<2>, w: Tensor<2>, eps: f64) -> Tensor<2> {
     let [rows, k] = x.dims();
     let scales = host::with_values(&x, |v| {
         let mut s = vec![0f32; rows];
-        s.par_chunks_mut(ROWS_PER_TASK)
-            .enumerate()
-            .for_each(|(c, part)| {
-                for (i, si) in part.iter_mut().enumerate() {
-                    let r = c * ROWS_PER_TASK + i;
-                    *si = inv_rms(&v[r * k..(r + 1) * k], eps);
-                }
-            });
+        host::par_rows(&mut s, 1, |r, si| {
+            si[0] = inv_rms(&v[r * k..(r + 1) * k], eps)
+        });
         s
     });
     match scales {
@@ -381,20 +376,15 @@ pub fn collapse(w: Tensor<3>, x: &Tensor<4>) -> Tensor<3> {
     let values = host::with_values(&w, |w| {
         host::with_values(x, |xs| {
             let mut out = vec![0f32; b * t * d];
-            out.par_chunks_mut(d * ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(c, part)| {
-                    for (i, row) in part.chunks_mut(d).enumerate() {
-                        let r = c * ROWS_PER_TASK + i;
-                        for j in 0..n {
-                            let wj = w[r * n + j];
-                            let xj = &xs[(r * n + j) * d..(r * n + j + 1) * d];
-                            for (o, &e) in row.iter_mut().zip(xj) {
-                                *o += wj * e;
-                            }
-                        }
+            host::par_rows(&mut out, d, |r, row| {
+                for j in 0..n {
+                    let wj = w[r * n + j];
+                    let xj = &xs[(r * n + j) * d..(r * n + j + 1) * d];
+                    for (o, &e) in row.iter_mut().zip(xj) {
+                        *o += wj * e;
                     }
-                });
+                }
+            });
             out
         })
     })
@@ -407,50 +397,37 @@ pub fn collapse(w: Tensor<3>, x: &Tensor<4>) -> Tensor<3> {
     }
 }
 
-/// [`mix_streams`] on flex: each position's `N x d` stream values are replaced in place
-/// (through one position's scratch), positions over every core. `None`, and the streams
-/// left in `slot`, where the values cannot be reached.
+/// [`mix_streams`] on flex (every tensor [`host::reachable`]): each position's `N x d`
+/// stream values are replaced in place (through one position's scratch), positions over
+/// every core.
 fn mix_streams_host(
-    slot: &mut Option<Tensor<4>>,
+    x: Tensor<4>,
     out: &Tensor<3>,
     post: &Tensor<3>,
     comb: &Tensor<4>,
-) -> Option<Tensor<4>> {
-    let x = slot.as_ref()?;
+) -> Tensor<4> {
     let [_, _, n, d] = x.dims();
-    let all = host::reachable(x)
-        && host::reachable(out)
-        && host::reachable(post)
-        && host::reachable(comb);
-    if !all {
-        return None;
-    }
-    host::with_values(out, |a| {
+    let mixed = host::with_values(out, |a| {
         host::with_values(post, |p| {
             host::with_values(comb, |c| {
-                let x = slot.take().expect("the streams are taken once");
                 host::update(x, |xs| {
-                    xs.par_chunks_mut(n * d * ROWS_PER_TASK)
-                        .enumerate()
-                        .for_each(|(ch, part)| {
-                            let mut next = vec![0f32; n * d];
-                            for (i, row) in part.chunks_mut(n * d).enumerate() {
-                                let r = ch * ROWS_PER_TASK + i;
-                                mix_position(
-                                    row,
-                                    &mut next,
-                                    &a[r * d..(r + 1) * d],
-                                    &p[r * n..(r + 1) * n],
-                                    &c[r * n * n..(r + 1) * n * n],
-                                );
-                            }
-                        });
+                    host::par_rows_with(
+                        xs,
+                        n * d,
+                        || vec![0f32; n * d],
+                        |next, r, row| {
+                            let (a, p) = (&a[r * d..(r + 1) * d], &p[r * n..(r + 1) * n]);
+                            mix_position(row, next, a, p, &c[r * n * n..(r + 1) * n * n]);
+                        },
+                    )
                 })
             })
         })
-    })
-    .flatten()
-    .flatten()
+    });
+    mixed
+        .flatten()
+        .flatten()
+        .expect("reachable tensors lend their values")
 }
 
 /// One position of [`mix_streams`]: `row` (`N x d`, the streams) becomes `post[k] out +
@@ -523,6 +500,7 @@ impl HyperHead {
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
+    use crate::model::host::ROWS_PER_TASK;
     use burn::tensor::{Device, Distribution};
 
     fn close(a: Tensor<2>, b: Tensor<2>, what: &str) {

@@ -16,7 +16,7 @@ use super::config::{DeepseekV4Config, MlpType, ScoringFunc};
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::flops::Mm;
-use crate::model::host::{self, ROWS_PER_TASK};
+use crate::model::host;
 use crate::model::layers::{Linear, Weight, int_tensor, row_chunks};
 use crate::model::placement::to;
 use crate::model::stored::StoredWeight;
@@ -202,21 +202,16 @@ fn swiglu_rows<'a>(
     limit: f64,
     row: impl Fn(usize) -> (&'a [f32], &'a [f32]) + Sync,
 ) -> Vec<f32> {
-    use rayon::prelude::*;
     let l = limit as f32;
     let mut out = vec![0f32; rows * d_ff];
-    out.par_chunks_mut(d_ff.max(1) * ROWS_PER_TASK)
-        .enumerate()
-        .for_each(|(c, part)| {
-            for (i, o) in part.chunks_mut(d_ff.max(1)).enumerate() {
-                let (g, u) = row(c * ROWS_PER_TASK + i);
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    // As `clamp_max`: a NaN stays NaN (`f32::min` would drop it).
-                    let g = if g > l { l } else { g };
-                    *o = g / (1.0 + (-g).exp()) * u.clamp(-l, l);
-                }
-            }
-        });
+    host::par_rows(&mut out, d_ff, |r, o| {
+        let (g, u) = row(r);
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            // As `clamp_max`: a NaN stays NaN (`f32::min` would drop it).
+            let g = if g > l { l } else { g };
+            *o = g / (1.0 + (-g).exp()) * u.clamp(-l, l);
+        }
+    });
     out
 }
 
@@ -477,6 +472,7 @@ impl Moe {
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
+    use crate::model::host::ROWS_PER_TASK;
     use burn::tensor::Distribution;
 
     /// The flex kernel of the clamped SwiGLU gives the tensor expression (computed on the
