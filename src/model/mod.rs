@@ -39,6 +39,8 @@ pub mod plan;
 pub mod precision;
 /// Pretrained checkpoints (GGUF, Hugging Face folders) of the Llama family and Gemma 3.
 pub mod pretrained;
+/// Matrix products on flex's f32 buffers, split over every core.
+pub mod products;
 /// Time per stage of a forward (`bench forward --stages`).
 pub mod profile;
 #[doc(hidden)] // streaming safetensors reads and writes (the CLI, tests/it's fixtures)
