@@ -24,6 +24,7 @@ use super::topk::selected_indices;
 use crate::error::{Error, Result};
 use crate::hooks::{HookPoint, HookRun, Site};
 use crate::model::flops::Mm;
+use crate::model::host;
 
 /// Raw per-token keys and values over every position of the prompts.
 pub struct Raw {
@@ -1029,6 +1030,9 @@ fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
 /// visible give all zeros instead of a uniform row (without it the caller knows every
 /// row sees a slot). The same numbers as a mask fill with [`HIDDEN`].
 fn biased_softmax(scores: Tensor<4>, bias: Tensor<4>, check_empty: bool) -> Tensor<4> {
+    if let Some(p) = biased_softmax_host(&scores, &bias, check_empty) {
+        return p;
+    }
     let masked = scores + bias.clone();
     let max = masked.clone().max_dim(3).detach();
     let mut e = (masked - max).exp();
@@ -1038,4 +1042,140 @@ fn biased_softmax(scores: Tensor<4>, bias: Tensor<4>, check_empty: bool) -> Tens
     }
     let denom = e.clone().sum_dim(3).clamp_min(1e-30);
     e / denom
+}
+
+/// [`biased_softmax`] on flex: one pass per row over every core into one new buffer (the
+/// expression writes five: the sum, the difference, the powers, the mask product and the
+/// quotient), with the vectorised [`host::exp`] (flex calls libm's `expf` per value) and
+/// the maximum and sum taken in 16 lanes. Within float rounding of the expression (a few
+/// ulp). `None` where [`host::reachable`] does not hold or the bias does not broadcast.
+fn biased_softmax_host(
+    scores: &Tensor<4>,
+    bias: &Tensor<4>,
+    check_empty: bool,
+) -> Option<Tensor<4>> {
+    let [b, h, q, k] = scores.dims();
+    let [rb, hb, qb, kb] = bias.dims();
+    if qb != q || kb != k || (rb != 1 && rb != b) || (hb != 1 && hb != h) {
+        return None;
+    }
+    let values = host::with_values(scores, |s| {
+        host::with_values(bias, |m| {
+            let mut out = vec![0f32; s.len()];
+            host::par_rows(&mut out, k, |row, o| {
+                let (bi, hi, qi) = (row / (h * q), row / q % h, row % q);
+                let mrow =
+                    ((if rb == 1 { 0 } else { bi }) * hb + if hb == 1 { 0 } else { hi }) * q + qi;
+                let mask = &m[mrow * k..][..k];
+                softmax_row(&s[row * k..][..k], mask, check_empty, o);
+            });
+            out
+        })
+    })??;
+    Some(host::tensor_from(values, [b, h, q, k], scores))
+}
+
+host::multiversion! {
+/// One row of [`biased_softmax_host`] into `o`.
+fn softmax_row(scores: &[f32], mask: &[f32], check_empty: bool, o: &mut [f32]) {
+    const LANES: usize = 16;
+    let lane_max = |v: &[f32]| {
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        let chunks = v.chunks_exact(LANES);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (a, &e) in acc.iter_mut().zip(c) {
+                *a = if e > *a { e } else { *a };
+            }
+        }
+        acc.iter()
+            .chain(rest)
+            .fold(f32::NEG_INFINITY, |a, &e| if e > a { e } else { a })
+    };
+    for ((o, &a), &c) in o.iter_mut().zip(scores).zip(mask) {
+        *o = a + c;
+    }
+    let max = lane_max(o);
+    for v in o.iter_mut() {
+        *v = host::exp(*v - max);
+    }
+    if check_empty {
+        let seen = if lane_max(mask) > HIDDEN / 2.0 {
+            1.0
+        } else {
+            0.0
+        };
+        o.iter_mut().for_each(|v| *v *= seen);
+    }
+    let mut acc = [0f32; LANES];
+    let chunks = o.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &e) in acc.iter_mut().zip(c) {
+            *a += e;
+        }
+    }
+    let sum = acc.iter().sum::<f32>() + rest.iter().sum::<f32>();
+    // As `clamp_min`: a NaN sum stays NaN (`f32::max` would drop it).
+    let denom = if sum < 1e-30 { 1e-30 } else { sum };
+    o.iter_mut().for_each(|v| *v /= denom);
+}
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use burn::tensor::Distribution;
+
+    use super::*;
+
+    /// The softmax on flex against the tensor expression (run on the autodiff device, where
+    /// the kernel declines): biases broadcast over batch rows and heads or not, a row
+    /// with nothing visible (zeros with `check_empty`, uniform without), a NaN score
+    /// (its row NaN), a strided score tensor.
+    #[test]
+    fn biased_softmax_on_flex_gives_the_tensor_expression() {
+        let (dev, ad) = (Device::flex(), Device::flex().autodiff());
+        let (b, h, q, k) = (2, 3, 5, 37);
+        let scores = Tensor::<4>::random([b, h, q, k], Distribution::Normal(0.0, 4.0), &dev)
+            .slice_assign(
+                [1..2, 2..3, 4..5, 9..10],
+                Tensor::full([1, 1, 1, 1], f32::NAN, &dev),
+            );
+        let strided =
+            Tensor::<4>::random([b, q, h, k], Distribution::Normal(0.0, 4.0), &dev).swap_dims(1, 2);
+        let bias = |rb, hb| {
+            let v: Vec<f32> = (0..rb * hb * q * k)
+                .map(|i| {
+                    if (i * 7) % 5 == 0 || i / k == 3 {
+                        HIDDEN
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            Tensor::<4>::from_data(TensorData::new(v, [rb, hb, q, k]), &dev)
+        };
+        for s in [&scores, &strided] {
+            for m in [bias(1, 1), bias(b, 1), bias(1, h), bias(b, h)] {
+                for check_empty in [true, false] {
+                    let got = biased_softmax(s.clone(), m.clone(), check_empty);
+                    let want = biased_softmax(
+                        Tensor::from_data(s.to_data(), &ad),
+                        Tensor::from_data(m.to_data(), &ad),
+                        check_empty,
+                    );
+                    let got = got.into_data().try_into_vec::<f32>().unwrap();
+                    let want = want.into_data().try_into_vec::<f32>().unwrap();
+                    assert_eq!(got.len(), want.len());
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        let close = (g - e).abs() <= 1e-6 * e.abs() + 1e-12;
+                        assert!(
+                            close || (g.is_nan() && e.is_nan()),
+                            "value {i} ({check_empty}): {g} against {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

@@ -168,14 +168,53 @@ impl RmsNorm {
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        rms_normalize(x, self.eps) * self.weight.val().unsqueeze::<D>()
+        let w = self.weight.val();
+        match rms_host(&x, self.eps, Some(&w)) {
+            Some(y) => y,
+            None => rms_normalize(x, self.eps) * w.unsqueeze::<D>(),
+        }
     }
 }
 
 /// `x / sqrt(mean(x^2) + eps)` over the last axis (no scale).
 pub fn rms_normalize<const D: usize>(x: Tensor<D>, eps: f64) -> Tensor<D> {
+    if let Some(y) = rms_host(&x, eps, None) {
+        return y;
+    }
     let ms = x.clone().square().mean_dim(D - 1);
     x * (ms + eps).sqrt().recip()
+}
+
+/// [`rms_normalize`] times `w` (when given) on flex: one pass per row over every core
+/// into one new buffer, in place of the five tensors the expression writes (`x^2`, the
+/// mean, its root, `x s` and `x s w`). `(x s) w` is rounded as the expression rounds it;
+/// the mean of squares is summed in another order ([`host::inv_rms`]). `None` where
+/// [`host::reachable`] does not hold.
+fn rms_host<const D: usize>(x: &Tensor<D>, eps: f64, w: Option<&Tensor<1>>) -> Option<Tensor<D>> {
+    let d = x.dims()[D - 1];
+    let scaled = |w: Option<&[f32]>| {
+        host::with_values(x, |xs| {
+            let mut out = vec![0f32; xs.len()];
+            host::par_rows(&mut out, d, |r, row| {
+                let src = &xs[r * d..(r + 1) * d];
+                let s = host::inv_rms(src, eps);
+                match w {
+                    Some(w) => row
+                        .iter_mut()
+                        .zip(src.iter().zip(w))
+                        .for_each(|(o, (&e, &g))| *o = e * s * g),
+                    None => row.iter_mut().zip(src).for_each(|(o, &e)| *o = e * s),
+                }
+            });
+            out
+        })
+    };
+    let values = match w {
+        Some(w) if w.dims()[0] == d => host::with_values(w, |w| scaled(Some(w)))??,
+        Some(_) => return None,
+        None => scaled(None)?,
+    };
+    Some(host::tensor_from(values, x.dims(), x))
 }
 
 /// Token embedding table `[vocab, d_model]`.
@@ -219,23 +258,86 @@ impl SwiGlu {
     /// `[..., d_model]` -> `[..., d_model]`, over chunks of at most [`ROW_CHUNK`] rows
     /// (the `d_ff`-wide intermediates then scale with the chunk, not the sequence).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        self.forward_with(x, silu)
+        self.forward_with(x, Gate::Silu)
     }
 
-    /// [`SwiGlu::forward`] with another gate activation (`gelu_tanh`: GeGLU).
-    pub fn forward_with<const D: usize>(
-        &self,
-        x: Tensor<D>,
-        act: impl Fn(Tensor<2>) -> Tensor<2>,
-    ) -> Tensor<D> {
+    /// [`SwiGlu::forward`] with another gate activation ([`Gate::GeluTanh`]: GeGLU).
+    pub fn forward_with<const D: usize>(&self, x: Tensor<D>, act: Gate) -> Tensor<D> {
         let dims = x.dims();
         let d = dims[D - 1];
         let rows: usize = dims[..D - 1].iter().product();
         let flat = row_chunks(x.reshape([rows, d]), |x| {
             self.down
-                .forward(act(self.gate.forward(x.clone())) * self.up.forward(x))
+                .forward(act.gated(self.gate.forward(x.clone()), self.up.forward(x)))
         });
         flat.reshape(dims)
+    }
+}
+
+/// The gate activation of a gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// `silu(g) = g sigmoid(g)` (SwiGLU).
+    Silu,
+    /// [`gelu_tanh`] (GeGLU).
+    GeluTanh,
+}
+
+impl Gate {
+    /// The activation of `g`.
+    pub fn apply<const D: usize>(self, g: Tensor<D>) -> Tensor<D> {
+        match self {
+            Gate::Silu => silu(g),
+            Gate::GeluTanh => gelu_tanh(g),
+        }
+    }
+
+    /// `act(g) u`. On flex one pass over every core into one new buffer, with the
+    /// vectorised [`host::sigmoid`] (flex calls libm's `expf` per value): the same
+    /// products in the same order, within a few ulp of the expression.
+    pub fn gated<const D: usize>(self, g: Tensor<D>, u: Tensor<D>) -> Tensor<D> {
+        let dims = g.dims();
+        let d = dims[D - 1];
+        let values = (dims == u.dims())
+            .then(|| {
+                host::with_values(&g, |gs| {
+                    host::with_values(&u, |us| {
+                        let mut out = vec![0f32; gs.len()];
+                        host::par_rows(&mut out, d, |r, o| {
+                            gated_row(self, &gs[r * d..][..d], &us[r * d..][..d], o)
+                        });
+                        out
+                    })
+                })
+            })
+            .flatten()
+            .flatten();
+        match values {
+            Some(v) => host::tensor_from(v, dims, &g),
+            None => self.apply(g) * u,
+        }
+    }
+
+    /// The activation of one value, in the expression's order of operations.
+    #[inline(always)]
+    fn scalar(self, x: f32) -> f32 {
+        match self {
+            Gate::Silu => x * host::sigmoid(x),
+            Gate::GeluTanh => {
+                let k = (2.0f64 / std::f64::consts::PI).sqrt();
+                let inner = (x + x * x * x * 0.044715) * (2.0 * k) as f32;
+                x * host::sigmoid(inner)
+            }
+        }
+    }
+}
+
+host::multiversion! {
+    /// `o = act(g) u` for one row.
+    fn gated_row(gate: Gate, g: &[f32], u: &[f32], o: &mut [f32]) {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = gate.scalar(g) * u;
+        }
     }
 }
 
@@ -490,6 +592,98 @@ mod tests {
     /// inverse, a rotated range inside the head, tables per position and per (batch row,
     /// position), and a strided input; a shared input is left as it was.
     #[cfg(feature = "flex")]
+    /// The gated activations on flex against the tensor expressions (on the autodiff
+    /// device, where the kernel declines), over values from -1e4 to 1e4 with NaN and the
+    /// infinities; a strided gate.
+    #[test]
+    fn gated_activations_on_flex_give_the_tensor_expressions() {
+        use burn::tensor::Distribution;
+        let (dev, ad) = (Device::flex(), Device::flex().autodiff());
+        let mut v: Vec<f32> = (-400..400).map(|i| i as f32 * 0.05).collect();
+        v.extend([
+            1e4,
+            -1e4,
+            100.0,
+            -100.0,
+            88.0,
+            -88.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+        ]);
+        v.resize(810, 0.5);
+        let g = Tensor::<2>::from_data(TensorData::new(v, [10, 81]), &dev);
+        let gs = Tensor::<2>::random([81, 10], Distribution::Normal(0.0, 3.0), &dev).transpose();
+        let u = Tensor::<2>::random([10, 81], Distribution::Normal(0.0, 2.0), &dev);
+        for gate in [Gate::Silu, Gate::GeluTanh] {
+            for g in [&g, &gs] {
+                let got = gate.gated(g.clone(), u.clone());
+                let want = gate.gated(
+                    Tensor::<2>::from_data(g.to_data(), &ad),
+                    Tensor::from_data(u.to_data(), &ad),
+                );
+                let got = got.into_data().try_into_vec::<f32>().unwrap();
+                let want = want.into_data().try_into_vec::<f32>().unwrap();
+                for (i, (x, e)) in got.iter().zip(&want).enumerate() {
+                    let close = x == e || (x - e).abs() <= 1e-6 * e.abs();
+                    assert!(
+                        close || (x.is_nan() && e.is_nan()),
+                        "{gate:?} value {i}: {x} against {e}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rms_norm_on_flex_gives_the_tensor_expression() {
+        use burn::tensor::Distribution;
+        let (dev, ad) = (Device::flex(), Device::flex().autodiff());
+        let x = Tensor::<3>::random([2, 37, 50], Distribution::Normal(0.0, 3.0), &dev);
+        // A strided input, a row of zeros, a NaN and an infinity in rows of their own.
+        let xs = Tensor::<3>::random([2, 50, 37], Distribution::Normal(0.0, 1.0), &dev)
+            .swap_dims(1, 2)
+            .slice_assign([0..1, 0..1, 0..50], Tensor::zeros([1, 1, 50], &dev))
+            .slice_assign([0..1, 1..2, 3..4], Tensor::full([1, 1, 1], f32::NAN, &dev))
+            .slice_assign(
+                [1..2, 0..1, 7..8],
+                Tensor::full([1, 1, 1], f32::INFINITY, &dev),
+            );
+        let w = Tensor::<1>::random([50], Distribution::Normal(1.0, 0.5), &dev);
+        let norm = |dev: &Device| RmsNorm {
+            weight: Param::from_tensor(Tensor::from_data(w.to_data(), dev)),
+            eps: 1e-6,
+        };
+        for input in [&x, &xs] {
+            let on_ad = Tensor::<3>::from_data(input.to_data(), &ad);
+            let pairs = [
+                (
+                    norm(&dev).forward(input.clone()),
+                    norm(&ad).forward(on_ad.clone()),
+                ),
+                (
+                    rms_normalize(input.clone(), 1e-6),
+                    rms_normalize(on_ad, 1e-6),
+                ),
+            ];
+            for (got, want) in pairs {
+                let (got, want) = (
+                    got.into_data().try_into_vec::<f32>().unwrap(),
+                    want.into_data().try_into_vec::<f32>().unwrap(),
+                );
+                assert_eq!(got.len(), want.len());
+                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                    let close = (g - e).abs() <= 1e-6 * (1.0 + e.abs());
+                    assert!(
+                        close || (g.is_nan() && e.is_nan()),
+                        "value {i}: {g} against {e}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn rope_on_flex_gives_the_tensor_expression_bit_for_bit() {
         use burn::tensor::Distribution;

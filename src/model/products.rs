@@ -61,7 +61,18 @@ pub fn matmul<const D: usize>(a: &Tensor<D>, b: &Tensor<D>) -> Option<Tensor<D>>
         lhs: &lhs,
         rhs: &rhs,
     };
+    let t0 = std::time::Instant::now();
     plan.run(&mut out, rayon::current_num_threads());
+    if std::env::var_os("PL_LOG").is_some() {
+        eprintln!(
+            "PROD {} {} {} {} {:.6}",
+            batch.len(),
+            m,
+            k,
+            n,
+            t0.elapsed().as_secs_f64()
+        );
+    }
     let mut shape = [0; D];
     shape[..D - 2].copy_from_slice(&batch.dims);
     shape[D - 2] = m;

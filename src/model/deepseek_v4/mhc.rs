@@ -339,7 +339,7 @@ fn normalized_mm(x: Tensor<2>, w: Tensor<2>, eps: f64) -> Tensor<2> {
     let scales = host::with_values(&x, |v| {
         let mut s = vec![0f32; rows];
         host::par_rows(&mut s, 1, |r, si| {
-            si[0] = inv_rms(&v[r * k..(r + 1) * k], eps)
+            si[0] = host::inv_rms(&v[r * k..(r + 1) * k], eps)
         });
         s
     });
@@ -350,22 +350,6 @@ fn normalized_mm(x: Tensor<2>, w: Tensor<2>, eps: f64) -> Tensor<2> {
         }
         None => rms_normalize(x, eps).mm(w),
     }
-}
-
-/// `(mean(v^2) + eps)^(-1/2)`, the squares summed in 16 lanes (vectorised), then the
-/// lanes and the rest in order.
-fn inv_rms(v: &[f32], eps: f64) -> f32 {
-    const LANES: usize = 16;
-    let mut acc = [0f32; LANES];
-    let chunks = v.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, &e) in acc.iter_mut().zip(c) {
-            *a += e * e;
-        }
-    }
-    let sum: f32 = acc.iter().sum::<f32>() + rest.iter().map(|e| e * e).sum::<f32>();
-    ((sum as f64 / v.len() as f64 + eps).sqrt().recip()) as f32
 }
 
 /// `sum_n w[n] X[n]`: the weights `w: [b, t, N]` collapse the streams `x: [b, t, N, d]`

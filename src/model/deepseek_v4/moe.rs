@@ -195,7 +195,8 @@ pub fn clamped_swiglu_halves(gu: Tensor<2>, d_ff: usize, limit: f64) -> Tensor<2
 }
 
 /// `rows x d_ff` values of [`clamped_swiglu`], row `r`'s gate and up from `row(r)`,
-/// rows over every core: `silu(g) = g sigmoid(g) = g / (1 + exp(-g))`.
+/// rows over every core: `silu(g) = g sigmoid(g) = g / (1 + exp(-g))`, with the
+/// vectorised [`host::exp`].
 fn swiglu_rows<'a>(
     rows: usize,
     d_ff: usize,
@@ -206,13 +207,20 @@ fn swiglu_rows<'a>(
     let mut out = vec![0f32; rows * d_ff];
     host::par_rows(&mut out, d_ff, |r, o| {
         let (g, u) = row(r);
+        swiglu_row(l, g, u, o)
+    });
+    out
+}
+
+host::multiversion! {
+    /// One row of [`swiglu_rows`].
+    fn swiglu_row(l: f32, g: &[f32], u: &[f32], o: &mut [f32]) {
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             // As `clamp_max`: a NaN stays NaN (`f32::min` would drop it).
             let g = if g > l { l } else { g };
-            *o = g / (1.0 + (-g).exp()) * u.clamp(-l, l);
+            *o = g / (1.0 + host::exp(-g)) * u.clamp(-l, l);
         }
-    });
-    out
+    }
 }
 
 impl Moe {

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::hooks::{Act, ActivationCache, HookPoint, HookRun, HookSpec, Site};
 use crate::model::compression::{Overlay, learned};
 use crate::model::kv_state::{PrefixState, Suffix, TokenFlow};
-use crate::model::layers::{Embedding, Linear, RmsNorm, SwiGlu, gelu_tanh};
+use crate::model::layers::{Embedding, Gate, Linear, RmsNorm, SwiGlu};
 use crate::model::placement::{PerDevice, Placed, to};
 use crate::model::safetensors_io::SafetensorsReader;
 use crate::model::weights::{CheckpointSource, RandomInit, Vb, WeightSource};
@@ -58,9 +58,9 @@ impl Block {
         hooks: &mut HookRun,
     ) -> Result<Tensor<3>> {
         let h = self.mlp_norm.forward(x);
-        let f = |g: Tensor<3>| match act {
-            MlpAct::Silu => burn::tensor::activation::silu(g),
-            MlpAct::GeluTanh => gelu_tanh(g),
+        let gate = match act {
+            MlpAct::Silu => Gate::Silu,
+            MlpAct::GeluTanh => Gate::GeluTanh,
         };
         let (pre, post) = (
             HookPoint::block(l, Site::MlpPre),
@@ -69,13 +69,10 @@ impl Block {
         let m = if hooks.touches(&pre) || hooks.touches(&post) {
             // Unchunked, so the hooks see every position at once.
             let g = hooks.apply(pre, self.mlp.gate.forward(h.clone()))?;
-            let p = hooks.apply(post, f(g) * self.mlp.up.forward(h))?;
+            let p = hooks.apply(post, gate.gated(g, self.mlp.up.forward(h)))?;
             self.mlp.down.forward(p)
         } else {
-            match act {
-                MlpAct::Silu => self.mlp.forward(h),
-                MlpAct::GeluTanh => self.mlp.forward_with(h, gelu_tanh),
-            }
+            self.mlp.forward_with(h, gate)
         };
         Ok(match &self.post_mlp_norm {
             Some(n) => n.forward(m),
