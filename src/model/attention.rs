@@ -1075,8 +1075,8 @@ fn biased_softmax_host(
     Some(host::tensor_from(values, [b, h, q, k], scores))
 }
 
+host::multiversion! {
 /// One row of [`biased_softmax_host`] into `o`.
-#[inline(always)]
 fn softmax_row(scores: &[f32], mask: &[f32], check_empty: bool, o: &mut [f32]) {
     const LANES: usize = 16;
     let lane_max = |v: &[f32]| {
@@ -1119,6 +1119,7 @@ fn softmax_row(scores: &[f32], mask: &[f32], check_empty: bool, o: &mut [f32]) {
     // As `clamp_min`: a NaN sum stays NaN (`f32::max` would drop it).
     let denom = if sum < 1e-30 { 1e-30 } else { sum };
     o.iter_mut().for_each(|v| *v /= denom);
+}
 }
 
 #[cfg(all(test, feature = "flex"))]

@@ -332,11 +332,12 @@ impl Gate {
     }
 }
 
-/// `o = act(g) u` for one row.
-#[inline(always)]
-fn gated_row(gate: Gate, g: &[f32], u: &[f32], o: &mut [f32]) {
-    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-        *o = gate.scalar(g) * u;
+host::multiversion! {
+    /// `o = act(g) u` for one row.
+    fn gated_row(gate: Gate, g: &[f32], u: &[f32], o: &mut [f32]) {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = gate.scalar(g) * u;
+        }
     }
 }
 

@@ -212,13 +212,14 @@ fn swiglu_rows<'a>(
     out
 }
 
-/// One row of [`swiglu_rows`].
-#[inline(always)]
-fn swiglu_row(l: f32, g: &[f32], u: &[f32], o: &mut [f32]) {
-    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-        // As `clamp_max`: a NaN stays NaN (`f32::min` would drop it).
-        let g = if g > l { l } else { g };
-        *o = g / (1.0 + host::exp(-g)) * u.clamp(-l, l);
+host::multiversion! {
+    /// One row of [`swiglu_rows`].
+    fn swiglu_row(l: f32, g: &[f32], u: &[f32], o: &mut [f32]) {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            // As `clamp_max`: a NaN stays NaN (`f32::min` would drop it).
+            let g = if g > l { l } else { g };
+            *o = g / (1.0 + host::exp(-g)) * u.clamp(-l, l);
+        }
     }
 }
 
