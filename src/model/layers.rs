@@ -592,6 +592,20 @@ mod tests {
     /// inverse, a rotated range inside the head, tables per position and per (batch row,
     /// position), and a strided input; a shared input is left as it was.
     #[cfg(feature = "flex")]
+    /// Every value of `got` within `1e-6 |want| + abs` of `want`'s, NaN where it is NaN.
+    fn assert_close<const D: usize>(got: Tensor<D>, want: Tensor<D>, abs: f32, what: &str) {
+        assert_eq!(got.dims(), want.dims(), "{what}");
+        let got = got.into_data().try_into_vec::<f32>().unwrap();
+        let want = want.into_data().try_into_vec::<f32>().unwrap();
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            let close = g == e || (g - e).abs() <= 1e-6 * e.abs() + abs;
+            assert!(
+                close || (g.is_nan() && e.is_nan()),
+                "{what} value {i}: {g} against {e}"
+            );
+        }
+    }
+
     /// The gated activations on flex against the tensor expressions (on the autodiff
     /// device, where the kernel declines), over values from -1e4 to 1e4 with NaN and the
     /// infinities; a strided gate.
@@ -623,15 +637,7 @@ mod tests {
                     Tensor::<2>::from_data(g.to_data(), &ad),
                     Tensor::from_data(u.to_data(), &ad),
                 );
-                let got = got.into_data().try_into_vec::<f32>().unwrap();
-                let want = want.into_data().try_into_vec::<f32>().unwrap();
-                for (i, (x, e)) in got.iter().zip(&want).enumerate() {
-                    let close = x == e || (x - e).abs() <= 1e-6 * e.abs();
-                    assert!(
-                        close || (x.is_nan() && e.is_nan()),
-                        "{gate:?} value {i}: {x} against {e}"
-                    );
-                }
+                assert_close(got, want, 0.0, &format!("{gate:?}"));
             }
         }
     }
@@ -668,18 +674,7 @@ mod tests {
                 ),
             ];
             for (got, want) in pairs {
-                let (got, want) = (
-                    got.into_data().try_into_vec::<f32>().unwrap(),
-                    want.into_data().try_into_vec::<f32>().unwrap(),
-                );
-                assert_eq!(got.len(), want.len());
-                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                    let close = (g - e).abs() <= 1e-6 * (1.0 + e.abs());
-                    assert!(
-                        close || (g.is_nan() && e.is_nan()),
-                        "value {i}: {g} against {e}"
-                    );
-                }
+                assert_close(got, want, 1e-6, "rms");
             }
         }
     }
