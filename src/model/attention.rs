@@ -1078,19 +1078,10 @@ fn biased_softmax_host(
 host::multiversion! {
 /// One row of [`biased_softmax_host`] into `o`.
 fn softmax_row(scores: &[f32], mask: &[f32], check_empty: bool, o: &mut [f32]) {
-    const LANES: usize = 16;
+    let larger = |a: f32, e: f32| if e > a { e } else { a };
     let lane_max = |v: &[f32]| {
-        let mut acc = [f32::NEG_INFINITY; LANES];
-        let chunks = v.chunks_exact(LANES);
-        let rest = chunks.remainder();
-        for c in chunks {
-            for (a, &e) in acc.iter_mut().zip(c) {
-                *a = if e > *a { e } else { *a };
-            }
-        }
-        acc.iter()
-            .chain(rest)
-            .fold(f32::NEG_INFINITY, |a, &e| if e > a { e } else { a })
+        let (acc, rest) = host::lanes(v, f32::NEG_INFINITY, larger);
+        acc.iter().chain(rest).fold(f32::NEG_INFINITY, |a, &e| larger(a, e))
     };
     for ((o, &a), &c) in o.iter_mut().zip(scores).zip(mask) {
         *o = a + c;
@@ -1107,14 +1098,7 @@ fn softmax_row(scores: &[f32], mask: &[f32], check_empty: bool, o: &mut [f32]) {
         };
         o.iter_mut().for_each(|v| *v *= seen);
     }
-    let mut acc = [0f32; LANES];
-    let chunks = o.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, &e) in acc.iter_mut().zip(c) {
-            *a += e;
-        }
-    }
+    let (acc, rest) = host::lanes(o, 0.0, |a, e| a + e);
     let sum = acc.iter().sum::<f32>() + rest.iter().sum::<f32>();
     // As `clamp_min`: a NaN sum stays NaN (`f32::max` would drop it).
     let denom = if sum < 1e-30 { 1e-30 } else { sum };

@@ -32,10 +32,13 @@ impl<const D: usize> Mm for Tensor<D> {
         }
         let n = rhs.dims()[D - 1];
         super::profile::timed(super::profile::Kind::Products, n, || match compute() {
-            ComputeDtype::F32 => match super::products::matmul(&self, &rhs) {
-                Some(p) => p,
-                None => self.matmul(rhs),
-            },
+            ComputeDtype::F32 => {
+                #[cfg(feature = "flex")]
+                if let Some(p) = super::products::matmul(&self, &rhs) {
+                    return p;
+                }
+                self.matmul(rhs)
+            }
             ComputeDtype::Bf16 => self
                 .cast(DType::BF16)
                 .matmul(rhs.cast(DType::BF16))

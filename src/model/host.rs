@@ -58,18 +58,29 @@ pub fn par_rows_with<S>(
         });
 }
 
-/// `(mean(v^2) + eps)^(-1/2)`, the squares summed in 16 lanes (vectorised), then the
-/// lanes and the rest in order.
-pub fn inv_rms(v: &[f32], eps: f64) -> f32 {
-    const LANES: usize = 16;
-    let mut acc = [0f32; LANES];
+/// Lanes of [`lanes`].
+pub const LANES: usize = 16;
+
+/// The vectorised half of a reduction over `v`: lane `i` folds values `i, i + 16, ...` of
+/// the whole chunks of [`LANES`] with `step` from `init`; returned with the values after the
+/// last whole chunk. The caller combines the lanes and the rest in its own order.
+#[inline(always)]
+pub fn lanes(v: &[f32], init: f32, step: impl Fn(f32, f32) -> f32) -> ([f32; LANES], &[f32]) {
+    let mut acc = [init; LANES];
     let chunks = v.chunks_exact(LANES);
     let rest = chunks.remainder();
     for c in chunks {
         for (a, &e) in acc.iter_mut().zip(c) {
-            *a += e * e;
+            *a = step(*a, e);
         }
     }
+    (acc, rest)
+}
+
+/// `(mean(v^2) + eps)^(-1/2)`, the squares summed in [`lanes`], then the lanes and the
+/// rest in order.
+pub fn inv_rms(v: &[f32], eps: f64) -> f32 {
+    let (acc, rest) = lanes(v, 0.0, |a, e| a + e * e);
     let sum: f32 = acc.iter().sum::<f32>() + rest.iter().map(|e| e * e).sum::<f32>();
     ((sum as f64 / v.len() as f64 + eps).sqrt().recip()) as f32
 }
@@ -117,6 +128,12 @@ pub fn sigmoid(x: f32) -> f32 {
     } else {
         e / (1.0 + e)
     }
+}
+
+/// `x sigmoid(x)` (flex's `silu`), with [`sigmoid`].
+#[inline(always)]
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
 }
 
 /// `$vis fn $name(args) body`, compiled three times: with AVX-512F, with AVX2 and as built

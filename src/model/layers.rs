@@ -322,7 +322,7 @@ impl Gate {
     #[inline(always)]
     fn scalar(self, x: f32) -> f32 {
         match self {
-            Gate::Silu => x * host::sigmoid(x),
+            Gate::Silu => host::silu(x),
             Gate::GeluTanh => {
                 let k = (2.0f64 / std::f64::consts::PI).sqrt();
                 let inner = (x + x * x * x * 0.044715) * (2.0 * k) as f32;

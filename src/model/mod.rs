@@ -40,6 +40,7 @@ pub mod precision;
 /// Pretrained checkpoints (GGUF, Hugging Face folders) of the Llama family and Gemma 3.
 pub mod pretrained;
 /// Matrix products on flex's f32 buffers, split over every core.
+#[cfg(feature = "flex")]
 pub mod products;
 /// Time per stage of a forward (`bench forward --stages`).
 pub mod profile;

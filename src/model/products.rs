@@ -37,54 +37,23 @@ const ALIGN: usize = 16;
 /// `a x b` over the last two axes, batch axes broadcast as in `Tensor::matmul`, when both
 /// are [`host::reachable`] flex f32 tensors; `None` otherwise (and for mismatched shapes,
 /// which the caller's `matmul` then reports).
-#[cfg(feature = "flex")]
 pub fn matmul<const D: usize>(a: &Tensor<D>, b: &Tensor<D>) -> Option<Tensor<D>> {
     if D < 2 || !host::reachable(a) || !host::reachable(b) {
         return None;
     }
     let pa = a.clone().try_into_primitive::<burn_flex::Flex>().ok()?;
     let pb = b.clone().try_into_primitive::<burn_flex::Flex>().ok()?;
-    let lhs = Operand::of(&pa);
-    let rhs = Operand::of(&pb);
-    let (m, k) = (lhs.dims[D - 2], lhs.dims[D - 1]);
-    let n = rhs.dims[D - 1];
-    if rhs.dims[D - 2] != k {
-        return None;
-    }
+    let (lhs, rhs) = (Operand::of(&pa), Operand::of(&pb));
     let batch = Batch::broadcast(&lhs, &rhs)?;
-    let mut out = vec![0f32; batch.len() * m * n];
-    let plan = Plan {
-        m,
-        n,
-        k,
-        batch: &batch,
-        lhs: &lhs,
-        rhs: &rhs,
-    };
-    let t0 = std::time::Instant::now();
+    let plan = Plan::new(&lhs, &rhs, &batch)?;
+    let mut out = vec![0f32; batch.len() * plan.m * plan.n];
     plan.run(&mut out, rayon::current_num_threads());
-    if std::env::var_os("PL_LOG").is_some() {
-        eprintln!(
-            "PROD {} {} {} {} {:.6}",
-            batch.len(),
-            m,
-            k,
-            n,
-            t0.elapsed().as_secs_f64()
-        );
-    }
     let mut shape = [0; D];
     shape[..D - 2].copy_from_slice(&batch.dims);
-    shape[D - 2] = m;
-    shape[D - 1] = n;
+    shape[D - 2] = plan.m;
+    shape[D - 1] = plan.n;
     Some(host::tensor_from(out, shape, a))
 }
-/// Flex is not built in: no product is taken over.
-#[cfg(not(feature = "flex"))]
-pub fn matmul<const D: usize>(_: &Tensor<D>, _: &Tensor<D>) -> Option<Tensor<D>> {
-    None
-}
-
 /// One side of a product: its values, where it starts and its strides (in values).
 struct Operand<'a> {
     values: &'a [f32],
@@ -93,7 +62,6 @@ struct Operand<'a> {
     strides: Vec<isize>,
 }
 
-#[cfg(feature = "flex")]
 impl<'a> Operand<'a> {
     fn of(p: &'a burn_flex::FlexTensor) -> Self {
         let layout = p.layout();
@@ -205,7 +173,21 @@ struct Plan<'a> {
     rhs: &'a Operand<'a>,
 }
 
-impl Plan<'_> {
+impl<'a> Plan<'a> {
+    /// The product of `lhs` and `rhs` over `batch`; `None` when their inner sizes differ.
+    fn new(lhs: &'a Operand<'a>, rhs: &'a Operand<'a>, batch: &'a Batch) -> Option<Self> {
+        let d = lhs.dims.len();
+        let k = lhs.dims[d - 1];
+        (rhs.dims[d - 2] == k).then(|| Plan {
+            m: lhs.dims[d - 2],
+            n: rhs.dims[d - 1],
+            k,
+            batch,
+            lhs,
+            rhs,
+        })
+    }
+
     /// The calls that make the product with `threads` threads, and whether they run over
     /// the pool (else one after the other on the calling thread).
     fn tasks(&self, threads: usize) -> (Vec<Task>, bool) {
@@ -236,24 +218,21 @@ impl Plan<'_> {
         if !(by_cols || by_rows) {
             return (each(gemm::Parallelism::Rayon(0)), false);
         }
-        let mut tasks = Vec::new();
-        for b in 0..count {
-            if by_cols {
-                tasks.extend(cols.iter().map(|c| Task {
+        let blocks: Vec<_> = if by_cols {
+            cols.into_iter().map(|c| (0..m, c)).collect()
+        } else {
+            rows.into_iter().map(|r| (r, 0..n)).collect()
+        };
+        let tasks = (0..count)
+            .flat_map(|b| {
+                blocks.iter().map(move |(rows, cols)| Task {
                     b,
-                    rows: 0..m,
-                    cols: c.clone(),
+                    rows: rows.clone(),
+                    cols: cols.clone(),
                     threads: gemm::Parallelism::None,
-                }));
-            } else {
-                tasks.extend(rows.iter().map(|r| Task {
-                    b,
-                    rows: r.clone(),
-                    cols: 0..n,
-                    threads: gemm::Parallelism::None,
-                }));
-            }
-        }
+                })
+            })
+            .collect();
         (tasks, true)
     }
 
@@ -301,7 +280,7 @@ impl Plan<'_> {
     }
 }
 
-#[cfg(all(test, feature = "flex"))]
+#[cfg(test)]
 mod tests {
     use burn::tensor::{Device, TensorData};
 
@@ -362,14 +341,7 @@ mod tests {
         let pb = b.clone().try_into_primitive::<burn_flex::Flex>().unwrap();
         let (lhs, rhs) = (Operand::of(&pa), Operand::of(&pb));
         let batch = Batch::broadcast(&lhs, &rhs).unwrap();
-        let plan = Plan {
-            m: lhs.dims[D - 2],
-            n: rhs.dims[D - 1],
-            k: lhs.dims[D - 1],
-            batch: &batch,
-            lhs: &lhs,
-            rhs: &rhs,
-        };
+        let plan = Plan::new(&lhs, &rhs, &batch).unwrap();
         let (tasks, parallel) = plan.tasks(threads);
         (tasks.len(), parallel)
     }

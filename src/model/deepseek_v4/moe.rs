@@ -195,8 +195,7 @@ pub fn clamped_swiglu_halves(gu: Tensor<2>, d_ff: usize, limit: f64) -> Tensor<2
 }
 
 /// `rows x d_ff` values of [`clamped_swiglu`], row `r`'s gate and up from `row(r)`,
-/// rows over every core: `silu(g) = g sigmoid(g) = g / (1 + exp(-g))`, with the
-/// vectorised [`host::exp`].
+/// rows over every core, with the vectorised [`host::silu`].
 fn swiglu_rows<'a>(
     rows: usize,
     d_ff: usize,
@@ -218,7 +217,7 @@ host::multiversion! {
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             // As `clamp_max`: a NaN stays NaN (`f32::min` would drop it).
             let g = if g > l { l } else { g };
-            *o = g / (1.0 + host::exp(-g)) * u.clamp(-l, l);
+            *o = host::silu(g) * u.clamp(-l, l);
         }
     }
 }
