@@ -27,9 +27,7 @@ pub trait Mm {
 
 impl<const D: usize> Mm for Tensor<D> {
     fn mm(self, rhs: Self) -> Self {
-        if COUNTING.load(Ordering::Relaxed) {
-            FLOPS.fetch_add(product_flops(&self.dims(), &rhs.dims()), Ordering::Relaxed);
-        }
+        count(&self.dims(), &rhs.dims());
         let n = rhs.dims()[D - 1];
         super::profile::timed(super::profile::Kind::Products, n, || match compute() {
             ComputeDtype::F32 => {
@@ -44,6 +42,14 @@ impl<const D: usize> Mm for Tensor<D> {
                 .matmul(rhs.cast(DType::BF16))
                 .cast(DType::F32),
         })
+    }
+}
+
+/// Count a product of `[.., m, k] x [.., k, n]` (while [`start`] is in effect) that the
+/// model code computes without [`Mm::mm`].
+pub fn count(a: &[usize], b: &[usize]) {
+    if COUNTING.load(Ordering::Relaxed) {
+        FLOPS.fetch_add(product_flops(a, b), Ordering::Relaxed);
     }
 }
 

@@ -17,7 +17,17 @@
 //! 256 outputs, or both sides at most 64). A product is split only when both it and
 //! every block stay off those paths ([`general`]), so each element gets the same sums as
 //! from one call over the whole product, whatever the thread count (tested bit for bit
-//! against burn's product). Other products run whole, as burn-flex would run them.
+//! against burn's product). One-row products whose right side is read by columns (a
+//! vector times a transposed weight, the LM head of a prefill) are one dot product per
+//! column ([`dot_rows`]) and split by columns too. Other products run whole, as
+//! burn-flex would run them.
+//!
+//! # Weights filled on demand
+//! [`matmul_t_filled`] multiplies by a matrix that exists only as rows a closure writes
+//! (stored BF16 / FP8 / FP4 / GGUF weights dequantised): each thread fills a block of the
+//! matrix's rows into a buffer of its own, kept between calls, and multiplies it into its
+//! columns of the output, so no dequantised copy of the matrix is made, joined or freed
+//! and the threads do not wait for each other between the blocks.
 
 use burn::tensor::Tensor;
 
@@ -54,6 +64,123 @@ pub fn matmul<const D: usize>(a: &Tensor<D>, b: &Tensor<D>) -> Option<Tensor<D>>
     shape[D - 1] = plan.n;
     Some(host::tensor_from(out, shape, a))
 }
+thread_local! {
+    /// Each thread's buffer of filled rows ([`matmul_t_filled`]), kept between calls.
+    static FILLED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Values per block of a one-row [`matmul_t_filled`]: about 1 MiB of filled values, which
+/// stay in the core's cache for the dot products that read them (at least
+/// [`MIN_DOT_BLOCK`] rows).
+const DOT_BLOCK_VALUES: usize = 1 << 18;
+
+/// `x W^T: [n, rows]` for `x: [n, k]` and the `rows x k` matrix `W` whose rows
+/// `fill(r0..r1, out)` writes row-major into `out` (`(r1 - r0) x k` values), with no
+/// copy of `W` made: each thread fills blocks of at most `block` rows (fewer for a
+/// one-row `x`) into its own buffer and multiplies them into its columns of the output.
+/// Each column's values are those of `x.matmul(W.transpose())` with the whole matrix,
+/// whatever the threads: `None` (the caller multiplies otherwise) when a block would take
+/// one of `gemm`'s special paths, when `x` is not a [`host::reachable`] flex f32 tensor,
+/// and for empty products.
+pub fn matmul_t_filled(
+    x: &Tensor<2>,
+    rows: usize,
+    block: usize,
+    fill: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+) -> Option<Tensor<2>> {
+    use rayon::prelude::*;
+    if !host::reachable(x) {
+        return None;
+    }
+    let px = x.clone().try_into_primitive::<burn_flex::Flex>().ok()?;
+    let lhs = Operand::of(&px);
+    let (n, k) = (lhs.dims[0], lhs.dims[1]);
+    let lhs_cs = lhs.stride_from_end(0);
+    let (block, last) = if n == 1 {
+        let cached = (DOT_BLOCK_VALUES / k.max(1)).max(MIN_DOT_BLOCK);
+        (block.min(cached), MIN_DOT_BLOCK)
+    } else {
+        // The narrowest block on the general path with `n` rows.
+        (block, 65.max(256 / n.max(1) + 1))
+    };
+    let parts = filled_blocks(rows, rayon::current_num_threads(), block, last);
+    let on_path = |b: &std::ops::Range<usize>| {
+        if n == 1 {
+            dot_rows(n, b.len(), k, lhs_cs, 1)
+        } else {
+            general(n, b.len(), k)
+        }
+    };
+    if n == 0 || rows == 0 || !parts.iter().flatten().all(on_path) {
+        return None;
+    }
+    let mut out = vec![0f32; n * rows];
+    let base = out.as_mut_ptr() as usize;
+    parts.par_iter().for_each(|blocks| {
+        FILLED.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            for b in blocks {
+                let len = b.len() * k;
+                if buf.len() < len {
+                    buf.resize(len, 0.0);
+                }
+                fill(b.clone(), &mut buf[..len]);
+                // SAFETY: each block writes its own columns `b` of `out` (`n x rows`, row
+                // stride `rows`), the threads' blocks are disjoint; the right side is the
+                // filled rows read transposed (`k x b.len()`, column stride `k`), and the
+                // left side's pointer and strides are its own layout's.
+                unsafe {
+                    gemm::gemm(
+                        n,
+                        b.len(),
+                        k,
+                        (base as *mut f32).add(b.start),
+                        1,
+                        rows as isize,
+                        false,
+                        lhs.at(0, 0, 0),
+                        lhs_cs,
+                        lhs.stride_from_end(1),
+                        buf.as_ptr(),
+                        k as isize,
+                        1,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            }
+        })
+    });
+    Some(host::tensor_from(out, [n, rows], x))
+}
+
+/// `rows` in one list of blocks per thread: [`split`] over `threads`, each part in blocks
+/// of `block` rows, a last block shorter than `min(block, last)` rows joining the one
+/// before it (so that blocks stay off `gemm`'s small-matrix paths).
+fn filled_blocks(
+    rows: usize,
+    threads: usize,
+    block: usize,
+    last: usize,
+) -> Vec<Vec<std::ops::Range<usize>>> {
+    split(rows, threads)
+        .into_iter()
+        .map(|part| {
+            let mut starts: Vec<usize> = part.clone().step_by(block.max(1)).collect();
+            if starts.len() > 1 && part.end - starts[starts.len() - 1] < block.min(last) {
+                starts.pop();
+            }
+            (0..starts.len())
+                .map(|i| starts[i]..starts.get(i + 1).copied().unwrap_or(part.end))
+                .collect()
+        })
+        .collect()
+}
+
 /// One side of a product: its values, where it starts and its strides (in values).
 struct Operand<'a> {
     values: &'a [f32],
@@ -145,6 +272,19 @@ fn general(m: usize, n: usize, k: usize) -> bool {
     k > 2 && m >= 2 && n >= 2 && m * n > 256 && (m > 64 || n > 64)
 }
 
+/// Whether `gemm` computes a one-row product of `n` columns and depth `k` as one dot
+/// product per column on its row-major matrix-vector path (the left row and each right
+/// column contiguous, more than 256 columns), each over `k` in an order that depends on
+/// `k` alone: any split of the columns into blocks for which this holds too gives the
+/// same values. (At most 256 columns take its small-product path, which sums in slabs.)
+/// `lhs_cs`: the left side's column stride; `rhs_rs`: the right side's row stride.
+fn dot_rows(m: usize, n: usize, k: usize, lhs_cs: isize, rhs_rs: isize) -> bool {
+    m == 1 && n > 256 && k > 2 && lhs_cs == 1 && rhs_rs == 1
+}
+
+/// The fewest columns of a block that [`dot_rows`] allows, rounded up to [`ALIGN`].
+const MIN_DOT_BLOCK: usize = 272;
+
 /// `len` split into at most `parts` ranges of at least [`MIN_BLOCK`] (all but the last a
 /// multiple of [`ALIGN`]); one range when `len` is too short to split.
 fn split(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
@@ -208,13 +348,25 @@ impl<'a> Plan<'a> {
         if count >= 2 * threads || one < PARALLEL_WORK {
             return (each(gemm::Parallelism::None), true);
         }
-        if !general(m, n, k) {
+        let dots = |n| {
+            dot_rows(
+                m,
+                n,
+                k,
+                self.lhs.stride_from_end(0),
+                self.rhs.stride_from_end(1),
+            )
+        };
+        if !general(m, n, k) && !dots(n) {
             return (each(gemm::Parallelism::Rayon(0)), false);
         }
         let (cols, rows) = (split(n, threads), split(m, threads));
         let narrowest = |r: &[std::ops::Range<usize>]| r.iter().map(|r| r.len()).min().unwrap_or(0);
-        let by_cols = cols.len() > 1 && general(m, narrowest(&cols), k);
-        let by_rows = rows.len() > 1 && general(narrowest(&rows), n, k);
+        let by_cols = cols.len() > 1 && {
+            let w = narrowest(&cols);
+            dots(w) || general(m, w, k)
+        };
+        let by_rows = m > 1 && rows.len() > 1 && general(narrowest(&rows), n, k);
         if !(by_cols || by_rows) {
             return (each(gemm::Parallelism::Rayon(0)), false);
         }
@@ -396,6 +548,83 @@ mod tests {
             values([96, 700], 20).flip([1]),
             "flipped",
         );
+    }
+
+    /// A one-row product with a transposed right side is split by columns and keeps
+    /// burn's values.
+    #[test]
+    fn one_row_products_split_by_columns() {
+        let x = values([1, 3000], 23);
+        let w = values([4096, 3000], 24).transpose();
+        assert_eq!(plan_of(&x, &w, 2), (2, true));
+        check(x, w, "one row, transposed weight");
+        // Strided row: left whole.
+        let x = values([3000, 2], 25).transpose().slice([0..1, 0..3000]);
+        let w = values([4096, 3000], 26).transpose();
+        assert_eq!(plan_of(&x, &w, 2), (1, false));
+        check(x, w, "one strided row");
+    }
+
+    /// `x W^T` with `W` filled block by block equals burn's product with the whole `W`,
+    /// bit for bit, on 1-4 threads, for blocks of many sizes; declined where a block
+    /// would leave gemm's general path.
+    #[test]
+    fn filled_products_give_the_whole_products_bits() {
+        let (rows, k) = (2000, 300);
+        let w = values([rows, k], 31);
+        let wv = w
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .unwrap();
+        let fill = |r: std::ops::Range<usize>, out: &mut [f32]| {
+            out.copy_from_slice(&wv[r.start * k..r.end * k]);
+        };
+        for (n, what) in [
+            (1, "one row"),
+            (2, "two rows"),
+            (300, "rows"),
+            (70, "70 rows"),
+        ] {
+            let x = values([n, k], 32 + n as u64);
+            let expected = bits(x.clone().matmul(w.clone().transpose()));
+            for threads in [1, 2, 3, 4] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                for block in [2000, 700, 300, 140] {
+                    let y = pool.install(|| matmul_t_filled(&x, rows, block, fill));
+                    if n == 1 && block < MIN_DOT_BLOCK {
+                        // Blocks this narrow would take the small-product path.
+                        assert!(y.is_none(), "{what}: blocks of {block} taken");
+                        continue;
+                    }
+                    let y = y.unwrap_or_else(|| panic!("{what}: declined, block {block}"));
+                    assert_eq!(y.dims(), [n, rows]);
+                    assert!(
+                        bits(y) == expected,
+                        "{what}, {threads} threads, blocks of {block}: values differ"
+                    );
+                }
+            }
+        }
+        // Blocks of gemm's small-matrix paths are declined: 2 x 64 (128 outputs), a row
+        // times 200 columns.
+        let x = values([2, k], 40);
+        assert!(matmul_t_filled(&x, 64, 64, fill).is_none());
+        assert!(matmul_t_filled(&values([1, k], 45), 200, 200, fill).is_none());
+        // Strided one-row left side; empty products.
+        let x = values([k, 2], 41).transpose().slice([0..1, 0..k]);
+        assert!(matmul_t_filled(&x, rows, 100, fill).is_none());
+        assert!(matmul_t_filled(&values([0, k], 42), rows, 100, fill).is_none());
+        assert!(matmul_t_filled(&values([3, k], 43), 0, 100, fill).is_none());
+        // A strided (sliced) left side with many rows keeps the values.
+        let x = values([200, 2 * k], 44).slice([0..200, 7..7 + k]);
+        let expected = bits(x.clone().matmul(w.clone().transpose()));
+        let y = matmul_t_filled(&x, rows, 256, fill).unwrap();
+        assert!(bits(y) == expected, "strided rows: values differ");
     }
 
     #[test]

@@ -162,20 +162,40 @@ pub fn timed<T>(kind: Kind, out_rows: usize, f: impl FnOnce() -> T) -> T {
     }
     let t0 = Instant::now();
     let out = f();
+    record(kind, out_rows, t0.elapsed().as_secs_f64());
+    out
+}
+
+/// [`timed`] for work of two kinds interleaved over the threads: `f` returns its value and
+/// the share (0 to 1) of its threads' time that was `part`'s; the wall time is divided
+/// between `part` and `kind` in that proportion.
+pub fn timed_shared<T>(kind: Kind, part: Kind, out_rows: usize, f: impl FnOnce() -> (T, f64)) -> T {
+    if !enabled() {
+        return f().0;
+    }
+    let t0 = Instant::now();
+    let (out, share) = f();
     let elapsed = t0.elapsed().as_secs_f64();
+    let share = share.clamp(0.0, 1.0);
+    record(part, out_rows, elapsed * share);
+    record(kind, out_rows, elapsed * (1.0 - share));
+    out
+}
+
+/// Add `seconds` of `kind` to the current region (claimed from it) or the LM head's.
+fn record(kind: Kind, out_rows: usize, seconds: f64) {
     let head = out_rows > 0 && out_rows == VOCAB.load(Ordering::Relaxed);
     let region = STACK.with(|s| {
         let mut s = s.borrow_mut();
         match s.last_mut() {
             Some(parent) => {
-                parent.inner += elapsed;
+                parent.inner += seconds;
                 parent.region
             }
             None => Region::Forward,
         }
     });
-    add(if head { Region::Head } else { region }, kind, elapsed);
-    out
+    add(if head { Region::Head } else { region }, kind, seconds);
 }
 
 #[cfg(test)]

@@ -453,6 +453,24 @@ impl StoredMatrix {
         self.parts[0].cols
     }
 
+    /// Rows `r0..r1` dequantised into `out` (`(r1 - r0) x cols` values) on the calling
+    /// thread.
+    fn fill(&self, r0: usize, r1: usize, out: &mut [f32]) {
+        let cols = self.cols();
+        let mut first = 0;
+        for p in &self.parts {
+            let (a, b) = (r0.max(first), r1.min(first + p.rows));
+            if a < b {
+                p.fill_rows(
+                    a - first,
+                    b - first,
+                    &mut out[(a - r0) * cols..(b - r0) * cols],
+                );
+            }
+            first += p.rows;
+        }
+    }
+
     /// Rows `r0..r1`, dequantised, row-major.
     /// Each part writes its rows straight into the one result (no copy of a part's).
     pub fn rows_f32(&self, r0: usize, r1: usize) -> Vec<f32> {
@@ -556,6 +574,12 @@ impl StoredWeight {
         // Blocks are dequantised in the compute dtype their product takes (bf16: half the
         // transient bytes).
         let dtype = super::precision::compute();
+        #[cfg(feature = "flex")]
+        if dtype == ComputeDtype::F32
+            && let Some(y) = self.filled_product(i, rows.clone(), &x, block)
+        {
+            return y;
+        }
         let product = |r0: usize, r1: usize, x: Tensor<2>| {
             x.mm(self.rows_tensor(i, r0, r1, dtype).transpose())
         };
@@ -574,6 +598,45 @@ impl StoredWeight {
             out = out.slice_assign([0..n, cols], product(r0, r1, x.clone()));
         }
         out
+    }
+
+    /// [`StoredWeight::matmul_t_rows`] on flex f32 tensors, each thread dequantising its
+    /// own blocks of rows (of the `block` rows the budget allows, a share per thread) and
+    /// multiplying them into its columns of the output ([`super::products::matmul_t_filled`]):
+    /// no dequantised block is allocated, joined or freed. The same values as the blocked
+    /// product; `None` where that function declines.
+    #[cfg(feature = "flex")]
+    fn filled_product(
+        &self,
+        i: usize,
+        rows: std::ops::Range<usize>,
+        x: &Tensor<2>,
+        block: usize,
+    ) -> Option<Tensor<2>> {
+        use super::profile::{Kind, enabled, timed_shared};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let m = &self.matrices[i];
+        let threads = rayon::current_num_threads();
+        let per_thread = (block / threads).max(1);
+        let [n, k] = x.dims();
+        let filling = AtomicU64::new(0);
+        let fill = |r: std::ops::Range<usize>, out: &mut [f32]| {
+            let t0 = enabled().then(std::time::Instant::now);
+            m.fill(rows.start + r.start, rows.start + r.end, out);
+            if let Some(t0) = t0 {
+                filling.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        };
+        let y = timed_shared(Kind::Products, Kind::Dequant, m.rows(), || {
+            let t0 = std::time::Instant::now();
+            let y = super::products::matmul_t_filled(x, rows.len(), per_thread, fill);
+            let busy = t0.elapsed().as_secs_f64() * threads as f64;
+            let share = filling.load(Ordering::Relaxed) as f64 * 1e-9 / busy.max(1e-12);
+            (y, share)
+        })?;
+        note_dequant(per_thread.min(rows.len()) * threads.min(rows.len()) * m.cols());
+        super::flops::count(&[n, k], &[k, rows.len()]);
+        Some(y)
     }
 
     /// Rows `rows` of matrix `i` (an embedding lookup), dequantised: `[rows.len(), cols]`.
