@@ -225,6 +225,31 @@ pub fn update<const D: usize>(_: Tensor<D>, _: impl FnOnce(&mut [f32])) -> Tenso
     unreachable!("host::update: flex is not built in, so no tensor is reachable")
 }
 
+/// Rows `idx` of `cat([a, b])` along the first axis (`a: [na, w]`, `b: [nb, w]`), copied
+/// into one new tensor without the concatenation being built. `None` unless both are
+/// [`reachable`] with the same width and every index is below `na + nb` (the caller's
+/// tensor expression then reports what is wrong).
+pub fn rows_of_two(a: &Tensor<2>, b: &Tensor<2>, idx: &[usize]) -> Option<Tensor<2>> {
+    let ([na, w], [nb, wb]) = (a.dims(), b.dims());
+    if w != wb || !reachable(a) || !reachable(b) || idx.iter().any(|&i| i >= na + nb) {
+        return None;
+    }
+    let values = with_values(a, |av| {
+        with_values(b, |bv| {
+            let mut out = Vec::with_capacity(idx.len() * w);
+            for &i in idx {
+                out.extend_from_slice(if i < na {
+                    &av[i * w..][..w]
+                } else {
+                    &bv[(i - na) * w..][..w]
+                });
+            }
+            out
+        })
+    })??;
+    Some(tensor_from(values, [idx.len(), w], a))
+}
+
 /// A tensor of shape `shape` on `like`'s device holding `values` (row-major; moved, not
 /// copied, on flex).
 pub fn tensor_from<const D: usize, const E: usize>(
@@ -238,6 +263,32 @@ pub fn tensor_from<const D: usize, const E: usize>(
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
+
+    /// [`rows_of_two`] gives `cat([a, b]).select(idx)`, strided sides included; declines
+    /// out-of-range indices, widths that differ and other devices.
+    #[test]
+    fn rows_of_two_is_the_selection_of_the_concatenation() {
+        let dev = Device::flex();
+        let t = |v: Vec<f32>, s: [usize; 2]| Tensor::<2>::from_data(TensorData::new(v, s), &dev);
+        let a = t((0..12).map(|i| i as f32).collect(), [4, 3]);
+        let b = t((0..9).map(|i| 100.0 + i as f32).collect(), [3, 3]).transpose();
+        let idx = [5usize, 0, 3, 4, 4, 1, 6];
+        let want = Tensor::cat(vec![a.clone(), b.clone()], 0).select(
+            0,
+            Tensor::from_data(TensorData::new(idx.map(|i| i as i64).to_vec(), [7]), &dev),
+        );
+        let got = rows_of_two(&a, &b, &idx).unwrap();
+        assert_eq!(got.dims(), [7, 3]);
+        assert_eq!(
+            got.to_data().try_to_vec::<f32>().unwrap(),
+            want.to_data().try_to_vec::<f32>().unwrap()
+        );
+        assert_eq!(rows_of_two(&a, &b, &[]).unwrap().dims(), [0, 3]);
+        assert!(rows_of_two(&a, &b, &[7]).is_none());
+        assert!(rows_of_two(&a, &t(vec![0.0; 4], [2, 2]), &[0]).is_none());
+        let ad = Tensor::<2>::from_data(TensorData::new(vec![0f32; 6], [2, 3]), &dev.autodiff());
+        assert!(rows_of_two(&ad, &a, &[0]).is_none());
+    }
 
     /// [`exp`] within 2 ulp of libm's over its whole range, exact at the ends (0, inf, NaN),
     /// and [`sigmoid`] within 2 ulp of flex's form; the same values with the CPU's vector

@@ -328,6 +328,8 @@ struct SuffixIndex<'a> {
     /// `[rows * total]`: each (row, position)'s index in `cat([state rows * total,
     /// recomputed rows * len])`.
     merge: Tensor<1, Int>,
+    /// `merge`'s values on the host (the rows a host copy takes).
+    merge_rows: Vec<usize>,
     /// `[rows * len]`: each computed position's predecessor in `cat([state rows *
     /// total, recomputed rows * len, one zero row])`.
     prev: Tensor<1, Int>,
@@ -401,6 +403,7 @@ impl<'a> TokenFlow<'a> {
                 state,
                 rows: suffix.rows.clone(),
                 merge: int_tensor(&merge, device),
+                merge_rows: merge,
                 prev: int_tensor(&prev, device),
             })),
         })
@@ -455,25 +458,35 @@ impl<'a> TokenFlow<'a> {
             unreachable!("only a suffix forward merges")
         };
         let SuffixIndex {
-            state, rows, merge, ..
+            state,
+            rows,
+            merge,
+            merge_rows,
+            ..
         } = &**s;
         let device = new.device();
-        let idx = if from == 0 {
-            to(merge.clone(), &device)
+        let later;
+        let idx: &[usize] = if from == 0 {
+            merge_rows
         } else {
-            int_tensor(
-                &merge_index(state.rows, *total, rows, firsts, *len, from),
-                &device,
-            )
+            later = merge_index(state.rows, *total, rows, firsts, *len, from);
+            &later
         };
         let mut dims = new.dims();
         dims[0] = firsts.len();
         dims[1] = total - from;
-        let all = Tensor::cat(
-            vec![base_rows(state, layer, name, &new)?, flat_rows(new)],
-            0,
-        );
-        Ok(all.select(0, idx).reshape(dims))
+        let (base, new) = (base_rows(state, layer, name, &new)?, flat_rows(new));
+        // On flex: the chosen rows copied from either side, without their concatenation
+        // (the base state's every row) being built first.
+        if let Some(all) = super::host::rows_of_two(&base, &new, idx) {
+            return Ok(all.reshape(dims));
+        }
+        let idx = if from == 0 {
+            to(merge.clone(), &device)
+        } else {
+            int_tensor(idx, &device)
+        };
+        Ok(Tensor::cat(vec![base, new], 0).select(0, idx).reshape(dims))
     }
 
     /// In a suffix forward, the first position any row recomputes (every position

@@ -576,7 +576,7 @@ mod tests {
             .clone()
             .into_data()
             .convert::<f32>()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .unwrap();
         let fill = |r: std::ops::Range<usize>, out: &mut [f32]| {
             out.copy_from_slice(&wv[r.start * k..r.end * k]);
