@@ -7,7 +7,9 @@
 //! rows (an embedding lookup) or one routed expert, into a transient tensor on the
 //! device that uses it ([`StoredWeight`]). The decoders are the loader's own
 //! ([`decode_floats`], [`decode_scales`], [`E2M1`]): a stored weight dequantises to the
-//! bits a load to f32 ([`Residency::F32`]) gives.
+//! bits a load to f32 ([`Residency::F32`]) gives. On flex in f32 a product with a stored
+//! matrix dequantises it block by block into each thread's own buffer and multiplies it
+//! from there ([`crate::model::products::matmul_t_filled`]): no dequantised tensor is made.
 //!
 //! A leaf of the model code: it knows safetensors dtypes and burn tensors, nothing of the
 //! architectures.
