@@ -457,6 +457,7 @@ impl StoredMatrix {
 
     /// Rows `r0..r1` dequantised into `out` (`(r1 - r0) x cols` values) on the calling
     /// thread.
+    #[cfg(feature = "flex")]
     fn fill(&self, r0: usize, r1: usize, out: &mut [f32]) {
         let cols = self.cols();
         let mut first = 0;
