@@ -5,14 +5,18 @@
 # average, one line per run, and the speed-up of N threads over 1 per length.
 #
 #   scripts/bench/thread_scaling.sh FILE.gguf L1,L2,... [N]
+#   WEIGHTS=stored scripts/bench/thread_scaling.sh target/realwidth/v4flash-width-3l 2048 2
 #
-# Needs the phaselens binary ($PHASELENS_BIN, default target/debug/phaselens). Results
+# FILE may be any model directory too. $WEIGHTS: `f32` (default: dequantised on load) or
+# `stored` (resident as stored, dequantised as multiplied: the real-width checkpoint's
+# figures in docs/performance.md). Needs the phaselens binary ($PHASELENS_BIN, default target/debug/phaselens). Results
 # are bit-identical at every thread count (tests/it/threads.rs); only time changes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=${1:?usage: $0 FILE.gguf L1,L2,... [N]}
 lengths=${2:?lengths}
 n=${3:-$(nproc)}
+weights=${WEIGHTS:-f32}
 bin=${PHASELENS_BIN:-${CARGO_TARGET_DIR:-target}/debug/phaselens}
 echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg); 1 vs $n threads"
 secs() { # seconds per forward in bench forward's length table for length $1 (last row)
@@ -25,7 +29,7 @@ for t in ${lengths//,/ }; do
     for th in 1 "$n"; do
       if [ "$what" = model ]; then
         out=$(RAYON_NUM_THREADS=$th "$bin" bench forward --model "$model" --tokens "$t" \
-          --reps 2 --weights f32 --last-logits 2>&1)
+          --reps 2 --weights "$weights" --last-logits 2>&1)
       else
         out=$(RAYON_NUM_THREADS=$th "$bin" bench forward --tokens "$t,$t" --reps 2 --d-model 512 --layers 6 2>&1)
       fi
