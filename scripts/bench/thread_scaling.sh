@@ -9,8 +9,9 @@
 #
 # FILE may be any model directory too. $WEIGHTS: `f32` (default: dequantised on load) or
 # `stored` (resident as stored, dequantised as multiplied: the real-width checkpoint's
-# figures in docs/performance.md). Needs the phaselens binary ($PHASELENS_BIN, default target/debug/phaselens). Results
-# are bit-identical at every thread count (tests/it/threads.rs); only time changes.
+# figures in docs/performance.md). Needs the phaselens binary ($PHASELENS_BIN, default
+# target/debug/phaselens). Results are bit-identical at every thread count
+# (tests/it/threads.rs); only time changes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=${1:?usage: $0 FILE.gguf L1,L2,... [N]}

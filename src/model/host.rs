@@ -225,6 +225,27 @@ pub fn update<const D: usize>(_: Tensor<D>, _: impl FnOnce(&mut [f32])) -> Tenso
     unreachable!("host::update: flex is not built in, so no tensor is reachable")
 }
 
+/// `rows` in blocks of `block` rows, a last block shorter than `min(block, last)` rows
+/// joining the one before it: the callers' products then never take one of `gemm`'s
+/// special paths for a short tail (a single row, at most 64 rows, at most 256 outputs),
+/// so every column sums as with the whole matrix.
+pub fn row_blocks(
+    rows: std::ops::Range<usize>,
+    block: usize,
+    last: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let mut starts: Vec<usize> = rows.clone().step_by(block.max(1)).collect();
+    if let Some(&tail) = starts.last()
+        && starts.len() > 1
+        && rows.end - tail < block.min(last)
+    {
+        starts.pop();
+    }
+    (0..starts.len())
+        .map(|i| starts[i]..starts.get(i + 1).copied().unwrap_or(rows.end))
+        .collect()
+}
+
 /// Rows `idx` of `cat([a, b])` along the first axis (`a: [na, w]`, `b: [nb, w]`), copied
 /// into one new tensor without the concatenation being built. `None` unless both are
 /// [`reachable`] with the same width and every index is below `na + nb` (the caller's

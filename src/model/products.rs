@@ -158,9 +158,9 @@ pub fn matmul_t_filled(
     Some(host::tensor_from(out, [n, rows], x))
 }
 
-/// `rows` in one list of blocks per thread: [`split`] over `threads`, each part in blocks
-/// of `block` rows, a last block shorter than `min(block, last)` rows joining the one
-/// before it (so that blocks stay off `gemm`'s small-matrix paths).
+/// `rows` in one list of blocks per thread: [`split`] over `threads`, each part in
+/// [`host::row_blocks`] of `block` rows (a last block shorter than `min(block, last)`
+/// rows joining the one before it).
 fn filled_blocks(
     rows: usize,
     threads: usize,
@@ -169,15 +169,7 @@ fn filled_blocks(
 ) -> Vec<Vec<std::ops::Range<usize>>> {
     split(rows, threads)
         .into_iter()
-        .map(|part| {
-            let mut starts: Vec<usize> = part.clone().step_by(block.max(1)).collect();
-            if starts.len() > 1 && part.end - starts[starts.len() - 1] < block.min(last) {
-                starts.pop();
-            }
-            (0..starts.len())
-                .map(|i| starts[i]..starts.get(i + 1).copied().unwrap_or(part.end))
-                .collect()
-        })
+        .map(|part| host::row_blocks(part, block, last))
         .collect()
 }
 
@@ -572,12 +564,7 @@ mod tests {
     fn filled_products_give_the_whole_products_bits() {
         let (rows, k) = (2000, 300);
         let w = values([rows, k], 31);
-        let wv = w
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-            .unwrap();
+        let wv: Vec<f32> = bits(w.clone()).into_iter().map(f32::from_bits).collect();
         let fill = |r: std::ops::Range<usize>, out: &mut [f32]| {
             out.copy_from_slice(&wv[r.start * k..r.end * k]);
         };

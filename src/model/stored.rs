@@ -89,20 +89,13 @@ pub fn block_rows(cols: usize) -> usize {
     if r >= 128 { r / 128 * 128 } else { r }
 }
 
-/// The first rows of the blocks of `rows` in blocks of `block` rows: a last block
-/// shorter than `min(block, 65)` rows joins the one before it, so that no block is a
-/// single row or (unless `block` is) a matrix of at most 64 rows, which gemm multiplies
+/// The blocks of `rows` in blocks of `block` rows ([`super::host::row_blocks`]): a last
+/// block shorter than `min(block, 65)` rows joins the one before it, so that no block is
+/// a single row or (unless `block` is) a matrix of at most 64 rows, which gemm multiplies
 /// with other kernel parameters (a product over more than 512 columns summed in two
 /// passes instead of one); every column then sums as with the whole matrix.
-fn block_starts(rows: std::ops::Range<usize>, block: usize) -> Vec<usize> {
-    let mut starts: Vec<usize> = rows.clone().step_by(block.max(1)).collect();
-    if let Some(&last) = starts.last()
-        && starts.len() > 1
-        && rows.end - last < block.min(65)
-    {
-        starts.pop();
-    }
-    starts
+fn blocks(rows: std::ops::Range<usize>, block: usize) -> Vec<std::ops::Range<usize>> {
+    super::host::row_blocks(rows, block, 65)
 }
 
 /// How a checkpoint's BF16 / F16 / FP8 / FP4 weights are held once loaded.
@@ -459,35 +452,39 @@ impl StoredMatrix {
     /// thread.
     #[cfg(feature = "flex")]
     fn fill(&self, r0: usize, r1: usize, out: &mut [f32]) {
-        let cols = self.cols();
-        let mut first = 0;
-        for p in &self.parts {
-            let (a, b) = (r0.max(first), r1.min(first + p.rows));
-            if a < b {
-                p.fill_rows(
-                    a - first,
-                    b - first,
-                    &mut out[(a - r0) * cols..(b - r0) * cols],
-                );
-            }
-            first += p.rows;
-        }
+        self.by_parts(r0, r1, out, |p, r, o| p.fill_rows(r.start, r.end, o));
     }
 
     /// Rows `r0..r1`, dequantised, row-major.
     /// Each part writes its rows straight into the one result (no copy of a part's).
     pub fn rows_f32(&self, r0: usize, r1: usize) -> Vec<f32> {
+        let mut out = vec![0.0f32; r1.saturating_sub(r0) * self.cols()];
+        self.by_parts(r0, r1, &mut out, |p, r, o| p.rows_into(r.start, o));
+        out
+    }
+
+    /// `write(part, its rows, their place in out)` for each part holding some of rows
+    /// `r0..r1` (`out`: those rows, row-major).
+    fn by_parts(
+        &self,
+        r0: usize,
+        r1: usize,
+        out: &mut [f32],
+        write: impl Fn(&Block, std::ops::Range<usize>, &mut [f32]),
+    ) {
         let cols = self.cols();
-        let mut out = vec![0.0f32; r1.saturating_sub(r0) * cols];
         let mut first = 0;
         for p in &self.parts {
             let (a, b) = (r0.max(first), r1.min(first + p.rows));
             if a < b {
-                p.rows_into(a - first, &mut out[(a - r0) * cols..(b - r0) * cols]);
+                write(
+                    p,
+                    a - first..b - first,
+                    &mut out[(a - r0) * cols..(b - r0) * cols],
+                );
             }
             first += p.rows;
         }
-        out
     }
 }
 
@@ -592,13 +589,11 @@ impl StoredWeight {
         // Each block's product goes into its columns of the output (in place where the
         // backend can: one output and one block's product alive, not all blocks and
         // their concatenation).
-        let starts = block_starts(rows.clone(), block);
         let n = x.dims()[0];
         let mut out = Tensor::<2>::empty([n, rows.len()], &x.device());
-        for (j, &r0) in starts.iter().enumerate() {
-            let r1 = starts.get(j + 1).copied().unwrap_or(rows.end);
-            let cols = r0 - rows.start..r1 - rows.start;
-            out = out.slice_assign([0..n, cols], product(r0, r1, x.clone()));
+        for r in blocks(rows.clone(), block) {
+            let cols = r.start - rows.start..r.end - rows.start;
+            out = out.slice_assign([0..n, cols], product(r.start, r.end, x.clone()));
         }
         out
     }
@@ -745,6 +740,14 @@ mod tests {
 
     #[test]
     fn short_last_blocks_join_the_one_before() {
+        let block_starts = |rows: std::ops::Range<usize>, block| -> Vec<usize> {
+            let b = blocks(rows.clone(), block);
+            // The blocks tile `rows` in order.
+            assert_eq!(b.first().map(|r| r.start), Some(rows.start));
+            assert_eq!(b.last().map(|r| r.end), Some(rows.end));
+            assert!(b.windows(2).all(|w| w[0].end == w[1].start));
+            b.into_iter().map(|r| r.start).collect()
+        };
         assert_eq!(block_starts(0..10, 3), vec![0, 3, 6]); // 3, 3, 4 rows
         assert_eq!(block_starts(0..9, 3), vec![0, 3, 6]);
         assert_eq!(block_starts(5..9, 2), vec![5, 7]);
