@@ -151,8 +151,12 @@ pub fn take_largest_block() -> usize {
 
 /// `x: [b, total, a, c]` at the positions `pos` of every row -> `[b, pos.len(), a, c]`,
 /// as `x.select(1, pos)`, but as one select of whole rows of a `[b * total, a * c]` view:
-/// its backward (a scatter-add) then copies rows instead of locating every element.
+/// its backward (a scatter-add) then copies rows instead of locating every element. On
+/// flex the rows are copied over every core ([`host::positions`]).
 pub fn select_positions(x: Tensor<4>, pos: &[usize]) -> Tensor<4> {
+    if let Some(y) = host::positions(&x, pos, pos.len()) {
+        return y;
+    }
     let [b, total, a, c] = x.dims();
     let idx: Vec<usize> = (0..b)
         .flat_map(|r| pos.iter().map(move |&p| r * total + p))
@@ -576,7 +580,11 @@ impl Geometry<'_> {
             .reshape([b * bq, n, kvh, dh])
             .swap_dims(1, 2)
             .swap_dims(2, 3); // [b*bq, kvh, dh, n]
-        qh.mm(kt).reshape([b, bq, self.nh, n]).swap_dims(1, 2) * self.scale
+        // Scaled while contiguous (in place), then viewed per head: the same values as
+        // scaling the view, without a strided pass.
+        (qh.mm(kt) * self.scale)
+            .reshape([b, bq, self.nh, n])
+            .swap_dims(1, 2)
     }
 
     /// Probabilities `p: [b, nh, bq, n]` times the part's values -> `[b, bq, nh, dh]`.
@@ -592,7 +600,7 @@ impl Geometry<'_> {
                     .swap_dims(1, 2),
             ),
             PartValues::PerQuery(v) => Some(
-                p.swap_dims(1, 2)
+                host::contiguous(p.swap_dims(1, 2))
                     .reshape([b * bq, kvh, g, n])
                     .mm(v.reshape([b * bq, n, kvh, dh]).swap_dims(1, 2))
                     .reshape([b, bq, self.nh, dh]),
@@ -773,24 +781,58 @@ impl Geometry<'_> {
             });
         }
         let (idx, valid) = selected_indices(kept, kk);
-        let [_, _, kvh, dh] = k.dims();
-        let rows = Tensor::<1, Int>::arange(0..self.b as i64, &device)
-            .mul_scalar(n as i64)
-            .reshape([self.b, 1, 1])
-            .expand([self.b, bq, kk]);
-        let flat = (idx + rows).reshape([self.b * bq * kk]);
-        let gather = |x: Tensor<4>| {
-            x.reshape([self.b * n, kvh * dh])
-                .select(0, flat.clone())
-                .reshape([self.b, bq, kk, kvh, dh])
-        };
-        let (kg, vg) = (gather(k), gather(v));
+        let (kg, vg) = self.gathered_entries(idx, k, v);
         Some(Part {
             scores: self.per_query_scores(q, kg),
             bias: bias_from_mask(valid),
             values: PartValues::PerQuery(vg),
             sees_slot: false,
         })
+    }
+
+    /// Each query's kept entries of `k` and `v` (`[b, n, kvh, dh]`; `idx: [b, bq, kk]`,
+    /// indices into `n`) -> `[b, bq, kk, kvh, dh]` each: on flex copied over every core
+    /// ([`host::positions`]), else gathered with `select` from a `[b * n, kvh * dh]` view.
+    fn gathered_entries(
+        &self,
+        idx: Tensor<3, Int>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+    ) -> (Tensor<5>, Tensor<5>) {
+        let [b, bq, kk] = idx.dims();
+        let [_, n, kvh, dh] = k.dims();
+        let on_host = || {
+            if !host::reachable(&k) || !host::reachable(&v) {
+                return None;
+            }
+            let pos: Vec<usize> = idx
+                .clone()
+                .into_data()
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .ok()?
+                .into_iter()
+                .map(|i| usize::try_from(i).ok())
+                .collect::<Option<_>>()?;
+            let gather = |x: &Tensor<4>| {
+                Some(host::positions(x, &pos, bq * kk)?.reshape([b, bq, kk, kvh, dh]))
+            };
+            Some((gather(&k)?, gather(&v)?))
+        };
+        if let Some(kv) = on_host() {
+            return kv;
+        }
+        let rows = Tensor::<1, Int>::arange(0..b as i64, &idx.device())
+            .mul_scalar(n as i64)
+            .reshape([b, 1, 1])
+            .expand([b, bq, kk]);
+        let flat = (idx + rows).reshape([b * bq * kk]);
+        let gather = |x: Tensor<4>| {
+            x.reshape([b * n, kvh * dh])
+                .select(0, flat.clone())
+                .reshape([b, bq, kk, kvh, dh])
+        };
+        (gather(k), gather(v))
     }
 
     /// Entries the block's queries may see: those closed by its last query (all `n`
@@ -1009,7 +1051,7 @@ fn softmax_parts(parts: Vec<Part>) -> (Vec<Tensor<4>>, Vec<PartValues>) {
         if v.len() == 1 {
             v.pop().expect("one part")
         } else {
-            Tensor::cat(v, 3)
+            host::cat(&v, 3).unwrap_or_else(|| Tensor::cat(v, 3))
         }
     };
     let p = biased_softmax(cat(scores), cat(biases), !never_empty);

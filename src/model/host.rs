@@ -187,9 +187,15 @@ pub fn with_values<const D: usize, R>(x: &Tensor<D>, f: impl FnOnce(&[f32]) -> R
         return None;
     }
     let p = x.clone().try_into_primitive::<burn_flex::Flex>().ok()?;
-    match p.as_slice::<f32>() {
+    if let Some(v) = p.as_slice::<f32>() {
+        return Some(f(v));
+    }
+    let c = contiguous(x.clone())
+        .try_into_primitive::<burn_flex::Flex>()
+        .ok()?;
+    match c.as_slice::<f32>() {
         Some(v) => Some(f(v)),
-        None => p.to_contiguous().as_slice::<f32>().map(f),
+        None => c.to_contiguous().as_slice::<f32>().map(f),
     }
 }
 /// Flex is not built in: nothing is reachable.
@@ -206,7 +212,7 @@ pub fn with_values<const D: usize, R>(_: &Tensor<D>, _: impl FnOnce(&[f32]) -> R
 #[cfg(feature = "flex")]
 pub fn update<const D: usize>(x: Tensor<D>, f: impl FnOnce(&mut [f32])) -> Tensor<D> {
     assert!(reachable(&x), "host::update: not a flex f32 tensor");
-    let mut p = x
+    let mut p = contiguous(x)
         .try_into_primitive::<burn_flex::Flex>()
         .expect("a reachable tensor is a flex float tensor");
     if p.layout().contiguous_offsets().is_none() {
@@ -257,18 +263,206 @@ pub fn rows_of_two(a: &Tensor<2>, b: &Tensor<2>, idx: &[usize]) -> Option<Tensor
     }
     let values = with_values(a, |av| {
         with_values(b, |bv| {
-            let mut out = Vec::with_capacity(idx.len() * w);
-            for &i in idx {
-                out.extend_from_slice(if i < na {
+            gathered(idx.len(), w, |o| {
+                let i = idx[o];
+                if i < na {
                     &av[i * w..][..w]
                 } else {
                     &bv[(i - na) * w..][..w]
-                });
-            }
-            out
+                }
+            })
         })
     })??;
     Some(tensor_from(values, [idx.len(), w], a))
+}
+
+/// `x: [b, total, a, c]` at positions `pos` along its second axis -> `[b, m, a, c]`, as
+/// `x.select(1, ..)`, copied a position's `a * c` values at a time over every core (burn-flex
+/// gathers on the calling thread, after copying a strided `x` whole). `pos` holds `m`
+/// positions for every row, or `b * m` (row `r`'s at `r * m..`). `None` when `x` is not
+/// [`reachable`], a position's values are not contiguous in `x`, `pos` has another length
+/// or a position is out of range: the caller's `select` then runs (and reports it).
+#[cfg(feature = "flex")]
+pub fn positions(x: &Tensor<4>, pos: &[usize], m: usize) -> Option<Tensor<4>> {
+    let [b, total, a, c] = x.dims();
+    if !reachable(x) || (pos.len() != m && pos.len() != b * m) || pos.iter().any(|&p| p >= total) {
+        return None;
+    }
+    let p = x.clone().try_into_primitive::<burn_flex::Flex>().ok()?;
+    let l = p.layout();
+    let st = l.strides();
+    // The `a x c` values of a position, contiguous (axes of one element have any stride).
+    if (c > 1 && st[3] != 1) || (a > 1 && st[2] != c as isize) {
+        return None;
+    }
+    let (start, values) = (l.start_offset() as isize, p.storage::<f32>());
+    let shared = pos.len() == m;
+    let out = gathered(b * m, a * c, |o| {
+        let (r, j) = (o / m, o % m);
+        let at = start + r as isize * st[0] + pos[if shared { j } else { o }] as isize * st[1];
+        let at = usize::try_from(at).expect("a layout's rows start inside its buffer");
+        &values[at..at + a * c]
+    });
+    Some(tensor_from(out, [b, m, a, c], x))
+}
+/// Flex is not built in: nothing is [`reachable`].
+#[cfg(not(feature = "flex"))]
+pub fn positions(_: &Tensor<4>, _: &[usize], _: usize) -> Option<Tensor<4>> {
+    None
+}
+
+/// `rows` rows of `width` values, row `o` copied from `row(o)`, over every core
+/// ([`written_rows`]).
+fn gathered<'a>(rows: usize, width: usize, row: impl Fn(usize) -> &'a [f32] + Sync) -> Vec<f32> {
+    written_rows(rows, width, |o, put| put(row(o)))
+}
+
+/// `rows` rows of `width` values written over every core (about 16 K values per task):
+/// `row(o, put)` hands row `o`'s values to `put` in order, in pieces that together are
+/// exactly `width` values (checked). The buffer is not zeroed first: below glibc's mmap
+/// threshold `vec![0.0; n]` is a `memset` on the calling thread, which for the gathered
+/// keys of an attention block took longer than the copies over the pool; here each page
+/// is first written by the thread that fills it.
+fn written_rows(
+    rows: usize,
+    width: usize,
+    row: impl Fn(usize, &mut dyn FnMut(&[f32])) + Sync,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let total = rows * width;
+    let mut out: Vec<f32> = Vec::with_capacity(total);
+    if let Some(per_task) = (1usize << 14).checked_div(width) {
+        let per_task = per_task + 1;
+        out.spare_capacity_mut()[..total]
+            .par_chunks_mut(width * per_task)
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                for (i, dst) in chunk.chunks_mut(width).enumerate() {
+                    let mut at = 0;
+                    row(task * per_task + i, &mut |piece: &[f32]| {
+                        assert!(
+                            at + piece.len() <= width,
+                            "a row longer than {width} values"
+                        );
+                        // SAFETY: `piece` fits in `dst[at..]` (checked above), and the two
+                        // do not overlap (`dst` is this buffer's spare capacity).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                piece.as_ptr(),
+                                dst.as_mut_ptr().add(at).cast::<f32>(),
+                                piece.len(),
+                            );
+                        }
+                        at += piece.len();
+                    });
+                    assert_eq!(at, width, "a row of {at} values, not {width}");
+                }
+            });
+    }
+    // SAFETY: every one of the `total` values was written above (each row exactly
+    // `width` values, checked; a panic in a task propagates before this line).
+    unsafe { out.set_len(total) };
+    out
+}
+
+/// `parts` joined along `dim`, as `Tensor::cat(parts, dim)`, copied into one new tensor a
+/// row (the last axis) at a time over every core: burn-flex makes each strided part
+/// contiguous first and then copies on the calling thread. A part may be a strided view
+/// (a transpose, a slice) as long as its last axis is contiguous. `None` when a part is
+/// not [`reachable`], the shapes do not join along `dim`, a part's last axis is strided or
+/// the result is empty: the caller's `Tensor::cat` then runs (and reports a mismatch).
+#[cfg(feature = "flex")]
+pub fn cat<const D: usize>(parts: &[Tensor<D>], dim: usize) -> Option<Tensor<D>> {
+    if D == 0 || dim >= D || parts.is_empty() || parts.iter().any(|p| !reachable(p)) {
+        return None;
+    }
+    let prims = parts
+        .iter()
+        .map(|p| p.clone().try_into_primitive::<burn_flex::Flex>().ok())
+        .collect::<Option<Vec<_>>>()?;
+    let mut out = parts[0].dims();
+    out[dim] = 0;
+    let mut offsets = Vec::with_capacity(parts.len());
+    for (p, prim) in parts.iter().zip(&prims) {
+        let d = p.dims();
+        let l = prim.layout();
+        if (0..D).any(|a| a != dim && d[a] != out[a]) || (d[D - 1] > 1 && l.strides()[D - 1] != 1) {
+            return None;
+        }
+        offsets.push(out[dim]);
+        out[dim] += d[dim];
+    }
+    let width = out[D - 1];
+    let total: usize = out.iter().product();
+    if total == 0 {
+        return None;
+    }
+    let lead = &out[..D - 1];
+    let values = written_rows(total / width, width, |r, put| {
+        let mut idx = [0usize; D];
+        let mut rest = r;
+        for a in (0..D - 1).rev() {
+            idx[a] = rest % lead[a];
+            rest /= lead[a];
+        }
+        if dim == D - 1 {
+            for prim in &prims {
+                put(row_of(prim, &idx[..D - 1], prim.layout().shape()[D - 1]));
+            }
+        } else {
+            // The part holding this row (the last of those starting at or before it:
+            // parts empty along `dim` start where the next one does).
+            let k = offsets.partition_point(|&o| o <= idx[dim]) - 1;
+            idx[dim] -= offsets[k];
+            put(row_of(&prims[k], &idx[..D - 1], width));
+        }
+    });
+    Some(tensor_from(values, out, &parts[0]))
+}
+/// Flex is not built in: nothing is [`reachable`].
+#[cfg(not(feature = "flex"))]
+pub fn cat<const D: usize>(_: &[Tensor<D>], _: usize) -> Option<Tensor<D>> {
+    None
+}
+
+/// The `len` values of `p`'s row at the leading indices `idx` (its last axis
+/// contiguous).
+#[cfg(feature = "flex")]
+fn row_of<'a>(p: &'a burn_flex::FlexTensor, idx: &[usize], len: usize) -> &'a [f32] {
+    let l = p.layout();
+    let at = idx
+        .iter()
+        .zip(l.strides())
+        .fold(l.start_offset() as isize, |at, (&i, &s)| {
+            at + i as isize * s
+        });
+    let at = usize::try_from(at).expect("a layout's rows start inside its buffer");
+    &p.storage::<f32>()[at..at + len]
+}
+
+/// `x` with its values in row-major order in a buffer of its own, copied over every core
+/// ([`cat`] of one part) when `x` is a strided flex view whose last axis is contiguous;
+/// otherwise `x` as it is (contiguous already, or left to the backend's own copy).
+pub fn contiguous<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if is_contiguous(&x) {
+        return x;
+    }
+    cat(std::slice::from_ref(&x), 0).unwrap_or(x)
+}
+
+/// Whether `x` is a flex tensor whose values are row-major in its buffer (or not
+/// reachable at all: then nothing here copies it).
+#[cfg(feature = "flex")]
+fn is_contiguous<const D: usize>(x: &Tensor<D>) -> bool {
+    !reachable(x)
+        || x.clone()
+            .try_into_primitive::<burn_flex::Flex>()
+            .map_or(true, |p| p.layout().contiguous_offsets().is_some())
+}
+/// Flex is not built in: nothing is [`reachable`].
+#[cfg(not(feature = "flex"))]
+fn is_contiguous<const D: usize>(_: &Tensor<D>) -> bool {
+    true
 }
 
 /// A tensor of shape `shape` on `like`'s device holding `values` (row-major; moved, not
@@ -309,6 +503,112 @@ mod tests {
         assert!(rows_of_two(&a, &t(vec![0.0; 4], [2, 2]), &[0]).is_none());
         let ad = Tensor::<2>::from_data(TensorData::new(vec![0f32; 6], [2, 3]), &dev.autodiff());
         assert!(rows_of_two(&ad, &a, &[0]).is_none());
+    }
+
+    /// [`cat`] gives `Tensor::cat` along every axis for contiguous, transposed, sliced and
+    /// broadcast parts, parts empty along the axis included; [`contiguous`] keeps the
+    /// values of a view; both decline what they cannot copy by rows.
+    #[test]
+    fn cat_is_burns_concatenation() {
+        let dev = Device::flex();
+        let values = |x: &Tensor<4>| x.to_data().try_to_vec::<f32>().unwrap();
+        let t = |s: [usize; 4], from: f32| {
+            let n: usize = s.iter().product();
+            Tensor::<4>::from_data(
+                TensorData::new((0..n).map(|i| from + i as f32).collect::<Vec<_>>(), s),
+                &dev,
+            )
+        };
+        for dim in 0..4 {
+            let mut shape = [2, 3, 4, 5];
+            let mut parts = Vec::new();
+            for (k, len) in [2usize, 0, 3, 1].into_iter().enumerate() {
+                shape[dim] = len;
+                let base = 1000.0 * k as f32;
+                parts.push(match k {
+                    // A view with the first two axes swapped.
+                    0 => {
+                        let mut s = shape;
+                        s.swap(0, 1);
+                        t(s, base).swap_dims(0, 1)
+                    }
+                    // A slice of a larger tensor.
+                    2 => {
+                        let mut s = shape;
+                        s[dim] += 2;
+                        t(s, base).slice_dim(dim, 1..1 + len)
+                    }
+                    // Broadcast over every axis but the last.
+                    3 => {
+                        let s = [1, 1, 1, shape[3]];
+                        t(s, base).expand(shape)
+                    }
+                    _ => t(shape, base),
+                });
+            }
+            let want = Tensor::cat(parts.clone(), dim);
+            let got = cat(&parts, dim).unwrap();
+            assert_eq!(got.dims(), want.dims(), "dim {dim}");
+            assert_eq!(values(&got), values(&want), "dim {dim}");
+        }
+        let x = t([2, 3, 4, 5], 0.0);
+        let view = x.clone().swap_dims(1, 2);
+        assert_eq!(values(&contiguous(view.clone())), values(&view));
+        // The last axis strided, shapes that do not join, an empty result and autodiff
+        // are declined.
+        assert!(cat(&[x.clone().swap_dims(2, 3)], 0).is_none());
+        assert!(cat(&[x.clone(), t([2, 3, 4, 6], 0.0)], 0).is_none());
+        assert!(cat(&[x.clone().slice_dim(1, 0..0)], 1).is_none());
+        let ad = Tensor::<4>::ones([2, 3, 4, 5], &dev.autodiff());
+        assert!(cat(&[x.clone(), ad], 0).is_none());
+        assert_eq!(
+            values(&contiguous(x.clone().swap_dims(2, 3))),
+            values(&x.swap_dims(2, 3))
+        );
+    }
+
+    /// [`positions`] gives `select` along the second axis, with the same positions for
+    /// every row or each row's own, from a contiguous tensor and from a slice of a wider
+    /// one; it declines positions out of range, a wrong count, values of a position that
+    /// are not contiguous and autodiff.
+    #[test]
+    fn positions_are_burns_selection() {
+        let dev = Device::flex();
+        let values = |x: &Tensor<4>| x.to_data().try_to_vec::<f32>().unwrap();
+        let x = Tensor::<4>::from_data(
+            TensorData::new(
+                (0..2 * 7 * 3 * 4).map(|i| i as f32).collect::<Vec<_>>(),
+                [2, 7, 3, 4],
+            ),
+            &dev,
+        );
+        let ints = |v: &[usize]| {
+            Tensor::<1, burn::tensor::Int>::from_data(
+                TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]),
+                &dev,
+            )
+        };
+        for x in [x.clone(), x.clone().slice_dim(1, 1..6)] {
+            let shared = [4usize, 0, 0, 2];
+            let want = x.clone().select(1, ints(&shared));
+            assert_eq!(values(&positions(&x, &shared, 4).unwrap()), values(&want));
+            let own = [1usize, 3, 2, 0, 4, 4];
+            let rows: Vec<Tensor<4>> = (0..2)
+                .map(|r| {
+                    x.clone()
+                        .slice_dim(0, r..r + 1)
+                        .select(1, ints(&own[r * 3..r * 3 + 3]))
+                })
+                .collect();
+            let want = Tensor::cat(rows, 0);
+            assert_eq!(values(&positions(&x, &own, 3).unwrap()), values(&want));
+        }
+        assert!(positions(&x, &[7], 1).is_none());
+        assert!(positions(&x, &[0, 1, 2], 2).is_none());
+        assert!(positions(&x.clone().swap_dims(2, 3), &[0], 1).is_none());
+        let ad = Tensor::<4>::ones([2, 7, 3, 4], &dev.autodiff());
+        assert!(positions(&ad, &[0], 1).is_none());
+        assert_eq!(positions(&x, &[], 0).unwrap().dims(), [2, 0, 3, 4]);
     }
 
     /// [`exp`] within 2 ulp of libm's over its whole range, exact at the ends (0, inf, NaN),

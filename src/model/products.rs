@@ -56,8 +56,7 @@ pub fn matmul<const D: usize>(a: &Tensor<D>, b: &Tensor<D>) -> Option<Tensor<D>>
     let (lhs, rhs) = (Operand::of(&pa), Operand::of(&pb));
     let batch = Batch::broadcast(&lhs, &rhs)?;
     let plan = Plan::new(&lhs, &rhs, &batch)?;
-    let mut out = vec![0f32; batch.len() * plan.m * plan.n];
-    plan.run(&mut out, rayon::current_num_threads());
+    let out = plan.run(rayon::current_num_threads());
     let mut shape = [0; D];
     shape[..D - 2].copy_from_slice(&batch.dims);
     shape[D - 2] = plan.m;
@@ -114,7 +113,11 @@ pub fn matmul_t_filled(
     if n == 0 || rows == 0 || !parts.iter().flatten().all(on_path) {
         return None;
     }
-    let mut out = vec![0f32; n * rows];
+    let covered: usize = parts.iter().flatten().map(|b| b.len()).sum();
+    assert_eq!(covered, rows, "the blocks cover the rows");
+    // Not zeroed here: each block zeroes its columns before its product writes them
+    // (as `Plan::run`).
+    let mut out: Vec<f32> = Vec::with_capacity(n * rows);
     let base = out.as_mut_ptr() as usize;
     parts.par_iter().for_each(|blocks| {
         FILLED.with(|buf| {
@@ -126,36 +129,61 @@ pub fn matmul_t_filled(
                 }
                 fill(b.clone(), &mut buf[..len]);
                 // SAFETY: each block writes its own columns `b` of `out` (`n x rows`, row
-                // stride `rows`), the threads' blocks are disjoint; the right side is the
-                // filled rows read transposed (`k x b.len()`, column stride `k`), and the
-                // left side's pointer and strides are its own layout's.
-                unsafe {
-                    gemm::gemm(
-                        n,
-                        b.len(),
-                        k,
-                        (base as *mut f32).add(b.start),
-                        1,
-                        rows as isize,
-                        false,
-                        lhs.at(0, 0, 0),
-                        lhs_cs,
-                        lhs.stride_from_end(1),
-                        buf.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+                // stride `rows`, within its capacity); the threads' blocks are disjoint.
+                unsafe { filled_product(&lhs, &buf[..len], b.clone(), rows, base as *mut f32) };
             }
         })
     });
+    // SAFETY: the blocks tile `0..rows` (`filled_blocks`: each thread's part of `split`
+    // in consecutive blocks), so every column of every row was zeroed and written.
+    unsafe { out.set_len(n * rows) };
     Some(host::tensor_from(out, [n, rows], x))
+}
+
+/// `x W_b^T` into columns `b` of `out` (`n x rows`, row-major) for the block `W_b` of
+/// `b.len()` filled rows (`filled`, row-major with `k` values per row): the columns zeroed,
+/// then `gemm` reads the filled rows transposed (column stride `k`) and `x` (`lhs`) in
+/// its own layout, on the calling thread.
+///
+/// # Safety
+/// `out` must hold `n x rows` values (initialised or not), with no other thread writing
+/// columns `b`.
+unsafe fn filled_product(
+    lhs: &Operand,
+    filled: &[f32],
+    b: std::ops::Range<usize>,
+    rows: usize,
+    out: *mut f32,
+) {
+    let (n, k) = (lhs.dims[0], lhs.dims[1]);
+    // SAFETY: the caller's contract; `filled` holds `b.len() x k` values.
+    unsafe {
+        let dst = out.add(b.start);
+        for r in 0..n {
+            std::ptr::write_bytes(dst.add(r * rows), 0, b.len());
+        }
+        gemm::gemm(
+            n,
+            b.len(),
+            k,
+            dst,
+            1,
+            rows as isize,
+            false,
+            lhs.at(0, 0, 0),
+            lhs.stride_from_end(0),
+            lhs.stride_from_end(1),
+            filled.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
 }
 
 /// `rows` in one list of blocks per thread: [`split`] over `threads`, each part in
@@ -380,19 +408,29 @@ impl<'a> Plan<'a> {
         (tasks, true)
     }
 
-    /// Write the product into `out` (`batch x m x n`, row-major).
-    fn run(&self, out: &mut [f32], threads: usize) {
+    /// The product of the batch's matrices (`batch x m x n`, row-major).
+    /// The buffer is not zeroed on the calling thread first: each task zeroes its own
+    /// block just before its product writes it (below glibc's mmap threshold
+    /// `vec![0.0; n]` is a `memset` on the calling thread, while the pool waits).
+    fn run(&self, threads: usize) -> Vec<f32> {
         use rayon::prelude::*;
+        let (m, n) = (self.m, self.n);
+        let total = self.batch.len() * m * n;
         let (tasks, parallel) = self.tasks(threads);
+        let covered: usize = tasks.iter().map(|t| t.rows.len() * t.cols.len()).sum();
+        assert_eq!(covered, total, "the product's tasks cover its output");
+        let mut out: Vec<f32> = Vec::with_capacity(total);
         let base = out.as_mut_ptr() as usize;
         let run = |t: &Task| {
-            let (m, n) = (self.m, self.n);
             let dst = base as *mut f32;
             // SAFETY: the tasks cover disjoint blocks of `out` (distinct matrices, or
-            // distinct rows or columns of one), each inside `batch x m x n` values; the
-            // operands' pointers and strides are their own layouts'.
+            // distinct rows or columns of one), each inside `batch x m x n` values of its
+            // capacity; the operands' pointers and strides are their own layouts'.
             unsafe {
                 let dst = dst.add(t.b * m * n + t.rows.start * n + t.cols.start);
+                for r in 0..t.rows.len() {
+                    std::ptr::write_bytes(dst.add(r * n), 0, t.cols.len());
+                }
                 gemm::gemm(
                     t.rows.len(),
                     t.cols.len(),
@@ -421,6 +459,10 @@ impl<'a> Plan<'a> {
         } else {
             tasks.iter().for_each(run);
         }
+        // SAFETY: the disjoint tasks cover all `total` values (counted above), and each
+        // zeroed its block before its product wrote it.
+        unsafe { out.set_len(total) };
+        out
     }
 }
 
