@@ -1103,15 +1103,13 @@ fn biased_softmax_host(
     }
     let values = host::with_values(scores, |s| {
         host::with_values(bias, |m| {
-            let mut out = vec![0f32; s.len()];
-            host::par_rows(&mut out, k, |row, o| {
+            host::new_rows(s.len() / k.max(1), k, |row, o| {
                 let (bi, hi, qi) = (row / (h * q), row / q % h, row % q);
                 let mrow =
                     ((if rb == 1 { 0 } else { bi }) * hb + if hb == 1 { 0 } else { hi }) * q + qi;
                 let mask = &m[mrow * k..][..k];
                 softmax_row(&s[row * k..][..k], mask, check_empty, o);
-            });
-            out
+            })
         })
     })??;
     Some(host::tensor_from(values, [b, h, q, k], scores))

@@ -35,6 +35,36 @@ pub fn par_rows(values: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) 
     par_rows_with(values, width, || (), |_, r, row| f(r, row));
 }
 
+/// `rows` new rows of `width` values, zeros until `f(r, row)` writes row `r`, over every
+/// core as [`par_rows`]. Each task zeroes its own rows just before `f` writes them:
+/// `vec![0.0; n]` below glibc's mmap threshold is a `memset` on the calling thread while
+/// the pool waits.
+pub fn new_rows(rows: usize, width: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    use rayon::prelude::*;
+    let total = rows * width;
+    let mut out: Vec<f32> = Vec::with_capacity(total);
+    if width > 0 {
+        out.spare_capacity_mut()[..total]
+            .par_chunks_mut(width * ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(task, part)| {
+                part.iter_mut().for_each(|v| {
+                    v.write(0.0);
+                });
+                // SAFETY: every value of `part` was just written.
+                let part =
+                    unsafe { &mut *(part as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+                for (i, row) in part.chunks_mut(width).enumerate() {
+                    f(task * ROWS_PER_TASK + i, row);
+                }
+            });
+    }
+    // SAFETY: the tasks' parts cover all `total` values, each written above (a panic in a
+    // task propagates before this line).
+    unsafe { out.set_len(total) };
+    out
+}
+
 /// [`par_rows`] with a scratch value made by `init` once per task and lent to each of its
 /// rows.
 pub fn par_rows_with<S>(

@@ -194,8 +194,7 @@ fn rms_host<const D: usize>(x: &Tensor<D>, eps: f64, w: Option<&Tensor<1>>) -> O
     let d = x.dims()[D - 1];
     let scaled = |w: Option<&[f32]>| {
         host::with_values(x, |xs| {
-            let mut out = vec![0f32; xs.len()];
-            host::par_rows(&mut out, d, |r, row| {
+            host::new_rows(xs.len() / d.max(1), d, |r, row| {
                 let src = &xs[r * d..(r + 1) * d];
                 let s = host::inv_rms(src, eps);
                 match w {
@@ -205,8 +204,7 @@ fn rms_host<const D: usize>(x: &Tensor<D>, eps: f64, w: Option<&Tensor<1>>) -> O
                         .for_each(|(o, (&e, &g))| *o = e * s * g),
                     None => row.iter_mut().zip(src).for_each(|(o, &e)| *o = e * s),
                 }
-            });
-            out
+            })
         })
     };
     let values = match w {
@@ -302,11 +300,9 @@ impl Gate {
             .then(|| {
                 host::with_values(&g, |gs| {
                     host::with_values(&u, |us| {
-                        let mut out = vec![0f32; gs.len()];
-                        host::par_rows(&mut out, d, |r, o| {
+                        host::new_rows(gs.len() / d.max(1), d, |r, o| {
                             gated_row(self, &gs[r * d..][..d], &us[r * d..][..d], o)
-                        });
-                        out
+                        })
                     })
                 })
             })

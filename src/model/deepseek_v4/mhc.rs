@@ -337,11 +337,9 @@ pub fn mix_streams(x: Tensor<4>, out: Tensor<3>, post: Tensor<3>, comb: Tensor<4
 fn normalized_mm(x: Tensor<2>, w: Tensor<2>, eps: f64) -> Tensor<2> {
     let [rows, k] = x.dims();
     let scales = host::with_values(&x, |v| {
-        let mut s = vec![0f32; rows];
-        host::par_rows(&mut s, 1, |r, si| {
+        host::new_rows(rows, 1, |r, si| {
             si[0] = host::inv_rms(&v[r * k..(r + 1) * k], eps)
-        });
-        s
+        })
     });
     match scales {
         Some(s) => {
@@ -359,8 +357,7 @@ pub fn collapse(w: Tensor<3>, x: &Tensor<4>) -> Tensor<3> {
     let [b, t, n, d] = x.dims();
     let values = host::with_values(&w, |w| {
         host::with_values(x, |xs| {
-            let mut out = vec![0f32; b * t * d];
-            host::par_rows(&mut out, d, |r, row| {
+            host::new_rows(b * t, d, |r, row| {
                 for j in 0..n {
                     let wj = w[r * n + j];
                     let xj = &xs[(r * n + j) * d..(r * n + j + 1) * d];
@@ -368,8 +365,7 @@ pub fn collapse(w: Tensor<3>, x: &Tensor<4>) -> Tensor<3> {
                         *o += wj * e;
                     }
                 }
-            });
-            out
+            })
         })
     })
     .flatten();

@@ -203,12 +203,10 @@ fn swiglu_rows<'a>(
     row: impl Fn(usize) -> (&'a [f32], &'a [f32]) + Sync,
 ) -> Vec<f32> {
     let l = limit as f32;
-    let mut out = vec![0f32; rows * d_ff];
-    host::par_rows(&mut out, d_ff, |r, o| {
+    host::new_rows(rows, d_ff, |r, o| {
         let (g, u) = row(r);
         swiglu_row(l, g, u, o)
-    });
-    out
+    })
 }
 
 host::multiversion! {
