@@ -177,20 +177,7 @@ impl<'a> Executor<'a> {
             .filter(|&i| results[i].is_none() && self.store.owns(&chunk_key(&g.key, i)))
             .collect();
         if (base.is_none() && self.store.owns(&base_key)) || !missing.is_empty() {
-            let cells_needed: Vec<Cell> = missing
-                .iter()
-                .flat_map(|&i| chunks[i].iter().map(|&c| g.cells[c].clone()))
-                .collect();
-            // The missing chunks as indices into `cells_needed`.
-            let mut next = 0;
-            let chunks_needed: Vec<Vec<usize>> = missing
-                .iter()
-                .map(|&i| {
-                    let c: Vec<usize> = (next..next + chunks[i].len()).collect();
-                    next += chunks[i].len();
-                    c
-                })
-                .collect();
+            let (cells_needed, chunks_needed) = needed_cells(&g.cells, &chunks, &missing);
             let sizes = budget::Sizes::of(self.model);
             let check = |base: Option<&Base>| {
                 budget::check_group(
@@ -250,22 +237,54 @@ impl<'a> Executor<'a> {
                 );
             }
         }
-        let base = base.or_else(|| Some(vec![NOT_HERE; n]));
-        let mut cells: Vec<Vec<Outcome>> = vec![Vec::new(); g.cells.len()];
-        for (chunk, res) in chunks.iter().zip(results) {
-            for (&c, out) in chunk
-                .iter()
-                .zip(res.expect("every chunk computed or loaded"))
-            {
-                cells[c] = out;
-            }
-        }
+        let cells = cells_in_order(g.cells.len(), &chunks, results);
         self.stats.seconds += t0.elapsed().as_secs_f64();
         Ok(GroupResult {
-            base: base.expect("base computed or loaded"),
+            base: base.unwrap_or_else(|| vec![NOT_HERE; n]),
             cells,
         })
     }
+}
+
+/// The cells of the `missing` chunks (in chunk order) and those chunks as indices into
+/// that list.
+fn needed_cells(
+    cells: &[Cell],
+    chunks: &[Vec<usize>],
+    missing: &[usize],
+) -> (Vec<Cell>, Vec<Vec<usize>>) {
+    let needed: Vec<Cell> = missing
+        .iter()
+        .flat_map(|&i| chunks[i].iter().map(|&c| cells[c].clone()))
+        .collect();
+    let mut next = 0;
+    let as_indices = missing
+        .iter()
+        .map(|&i| {
+            let c: Vec<usize> = (next..next + chunks[i].len()).collect();
+            next += chunks[i].len();
+            c
+        })
+        .collect();
+    (needed, as_indices)
+}
+
+/// Each of `count` cells' outcomes, from the results of the chunks that hold them.
+fn cells_in_order(
+    count: usize,
+    chunks: &[Vec<usize>],
+    results: Vec<Option<Vec<Vec<Outcome>>>>,
+) -> Vec<Vec<Outcome>> {
+    let mut cells: Vec<Vec<Outcome>> = vec![Vec::new(); count];
+    for (chunk, res) in chunks.iter().zip(results) {
+        for (&c, out) in chunk
+            .iter()
+            .zip(res.expect("every chunk computed or loaded"))
+        {
+            cells[c] = out;
+        }
+    }
+    cells
 }
 
 /// Every cell of `cells` on `prompts` without a store (no resume): the base run (with

@@ -312,6 +312,25 @@ fn load_for_run(
     }
 }
 
+/// The lock of a run of experiment `name`: the whole run's (which also clears what an
+/// interrupted run left), or, for part `i` of `n` run at once on other nodes, the
+/// part's own, which leaves temporary files alone (their writers may live on another
+/// machine).
+fn run_lock(
+    name: &str,
+    data_dir: &Path,
+    report_dir: &Path,
+    shard: Option<(usize, usize)>,
+) -> Result<crate::output::lock::RunLock> {
+    match shard {
+        Some((i, n)) => Ok(crate::output::lock::RunLock::acquire(
+            &data_dir.join(format!(".lock-shard-{i}-of-{n}")),
+            &format!("experiment `{name}` part {i}/{n}"),
+        )?),
+        None => lock_and_clean(name, data_dir, report_dir),
+    }
+}
+
 /// Run the experiment at `path`.
 pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     let t0 = Instant::now();
@@ -332,15 +351,7 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
     // Declared before the lock, so the lock file goes first and a refused run's
     // folders, still empty, go after it.
     let _new = crate::output::leftovers::NewDirs::note(&[data_dir.as_path(), report_dir.as_path()]);
-    let _lock = match opts.shard {
-        // Parts run at once (on other nodes): each takes its own lock and leaves
-        // temporary files alone (their writers may live on another machine).
-        Some((i, n)) => crate::output::lock::RunLock::acquire(
-            &data_dir.join(format!(".lock-shard-{i}-of-{n}")),
-            &format!("experiment `{name}` part {i}/{n}"),
-        )?,
-        None => lock_and_clean(&name, &data_dir, &report_dir)?,
-    };
+    let _lock = run_lock(&name, &data_dir, &report_dir, opts.shard)?;
     let store = open_store(&exp, &models, &data_dir, opts.fresh, dtype)?.with_part(opts.shard);
     let mut tables: Vec<(String, Vec<LongRow>)> = Vec::new();
     let mut stats = ExecStats::default();
@@ -373,29 +384,20 @@ pub fn run_experiment(path: &Path, opts: &RunOptions) -> Result<RunSummary> {
         let tag = (models.len() > 1).then_some(mref.name.as_str());
         merge_model_output(&mut notes, &mut stats, &mut tables, tag, &ctx, out);
     }
-    if store.partial() {
+    let (written, figures) = if store.partial() {
         // A part's tables would hold other parts' placeholders: none are written.
-        return Ok(RunSummary {
-            name,
-            kind: kind.name(),
-            models: models.iter().map(|m| m.name.clone()).collect(),
-            data_dir,
-            report_dir,
-            tables: Vec::new(),
-            figures: Vec::new(),
-            notes,
-            stats,
-            seconds: t0.elapsed().as_secs_f64(),
-        });
-    }
-    let written = tables
-        .iter()
-        .map(|(t, rows)| write_long_table(&data_dir, t, rows, &exp, &notes))
-        .collect::<Result<Vec<_>>>()?;
-    let figures = if opts.figures {
-        report::draw_experiment(&data_dir, &report_dir)?
+        (Vec::new(), Vec::new())
     } else {
-        Vec::new()
+        let written = tables
+            .iter()
+            .map(|(t, rows)| write_long_table(&data_dir, t, rows, &exp, &notes))
+            .collect::<Result<Vec<_>>>()?;
+        let figures = if opts.figures {
+            report::draw_experiment(&data_dir, &report_dir)?
+        } else {
+            Vec::new()
+        };
+        (written, figures)
     };
     Ok(RunSummary {
         name,

@@ -361,11 +361,10 @@ fn unit_label(at: At) -> String {
     }
 }
 
-fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
-    let layers = setup::layers(ctx.exp, "cycling", &cfg.layers, &ctx.info, true)?;
+/// What must hold before anything runs or is written: every phase selected (a shift
+/// predicts phase r + delta from phase r), and no per-KV-head cycling on DeepSeek-V4.
+fn check_config(cfg: &GateCycling, ctx: &Ctx) -> Result<()> {
     let p = ctx.p();
-    // A shift predicts phase r + delta from phase r: the profile needs every phase,
-    // checked before anything runs or is written.
     if ctx.task.phases.len() < p {
         return Err(ctx.exp.err(
             "task",
@@ -376,7 +375,6 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
             ),
         ));
     }
-    check_offsets(cfg, ctx, &layers);
     if cfg.per == Per::Head && ctx.info.arch == crate::model::deepseek_v4::MODEL_TYPE {
         return Err(ctx.exp.err(
             "cycling",
@@ -384,6 +382,14 @@ fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
             "DeepSeek-V4's compressor gates have no KV-head axis (one position_bias per layer); use per = \"layer\" or \"all\"",
         ));
     }
+    Ok(())
+}
+
+fn run(cfg: &GateCycling, ctx: &mut Ctx) -> Result<KindOutput> {
+    let layers = setup::layers(ctx.exp, "cycling", &cfg.layers, &ctx.info, true)?;
+    let p = ctx.p();
+    check_config(cfg, ctx)?;
+    check_offsets(cfg, ctx, &layers);
     let biases = match cfg.roll {
         Roll::Bias => gate_biases(ctx, &layers, &cfg.gates)?,
         Roll::Logits => Vec::new(),
