@@ -535,7 +535,6 @@ fn with_sd_ci(x: f64, sd: Option<f64>, ci: (f64, f64), digits: usize) -> String 
 /// The frontier section: every design of the grid pooled over seeds (the merged ones
 /// with their points and the gate's verdict, the others as not trained).
 fn frontier_section(rep: &mut Report, grid: &Grid, m: &Merged) {
-    use super::frontier::Verdict;
     let gate = grid.max_gap_pp;
     rep.section("Frontier: phase gap vs mean accuracy per design (seeds pooled)");
     rep.paragraph(format!(
@@ -552,7 +551,6 @@ fn frontier_section(rep: &mut Report, grid: &Grid, m: &Merged) {
          not having learned the lookup (its small gap is no mitigation). Worst phase: of \
          the seed-mean profile. Table: grid_frontier.arrow (docs/tables.md)."
     ));
-    let protos = ["prefix", "in-sequence"];
     let header: Vec<String> = [
         "design",
         "seeds",
@@ -570,58 +568,8 @@ fn frontier_section(rep: &mut Report, grid: &Grid, m: &Merged) {
     let mut rows = Vec::new();
     let mut counts = [0usize; 4];
     for g in &m.groups {
-        let pts: Vec<Option<&super::frontier::FrontierRow>> = protos
-            .iter()
-            .map(|p| {
-                m.frontier
-                    .iter()
-                    .find(|r| r.design == g.label && r.protocol == *p)
-            })
-            .collect();
-        let seeds = pts.iter().flatten().map(|r| r.seeds()).max().unwrap_or(0);
-        let state = group_state(g, m, seeds);
-        let mut row = vec![
-            g.label.clone(),
-            format!("{seeds}/{}", g.members.len()),
-            state,
-        ];
-        for (k, r) in pts.iter().enumerate() {
-            match r {
-                Some(r) => {
-                    row.push(with_sd_ci(r.mean_accuracy, r.mean_sd, r.mean_ci, 2));
-                    row.push(with_sd_ci(r.gap_pp, r.gap_sd, r.gap_ci, 1));
-                    if k == 0 {
-                        row.push(format!("{} ({})", r.worst_phase, pct(r.worst_accuracy)));
-                    }
-                }
-                None => row.extend((0..if k == 0 { 3 } else { 2 }).map(|_| "-".to_string())),
-            }
-        }
-        let vs: Vec<Verdict> = pts.iter().flatten().map(|r| r.verdict).collect();
-        row.push(
-            pts.iter()
-                .map(|r| r.map_or("-", |r| r.verdict.name()))
-                .collect::<Vec<_>>()
-                .join(" / "),
-        );
-        let overall = Verdict::overall(&vs);
-        // A design that did not learn the lookup passes the gap gate trivially.
-        let chance = g.members.first().map_or(f64::NAN, |d| chance_of(grid, d));
-        let unlearned =
-            !vs.is_empty() && pts.iter().flatten().all(|r| r.mean_accuracy < 3.0 * chance);
-        counts[match overall {
-            Some(Verdict::Pass) => 0,
-            Some(Verdict::Fail) => 1,
-            Some(Verdict::Inconclusive) => 2,
-            None => 3,
-        }] += 1;
-        row.push(match overall {
-            None => "not trained".into(),
-            Some(v) if unlearned => {
-                format!("{}; did not learn (mean < 3x chance {chance:.3})", v.name())
-            }
-            Some(v) => v.name().to_string(),
-        });
+        let (row, slot) = frontier_row(grid, m, g);
+        counts[slot] += 1;
         rows.push(row);
     }
     rep.table(
@@ -638,6 +586,70 @@ fn frontier_section(rep: &mut Report, grid: &Grid, m: &Merged) {
         counts[2],
         counts[3]
     ));
+}
+
+/// One design's row of the frontier table (its points under each protocol, verdicts,
+/// whether it learned the lookup) and its overall verdict's slot among (pass, fail,
+/// inconclusive, not trained).
+fn frontier_row(
+    grid: &Grid,
+    m: &Merged,
+    g: &super::frontier::rows::DesignGroup,
+) -> (Vec<String>, usize) {
+    use super::frontier::Verdict;
+    let protos = ["prefix", "in-sequence"];
+    let pts: Vec<Option<&super::frontier::FrontierRow>> = protos
+        .iter()
+        .map(|p| {
+            m.frontier
+                .iter()
+                .find(|r| r.design == g.label && r.protocol == *p)
+        })
+        .collect();
+    let seeds = pts.iter().flatten().map(|r| r.seeds()).max().unwrap_or(0);
+    let state = group_state(g, m, seeds);
+    let mut row = vec![
+        g.label.clone(),
+        format!("{seeds}/{}", g.members.len()),
+        state,
+    ];
+    for (k, r) in pts.iter().enumerate() {
+        match r {
+            Some(r) => {
+                row.push(with_sd_ci(r.mean_accuracy, r.mean_sd, r.mean_ci, 2));
+                row.push(with_sd_ci(r.gap_pp, r.gap_sd, r.gap_ci, 1));
+                if k == 0 {
+                    row.push(format!("{} ({})", r.worst_phase, pct(r.worst_accuracy)));
+                }
+            }
+            None => row.extend((0..if k == 0 { 3 } else { 2 }).map(|_| "-".to_string())),
+        }
+    }
+    let vs: Vec<Verdict> = pts.iter().flatten().map(|r| r.verdict).collect();
+    row.push(
+        pts.iter()
+            .map(|r| r.map_or("-", |r| r.verdict.name()))
+            .collect::<Vec<_>>()
+            .join(" / "),
+    );
+    let overall = Verdict::overall(&vs);
+    // A design that did not learn the lookup passes the gap gate trivially.
+    let chance = g.members.first().map_or(f64::NAN, |d| chance_of(grid, d));
+    let unlearned = !vs.is_empty() && pts.iter().flatten().all(|r| r.mean_accuracy < 3.0 * chance);
+    let slot = match overall {
+        Some(Verdict::Pass) => 0,
+        Some(Verdict::Fail) => 1,
+        Some(Verdict::Inconclusive) => 2,
+        None => 3,
+    };
+    row.push(match overall {
+        None => "not trained".into(),
+        Some(v) if unlearned => {
+            format!("{}; did not learn (mean < 3x chance {chance:.3})", v.name())
+        }
+        Some(v) => v.name().to_string(),
+    });
+    (row, slot)
 }
 
 /// The state of a frontier design with `seeds` merged seeds: `done`, `k of n seeds
