@@ -216,16 +216,13 @@ pub fn with_values<const D: usize, R>(x: &Tensor<D>, f: impl FnOnce(&[f32]) -> R
     if !reachable(x) {
         return None;
     }
-    let p = x.clone().try_into_primitive::<burn_flex::Flex>().ok()?;
-    if let Some(v) = p.as_slice::<f32>() {
-        return Some(f(v));
-    }
-    let c = contiguous(x.clone())
+    // A strided view is copied over every core first ([`contiguous`]).
+    let p = contiguous(x.clone())
         .try_into_primitive::<burn_flex::Flex>()
         .ok()?;
-    match c.as_slice::<f32>() {
+    match p.as_slice::<f32>() {
         Some(v) => Some(f(v)),
-        None => c.to_contiguous().as_slice::<f32>().map(f),
+        None => p.to_contiguous().as_slice::<f32>().map(f),
     }
 }
 /// Flex is not built in: nothing is reachable.

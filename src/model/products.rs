@@ -129,8 +129,22 @@ pub fn matmul_t_filled(
                 }
                 fill(b.clone(), &mut buf[..len]);
                 // SAFETY: each block writes its own columns `b` of `out` (`n x rows`, row
-                // stride `rows`, within its capacity); the threads' blocks are disjoint.
-                unsafe { filled_product(&lhs, &buf[..len], b.clone(), rows, base as *mut f32) };
+                // stride `rows`, within its capacity), the threads' blocks are disjoint;
+                // the right side is the filled rows read transposed (`k x b.len()`,
+                // column stride `k`), the left side `x` in its own layout.
+                unsafe {
+                    zeroed_gemm(
+                        [n, b.len(), k],
+                        ((base as *mut f32).add(b.start), rows),
+                        lhs.side(0, 0, 0),
+                        Side {
+                            at: buf.as_ptr(),
+                            cs: k as isize,
+                            rs: 1,
+                        },
+                        gemm::Parallelism::None,
+                    );
+                }
             }
         })
     });
@@ -140,48 +154,53 @@ pub fn matmul_t_filled(
     Some(host::tensor_from(out, [n, rows], x))
 }
 
-/// `x W_b^T` into columns `b` of `out` (`n x rows`, row-major) for the block `W_b` of
-/// `b.len()` filled rows (`filled`, row-major with `k` values per row): the columns zeroed,
-/// then `gemm` reads the filled rows transposed (column stride `k`) and `x` (`lhs`) in
-/// its own layout, on the calling thread.
+/// One side of [`zeroed_gemm`]: where its block starts, its column and row strides.
+struct Side {
+    at: *const f32,
+    cs: isize,
+    rs: isize,
+}
+
+/// `dst := lhs rhs` for an `m x k` and a `k x n` block: the `m x n` block at `dst` (row
+/// stride `dst_rs`, columns contiguous) is zeroed row by row, then `gemm` writes it
+/// (`dst` is not read: the zeroes only make every value initialised whatever `gemm`
+/// does with an empty sum).
 ///
 /// # Safety
-/// `out` must hold `n x rows` values (initialised or not), with no other thread writing
-/// columns `b`.
-unsafe fn filled_product(
-    lhs: &Operand,
-    filled: &[f32],
-    b: std::ops::Range<usize>,
-    rows: usize,
-    out: *mut f32,
+/// `dst` must point at `m` rows of `n` values `dst_rs` apart that nothing else touches
+/// meanwhile; `lhs` and `rhs` must address their whole blocks.
+unsafe fn zeroed_gemm(
+    [m, n, k]: [usize; 3],
+    (dst, dst_rs): (*mut f32, usize),
+    lhs: Side,
+    rhs: Side,
+    threads: gemm::Parallelism,
 ) {
-    let (n, k) = (lhs.dims[0], lhs.dims[1]);
-    // SAFETY: the caller's contract; `filled` holds `b.len() x k` values.
+    // SAFETY: the caller's contract.
     unsafe {
-        let dst = out.add(b.start);
-        for r in 0..n {
-            std::ptr::write_bytes(dst.add(r * rows), 0, b.len());
+        for r in 0..m {
+            std::ptr::write_bytes(dst.add(r * dst_rs), 0, n);
         }
         gemm::gemm(
+            m,
             n,
-            b.len(),
             k,
             dst,
             1,
-            rows as isize,
+            dst_rs as isize,
             false,
-            lhs.at(0, 0, 0),
-            lhs.stride_from_end(0),
-            lhs.stride_from_end(1),
-            filled.as_ptr(),
-            k as isize,
-            1,
+            lhs.at,
+            lhs.cs,
+            lhs.rs,
+            rhs.at,
+            rhs.cs,
+            rhs.rs,
             0.0,
             1.0,
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            threads,
         );
     }
 }
@@ -225,6 +244,16 @@ impl Operand<'_> {
     /// Stride of axis `i` from the end (0: columns, 1: rows).
     fn stride_from_end(&self, i: usize) -> isize {
         self.strides[self.strides.len() - 1 - i]
+    }
+
+    /// The block of this operand whose first element is [`Operand::at`]`(offset, row,
+    /// col)`, for [`zeroed_gemm`].
+    fn side(&self, offset: isize, row: usize, col: usize) -> Side {
+        Side {
+            at: self.at(offset, row, col),
+            cs: self.stride_from_end(0),
+            rs: self.stride_from_end(1),
+        }
     }
 
     /// Pointer to the element at `offset + row * rs + col * cs` from the start (the
@@ -427,29 +456,11 @@ impl<'a> Plan<'a> {
             // distinct rows or columns of one), each inside `batch x m x n` values of its
             // capacity; the operands' pointers and strides are their own layouts'.
             unsafe {
-                let dst = dst.add(t.b * m * n + t.rows.start * n + t.cols.start);
-                for r in 0..t.rows.len() {
-                    std::ptr::write_bytes(dst.add(r * n), 0, t.cols.len());
-                }
-                gemm::gemm(
-                    t.rows.len(),
-                    t.cols.len(),
-                    self.k,
-                    dst,
-                    1,
-                    n as isize,
-                    false,
-                    self.lhs.at(self.batch.lhs[t.b], t.rows.start, 0),
-                    self.lhs.stride_from_end(0),
-                    self.lhs.stride_from_end(1),
-                    self.rhs.at(self.batch.rhs[t.b], 0, t.cols.start),
-                    self.rhs.stride_from_end(0),
-                    self.rhs.stride_from_end(1),
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
+                zeroed_gemm(
+                    [t.rows.len(), t.cols.len(), self.k],
+                    (dst.add(t.b * m * n + t.rows.start * n + t.cols.start), n),
+                    self.lhs.side(self.batch.lhs[t.b], t.rows.start, 0),
+                    self.rhs.side(self.batch.rhs[t.b], 0, t.cols.start),
                     t.threads,
                 );
             }
